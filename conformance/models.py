@@ -1,0 +1,180 @@
+"""The models, optimizers and data every case trains.
+
+Small enough that a case takes well under a second, but with everything that
+breaks state-dict code: several layers, a tied weight, persistent and
+non-persistent buffers, extra state, a parameter that never gets a gradient
+(``aux``: lazy optimizer state), a frozen parameter, a parameter with fewer
+rows than ranks (uneven and empty shards), and several param groups with
+their own hyperparameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 16
+    dim: int = 8
+    hidden: int = 12
+    n_layers: int = 4
+    tie: bool = True
+    aux_out: int = 3
+    dtype: torch.dtype = torch.float32
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.vocab, cfg.dim)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, cfg.dim))
+        self.register_buffer("cache", torch.zeros(cfg.dim), persistent=False)
+
+    def forward(self, tokens):
+        return self.embedding(tokens) * self.scale
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.fc1 = nn.Linear(cfg.dim, cfg.hidden)
+        self.fc2 = nn.Linear(cfg.hidden, cfg.dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+    # Extra state travels through the model state dict like any other entry.
+    def get_extra_state(self):
+        return {"index": self.index}
+
+    def set_extra_state(self, state):
+        self.index = int(state["index"])
+
+
+class ToyModel(nn.Module):
+    def __init__(self, cfg: ModelConfig = ModelConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = Embed(cfg)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.frozen = nn.Linear(cfg.dim, cfg.dim)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.aux = nn.Linear(cfg.dim, cfg.aux_out)  # never used in forward
+        if cfg.tie:
+            self.head.weight = self.tok.embedding.weight
+        if cfg.dtype != torch.float32:
+            self.to(cfg.dtype)
+
+    def forward(self, x):
+        h = self.tok(x) if self.tok is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.head is None:
+            return h
+        h = h + self.frozen(h)
+        return self.head(self.norm(h))
+
+    def keep_stage(self, stage: int, n_stages: int) -> "ToyModel":
+        """Drop what another pipeline stage owns; the rest keeps its original FQNs."""
+        if self.cfg.tie and n_stages > 1:
+            raise ValueError("a tied model cannot be split into pipeline stages")
+        n = self.cfg.n_layers
+        mine = range(stage * n // n_stages, (stage + 1) * n // n_stages)
+        for name in list(self.layers):
+            if int(name) not in mine:
+                del self.layers[name]
+        if stage != 0:
+            self.tok = None
+        if stage != n_stages - 1:
+            self.frozen = self.norm = self.head = self.aux = None
+        return self
+
+
+def batch(step: int, seed: int, cfg: ModelConfig, rows: int = 12, seq: int = 4):
+    """The global batch for ``step``: the same on every rank and every layout."""
+    gen = torch.Generator().manual_seed(10_000 * seed + step)
+    tokens = torch.randint(0, cfg.vocab, (rows, seq), generator=gen)
+    targets = torch.randint(0, cfg.vocab, (rows, seq), generator=gen)
+    return tokens, targets
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# -- param groups ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How parameters are split into groups, and where empty groups go.
+
+    ``empty_at`` lists positions (in the final group list) of groups without
+    parameters; each gets its own lr and a ``name``.
+    """
+
+    split: bool = True
+    empty_at: tuple[int, ...] = ()
+    lr_scale: float = 1.0
+    extra: tuple[tuple[str, object], ...] = ()  # extra fields on every group
+
+
+def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec = GroupSpec()) -> list[dict]:
+    """Groups by role: embedding, matrices (decayed), vectors (not decayed)."""
+    extra = dict(spec.extra)
+    if not spec.split:
+        groups = [{"params": [p for _, p in named_params], "name": "all", **extra}]
+    else:
+        roles: dict[str, list] = {"embed": [], "decay": [], "no_decay": []}
+        for name, p in named_params:
+            role = "embed" if "embedding" in name else ("decay" if p.dim() >= 2 else "no_decay")
+            roles[role].append(p)
+        settings = {"embed": (5e-3, 0.0), "decay": (1e-2, 0.1), "no_decay": (2e-2, 0.0)}
+        groups = [
+            {"params": ps, "lr": settings[r][0] * spec.lr_scale, "weight_decay": settings[r][1], "name": r, **extra}
+            for r, ps in roles.items()
+            if ps
+        ]
+    for i, pos in enumerate(sorted(spec.empty_at)):
+        empty = {"params": [], "lr": 0.5 + i, "weight_decay": 0.01 * (i + 1), "name": f"empty{i}", **extra}
+        groups.insert(min(pos, len(groups)), empty)
+    return groups
+
+
+# -- optimizers -----------------------------------------------------------
+
+def _adamw(groups):
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _adam_amsgrad(groups):
+    return torch.optim.Adam(groups, lr=1e-2, betas=(0.8, 0.9), amsgrad=True)
+
+
+def _sgd(groups):
+    return torch.optim.SGD(groups, lr=1e-2, momentum=0.9, dampening=0.1)
+
+
+def _sgd_plain(groups):
+    return torch.optim.SGD(groups, lr=1e-2)
+
+
+def _adagrad(groups):
+    return torch.optim.Adagrad(groups, lr=1e-2, initial_accumulator_value=0.1)
+
+
+OPTIMIZERS = {
+    "adamw": _adamw,
+    "adam_amsgrad": _adam_amsgrad,
+    "sgd": _sgd,
+    "sgd_plain": _sgd_plain,
+    "adagrad": _adagrad,
+}

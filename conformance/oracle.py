@@ -1,0 +1,125 @@
+"""Oracles: what a setup holds, captured independently of the implementation
+under test, and comparisons that say exactly what differs.
+
+Comparison is bitwise unless a tolerance is given; a difference names the
+FQN, the key, and what differs (presence, type, dtype, shape, placements,
+device, values with the max abs error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class CheckFailure(AssertionError):
+    """A clause does not hold; the message says where and how."""
+
+
+def fail_if(differences: list[str], what: str) -> None:
+    if differences:
+        shown = differences[:12]
+        more = f"\n  ... and {len(differences) - len(shown)} more" if len(differences) > len(shown) else ""
+        raise CheckFailure(f"{what}:\n  " + "\n  ".join(shown) + more)
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailure(message)
+
+
+def clone_tree(obj: Any) -> Any:
+    """A deep copy of a state dict that keeps DTensors DTensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(clone_tree(v) for v in obj)
+    return obj
+
+
+def snapshot(setup) -> dict:
+    """Parameters, buffers, optimizer state and param groups of ``setup``, by FQN."""
+    fqn_of = setup.fqn_of()
+    params = {fqn: clone_tree(p) for fqn, p in setup.named_parameters()}
+    state: dict[str, dict] = {}
+    groups = []
+    for opt in setup.optimizers:
+        for group in opt.param_groups:
+            groups.append({**{k: clone_tree(v) for k, v in group.items() if k != "params"}, "params": [fqn_of[p] for p in group["params"]]})
+            for p in group["params"]:
+                entry = opt.state.get(p)
+                if entry:  # an empty entry is the same as none
+                    state[fqn_of[p]] = clone_tree(dict(entry))
+    return {"params": params, "state": state, "groups": groups}
+
+
+def describe_tensor_difference(expected: torch.Tensor, actual: Any, where: str, rtol: float = 0.0) -> str | None:
+    if not isinstance(actual, torch.Tensor):
+        return f"{where}: expected a tensor, got {type(actual).__name__}"
+    if isinstance(expected, DTensor) != isinstance(actual, DTensor):
+        return f"{where}: expected {type(expected).__name__}, got {type(actual).__name__}"
+    if isinstance(expected, DTensor):
+        if tuple(expected.placements) != tuple(actual.placements):
+            return f"{where}: placements {tuple(actual.placements)}, expected {tuple(expected.placements)}"
+        if expected.device_mesh != actual.device_mesh:
+            return f"{where}: mesh {actual.device_mesh}, expected {expected.device_mesh}"
+        expected, actual = expected.to_local(), actual.to_local()
+    if expected.dtype != actual.dtype:
+        return f"{where}: dtype {actual.dtype}, expected {expected.dtype}"
+    if expected.shape != actual.shape:
+        return f"{where}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if expected.device != actual.device:
+        return f"{where}: device {actual.device}, expected {expected.device}"
+    if expected.numel() == 0:
+        return None
+    if rtol == 0.0:
+        if torch.equal(expected, actual):
+            return None
+    else:
+        scale = expected.abs().max().item()
+        if torch.allclose(actual.double(), expected.double(), rtol=rtol, atol=rtol * max(scale, 1e-30), equal_nan=True):
+            return None
+    err = (actual.double() - expected.double()).abs()
+    idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape)) if err.dim() else ()
+    tol = "bitwise" if rtol == 0.0 else f"rtol {rtol:g}"
+    return f"{where}: values differ ({tol}): max abs error {err.max().item():.3e} at index {idx}"
+
+
+def diff_values(expected: Any, actual: Any, where: str, rtol: float = 0.0) -> list[str]:
+    if isinstance(expected, torch.Tensor):
+        d = describe_tensor_difference(expected, actual, where, rtol)
+        return [d] if d else []
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return [f"{where}: expected a dict, got {type(actual).__name__}"]
+        out = [f"{where}[{k!r}]: absent, expected present" for k in expected if k not in actual]
+        out += [f"{where}[{k!r}]: present, expected absent" for k in actual if k not in expected]
+        for k in expected:
+            if k in actual:
+                out += diff_values(expected[k], actual[k], f"{where}[{k!r}]", rtol)
+        return out
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            return [f"{where}: {actual!r}, expected {expected!r}"]
+        out = []
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            out += diff_values(e, a, f"{where}[{i}]", rtol)
+        return out
+    if type(expected) is not type(actual) and not (isinstance(expected, (int, float)) and isinstance(actual, (int, float))):
+        return [f"{where}: type {type(actual).__name__} ({actual!r}), expected {type(expected).__name__} ({expected!r})"]
+    if expected != actual:
+        return [f"{where}: {actual!r}, expected {expected!r}"]
+    return []
+
+
+def diff_snapshots(expected: dict, actual: dict, rtol: float = 0.0, parts=("params", "state", "groups")) -> list[str]:
+    out: list[str] = []
+    for part in parts:
+        out += diff_values(expected[part], actual[part], part, rtol)
+    return out

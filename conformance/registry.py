@@ -1,0 +1,153 @@
+"""The manifest: every case the suite can run, derived from the matrix.
+
+A case is one clause on one layout (or a pair of layouts, for resharding)
+with one optimizer and mode where those apply. Its ID starts with the clause:
+``OPT-RT-1[fsdp4-adamw-sharded]``. Section modules, one per SPEC section,
+contribute cases through their ``cases()`` function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Iterable
+
+from .layouts import parse_layout
+
+SECTIONS = (
+    "keys",
+    "roundtrip",
+    "purity",
+    "atomicity",
+    "partial",
+    "empty_groups",
+    "scheduler",
+    "dtensor",
+    "mpmd",
+    "reshard",
+    "model",
+)
+
+DEFAULT_DEADLINE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What every rank of a world of ``world_size`` runs: ``fn(c, **params)``."""
+
+    world_size: int
+    fn: Callable
+    params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    clause: str
+    layout: str  # the matrix column: "fsdp4", or "fsdp4_to_fsdp2" for resharding
+    phases: tuple[Phase, ...]
+    deadline_s: float = DEFAULT_DEADLINE_S
+    profile: str = "core"
+    rtol: float = 0.0
+    meshes: tuple[str, ...] = ()
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return tuple(p.world_size for p in self.phases)
+
+    def manifest_entry(self) -> dict:
+        return {
+            "id": self.id,
+            "clause": self.clause,
+            "layout": self.layout,
+            "profile": self.profile,
+            "world_sizes": list(self.world_sizes),
+            "meshes": list(self.meshes),
+            "phases": [f"{p.fn.__module__.rsplit('.', 1)[-1]}.{p.fn.__name__}@{p.world_size}" for p in self.phases],
+            "deadline_s": self.deadline_s,
+            "rtol": self.rtol,
+        }
+
+
+def case_id(clause: str, *parts: str | None) -> str:
+    return f"{clause}[{'-'.join(p for p in parts if p)}]"
+
+
+def make_case(
+    clause: str,
+    layout: str,
+    fn: Callable,
+    *,
+    opt: str | None = None,
+    mode: str | None = None,
+    variant: str | None = None,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    profile: str = "core",
+    rtol: float = 0.0,
+    **params: Any,
+) -> Case:
+    """The common shape: one phase, on one layout."""
+    lay = parse_layout(layout)
+    params = {"layout": layout, "opt": opt, "mode": mode, **params}
+    return Case(
+        id=case_id(clause, layout, opt, mode, variant),
+        clause=clause,
+        layout=layout,
+        phases=(Phase(lay.world_size, fn, params),),
+        deadline_s=deadline_s,
+        profile=profile,
+        rtol=rtol,
+        meshes=(lay.mesh,),
+    )
+
+
+CLAUSE_RE = re.compile(r"^- ((?:OPT|MODEL)-[A-Z]*-?\d+)", re.M)
+
+
+@lru_cache(maxsize=None)
+def all_cases() -> tuple[Case, ...]:
+    cases: list[Case] = []
+    seen: set[str] = set()
+    for name in SECTIONS:
+        try:
+            module = importlib.import_module(f"conformance.sections.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"conformance.sections.{name}":
+                continue  # section not written yet
+            raise
+        for case in module.cases():
+            if case.id in seen:
+                raise RuntimeError(f"duplicate case id {case.id}")
+            seen.add(case.id)
+            cases.append(case)
+    return tuple(cases)
+
+
+@lru_cache(maxsize=None)
+def by_id() -> dict[str, Case]:
+    return {c.id: c for c in all_cases()}
+
+
+def select(
+    cases: Iterable[Case],
+    *,
+    patterns: Iterable[str] = (),
+    world_sizes: Iterable[int] | None = None,
+    meshes: Iterable[str] | None = None,
+) -> list[Case]:
+    """Filter by ``-k`` substrings (any matches), world sizes and meshes."""
+    patterns = list(patterns)
+    ws = set(world_sizes) if world_sizes else None
+    ms = set(meshes) if meshes else None
+    out = []
+    for case in cases:
+        if patterns and not any(p in case.id for p in patterns):
+            continue
+        if ws is not None and not set(case.world_sizes) <= ws:
+            continue
+        if ms is not None and not set(case.meshes) <= ms:
+            continue
+        out.append(case)
+    return out

@@ -1,0 +1,213 @@
+"""Reports: live progress and the summary matrix on the console, and the
+JSON and JUnit files that CI systems read."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from . import SPEC_VERSION, __version__
+from .runner import STATUSES, CaseResult
+
+_LABEL = {"passed": "PASS", "failed": "FAIL", "xfail": "XFAIL", "xpass": "XPASS", "n/a": "N/A", "error": "ERROR"}
+
+
+@dataclass
+class RunInfo:
+    impl_name: str
+    impl_version: str
+    impl_spec: str
+    world_sizes: list[int]
+    meshes: list[str]
+    launcher: str = "pools"
+    started: float = field(default_factory=time.time)
+
+    def header(self) -> dict:
+        import torch
+
+        return {
+            "spec_version": SPEC_VERSION,
+            "suite_version": __version__,
+            "impl": {"name": self.impl_name, "version": self.impl_version, "spec": self.impl_spec},
+            "torch_version": torch.__version__,
+            "world_sizes": self.world_sizes,
+            "meshes": self.meshes,
+            "launcher": self.launcher,
+            "python": platform.python_version(),
+            "machine": f"{platform.system()} {platform.machine()}",
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+        }
+
+
+def summary_counts(results: list[CaseResult]) -> dict[str, int]:
+    counts = Counter(r.status for r in results)
+    return {s: counts.get(s, 0) for s in STATUSES}
+
+
+class ConsoleReporter:
+    """A line per case as it finishes, failures in full, then the matrix."""
+
+    def __init__(self, total: int, stream=None, verbose: bool = False):
+        self.total = total
+        self.stream = stream or sys.stdout
+        self.verbose = verbose
+        self.done = 0
+        self.counts: Counter = Counter()
+
+    def write(self, text: str = "") -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def start(self, info: RunInfo) -> None:
+        h = info.header()
+        self.write(
+            f"conformance {h['suite_version']} (spec {h['spec_version']}) | impl {h['impl']['name']} {h['impl']['version']} "
+            f"| torch {h['torch_version']} | world sizes {','.join(map(str, h['world_sizes']))} | {self.total} cases"
+        )
+
+    def case_done(self, result: CaseResult) -> None:
+        self.done += 1
+        self.counts[result.status] += 1
+        width = len(str(self.total))
+        running = " ".join(f"{_LABEL[s].lower()} {self.counts[s]}" for s in STATUSES if self.counts[s])
+        line = f"[{self.done:>{width}}/{self.total}] {_LABEL[result.status]:<5} {result.case.id} ({result.duration_s:.2f} s) | {running}"
+        self.write(line)
+        if result.status in ("failed", "error"):
+            self.write(self.failure_text(result, details=self.verbose))
+        elif result.status == "xpass":
+            self.write(f"    unexpectedly passed; the xfail entry says: {result.xfail_reason}")
+        elif result.status == "n/a" and self.verbose:
+            self.write(f"    {result.message}")
+
+    @staticmethod
+    def failure_text(result: CaseResult, details: bool = False) -> str:
+        lines = [f"    clause {result.case.clause} on {result.case.layout}"]
+        lines += ["    " + line for line in result.message.splitlines()]
+        if details and result.details:
+            lines += ["      " + line for line in result.details.splitlines()]
+        lines.append(f"    repro: {result.repro}")
+        return "\n".join(lines)
+
+    def finish(self, results: list[CaseResult], elapsed_s: float, warnings: list[str]) -> None:
+        self.write("")
+        self.write(render_matrix(results))
+        counts = summary_counts(results)
+        self.write("")
+        self.write(" | ".join(f"{s}: {n}" for s, n in counts.items()) + f" | {elapsed_s:.1f} s")
+        bad = [r for r in results if r.unexpected]
+        if bad:
+            self.write(f"\n{len(bad)} case(s) failed or errored:")
+            for r in bad:
+                self.write(f"  {_LABEL[r.status]} {r.case.id}\n    repro: {r.repro}")
+        for w in warnings:
+            self.write(f"warning: {w}")
+
+
+def render_matrix(results: list[CaseResult]) -> str:
+    """Clause by layout; a cell is passed/total, marked when anything failed."""
+    cells: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    layouts: list[str] = []
+    for r in results:
+        cells[r.case.clause][r.case.layout][r.status] += 1
+        if r.case.layout not in layouts:
+            layouts.append(r.case.layout)
+    if not results:
+        return "(no cases ran)"
+
+    def cell(counter: Counter) -> str:
+        if not counter:
+            return "."
+        total = sum(counter.values()) - counter["n/a"]
+        if total == 0:
+            return "n/a"
+        ok = counter["passed"] + counter["xpass"]
+        mark = "!" if counter["failed"] or counter["error"] else ("x" if counter["xfail"] else "")
+        return f"{ok}/{total}{mark}"
+
+    clauses = list(cells)
+    cw = max(len("clause"), *(len(c) for c in clauses))
+    widths = [max(len(l), 6) for l in layouts]
+    lines = ["clause".ljust(cw) + "  " + "  ".join(l.rjust(w) for l, w in zip(layouts, widths))]
+    for clause in clauses:
+        lines.append(clause.ljust(cw) + "  " + "  ".join(cell(cells[clause].get(l, Counter())).rjust(w) for l, w in zip(layouts, widths)))
+    lines.append("cells: passed/ran; ! failed or errored, x expected failures, . not in this run")
+    return "\n".join(lines)
+
+
+def to_json(info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float, complete: bool = True) -> dict:
+    return {
+        **info.header(),
+        "complete": complete,
+        "elapsed_s": round(elapsed_s, 3),
+        "cases": [
+            {
+                "id": r.case.id,
+                "clause": r.case.clause,
+                "layout": r.case.layout,
+                "profile": r.case.profile,
+                "status": r.status,
+                "duration_s": round(r.duration_s, 4),
+                "message": r.message,
+                "ranks": r.ranks,
+                "xfail_reason": r.xfail_reason,
+                "repro": r.repro,
+            }
+            for r in results
+        ],
+        "summary": summary_counts(results),
+        "warnings": warnings,
+    }
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def write_junit(path: str, info: RunInfo, results: list[CaseResult], elapsed_s: float) -> None:
+    """JUnit XML: failed -> <failure>, error -> <error>, xfail and n/a -> <skipped>."""
+    counts = summary_counts(results)
+    suite = ET.Element(
+        "testsuite",
+        name=f"conformance[{info.impl_name}]",
+        tests=str(len(results)),
+        failures=str(counts["failed"]),
+        errors=str(counts["error"]),
+        skipped=str(counts["xfail"] + counts["n/a"]),
+        time=f"{elapsed_s:.3f}",
+    )
+    props = ET.SubElement(suite, "properties")
+    header = info.header()
+    for key in ("spec_version", "suite_version", "torch_version"):
+        ET.SubElement(props, "property", name=key, value=str(header[key]))
+    ET.SubElement(props, "property", name="impl", value=f"{info.impl_name} {info.impl_version}")
+    for r in results:
+        tc = ET.SubElement(suite, "testcase", classname=r.case.clause, name=r.case.id, time=f"{r.duration_s:.3f}")
+        tprops = ET.SubElement(tc, "properties")
+        ET.SubElement(tprops, "property", name="status", value=r.status)
+        ET.SubElement(tprops, "property", name="layout", value=r.case.layout)
+        text = f"{r.message}\n\nrepro: {r.repro}\n\n{r.details}".strip()
+        if r.status == "failed":
+            ET.SubElement(tc, "failure", message=_first_line(r.message)).text = text
+        elif r.status == "error":
+            ET.SubElement(tc, "error", message=_first_line(r.message)).text = text
+        elif r.status == "xfail":
+            ET.SubElement(tc, "skipped", type="xfail", message=f"expected failure: {r.xfail_reason}").text = text
+        elif r.status == "n/a":
+            ET.SubElement(tc, "skipped", type="n/a", message=f"not applicable: {r.message}")
+        elif r.status == "xpass":
+            ET.SubElement(tc, "system-out").text = f"unexpectedly passed; xfail entry: {r.xfail_reason}"
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.indent(root)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""

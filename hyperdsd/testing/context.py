@@ -1,0 +1,107 @@
+"""What a task sees on its rank: rank, world size, meshes and a private cache."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+from . import messages as m
+from .mesh import MeshSpec, build_mesh, parse_mesh
+
+
+class NotApplicable(Exception):
+    """Raised by a task (on every rank alike) when it does not apply here."""
+
+
+class RankContext:
+    """Per-process state that outlives a single task.
+
+    Meshes are expensive to create (a 2-D mesh creates subgroups, which is a
+    collective) so they are made once per process and reused by every task.
+    """
+
+    def __init__(self, rank: int, world_size: int, workdir: str, device_type: str = "cpu"):
+        self.rank = rank
+        self.world_size = world_size
+        self.workdir = workdir
+        self.device_type = device_type
+        self.cache: dict[Any, Any] = {}
+        self._meshes: dict[MeshSpec, Any] = {}
+
+    def mesh(self, spec: str | MeshSpec, dim_names: tuple[str, ...] | None = None):
+        spec = parse_mesh(spec, dim_names)
+        if spec.size != self.world_size:
+            raise ValueError(f"mesh {spec} has {spec.size} ranks but the world has {self.world_size}")
+        if spec not in self._meshes:
+            self._meshes[spec] = build_mesh(spec, self.device_type)
+        return self._meshes[spec]
+
+    def group_sequences(self) -> dict[tuple[int, ...], int] | None:
+        """Sequence numbers of every process group this rank is in.
+
+        Ranks whose numbers differ for a group have issued a different number
+        of collectives on it: the group is out of step and must not be reused.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return {}
+        try:
+            # torch keeps the group registry private; it is only read here.
+            groups = dist.distributed_c10d._world.pg_group_ranks
+            out = {}
+            for pg, ranks in groups.items():
+                if self.rank in ranks:
+                    out[tuple(sorted(ranks))] = pg._get_sequence_number_for_group()
+            return out
+        except Exception:
+            return None  # unknown: the controller treats the pool as suspect
+
+
+def resolve(ref: str) -> Callable:
+    module_name, _, attr = ref.partition(":")
+    if not attr:
+        raise ValueError(f"task function {ref!r}: expected 'package.module:function'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _reset_torch_globals() -> None:
+    """Undo global state a task may have changed, so the next task starts clean."""
+    import torch
+
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+
+
+def execute(ctx: RankContext, task: m.Task) -> m.RankResult:
+    """Run ``task`` on this rank and describe how it went; never raises."""
+    start = time.perf_counter()
+    result = m.RankResult(rank=ctx.rank, status=m.PASSED)
+    try:
+        result.value = resolve(task.fn)(ctx, **dict(task.kwargs))
+    except NotApplicable as exc:
+        result.status, result.message = m.NOT_APPLICABLE, str(exc)
+    except BaseException as exc:  # noqa: BLE001 - a task's SystemExit is a failure too
+        result.status = m.RAISED
+        result.exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+        result.message = str(exc) or repr(exc)
+        result.traceback = traceback.format_exc()
+    finally:
+        try:
+            _reset_torch_globals()
+        except Exception:
+            pass
+    result.duration_s = time.perf_counter() - start
+    result.pg_sequence = ctx.group_sequences()
+    return result
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for spawned ranks: loopback only, one intra-op thread."""
+    return {"GLOO_SOCKET_IFNAME": os.environ.get("HYPERDSD_GLOO_IFNAME", "lo")}

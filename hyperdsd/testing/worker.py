@@ -1,0 +1,96 @@
+"""The rank side of a pool: join the process group once, then run tasks
+until told to stop. One task at a time, one answer per task.
+
+Started by the controller as ``python -m hyperdsd.testing.worker``: a fresh
+interpreter (the spawn model, never fork), which neither re-imports the
+controller's main module nor inherits its threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import json
+import os
+import pickle
+import sys
+from multiprocessing.connection import Connection
+
+from . import messages as m
+from .context import RankContext, execute
+from .process import STACK_SIGNAL, isolate_worker
+
+
+def _send(conn, result: m.RankResult) -> None:
+    try:
+        conn.send(result)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        result.value = None
+        result.status = m.RAISED
+        result.exc_type = "hyperdsd.testing.UnpicklableResult"
+        result.message = f"the task returned a value that cannot be sent to the controller: {exc}"
+        conn.send(result)
+
+
+def serve(conn: Connection, rank: int, world_size: int, workdir: str, gloo_timeout_s: float) -> None:
+    stacks = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=gloo_timeout_s),
+        )
+    except Exception as exc:  # noqa: BLE001
+        conn.send(m.StartFailed(rank, f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(m.Ready(rank, os.getpid()))
+
+    ctx = RankContext(rank, world_size, workdir)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the controller went away
+        if isinstance(msg, m.Shutdown):
+            return
+        _send(conn, execute(ctx, msg))
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hyperdsd.testing.worker")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--gloo-timeout", type=float, required=True)
+    args = parser.parse_args(argv)
+    isolate_worker(args.parent_pid)
+    # Resolve task functions exactly as the controller would.
+    sys.path[:0] = [p for p in json.loads(os.environ.get("HYPERDSD_SYS_PATH", "[]")) if p not in sys.path]
+    os.set_inheritable(args.fd, False)  # children of a task must not hold the pipe open
+    conn = Connection(args.fd)
+    try:
+        serve(conn, args.rank, args.world_size, args.workdir, args.gloo_timeout)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Tearing down gloo can abort the process after all work is done; the
+        # controller never judges by this exit, so skip the teardown entirely.
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

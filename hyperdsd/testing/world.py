@@ -1,0 +1,106 @@
+"""Running tasks on a world that someone else launched (``torchrun``).
+
+Every rank runs the same tasks in the same order, in its own process. Results
+travel to rank 0 through the rendezvous store rather than a collective, so a
+task that leaves the process group out of step cannot corrupt the report.
+There is no pool to kill here: a rank that misses its deadline dumps every
+rank-local stack and exits, and torchrun tears the rest of the world down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import Callable
+
+from . import messages as m
+from .context import RankContext, execute
+from .pool import TaskOutcome, _out_of_step, judge
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class _Watchdog:
+    """Ends the process if a task overruns: a stuck collective cannot be interrupted."""
+
+    def __init__(self, deadline_s: float, on_expiry: Callable[[], None] | None):
+        self._done = threading.Event()
+        self._deadline_s = deadline_s
+        self._on_expiry = on_expiry
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        if self._done.wait(self._deadline_s):
+            return
+        sys.stderr.write(f"\nhyperdsd: task missed its {self._deadline_s:g} s deadline; stacks follow\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self._on_expiry is not None:
+            try:
+                self._on_expiry()
+            except Exception:
+                pass
+        sys.stderr.flush()
+        os._exit(124)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+
+
+class ExistingWorld:
+    """The torchrun world as a pool: same ``run`` contract as :class:`WorkerPool`."""
+
+    def __init__(self, gloo_timeout_s: float = 45.0, result_timeout_s: float = 600.0):
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=gloo_timeout_s))
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        # torch does not expose the default store publicly; it is only read here.
+        self._store = dist.distributed_c10d._get_default_store()
+        self._result_timeout = datetime.timedelta(seconds=result_timeout_s)
+        self._count = 0
+        self.ctx = RankContext(self.rank, self.world_size, workdir=os.getcwd())
+        self.on_expiry: Callable[[], None] | None = None
+
+    def run(self, task: m.Task, deadline_s: float) -> TaskOutcome | None:
+        """Run on this rank; rank 0 returns the outcome for all ranks, others None."""
+        self._count += 1
+        start = time.monotonic()
+        with _Watchdog(deadline_s, self.on_expiry):
+            result = execute(self.ctx, task)
+        result.value = None if result.status == m.PASSED and not _picklable(result.value) else result.value
+        key = f"hyperdsd/task{self._count}/rank"
+        self._store.set(f"{key}{self.rank}", pickle.dumps(result))
+        if self.rank != 0:
+            return None
+        keys = [f"{key}{r}" for r in range(self.world_size)]
+        self._store.wait(keys, self._result_timeout)
+        results = [pickle.loads(self._store.get(k)) for k in keys]
+        status, notes = judge(results)
+        outcome = TaskOutcome(task, self.world_size, status, results, time.monotonic() - start, notes=notes)
+        out_of_step = _out_of_step(results)
+        if out_of_step:
+            outcome.notes.append(out_of_step)
+        return outcome
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:
+        return False
