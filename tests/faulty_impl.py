@@ -1,0 +1,65 @@
+"""Deliberately faulty implementations under test, for the harness's own tests.
+
+Each wraps torch's functions and misbehaves inside ``get_optimizer_state_dict``
+on one rank, but only for AdamW, so the next (SGD) case of a run passes.
+"""
+
+import os
+import signal
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from conformance.adapters import load_adapter
+
+
+def _hang():
+    if dist.get_rank() == 1:
+        dist.all_reduce(torch.ones(1))  # a collective nobody else joins
+        time.sleep(3600)
+
+
+def _exit3():
+    if dist.get_rank() == 2:
+        os._exit(3)
+
+
+def _sigkill():
+    if dist.get_rank() == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raises():
+    if dist.get_rank() == 1:
+        raise ValueError("faulty implementation fails on rank 1")
+    dist.barrier()  # the others wait for rank 1 in a collective
+
+
+def _faulty(name, fault):
+    base = load_adapter("torch")
+
+    def get_optimizer_state_dict(model, optimizers, *, options=None):
+        first = optimizers if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)[0]
+        if isinstance(first, torch.optim.AdamW):
+            fault()
+        return base.get_optimizer_state_dict(model, optimizers, options=options)
+
+    return replace(base, name=f"faulty-{name}", version="0", get_optimizer_state_dict=get_optimizer_state_dict)
+
+
+def hang():
+    return _faulty("hang", _hang)
+
+
+def exit3():
+    return _faulty("exit3", _exit3)
+
+
+def sigkill():
+    return _faulty("sigkill", _sigkill)
+
+
+def raises():
+    return _faulty("raises", _raises)

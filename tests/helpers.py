@@ -1,0 +1,43 @@
+"""Shared helpers for tests that start processes."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+def marked_processes(mark: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``HYPERDSD_TEST_MARK=mark``."""
+    needle = f"HYPERDSD_TEST_MARK={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and state != b"Z":
+            found.append(int(entry))
+    return found
+
+
+def run_cli(args, *, timeout=600, env=None, mark=None):
+    """Run ``python -m conformance`` in a subprocess; returns (CompletedProcess, mark)."""
+    mark = mark or uuid.uuid4().hex
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark, **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "conformance", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, mark

@@ -1,0 +1,131 @@
+"""The command line: usage errors, faulty implementations, reports and xfails."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from helpers import ROOT, TESTS, marked_processes, run_cli
+
+ADAMW = "OPT-KEYS-1[fsdp4-adamw-sharded]"
+SGD = "OPT-KEYS-1[fsdp4-sgd-sharded]"
+TIMEOUT = 10
+
+
+def test_list_prints_the_manifest():
+    proc, _ = run_cli(["--list", "-k", "OPT-KEYS-1[fsdp4"])
+    assert proc.returncode == 0
+    entries = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert {e["id"] for e in entries} == {ADAMW, SGD, "OPT-KEYS-1[fsdp4-adamw-full]", "OPT-KEYS-1[fsdp4-sgd-full]"}
+    assert all(e["clause"] == "OPT-KEYS-1" and e["world_sizes"] == [4] for e in entries)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--world-sizes", "x"], "comma-separated"),
+        (["--impl", "no_such_module_here"], "cannot import"),
+        (["-k", "NO-SUCH-CLAUSE"], "no case matches"),
+        (["--mesh", "2y2"], "joined by 'x'"),
+        (["--timeout", "-1"], "positive"),
+    ],
+)
+def test_usage_errors_exit_2(args, needle):
+    proc, _ = run_cli(args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "fault, rank, words",
+    [
+        ("hang", 1, ("rank 1",)),
+        ("exit3", 2, ("rank 2", "exited with code 3")),
+        ("sigkill", 3, ("rank 3", "SIGKILL")),
+        ("raises", 1, ("rank 1", "faulty implementation fails on rank 1")),
+    ],
+)
+def test_faulty_implementation_is_reported_and_the_run_goes_on(tmp_path, fault, rank, words):
+    report = tmp_path / "report.json"
+    proc, mark = run_cli(["--impl", f"faulty_impl:{fault}", "-k", ADAMW, "-k", SGD, "--timeout", str(TIMEOUT), "--json", str(report)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads(report.read_text())
+    cases = {c["id"]: c for c in data["cases"]}
+    bad, good = cases[ADAMW], cases[SGD]
+    assert bad["status"] in ("failed", "error")
+    for w in words:
+        assert w in bad["message"], bad["message"]
+    assert rank in bad["ranks"]
+    assert bad["duration_s"] <= TIMEOUT + 15
+    assert bad["repro"] == f"python -m conformance --impl faulty_impl:{fault} -k '{ADAMW}' --timeout {TIMEOUT}"
+    assert good["status"] == "passed", good["message"]
+    assert "repro:" in proc.stdout and "clause OPT-KEYS-1" in proc.stdout
+    assert marked_processes(mark) == []
+
+
+def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
+    xfails = tmp_path / "xfails.txt"
+    xfails.write_text(
+        "# expected failures\n"
+        "OPT-RT-1[single-adamw-sharded]  # lazy state: torch raises on a parameter without state\n"
+        "OPT-NOPE-9  # matches nothing\n"
+    )
+    report, junit = tmp_path / "r.json", tmp_path / "r.xml"
+    proc, mark = run_cli([
+        "--impl", "torch", "-k", "OPT-RT-1[single-adamw-sharded]", "-k", "OPT-KEYS-1[single-sgd",
+        "--xfails", str(xfails), "--json", str(report), "--junit", str(junit),
+    ])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OPT-NOPE-9" in proc.stderr and "matches no case" in proc.stderr
+    data = json.loads(report.read_text())
+    assert data["spec_version"] == "1" and data["impl"]["name"] == "torch"
+    assert set(data) >= {"spec_version", "suite_version", "impl", "torch_version", "world_sizes", "cases", "summary"}
+    assert any("OPT-NOPE-9" in w for w in data["warnings"])
+    statuses = {c["id"]: c["status"] for c in data["cases"]}
+    assert statuses["OPT-RT-1[single-adamw-sharded]"] == "xfail"
+    assert sum(data["summary"].values()) == len(data["cases"]) == 3
+
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert int(suite.get("tests")) == 3
+    from_junit = {}
+    for tc in suite.findall("testcase"):
+        props = {p.get("name"): p.get("value") for p in tc.find("properties")}
+        child = next((c.tag for c in tc if c.tag in ("failure", "error", "skipped")), None)
+        skipped = tc.find("skipped")
+        expected_child = {"failed": "failure", "error": "error", "xfail": "skipped", "n/a": "skipped"}.get(props["status"])
+        assert child == expected_child
+        if skipped is not None:
+            assert skipped.get("type") == props["status"]
+        from_junit[tc.get("name")] = props["status"]
+    assert from_junit == statuses
+    assert int(suite.get("failures")) == data["summary"]["failed"]
+    assert int(suite.get("errors")) == data["summary"]["error"]
+    assert marked_processes(mark) == []
+
+
+def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path):
+    report = tmp_path / "partial.json"
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "conformance", "--impl", "torch", "-k", "OPT-RT-1[fsdp4", "--json", str(report)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(marked_processes(mark)) < 5:
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    assert "interrupted" in out
+    data = json.loads(report.read_text())
+    assert data["complete"] is False
+    time.sleep(0.5)
+    assert marked_processes(mark) == []

@@ -1,0 +1,163 @@
+"""The harness itself: every rank judged, deadlines kept, no process left behind."""
+
+import os
+import time
+import uuid
+
+import pytest
+
+from hyperdsd.testing import PoolSet, Task, parse_mesh
+from helpers import marked_processes
+
+DEADLINE = 8.0
+MARK = uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def pools():
+    os.environ["HYPERDSD_TEST_MARK"] = MARK  # inherited by every rank
+    ps = PoolSet(gloo_timeout_s=5.0, grace_s=2.0)
+    yield ps
+    ps.kill()
+    assert marked_processes(MARK) == [], "rank processes survived PoolSet.kill()"
+
+
+def run(pools, fn, world_size=4, deadline=DEADLINE, **kwargs):
+    start = time.monotonic()
+    outcome = pools.run(world_size, Task(f"harness_tasks:{fn}", kwargs), deadline)
+    return outcome, time.monotonic() - start
+
+
+def by_rank(outcome):
+    return {r.rank: r for r in outcome.results}
+
+
+def test_every_rank_reports(pools):
+    outcome, _ = run(pools, "all_reduce_rank")
+    assert outcome.status == "passed"
+    assert outcome.values == [6.0] * 4
+
+
+def test_pool_is_reused_between_tasks(pools):
+    run(pools, "noop")
+    pids = pools.pool(4).pids
+    outcome, _ = run(pools, "noop")
+    assert outcome.values == [0, 1, 2, 3]
+    assert pools.pool(4).pids == pids
+
+
+def assert_recovers(pools, old_pids):
+    outcome, _ = run(pools, "all_reduce_rank")
+    assert outcome.status == "passed", outcome.describe()
+    assert not set(pools.pool(4).pids) & set(old_pids), "the next task must run on a fresh pool"
+    for pid in old_pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
+
+
+def test_rank_hanging_in_collective(pools):
+    run(pools, "noop")
+    old = pools.pool(4).pids
+    outcome, took = run(pools, "hang_in_collective", rank=1)
+    assert outcome.status in ("failed", "error")
+    assert by_rank(outcome)[1].status in ("raised", "timeout")
+    assert took <= DEADLINE + 15
+    assert "rank 1" in outcome.describe()
+    assert outcome.recycled
+    assert_recovers(pools, old)
+
+
+def test_rank_missing_deadline_gets_stacks(pools):
+    run(pools, "noop")
+    old = pools.pool(4).pids
+    outcome, took = run(pools, "sleep_forever", rank=1, deadline=4.0)
+    assert outcome.status == "error"
+    r1 = by_rank(outcome)[1]
+    assert r1.status in ("timeout", "stuck")
+    assert "sleep_forever" in r1.stacks, r1.stacks
+    assert took <= 4.0 + 15
+    assert_recovers(pools, old)
+
+
+def test_nonzero_rank_exit_code(pools):
+    run(pools, "noop")
+    old = pools.pool(4).pids
+    outcome, took = run(pools, "exit_code", rank=2, code=3)
+    assert outcome.status == "error"
+    r2 = by_rank(outcome)[2]
+    assert r2.status == "died" and "exited with code 3" in r2.message
+    assert outcome.describe().startswith("rank 2 died")
+    assert took <= DEADLINE + 15
+    assert_recovers(pools, old)
+
+
+def test_nonzero_rank_sigkill(pools):
+    run(pools, "noop")
+    old = pools.pool(4).pids
+    outcome, took = run(pools, "sigkill", rank=3)
+    assert outcome.status == "error"
+    r3 = by_rank(outcome)[3]
+    assert r3.status == "died" and "SIGKILL" in r3.message
+    assert took <= DEADLINE + 15
+    assert_recovers(pools, old)
+
+
+def test_rank_raises_while_others_wait(pools):
+    run(pools, "noop")
+    old = pools.pool(4).pids
+    outcome, took = run(pools, "raise_while_others_wait", rank=1)
+    assert outcome.status in ("failed", "error")
+    r = by_rank(outcome)
+    assert r[1].status == "raised" and r[1].exc_type == "ValueError" and "rank 1" in r[1].message
+    assert "Traceback" in r[1].traceback
+    for other in (0, 2, 3):
+        assert r[other].status in ("stuck", "raised")
+        if r[other].status == "stuck":
+            assert "barrier" in r[other].stacks
+    assert took <= DEADLINE + 15
+    assert_recovers(pools, old)
+
+
+def test_out_of_step_groups_recycle_the_pool(pools):
+    run(pools, "noop")
+    old = pools.pool(4).pids
+    outcome, _ = run(pools, "mismatched_count")
+    assert outcome.status in ("failed", "error")
+    assert outcome.recycled
+    assert_recovers(pools, old)
+
+
+def test_not_applicable(pools):
+    outcome, _ = run(pools, "not_applicable")
+    assert outcome.status == "n/a"
+
+
+def test_two_dim_mesh(pools):
+    outcome, _ = run(pools, "mesh_sum", spec="2x2", dim="shard")
+    assert outcome.status == "passed" and outcome.values == [2.0] * 4
+
+
+def test_rank_output_is_attached_to_failures(pools):
+    outcome, _ = run(pools, "print_and_fail", world_size=2)
+    assert outcome.status == "failed"
+    r1 = by_rank(outcome)[1]
+    assert "hello from rank 1" in r1.log
+    assert "rank 1 disagrees" in r1.message
+
+
+def test_grandchildren_are_killed_with_the_pool(pools):
+    mark = uuid.uuid4().hex
+    outcome, _ = run(pools, "spawn_child", world_size=2, deadline=3.0, marker=mark)
+    assert outcome.status == "error"
+    time.sleep(0.5)
+    assert marked_processes(mark) == []
+
+
+def test_parse_mesh():
+    assert parse_mesh("4").shape == (4,) and parse_mesh("4").dim_names == ("shard",)
+    assert parse_mesh("2x2").dim_names == ("replicate", "shard")
+    with pytest.raises(ValueError, match="explicit dim names"):
+        parse_mesh("2x1x2")
+    with pytest.raises(ValueError, match="positive"):
+        parse_mesh("0x2")
+    with pytest.raises(ValueError, match="joined by 'x'"):
+        parse_mesh("two")
