@@ -8,7 +8,10 @@
              (``weights_only=True``) on rank 0.
 ``flat``     ``flatten_optimizer_state_dict``, in memory.
 ``dcp``      default options through ``torch.distributed.checkpoint``; the
-             target's own get provides the load template, as users do.
+             target's own get provides the load template, as users do. On
+             pipeline layouts (MPMD) the optimizer goes in the flat layout:
+             nested ``param_groups.N`` keys of different stages would collide
+             in one checkpoint, which is why the flat layout exists.
 
 A never-stepped target's template can name optimizer state that the
 checkpoint legitimately lacks (parameters that never had a gradient), so the
@@ -63,8 +66,13 @@ class Saved:
     path: str = ""
 
 
+def _effective(mode: str, setup) -> str:
+    return "flat_dcp" if mode == "dcp" and setup.layout.pp > 1 else mode
+
+
 def save(c, setup, mode: str, *, model: bool = True, optim: bool = True, options: dict | None = None) -> Saved:
     iut = c.iut
+    mode = _effective(mode, setup)
     opts = get_options(iut, mode, **(options or {}))
     msd = iut.get_model_state_dict(setup.model, options=opts) if model else None
     osd = iut.get_optimizer_state_dict(setup.model, optimizers_arg(setup), options=opts) if optim else None

@@ -1,0 +1,83 @@
+"""Every private torch API hyperdsd touches, in one place.
+
+When a torch upgrade moves one of these, this file is the one to fix. Each
+entry says why no public API does the job.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: DTensor) -> torch.Tensor:
+    # ``to_local()`` goes through autograd when grad mode is on; the wrapped
+    # tensor itself is what DCP reads and writes in place.
+    return t._local_tensor
+
+
+def version_of(t: torch.Tensor) -> int:
+    # The in-place version counter is how we know whether anyone (DCP) wrote
+    # into a placeholder tensor; there is no public accessor.
+    return (local_tensor(t) if isinstance(t, DTensor) else t)._version
+
+
+def optimizer_load_hooks(opt: torch.optim.Optimizer) -> tuple[list[Callable], list[Callable]]:
+    # Optimizer.load_state_dict replays these; loading in place means we
+    # replay them ourselves (registration is public, the registry is not).
+    pre = list(getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values())
+    post = list(getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values())
+    return pre, post
+
+
+def unhooked_step(opt_class: type) -> Callable:
+    # Optimizer patches ``step`` at class level with a wrapper that runs the
+    # instance's and the global step hooks; a scratch step must not run them.
+    step = opt_class.step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return step.__wrapped__
+    return step
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    # Checked by name: importing torch._dynamo costs a second of start-up.
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+
+
+def is_fsdp1(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    fn = getattr(dist, "all_gather_single", None)
+    if fn is not None:
+        fn(output, inp, group=group)
+    else:
+        dist.all_gather_into_tensor(output, inp, group=group)
+
+
+def group_sequence(group) -> int | None:
+    try:
+        return group._get_sequence_number_for_group()
+    except Exception:
+        return None
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]):
+    # What Module.load_state_dict returns; set_model_state_dict returns the same type.
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def collective_device() -> torch.device:
+    """Where buffers for the default group's collectives must live."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,173 @@
+"""Full and broadcast state dicts: which rank ends up with what.
+
+``full_entries`` turns per-FQN entries holding DTensors into full tensors,
+everywhere or only on rank 0 (``cpu_offload``). When ranks hold different
+FQNs (pipeline stages), each FQN's lowest holder gathers it and rank 0
+receives the rest, so rank 0 ends with everything.
+
+``describe`` / ``deliver`` move rank 0's full tensors for a broadcast load:
+every rank first sees a manifest (shapes, dtypes, and the non-tensor values)
+to validate against, and only then receives its own pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import _compat, collectives
+from .collectives import Gatherer, Need
+from .optimizer import Prepared, TensorMeta
+from .placement import Layout
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def offload(value: Any) -> Any:
+    """Sharded ``cpu_offload``: local pieces to CPU, DTensors stay DTensors."""
+    if isinstance(value, DTensor):
+        local = _compat.local_tensor(value)
+        return value if local.device.type == "cpu" else Layout.of(value).wrap(local.cpu())
+    if isinstance(value, torch.Tensor):
+        return _to_cpu(value)
+    if isinstance(value, dict):
+        return {k: offload(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [offload(v) for v in value]
+    return value
+
+
+def full_entries(entries: dict[str, Any], *, rank0_only: bool, cpu: bool) -> tuple[dict[str, Any], dict[str, int] | None]:
+    """Gather every DTensor in ``entries`` (values: tensors, or dicts of them).
+
+    Returns the entries this rank keeps (all of them, or with ``rank0_only``
+    those it is root of) and, when ranks hold different keys, the root of
+    each key (None when every rank holds the same keys).
+    """
+    keys = list(entries)
+    roots: dict[str, int] | None = None
+    if rank0_only and collectives.active() and not collectives.same_everywhere(keys):
+        roots = collectives.roots_of(keys)
+    me = collectives.rank()
+
+    def root_of(key: str) -> int | None:
+        if not rank0_only:
+            return None
+        return roots[key] if roots is not None else 0
+
+    gatherer = Gatherer(cpu=cpu)
+    for key, value in entries.items():
+        for sub, leaf in _tensor_leaves(value):
+            if isinstance(leaf, DTensor):
+                gatherer.add((key, sub), leaf, root=root_of(key))
+    gathered = gatherer.run()
+    kept: dict[str, Any] = {}
+    for key, value in entries.items():
+        root = root_of(key)
+        if root is not None and root != me:
+            continue
+        kept[key] = _replace_leaves(value, lambda sub, leaf: gathered[(key, sub)] if isinstance(leaf, DTensor) else (_to_cpu(leaf) if cpu else leaf))
+    return kept, roots
+
+
+def _tensor_leaves(value: Any, sub: tuple = ()):
+    if isinstance(value, torch.Tensor):
+        yield sub, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensor_leaves(v, sub + (k,))
+
+
+def _replace_leaves(value: Any, fn: Callable, sub: tuple = ()) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(sub, value)
+    if isinstance(value, dict):
+        return {k: _replace_leaves(v, fn, sub + (k,)) for k, v in value.items()}
+    return value
+
+
+# -- broadcast loads ---------------------------------------------------------
+
+def describe(tree: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
+    """Rank 0's dict with each tensor replaced by a :class:`TensorMeta`."""
+    fulls: list[torch.Tensor] = []
+    problems: list[str] = []
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, DTensor):
+            problems.append(f"{where}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)")
+            return None
+        if isinstance(value, torch.Tensor):
+            fulls.append(value)
+            return TensorMeta(tuple(value.shape), value.dtype, len(fulls) - 1)
+        if isinstance(value, dict):
+            return {k: walk(v, f"{where}[{k!r}]") for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return tuple(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
+        return value
+
+    return walk(tree, "state_dict"), fulls, problems
+
+
+def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: list[tuple], device: torch.device) -> None:
+    """Fill each Prepared's ``local`` with this rank's piece of rank 0's tensor.
+
+    ``metas`` lists (shape, dtype) of every tensor in rank 0's dict, in
+    manifest order; it is the same on every rank, so is the bucket plan.
+    """
+    needs: list[Need | None] = [None] * len(metas)
+    users: dict[int, list[Prepared]] = {}
+    for p in prepared:
+        i = p.meta.index
+        need = Need.of_layout(p.layout) if p.layout is not None and p.layout.simple else Need.whole(p.meta.shape)
+        if needs[i] is not None and needs[i] != need:
+            need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
+        needs[i] = need
+        users.setdefault(i, []).append(p)
+    pieces = collectives.scatter_from_rank0(metas, fulls, needs, device)
+    for i, ps in users.items():
+        whole = needs[i] == Need.whole(metas[i][0])
+        for p in ps:
+            piece = pieces[i]
+            if p.layout is not None and whole:
+                piece = p.layout.local_from_full(piece) if p.layout.simple else _compat_distribute(piece, p.layout)
+            p.local = piece
+
+
+def _compat_distribute(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    from .placement import distribute_full
+
+    return _compat.local_tensor(distribute_full(full, layout))
+
+
+def manifest_metas(tree: Any) -> list[tuple]:
+    """(shape, dtype) of every TensorMeta in a manifest, by index."""
+    found: dict[int, tuple] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, TensorMeta):
+            found[value.index] = (value.shape, value.dtype)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(tree)
+    return [found[i] for i in range(len(found))]
+
+
+def unowned(names: list[str], mine: set[str]) -> list[str]:
+    """Names in rank 0's manifest that no rank loads (one all-reduce of flags)."""
+    flags = torch.tensor([1 if n in mine else 0 for n in names], dtype=torch.uint8)
+    if collectives.active() and len(names):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [n for n, f in zip(names, flags.tolist()) if not f]

@@ -1,0 +1,126 @@
+"""Canonical FQNs: the names a parameter has in the model as written,
+without what wrappers insert (``module.`` of DDP, ``_orig_mod.`` of
+``torch.compile``, ``_checkpoint_wrapped_module.`` of activation
+checkpointing, children a module hides through ``_fqn_modifiers``).
+
+A :class:`ModelIndex` is built once per call, in one pass over the modules,
+so that every lookup after is a dict access.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from . import _compat
+from .errors import StateDictError
+
+_CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
+_EXTRA_STATE = nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+
+def _hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
+    """Names of children whose name does not appear in FQNs."""
+    hidden = set()
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        hidden.add("module")
+    if _compat.is_compiled_module(module):
+        hidden.add("_orig_mod")
+    if hasattr(module, _CHECKPOINT_CHILD):
+        hidden.add(_CHECKPOINT_CHILD)
+    modifiers = getattr(module, modifiers_attr, None)
+    if callable(modifiers):
+        hidden.update(modifiers().values())
+    return hidden
+
+
+class ModelIndex:
+    """Parameters of a model by canonical FQN, and back."""
+
+    def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers"):
+        self.model = model
+        self.modifiers_attr = modifiers_attr
+        self.fqn_of: dict[nn.Parameter, str] = {}  # first canonical name
+        self.param_of: dict[str, nn.Parameter] = {}  # every canonical name
+        self.aliases: dict[nn.Parameter, list[str]] = {}
+        self._module_paths: dict[str, tuple[nn.Module, str]] = {"": (model, "")}
+        for module, raw, canon in self._walk(model, "", ""):
+            if _compat.is_fsdp1(module):
+                raise StateDictError(
+                    f"module {raw or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1); "
+                    "hyperdsd supports fully_shard (FSDP2) models"
+                )
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                fqn = f"{canon}{name}"
+                if param not in self.fqn_of:
+                    self.fqn_of[param] = fqn
+                    self.aliases[param] = []
+                self.aliases[param].append(fqn)
+                self.param_of[fqn] = param
+
+    def _walk(self, module: nn.Module, raw: str, canon: str) -> Iterator[tuple[nn.Module, str, str]]:
+        yield module, raw, canon
+        hidden = _hidden_children(module, self.modifiers_attr)
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            child_raw = f"{raw}{name}."
+            child_canon = canon if name in hidden else f"{canon}{name}."
+            self._module_paths[child_raw[:-1]] = (child, child_canon[:-1])
+            yield from self._walk(child, child_raw, child_canon)
+
+    def canonical_key(self, key: str) -> str:
+        """The canonical form of a ``model.state_dict()`` key.
+
+        State-dict hooks may already have dropped some wrapper segments (the
+        checkpoint wrapper does), so the key is walked against the module
+        tree: a segment that names a hidden child is dropped, and a wrapper
+        whose wrapped child was already dropped is stepped through.
+        """
+        path, _, leaf = key.rpartition(".")
+        return f"{self._canonical_path(path)}{leaf}" if path else leaf
+
+    def _canonical_path(self, path: str) -> str:
+        """Canonical module path with a trailing dot, memoised per path."""
+        hit = self._module_paths.get(path)
+        if hit is not None:
+            return f"{hit[1]}." if hit[1] else ""
+        parent_path, _, name = path.rpartition(".")
+        self._canonical_path(parent_path)  # fills the parent's entry
+        parent, parent_canon = self._module_paths[parent_path]
+        # The name was not a child of ``parent`` as stored: a hook removed a
+        # wrapper segment; step through hidden children until it resolves.
+        current, canon = parent, parent_canon
+        while name not in current._modules:
+            hidden = [h for h in _hidden_children(current, self.modifiers_attr) if h in current._modules]
+            if not hidden:
+                raise StateDictError(f"state-dict key path {path!r} does not name a submodule of the model")
+            current = current._modules[hidden[0]]
+        child = current._modules[name]
+        child_canon = f"{canon}.{name}" if canon else name
+        if name in _hidden_children(current, self.modifiers_attr):
+            child_canon = canon
+        self._module_paths[path] = (child, child_canon)
+        return f"{child_canon}." if child_canon else ""
+
+    def frozen_fqns(self) -> set[str]:
+        return {fqn for p, names in self.aliases.items() if not p.requires_grad for fqn in names}
+
+    def canonical(self, fqn: str) -> str | None:
+        """The first canonical name of the parameter ``fqn`` names (any alias)."""
+        param = self.param_of.get(fqn)
+        return None if param is None else self.fqn_of[param]
+
+
+def optimizer_params(optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return (optimizers,)
+    opts = tuple(optimizers)
+    for i, opt in enumerate(opts):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise StateDictError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
+    return opts

@@ -1,0 +1,133 @@
+"""Model state by canonical FQN: reading it, and planning how to load it.
+
+Keys are those of ``model.state_dict()`` with wrapper segments removed:
+buffers and extra state included, non-persistent buffers excluded, tied
+parameters under each of their names, as PyTorch's own state dict has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _compat
+from .fqn import ModelIndex
+from .optimizer import Prepared, TensorMeta, _materialize
+from .placement import Layout
+
+
+def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -> dict[str, Any]:
+    sd = {index.canonical_key(k): v for k, v in model.state_dict().items()}
+    if ignore_frozen:
+        for fqn in index.frozen_fqns():
+            sd.pop(fqn, None)
+    return sd
+
+
+@dataclass
+class ModelLoadPlan:
+    values: dict[str, Any] = field(default_factory=dict)  # raw key -> Prepared or object
+    on_meta: set[str] = field(default_factory=set)  # raw keys whose target lives on meta
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    claimed: set[str] = field(default_factory=set)
+
+    def tensors(self):
+        return [v for v in self.values.values() if isinstance(v, Prepared)]
+
+
+def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str]) -> Prepared | None:
+    if not isinstance(value, (torch.Tensor, TensorMeta)):
+        problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
+        return None
+    shape = tuple(value.shape)
+    if shape != tuple(target.shape):
+        problems.append(f"{where}: shape {shape}, the model has {tuple(target.shape)}")
+        return None
+    device = (_compat.local_tensor(target) if isinstance(target, DTensor) else target).device
+    if isinstance(value, DTensor):
+        if not isinstance(target, DTensor):
+            problems.append(f"{where}: a DTensor, but the model's is not; load it with full_state_dict=True or through DCP")
+            return None
+        if value.device_mesh != target.device_mesh:
+            problems.append(f"{where}: on mesh {value.device_mesh}, the model's is on {target.device_mesh}")
+            return None
+        if tuple(value.placements) == tuple(target.placements):
+            return Prepared(Layout.of(value), device, local=_compat.local_tensor(value))
+        return Prepared(Layout.of(target), device, redistribute=value)
+    layout = Layout.of(target) if isinstance(target, DTensor) else None
+    if isinstance(value, TensorMeta):
+        return Prepared(layout, device, meta=value)
+    local = layout.local_from_full(value) if layout is not None else value
+    return Prepared(layout, device, local=local)
+
+
+def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
+    try:
+        return index.canonical_key(key)
+    except Exception:
+        return None
+
+
+def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: bool, ignore_frozen: bool, foreign_ok: bool = False) -> tuple[ModelLoadPlan, list[str]]:
+    problems: list[str] = []
+    plan = ModelLoadPlan()
+    if not isinstance(sd, dict):
+        problems.append(f"the model state dict is a {type(sd).__name__}, expected a dict")
+        return plan, problems
+    targets = model.state_dict(keep_vars=True)
+    raw_of = {index.canonical_key(k): k for k in targets}
+    matched: set[str] = set()
+    for key, value in sd.items():
+        canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
+        if canon not in raw_of:
+            plan.unexpected.append(key)
+            continue
+        raw = raw_of[canon]
+        matched.add(canon)
+        plan.claimed.add(key)
+        target = targets[raw]
+        if isinstance(target, torch.Tensor):
+            prepared = _prepare(value, target, f"model[{canon!r}]", problems)
+            if prepared is None:
+                continue
+            if target.device.type == "meta":
+                plan.on_meta.add(raw)
+                if prepared.device.type == "meta":
+                    prepared.device = prepared.local.device if prepared.local is not None else _compat.collective_device()
+            plan.values[raw] = prepared
+        else:
+            plan.values[raw] = value  # extra state: whatever the module accepts
+    frozen = index.frozen_fqns() if ignore_frozen else set()
+    plan.missing = [c for c in raw_of if c not in matched and c not in frozen]
+    if strict and (plan.missing or (plan.unexpected and not foreign_ok)):
+        parts = []
+        if plan.missing:
+            parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + ".")
+        if plan.unexpected and not foreign_ok:
+            parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
+        problems.append(f"Error(s) in loading state_dict for {type(model).__name__}: " + " ".join(parts))
+    return plan, problems
+
+
+def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
+    for prepared in plan.tensors():
+        if prepared.redistribute is not None:
+            moved = prepared.redistribute.redistribute(prepared.layout.mesh, prepared.layout.placements)
+            prepared.local = _compat.local_tensor(moved)
+    copy_in: dict[str, Any] = {}
+    assign: dict[str, Any] = {}
+    for raw, value in plan.values.items():
+        if raw in plan.on_meta:
+            assign[raw] = _materialize(value)
+        elif isinstance(value, Prepared):
+            copy_in[raw] = value.layout.wrap(value.local) if value.layout is not None else value.local
+        else:
+            copy_in[raw] = value
+    if copy_in:
+        model.load_state_dict(copy_in, strict=False)
+    if assign:
+        model.load_state_dict(assign, strict=False, assign=True)

@@ -1,0 +1,93 @@
+"""Where each rank's piece of a DTensor lies in the full tensor.
+
+Shard and Replicate placements are computed here directly (torch.chunk
+semantics, the rule DTensor uses), which lets a rank cut its shard out of a
+full tensor, or assemble a full tensor from every rank's piece, without a
+collective per tensor. Anything else (strided or partial placements) falls
+back to DTensor's own collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of piece ``index`` when ``length`` is split like torch.chunk."""
+    size = -(-length // parts) if length else 0
+    start = min(index * size, length)
+    return start, min(start + size, length)
+
+
+def is_simple(placements) -> bool:
+    """Only Replicate and plain Shard, and no tensor dim sharded twice."""
+    dims = []
+    for p in placements:
+        if type(p) is Shard:
+            dims.append(p.dim)
+        elif type(p) is not Replicate:
+            return False
+    return len(dims) == len(set(dims))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a DTensor (parameter or state) is laid out: enough to rebuild it."""
+
+    mesh: object
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+
+    @classmethod
+    def of(cls, t: DTensor) -> "Layout":
+        return cls(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+
+    def with_shape(self, shape: torch.Size) -> "Layout":
+        return Layout(self.mesh, self.placements, shape, _contiguous_stride(shape))
+
+    @property
+    def simple(self) -> bool:
+        return is_simple(self.placements)
+
+    def slices_for(self, coordinate) -> tuple[slice, ...]:
+        """The region of the full tensor held at mesh ``coordinate``."""
+        region = [slice(0, n) for n in self.shape]
+        for mesh_dim, p in enumerate(self.placements):
+            if type(p) is Shard:
+                d = p.dim
+                start, stop = chunk_bounds(region[d].stop - region[d].start, self.mesh.size(mesh_dim), coordinate[mesh_dim])
+                base = region[d].start
+                region[d] = slice(base + start, base + stop)
+        return tuple(region)
+
+    def local_slices(self) -> tuple[slice, ...]:
+        return self.slices_for(self.mesh.get_coordinate())
+
+    def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``full`` (a view, no copy)."""
+        return full[self.local_slices()]
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def distribute_full(full: torch.Tensor, layout: Layout) -> DTensor:
+    """A DTensor with ``layout`` whose value is ``full``, available on every rank."""
+    layout = layout if layout.shape == full.shape else layout.with_shape(full.shape)
+    if layout.simple:
+        return layout.wrap(layout.local_from_full(full))
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, layout.mesh, layout.placements, src_data_rank=None)
