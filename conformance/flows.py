@@ -98,7 +98,7 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
         tmpl_opts = get_options(iut, saved.mode)
         if model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
-            dcp.load({"model": msd}, checkpoint_id=saved.path)
+            dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)

@@ -76,6 +76,7 @@ class Setup:
         n_optimizers: int = 1,
         meta: bool = False,
         with_optimizer: bool = True,
+        trainable: callable = None,
     ):
         self.c = c
         self.layout = parse_layout(layout) if isinstance(layout, str) else layout
@@ -113,7 +114,8 @@ class Setup:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list = []
         if with_optimizer:
-            all_groups = param_groups(self.named_parameters(), groups)
+            named = [(n, p) for n, p in self.named_parameters() if trainable is None or trainable(n)]
+            all_groups = param_groups(named, groups)
             chunks = [all_groups] if n_optimizers == 1 else [all_groups[:1], all_groups[1:]]
             self.optimizers = [OPTIMIZERS[optimizer](chunk) for chunk in chunks]
             if scheduler:
@@ -146,6 +148,17 @@ class Setup:
 
     def fqn_of(self) -> dict[nn.Parameter, str]:
         return {p: n for n, p in self.named_parameters()}
+
+    def param(self, fqn: str) -> nn.Parameter:
+        return dict(self.named_parameters())[fqn]
+
+    @property
+    def pp_stage(self) -> int:
+        return self.stage
+
+    def freeze(self, fqns) -> None:
+        for fqn in fqns:
+            self.param(fqn).requires_grad_(False)
 
     @property
     def dp(self) -> tuple[int, int]:

@@ -26,6 +26,7 @@ class ModelConfig:
     tie: bool = True
     aux_out: int = 3
     dtype: torch.dtype = torch.float32
+    adapter: bool = False  # an extra trainable module, as fine-tuning adds
 
 
 class Embed(nn.Module):
@@ -69,6 +70,7 @@ class ToyModel(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.aux = nn.Linear(cfg.dim, cfg.aux_out)  # never used in forward
+        self.adapter = nn.Linear(cfg.dim, cfg.dim) if cfg.adapter else None
         if cfg.tie:
             self.head.weight = self.tok.embedding.weight
         if cfg.dtype != torch.float32:
@@ -81,6 +83,8 @@ class ToyModel(nn.Module):
         if self.head is None:
             return h
         h = h + self.frozen(h)
+        if self.adapter is not None:
+            h = h + self.adapter(h)
         return self.head(self.norm(h))
 
     def keep_stage(self, stage: int, n_stages: int) -> "ToyModel":
@@ -95,7 +99,7 @@ class ToyModel(nn.Module):
         if stage != 0:
             self.tok = None
         if stage != n_stages - 1:
-            self.frozen = self.norm = self.head = self.aux = None
+            self.frozen = self.norm = self.head = self.aux = self.adapter = None
         return self
 
 

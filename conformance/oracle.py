@@ -123,3 +123,50 @@ def diff_snapshots(expected: dict, actual: dict, rtol: float = 0.0, parts=("para
     for part in parts:
         out += diff_values(expected[part], actual[part], part, rtol)
     return out
+
+
+def full_snapshot(setup) -> dict:
+    """Like :func:`snapshot`, with every DTensor gathered into a full tensor.
+
+    Used across layouts (resharding), where local shards cannot be compared.
+    Collective: every rank of the setup's meshes must call it.
+    """
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    snap = snapshot(setup)
+    return {
+        "params": {k: full(v) for k, v in snap["params"].items()},
+        "state": {k: {kk: full(vv) if isinstance(vv, torch.Tensor) else vv for kk, vv in e.items()} for k, e in snap["state"].items()},
+        "groups": snap["groups"],
+    }
+
+
+def optimizer_view(setup) -> dict:
+    """What an optimizer holds, for checking that nothing changed: state and groups."""
+    snap = snapshot(setup)
+    return {"state": snap["state"], "groups": snap["groups"], "params": snap["params"]}
+
+
+def grads_view(setup) -> dict:
+    return {fqn: (None if p.grad is None else p.grad.detach().clone()) for fqn, p in setup.named_parameters()}
+
+
+def expect_unchanged(before: dict, after: dict, what: str) -> None:
+    fail_if(diff_values(before, after, "optimizer"), what)
+
+
+def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
+    """Call ``fn``; it must raise, and the message must name each of ``names``."""
+    try:
+        fn()
+    except CheckFailure:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any error type is acceptable, silence is not
+        text = str(exc)
+        missing = [n for n in names if n not in text]
+        if missing:
+            raise CheckFailure(f"{what}: raised {type(exc).__name__}, but the message does not name {missing}: {text[:600]}") from None
+        return exc
+    raise CheckFailure(f"{what}: no error was raised")

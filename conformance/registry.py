@@ -9,6 +9,7 @@ contribute cases through their ``cases()`` function.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -90,7 +91,8 @@ def make_case(
 ) -> Case:
     """The common shape: one phase, on one layout."""
     lay = parse_layout(layout)
-    params = {"layout": layout, "opt": opt, "mode": mode, **params}
+    accepted = inspect.signature(fn).parameters
+    params = {k: v for k, v in {"layout": layout, "opt": opt, "mode": mode}.items() if k in accepted} | params
     return Case(
         id=case_id(clause, layout, opt, mode, variant),
         clause=clause,

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from . import _compat, collectives, distribute, flatten as flat_format
 from . import model as model_state
+from . import templates
 from . import optimizer as optim_state
 from .errors import StateDictError
 from .fqn import ModelIndex, optimizer_params
@@ -72,6 +73,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *, submod
             nested = distribute.offload(nested)
         if opts.flatten_optimizer_state_dict and nested:
             nested = flat_format.flatten(nested)
+            anchor = templates.first_placeholder(nested)
+            if anchor is not None:
+                templates.track_template_fields(nested, anchor)
         return nested
 
 

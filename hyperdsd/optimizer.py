@@ -21,7 +21,7 @@ from . import _compat
 from .flatten import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
 from .placement import Layout
-from .templates import is_unwritten_placeholder, scratch_state, template_state
+from .templates import is_template_value, is_unwritten_placeholder, scratch_state, template_state
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -240,8 +240,17 @@ def _from_flat(osd: dict, index: ModelIndex, targets, strict: bool, problems: li
     names = set(index.param_of)
     state, fields, unknown = unflatten(osd, names)
     aligned = []
+    def listed(f: str) -> bool:
+        entry = state.get(f)
+        if entry and any(not is_unwritten_placeholder(v) for v in entry.values()):
+            return True
+        # Group fields count unless they are still the template's own objects
+        # (DCP replaces every value it loads; some it copies even when not).
+        values = list(fields.get(f, {}).values())
+        return bool(values) and not any(is_template_value(v) for v in values)
+
     for opt, group, fqns in targets:
-        present = [f for f in fqns if f in fields or f in state]
+        present = [f for f in fqns if listed(f)]
         if not present:
             aligned.append(None)
             continue
@@ -269,7 +278,7 @@ def _differs(a, b) -> bool:
         return True
 
 
-def _match_groups(targets, sources, strict: bool, problems: list[str]) -> list[int | None]:
+def _match_groups(targets, sources) -> list[int | None]:
     """For each target group, the index of its source group (or None)."""
     if len(targets) == len(sources) and all(set(t[2]) == set(s[1]) for t, s in zip(targets, sources)):
         return list(range(len(targets)))
@@ -281,13 +290,9 @@ def _match_groups(targets, sources, strict: bool, problems: list[str]) -> list[i
     for _, _, fqns in targets:
         votes = Counter(owner[f] for f in fqns if f in owner)
         matches.append(min(votes, key=lambda j: (-votes[j], j)) if votes else None)
+    # Groups without parameters have nothing to match by: they pair up in order.
     empty_t = [i for i, t in enumerate(targets) if not t[2]]
     empty_s = [j for j, s in enumerate(sources) if not s[1]]
-    if len(empty_t) != len(empty_s) and strict:
-        problems.append(
-            f"the checkpoint has {len(empty_s)} param group(s) without parameters, the optimizer {len(empty_t)}; "
-            "use strict=False to match them in order"
-        )
     for i, j in zip(empty_t, empty_s):
         matches[i] = j
     return matches
@@ -315,7 +320,7 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
             return plan, problems
         sources, state = parsed
         sources = [(g, [index.canonical(f) or f for f in fqns]) for g, fqns in sources]
-        matches = _match_groups(targets, sources, strict, problems)
+        matches = _match_groups(targets, sources)
         plan.foreign = [f for _, fqns in sources for f in fqns if f not in index.param_of]
         plan.foreign += [f for f in state if isinstance(f, str) and f not in index.param_of]
 
@@ -330,7 +335,8 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
             canon = index.canonical(fqn)
             if canon is not None and (canon not in by_name or fqn == canon):
                 by_name[canon] = entry
-    listed.update(by_name)
+    # State that nobody wrote into (a template's placeholders) does not list a parameter.
+    listed.update(f for f, e in by_name.items() if any(not is_unwritten_placeholder(v) for v in e.values()))
     plan.claimed = {f for f in listed if f in index.param_of}
 
     if strict:

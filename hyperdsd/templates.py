@@ -57,7 +57,7 @@ def _zero_grad_stand_in(p: torch.Tensor) -> torch.Tensor:
     return stand_in
 
 
-def scratch_state(opt: torch.optim.Optimizer, only_trainable: bool = True) -> dict[torch.Tensor, dict] | None:
+def scratch_state(opt: torch.optim.Optimizer, only_trainable: bool = False) -> dict[torch.Tensor, dict] | None:
     """The state ``opt`` would have after its first step, built on a copy.
 
     Returns ``{param: {key: value}}`` for the parameters that would get state,
@@ -106,3 +106,52 @@ def template_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
                     value.zero_()  # a placeholder that is saved as is means "never stepped"
                 mark_placeholder(value)
     return state
+
+
+# Group fields of a flat template are plain values (DCP and torch.load must
+# read them), so they are recognised by identity instead: the template holds
+# objects made for it, and anything DCP loads arrives as a new object.
+_template_values: dict[int, object] = {}
+
+
+def _fresh(value: Any) -> tuple[Any, bool]:
+    """A new object equal to ``value``, and whether it is unique (not a cached singleton)."""
+    if isinstance(value, float):
+        return value + 0.0, True  # float arithmetic always allocates
+    if isinstance(value, (tuple, list)) and value:
+        return type(value)(list(value)), True
+    return value, False
+
+
+def track_template_fields(flat: dict, anchor: torch.Tensor) -> None:
+    """Replace the group fields of a flat template by tracked copies.
+
+    The copies stay known while ``anchor`` (one of the template's
+    placeholders) lives; nothing is kept after the template is gone.
+    """
+    ids = []
+    for key, value in flat.items():
+        if isinstance(key, str) and key.startswith("param_groups."):
+            copy_, unique = _fresh(value)
+            if unique:
+                flat[key] = copy_
+                _template_values[id(copy_)] = copy_
+                ids.append(id(copy_))
+    if ids:
+        weakref.finalize(anchor, _drop_values, ids)
+
+
+def _drop_values(ids: list[int]) -> None:
+    for i in ids:
+        _template_values.pop(i, None)
+
+
+def is_template_value(value: Any) -> bool:
+    return id(value) in _template_values and _template_values[id(value)] is value
+
+
+def first_placeholder(flat: dict) -> torch.Tensor | None:
+    for value in flat.values():
+        if is_unwritten_placeholder(value):
+            return value
+    return None

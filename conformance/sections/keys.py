@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from .. import flows
 from ..flows import get_options, optimizers_arg
 from ..layouts import Setup, canonical
-from ..oracle import check, fail_if
+from ..models import ModelConfig, ToyModel
+from ..oracle import check, diff_snapshots, fail_if, snapshot
 from ..registry import make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
-OPTS = ("adamw", "sgd")
+WRAPPERS = {  # layout -> wrapper variants
+    "single": (("compile",), ("checkpoint",), ("checkpoint", "compile")),
+    "ddp": ((), ("compile",)),
+    "fsdp2": (("checkpoint",),),
+    "hsdp2x2": (("checkpoint",),),
+}
 
 
 def aliases(setup) -> dict:
@@ -20,11 +27,12 @@ def aliases(setup) -> dict:
 
 
 def keys_1(c, layout, opt, mode):
+    """Groups list the FQNs of the optimizer's parameters, in its order; state keys are FQNs."""
     s = Setup(c, layout, opt)
     s.train(2)
     osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, mode))
     model_keys = set(c.iut.get_model_state_dict(s.model, options=get_options(c.iut, "sharded")))
-    check(isinstance(osd, dict) and set(osd) >= {"state", "param_groups"}, f"get_optimizer_state_dict returned keys {sorted(osd)[:5]}, expected 'state' and 'param_groups'")
+    check(isinstance(osd, dict) and set(osd) >= {"state", "param_groups"}, f"get_optimizer_state_dict returned keys {sorted(map(str, osd))[:5]}, expected 'state' and 'param_groups'")
     names = aliases(s)
     problems = []
     groups = osd["param_groups"]
@@ -45,15 +53,103 @@ def keys_1(c, layout, opt, mode):
             problems.append(f"state key {key!r} is a {type(key).__name__}, not an FQN")
         elif key not in model_keys:
             problems.append(f"state key {key!r} is not a key of get_model_state_dict")
-    got_state = {k for k in osd["state"] if isinstance(k, str)}
     alias_of = {a: ns[0] for ns in names.values() for a in ns}
-    missing = stateful - {alias_of.get(k, k) for k in got_state}
+    missing = stateful - {alias_of.get(k, k) for k in osd["state"] if isinstance(k, str)}
     problems += [f"state for {fqn!r} is missing" for fqn in sorted(missing)]
     fail_if(problems, "optimizer state dict is not keyed by canonical FQNs in the optimizer's order")
 
 
+def keys_2(c, layout, mode, wrappers):
+    """No wrapper prefix in any key; the dicts load back into a wrapped model."""
+    s = Setup(c, layout, "adamw", wrappers=wrappers)
+    s.train(1)
+    opts = get_options(c.iut, mode)
+    msd = c.iut.get_model_state_dict(s.model, options=opts)
+    osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=opts)
+    plain = ToyModel(s.cfg)
+    if s.layout.pp > 1:
+        plain.keep_stage(s.stage, s.layout.pp)
+    expected = list(plain.state_dict())
+    bad = [k for k in msd if any(seg in k.split(".") for seg in ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"))]
+    bad += [k for k in osd.get("state", {}) if any(seg in str(k).split(".") for seg in ("module", "_orig_mod", "_checkpoint_wrapped_module"))]
+    fail_if(bad, f"wrapper prefixes ({'+'.join(wrappers) or layout}) appear in keys")
+    if mode != "full_cpu" or c.rank == 0:
+        fail_if(sorted(set(expected) ^ set(msd)), "model keys differ from the unwrapped model's state_dict keys (symmetric difference)")
+    saved = flows.save(c, s, mode)
+    s.train(1)
+    want = snapshot(s)
+    b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers)
+    b.set_steps_done(1)
+    flows.load(c, b, saved)
+    b.train(1)
+    fail_if(diff_snapshots(want, snapshot(b)), "a wrapped model does not resume like the uninterrupted run")
+
+
+def keys_3(c, layout, mode):
+    """A tied parameter appears once in optimizer state; loading keeps the tie."""
+    s = Setup(c, layout, "adamw")
+    s.train(2)
+    check(s.module.head.weight is s.module.tok.embedding.weight, "setup error: the model is not tied")
+    opts = get_options(c.iut, mode)
+    osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=opts)
+    msd = c.iut.get_model_state_dict(s.model, options=opts)
+    tied = ("tok.embedding.weight", "head.weight")
+    if mode == "flat":
+        appear = {f for f in tied if any(k.startswith(f"state.{f}.") for k in osd)}
+        in_groups = {f for f in tied if any(k.startswith(f"param_groups.{f}.") for k in osd)}
+    else:
+        appear = {f for f in tied if f in osd["state"]}
+        in_groups = {f for g in osd["param_groups"] for f in g["params"] if f in tied}
+        listed = [f for g in osd["param_groups"] for f in g["params"] if f in tied]
+        check(len(listed) == 1, f"the tied parameter is listed {len(listed)} times in param_groups: {listed}")
+    check(len(appear) == 1, f"optimizer state of the tied parameter appears under {sorted(appear) or 'no name'}, expected exactly one of {tied}")
+    check(len(in_groups) == 1, f"the tied parameter's group fields appear under {sorted(in_groups)}, expected one name")
+    check(set(tied) <= set(msd), f"the model state dict must keep both names of a tied parameter, has {[t for t in tied if t in msd]}")
+    saved = flows.save(c, s, mode)
+    s.train(1)
+    want = snapshot(s)
+    b = Setup(c, layout, "adamw", seed=1)
+    b.set_steps_done(2)
+    flows.load(c, b, saved)
+    check(b.module.head.weight is b.module.tok.embedding.weight, "loading untied the tied parameters")
+    b.train(1)
+    fail_if(diff_snapshots(want, snapshot(b)), "a tied model does not resume like the uninterrupted run")
+
+
+def keys_4(c, layout, mode):
+    """Two optimizers over disjoint parameters: one merged dict, split back by group."""
+    s = Setup(c, layout, "adamw", n_optimizers=2)
+    s.train(2)
+    osd = c.iut.get_optimizer_state_dict(s.model, s.optimizers, options=get_options(c.iut, mode))
+    stateful = {fqn for fqn, _ in s.named_parameters() if any(o.state.get(s.param(fqn)) for o in s.optimizers)}
+    want_groups = sum(len(o.param_groups) for o in s.optimizers)
+    saved = flows.save(c, s, mode)
+    s.train(1)
+    want = snapshot(s)
+    b = Setup(c, layout, "adamw", seed=1, n_optimizers=2)
+    b.set_steps_done(2)
+    flows.load(c, b, saved)
+    b.train(1)
+    # Checked after every collective, so a failing rank cannot leave others waiting.
+    if mode in ("sharded", "full", "dcp") or (mode == "full_cpu" and c.rank == 0 and s.layout.pp == 1):
+        check(len(osd["param_groups"]) == want_groups, f"the merged dict has {len(osd['param_groups'])} groups, the optimizers {want_groups}")
+        check(set(osd["state"]) == stateful, f"merged state keys differ: {sorted(set(osd['state']) ^ stateful)}")
+    fail_if(diff_snapshots(want, snapshot(b)), "after loading into two optimizers, the run differs from the uninterrupted one")
+
+
 def cases():
     for layout in LAYOUTS:
-        for opt in OPTS:
+        for opt in ("adamw", "sgd"):
             for mode in ("sharded", "full"):
                 yield make_case("OPT-KEYS-1", layout, keys_1, opt=opt, mode=mode)
+    for layout, variants in WRAPPERS.items():
+        for wrappers in variants:
+            for mode in ("sharded", "full"):
+                name = "+".join(wrappers) or "plain"
+                yield make_case("OPT-KEYS-2", layout, keys_2, mode=mode, variant=name, wrappers=wrappers, deadline_s=120)
+    for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2"):
+        for mode in ("sharded", "full", "flat", "dcp"):
+            yield make_case("OPT-KEYS-3", layout, keys_3, mode=mode)
+    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+        for mode in ("sharded", "full", "full_cpu", "flat", "dcp"):
+            yield make_case("OPT-KEYS-4", layout, keys_4, mode=mode)

@@ -1,0 +1,165 @@
+"""SPEC §3 Validation and atomicity (OPT-ATOM): check everything, on every
+rank, before changing anything."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .. import flows
+from ..flows import get_options, optimizers_arg, set_options
+from ..layouts import Setup
+from ..oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view
+from ..registry import make_case
+
+GHOST = "ghost.weight"
+TARGET = "layers.1.fc1.weight"  # a parameter every layout's rank 0 ... (pp: stage 0) holds
+
+
+def _source(c, layout, mode):
+    """A trained setup's state dict, and a stepped target to load it into."""
+    a = Setup(c, layout, "adamw")
+    a.train(2)
+    osd = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode)))
+    b = Setup(c, layout, "adamw", seed=1)
+    b.train(1)
+    return osd, b
+
+
+def _owned(b) -> str:
+    """A parameter this rank's optimizer holds state for."""
+    names = [f for f, p in b.named_parameters() if b.optimizers[0].state.get(p)]
+    return TARGET if TARGET in names else names[0]
+
+
+def _corrupt(osd, kind: str, fqn: str, flat: bool):
+    """Damage ``osd`` in one way; returns the names the error must mention."""
+    if kind == "unknown_fqn":
+        if flat:
+            osd[f"state.{GHOST}.exp_avg"] = torch.zeros(3)
+            osd[f"param_groups.{GHOST}.lr"] = 0.1
+        else:
+            osd["state"][GHOST] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3)}
+            osd["param_groups"][0]["params"].append(GHOST)
+        return [GHOST]
+    if kind == "unknown_group":
+        osd["param_groups"].append({**{k: v for k, v in osd["param_groups"][0].items() if k != "params"}, "params": [GHOST]})
+        return [GHOST]
+    if kind == "wrong_shape":
+        key = f"state.{fqn}.exp_avg" if flat else None
+        if flat:
+            value = osd[key]
+            osd[key] = _reshape(value)
+        else:
+            osd["state"][fqn]["exp_avg"] = _reshape(osd["state"][fqn]["exp_avg"])
+        return [fqn, "exp_avg"]
+    if kind == "non_tensor":
+        if flat:
+            osd[f"state.{fqn}.exp_avg"] = "garbage"
+        else:
+            osd["state"][fqn]["exp_avg"] = "garbage"
+        return [fqn, "exp_avg"]
+    if kind == "no_state":
+        del osd["state"]
+        return ["state"]
+    if kind == "group_without_params":
+        del osd["param_groups"][0]["params"]
+        return ["params"]
+    raise ValueError(kind)
+
+
+def _reshape(value):
+    """The same kind of tensor with one more row: the wrong shape."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        bigger = torch.zeros((local.shape[0] + 1, *local.shape[1:]), dtype=local.dtype)
+        shape = torch.Size((value.shape[0] + value.device_mesh.size(), *value.shape[1:]))
+        return DTensor.from_local(bigger, value.device_mesh, value.placements, run_check=False, shape=shape, stride=_contiguous(shape))
+    return torch.zeros((value.shape[0] + 1, *value.shape[1:]), dtype=value.dtype)
+
+
+def _contiguous(shape) -> tuple:
+    return torch.empty(shape, device="meta").stride()
+
+
+def atom_bad_input(c, layout, mode, kind, which):
+    osd, b = _source(c, layout, mode)
+    fqn = _owned(b)
+    names = _corrupt(osd, kind, fqn, flat=(mode == "flat"))
+    before = optimizer_view(b)
+    expect_error(
+        lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode, strict=True)),
+        names=names,
+        what=f"{which}: set with {kind.replace('_', ' ')}",
+    )
+    expect_unchanged(before, optimizer_view(b), f"{which}: the failed set changed the optimizer")
+
+
+def atom_3(c, layout, target):
+    """broadcast_from_rank0 without full_state_dict: ValueError, before any collective."""
+    b = Setup(c, layout, "adamw")
+    b.train(1)
+    before = optimizer_view(b)
+    opts = c.iut.options(broadcast_from_rank0=True, full_state_dict=False)
+    if target == "optim":
+        osd = clone_tree(c.iut.get_optimizer_state_dict(b.model, optimizers_arg(b)))
+        call = lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=opts)  # noqa: E731
+    else:
+        msd = clone_tree(c.iut.get_model_state_dict(b.model))
+        call = lambda: c.iut.set_model_state_dict(b.model, msd, options=opts)  # noqa: E731
+    seq = _collectives_issued()
+    exc = expect_error(call, what="OPT-ATOM-3: contradictory options")
+    check(isinstance(exc, ValueError), f"OPT-ATOM-3: raised {type(exc).__name__}, expected ValueError: {exc}")
+    issued = _collectives_issued() - seq
+    check(issued == 0, f"OPT-ATOM-3: {issued} collective(s) were issued before the error")
+    expect_unchanged(before, optimizer_view(b), "OPT-ATOM-3: the failed set changed the optimizer")
+
+
+def _collectives_issued() -> int:
+    """Collectives this rank has issued on all its process groups so far."""
+    groups = dist.distributed_c10d._world.pg_group_ranks
+    return sum(pg._get_sequence_number_for_group() for pg, ranks in groups.items() if dist.get_rank() in ranks)
+
+
+def atom_4(c, layout, mode):
+    """Bad input on one rank only: every rank raises, none is left waiting, nothing changes."""
+    osd, b = _source(c, layout, mode)
+    bad_rank = 0 if mode in ("full_cpu", "bcast") else c.world_size - 1
+    if mode in ("full_cpu", "bcast") and c.rank != 0:
+        osd = {}
+    if c.rank == bad_rank:
+        fqn = _owned(b)
+        if mode in ("full_cpu", "bcast"):
+            # A bad tensor in the middle of rank 0's dict.
+            keys = list(osd["state"])
+            fqn = keys[len(keys) // 2]
+            osd["state"][fqn]["exp_avg"] = _reshape(osd["state"][fqn]["exp_avg"])
+        else:
+            _corrupt(osd, "wrong_shape", fqn, flat=(mode == "flat"))
+    before = optimizer_view(b)
+    expect_error(
+        lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode)),
+        what=f"OPT-ATOM-4: rank {bad_rank} had a bad value; rank {c.rank}",
+    )
+    expect_unchanged(before, optimizer_view(b), f"OPT-ATOM-4: rank {c.rank} changed its optimizer although the load failed")
+
+
+def cases():
+    layouts = ("single", "fsdp4", "hsdp2x2", "pp2")
+    for layout in layouts:
+        for mode in ("sharded", "flat"):
+            yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode=mode, variant="unknown_fqn", kind="unknown_fqn", which="OPT-ATOM-1")
+        yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode="sharded", variant="unknown_group", kind="unknown_group", which="OPT-ATOM-1")
+    for layout in ("single", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+        for mode in ("sharded", "flat", "full"):
+            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant="wrong_shape", kind="wrong_shape", which="OPT-ATOM-2")
+            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant="non_tensor", kind="non_tensor", which="OPT-ATOM-2")
+        for kind in ("no_state", "group_without_params"):
+            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode="sharded", variant=kind, kind=kind, which="OPT-ATOM-2")
+    for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2"):
+        for target in ("optim", "model"):
+            yield make_case("OPT-ATOM-3", layout, atom_3, variant=target, target=target, deadline_s=30)
+    for layout in ("ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
+        for mode in ("sharded", "full", "flat", "bcast"):
+            yield make_case("OPT-ATOM-4", layout, atom_4, mode=mode, deadline_s=30)

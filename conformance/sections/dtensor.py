@@ -1,0 +1,159 @@
+"""SPEC §3 DTensor retention (OPT-DT)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import flows
+from ..context import NotApplicable
+from ..flows import get_options, optimizers_arg
+from ..layouts import Setup
+from ..models import ModelConfig
+from ..oracle import check, diff_values, fail_if, snapshot
+from ..registry import make_case
+
+SHARDED = ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
+
+
+def _dtensor_problems(state: dict, params: dict, where: str, *, local: bool) -> list[str]:
+    problems = []
+    for fqn, entry in state.items():
+        p = params.get(fqn)
+        if not isinstance(p, DTensor):
+            continue
+        for key, v in entry.items():
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            at = f"{where}[{fqn!r}][{key!r}]"
+            if not isinstance(v, DTensor):
+                problems.append(f"{at}: a {type(v).__name__}, expected a DTensor like its parameter")
+                continue
+            if v.shape != p.shape:
+                problems.append(f"{at}: global shape {tuple(v.shape)}, the parameter's is {tuple(p.shape)}")
+            if v.device_mesh != p.device_mesh:
+                problems.append(f"{at}: mesh {v.device_mesh}, the parameter's is {p.device_mesh}")
+            if tuple(v.placements) != tuple(p.placements):
+                problems.append(f"{at}: placements {tuple(v.placements)}, the parameter's are {tuple(p.placements)}")
+            if local and v.to_local().shape != p.to_local().shape:
+                problems.append(f"{at}: local shape {tuple(v.to_local().shape)}, the parameter's is {tuple(p.to_local().shape)}")
+            if local and v.to_local().device != p.to_local().device:
+                problems.append(f"{at}: on {v.to_local().device}, the parameter on {p.to_local().device}")
+    return problems
+
+
+def dt_1(c, layout, opt):
+    """Sharded get returns DTensor state with the parameter's global shape, mesh and placements."""
+    s = Setup(c, layout, opt)
+    s.train(2)
+    osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, "sharded"))
+    params = dict(s.named_parameters())
+    fail_if(_dtensor_problems(osd["state"], params, "state", local=False), "sharded get did not keep DTensor state")
+
+
+def dt_2(c, layout, mode):
+    """After set, state of DTensor parameters is DTensor: mesh, placements, local shape, device; step keeps its type."""
+    a = Setup(c, layout, "adamw")
+    a.train(2)
+    saved = flows.save(c, a, mode)
+    want = snapshot(a)
+    b = Setup(c, layout, "adamw", seed=1)
+    flows.load(c, b, saved)
+    got = snapshot(b)
+    params = dict(b.named_parameters())
+    problems = _dtensor_problems(got["state"], params, "state", local=True)
+    for fqn, entry in want["state"].items():
+        if "step" in entry and fqn in got["state"] and type(got["state"][fqn].get("step")) is not type(entry["step"]):
+            problems.append(f"state[{fqn!r}]['step']: a {type(got['state'][fqn].get('step')).__name__}, was a {type(entry['step']).__name__}")
+    fail_if(problems, f"{mode}: state after set is not laid out like its parameter")
+
+
+def dt_3(c, layout, mode):
+    """State in a dtype other than the parameter's (fp32 moments, bf16 parameters) keeps its dtype."""
+    cfg = ModelConfig(tie=not layout.startswith("pp"), dtype=torch.bfloat16)
+    a = Setup(c, layout, "adamw", cfg=cfg)
+    a.train(1)
+    _moments_to_fp32(a)
+    want = snapshot(a)
+    check(any(v.dtype == torch.float32 for e in want["state"].values() for k, v in e.items() if k != "step"), "setup error: no fp32 state")
+    saved = flows.save(c, a, mode)
+    b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
+    b.train(1)  # bf16 state of its own, to be replaced
+    if mode == "dcp":
+        # DCP copies into the template it is given, in the template's dtype:
+        # a resuming job has the same fp32 moments as the one that saved.
+        _moments_to_fp32(b)
+    flows.load(c, b, saved)
+    got = snapshot(b)
+    fail_if(diff_values(want["state"], got["state"], "state"), f"{mode}: state dtypes or values were not kept")
+
+
+def _moments_to_fp32(s) -> None:
+    with torch.no_grad():
+        for opt in s.optimizers:
+            for entry in opt.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    entry[key] = entry[key].float()
+
+
+def dt_4(c, layout, mode, pinned):
+    """(inplace) Loading into existing state writes into the same tensors and storage."""
+    if pinned and not torch.cuda.is_available():
+        raise NotApplicable("pinned host memory needs an accelerator; this machine has none")
+    a = Setup(c, layout, "adamw")
+    a.train(2)
+    saved = flows.save(c, a, mode)
+    want = snapshot(a)
+    b = Setup(c, layout, "adamw", seed=1)
+    b.train(1)
+    if pinned:
+        with torch.no_grad():
+            for opt in b.optimizers:
+                for entry in opt.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        t = entry[key]
+                        local = t.to_local() if isinstance(t, DTensor) else t
+                        pinned_local = local.pin_memory()
+                        entry[key] = DTensor.from_local(pinned_local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()) if isinstance(t, DTensor) else pinned_local
+    before = {}
+    for opt in b.optimizers:
+        for p, entry in opt.state.items():
+            for key, t in entry.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    before[(id(p), key)] = (t, local.untyped_storage().data_ptr(), local.is_pinned() if pinned else False)
+    flows.load(c, b, saved)
+    problems = []
+    fqn_of = b.fqn_of()
+    for opt in b.optimizers:
+        for p, entry in opt.state.items():
+            for key, t in entry.items():
+                old = before.get((id(p), key))
+                if old is None:
+                    continue
+                where = f"state[{fqn_of[p]!r}][{key!r}]"
+                local = t.to_local() if isinstance(t, DTensor) else t
+                if t is not old[0]:
+                    problems.append(f"{where}: replaced by a new tensor object")
+                elif local.untyped_storage().data_ptr() != old[1]:
+                    problems.append(f"{where}: storage reallocated")
+                if pinned and old[2] and not local.is_pinned():
+                    problems.append(f"{where}: no longer pinned")
+    fail_if(problems, f"{mode}: set did not load in place")
+    fail_if(diff_values(want["state"], snapshot(b)["state"], "state"), f"{mode}: in-place load has other values")
+
+
+def cases():
+    for layout in SHARDED:
+        for opt in ("adamw", "adam_amsgrad", "sgd", "adagrad"):
+            yield make_case("OPT-DT-1", layout, dt_1, opt=opt, mode="sharded")
+    for layout in ("fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+        for mode in flows.MODES:
+            yield make_case("OPT-DT-2", layout, dt_2, opt="adamw", mode=mode)
+    for layout in ("single", "fsdp4", "hsdp2x2"):
+        for mode in flows.MODES:
+            yield make_case("OPT-DT-3", layout, dt_3, opt="adamw", mode=mode)
+    for layout in ("single", "fsdp4", "hsdp2x2"):
+        for mode in flows.MODES:
+            yield make_case("OPT-DT-4", layout, dt_4, opt="adamw", mode=mode, profile="inplace", pinned=False)
+        yield make_case("OPT-DT-4", layout, dt_4, opt="adamw", mode="sharded", variant="pinned", profile="inplace", pinned=True)

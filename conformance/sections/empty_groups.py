@@ -1,0 +1,69 @@
+"""SPEC §3 Empty param groups (OPT-EMPTY)."""
+
+from __future__ import annotations
+
+from .. import flows
+from ..layouts import Setup
+from ..models import GroupSpec
+from ..oracle import check, diff_values, fail_if, snapshot
+from ..registry import make_case
+
+EMPTY_AT = (0, 2, 9)  # first, in the middle, last
+
+
+def _groups_without_params(snap) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in snap["groups"]]
+
+
+def empty_1(c, layout, opt, mode):
+    """Groups without parameters, anywhere, survive: count, order, every field; step() works."""
+    spec = GroupSpec(empty_at=EMPTY_AT)
+    a = Setup(c, layout, opt, groups=spec)
+    a.train(2)
+    saved = flows.save(c, a, mode)
+    want = snapshot(a)
+    # The target's empty groups carry values of their own, so that a load
+    # that ignores them shows.
+    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=EMPTY_AT, lr_scale=3.0))
+    b.set_steps_done(2)
+    own = snapshot(b)
+    flows.load(c, b, saved)
+    got = snapshot(b)
+    check(len(got["groups"]) == len(want["groups"]), f"{len(got['groups'])} groups after loading, expected {len(want['groups'])}")
+    problems = []
+    for i, (w, g, o) in enumerate(zip(want["groups"], got["groups"], own["groups"])):
+        missing = sorted(set(w) - set(g))
+        if missing:
+            problems.append(f"groups[{i}] lacks {missing}")
+        if w["params"] != g["params"]:
+            problems.append(f"groups[{i}]['params'] = {g['params']}, expected {w['params']} (order of groups changed)")
+        # In the flat layout an empty group has no FQN to travel with: it keeps its own values (OPT-EMPTY-2).
+        expected = o if (not w["params"] and mode in ("flat",)) or (not w["params"] and mode == "dcp" and layout.startswith("pp")) else w
+        problems += diff_values({k: v for k, v in expected.items() if k != "params"}, {k: v for k, v in g.items() if k != "params"}, f"groups[{i}]")
+    fail_if(problems, f"{mode}: param groups without parameters did not survive")
+    b.train(1)  # step() must work with the loaded groups
+
+
+def empty_2(c, layout, opt, target_empty):
+    """Flat layout: the target's empty groups keep their values, whatever their number; nothing raises."""
+    a = Setup(c, layout, opt, groups=GroupSpec(empty_at=(0, 9)))
+    a.train(2)
+    saved = flows.save(c, a, "flat")
+    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=target_empty, lr_scale=3.0))
+    own = snapshot(b)
+    flows.load(c, b, saved)
+    got = snapshot(b)
+    empties = [(i, g) for i, g in enumerate(own["groups"]) if not g["params"]]
+    problems = diff_values([g for _, g in empties], [got["groups"][i] for i, _ in empties], "empty groups")
+    fail_if(problems, "flat: the target's empty groups did not keep their own values")
+    b.train(1)
+
+
+def cases():
+    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
+        for opt in ("adamw", "sgd"):
+            for mode in flows.MODES:
+                yield make_case("OPT-EMPTY-1", layout, empty_1, opt=opt, mode=mode)
+    for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+        for target_empty, name in (((0, 9), "same"), ((1, 2, 9), "more"), ((), "none")):
+            yield make_case("OPT-EMPTY-2", layout, empty_2, opt="adamw", mode="flat", variant=f"{name}", target_empty=target_empty)

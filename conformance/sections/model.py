@@ -1,0 +1,186 @@
+"""SPEC §3 Model state dict (MODEL)."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .. import flows
+from ..flows import get_options, set_options
+from ..layouts import Setup
+from ..models import ToyModel
+from ..oracle import check, clone_tree, diff_values, expect_error, fail_if
+from ..registry import make_case
+
+LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
+
+
+def _model_view(s) -> dict:
+    """Parameters, persistent buffers and extra state, by canonical name."""
+    out = {k: clone_tree(v) for k, v in s.module.state_dict().items()}
+    return {".".join(p for p in k.split(".") if p != "_checkpoint_wrapped_module"): v for k, v in out.items()}
+
+
+def model_1(c, layout, mode):
+    """Round trip in every mode; keys are those of the unwrapped model's state_dict."""
+    a = Setup(c, layout, "adamw")
+    a.train(1)
+    plain = ToyModel(a.cfg)
+    if a.layout.pp > 1:
+        plain.keep_stage(a.stage, a.layout.pp)
+    expected_keys = list(plain.state_dict())
+    msd = c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode))
+    rank0_holds_all = mode in ("full_cpu", "bcast")
+    want_keys = _all_ranks_keys(expected_keys) if rank0_holds_all else expected_keys  # a collective: every rank
+    want = _model_view(a)
+    saved = flows.save(c, a, mode, optim=False)
+    b = Setup(c, layout, "adamw", seed=1)
+    for block in b.module.layers.values():
+        block.index = -1  # extra state must come back from the checkpoint
+    flows.load(c, b, saved, optim=False)
+    fail_if(diff_values(want, _model_view(b), "model"), f"{mode}: the model does not round-trip")
+    got_index = {name: blk.index for name, blk in b.module.layers.items()}
+    check(all(int(n) == i for n, i in got_index.items()), f"extra state was not restored: {got_index}")
+    if not rank0_holds_all or c.rank == 0:
+        fail_if(sorted(set(want_keys) ^ set(msd)), "model keys differ from model.state_dict() of the unwrapped model (symmetric difference)")
+        check("tok.cache" not in msd, "a non-persistent buffer is in the model state dict")
+    else:
+        check(not msd, f"{mode}: rank {c.rank} must get an empty dict, got {len(msd)} keys")
+
+
+def _all_ranks_keys(keys: list[str]) -> list[str]:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, keys)
+    return sorted({k for ks in everyone for k in ks})
+
+
+def model_2(c, layout, mode, strict):
+    """Missing and unexpected keys: strict raises naming them; strict=False returns them."""
+    a = Setup(c, layout, "adamw")
+    msd = clone_tree(c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode)))
+    gone = "layers.1.fc2.bias"
+    msd.pop(gone)
+    msd["ghost.weight"] = torch.zeros(2)
+    b = Setup(c, layout, "adamw", seed=1)
+    opts = set_options(c.iut, mode, strict=strict)
+    if strict:
+        expect_error(lambda: c.iut.set_model_state_dict(b.model, msd, options=opts), names=[gone, "ghost.weight"], what="MODEL-2: strict load with a missing and an unexpected key")
+        return
+    result = c.iut.set_model_state_dict(b.model, msd, options=opts)
+    missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    check(missing == [gone], f"missing_keys = {missing}, expected [{gone!r}]")
+    check(unexpected == ["ghost.weight"], f"unexpected_keys = {unexpected}, expected ['ghost.weight']")
+    want = {k: v for k, v in _model_view(a).items() if k != gone}
+    got = {k: v for k, v in _model_view(b).items() if k != gone}
+    fail_if(diff_values(want, got, "model"), "MODEL-2: strict=False did not load the other keys")
+
+
+class _ReceiveMeter:
+    """Bytes a rank receives per torch.distributed call while active."""
+
+    NAMES = ("broadcast", "scatter", "all_gather", "all_gather_into_tensor", "all_gather_single", "gather", "recv",
+             "irecv", "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list", "all_to_all")
+
+    def __init__(self):
+        self.largest = 0
+        self.total = 0
+        self.calls = 0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    def _wrap(self, fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            size = sum(_nbytes(a) for a in list(args) + list(kwargs.values()))
+            self.largest = max(self.largest, size)
+            self.total += size
+            self.calls += 1
+            return out
+
+        return wrapper
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if obj is None or isinstance(obj, (int, float, str, bool, dist.ProcessGroup)):
+        return 0
+    try:
+        return len(pickle.dumps(obj))
+    except Exception:
+        return 0
+
+
+def model_3(c, layout):
+    """broadcast from rank 0 into a sharded model: values, DTensors kept, bounded memory in flight."""
+    a = Setup(c, layout, "adamw")
+    a.train(1)
+    want = _model_view(a)
+    saved = flows.save(c, a, "bcast", optim=False)
+    b = Setup(c, layout, "adamw", seed=1)
+    data = torch.load(saved.path, weights_only=True) if c.rank == 0 else {"model": {}}
+    largest_full = max((v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0)
+    box = [largest_full]
+    dist.broadcast_object_list(box, src=0)
+    largest_full = box[0]
+    with _ReceiveMeter() as meter:
+        c.iut.set_model_state_dict(b.model, data["model"], options=set_options(c.iut, "bcast"))
+    fail_if(diff_values(want, _model_view(b), "model"), "broadcast load: values differ")
+    not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
+    check(not not_dt, f"parameters are no longer DTensors after the load: {not_dt[:5]}")
+    if c.rank != 0:
+        limit = max(largest_full, 1 << 20)
+        check(meter.calls > 0, "no torch.distributed call delivered rank 0's tensors; the transfer cannot be checked")
+        check(
+            meter.largest <= limit,
+            f"rank {c.rank} received {meter.largest} bytes in one call; at most one tensor ({largest_full} bytes, "
+            f"or a 1 MiB bucket of small pieces) may be in flight",
+        )
+
+
+def model_4(c, layout, mode):
+    """A model built on the meta device, then sharded, loads full and broadcast dicts."""
+    a = Setup(c, layout, "adamw")
+    a.train(1)
+    want = _model_view(a)
+    saved = flows.save(c, a, mode, optim=False)
+    b = Setup(c, layout, "adamw", seed=1, meta=True, with_optimizer=False)
+    flows.load(c, b, saved, optim=False)
+    got = _model_view(b)
+    on_meta = [k for k, v in got.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    check(not on_meta, f"still on the meta device after loading: {on_meta[:5]}")
+    fail_if(diff_values(want, got, "model"), f"{mode}: loading into a meta-initialised model gave other values")
+    if layout != "single":
+        not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
+        check(not not_dt, f"parameters are not DTensors after the load: {not_dt[:5]}")
+
+
+def cases():
+    for layout in LAYOUTS:
+        for mode in flows.MODES:
+            yield make_case("MODEL-1", layout, model_1, mode=mode)
+    for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):
+        for mode in ("sharded", "full"):
+            for strict in (True, False):
+                yield make_case("MODEL-2", layout, model_2, mode=mode, variant="strict" if strict else "nonstrict", strict=strict)
+    for layout in ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+        yield make_case("MODEL-3", layout, model_3, mode="bcast")
+    for layout in ("fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+        for mode in ("full", "bcast"):
+            yield make_case("MODEL-4", layout, model_4, mode=mode)

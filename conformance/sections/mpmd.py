@@ -1,0 +1,96 @@
+"""SPEC §3 Pipeline and MPMD (OPT-MPMD): each rank holds other parameters."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .. import flows
+from ..flows import get_options, optimizers_arg, set_options
+from ..layouts import Setup
+from ..models import GroupSpec
+from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
+from ..registry import make_case
+
+OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
+
+
+def mpmd_1(c, layout, opt):
+    """Flat keys each belong to one of the rank's parameters; stages' keys are disjoint; DCP round trip."""
+    a = Setup(c, layout, opt)
+    a.train(2)
+    flat = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, "flat"))
+    mine = {fqn for fqn, _ in a.named_parameters()}
+    stray = []
+    for key in flat:
+        head, _, rest = str(key).partition(".")
+        if head not in ("state", "param_groups") or not any(rest.startswith(f + ".") for f in mine):
+            stray.append(key)
+    fail_if(stray, "flat keys that belong to none of this rank's parameters")
+    keysets = [None] * dist.get_world_size()
+    dist.all_gather_object(keysets, (a.stage, sorted(map(str, flat))))
+    for r, (stage, keys) in enumerate(keysets):
+        for r2, (stage2, keys2) in enumerate(keysets):
+            if stage < stage2:
+                common = set(keys) & set(keys2)
+                check(not common, f"stages {stage} (rank {r}) and {stage2} (rank {r2}) share flat keys: {sorted(common)[:5]}")
+    saved = flows.save(c, a, "dcp")
+    want = snapshot(a)
+    b = Setup(c, layout, opt, seed=1)
+    b.set_steps_done(2)
+    flows.load(c, b, saved)
+    fail_if(diff_snapshots(want, snapshot(b)), "after a DCP round trip of the flat dicts, a rank's optimizer differs")
+    a.train(1)
+    b.train(1)
+    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "training after the DCP round trip differs")
+
+
+def mpmd_2(c, layout, opt, empty_on_last):
+    """Stages with different group layouts (number of groups, hyperparameters) round-trip."""
+    # pipeline stages hold different parameters, so their groups differ in number already;
+    # each stage also gets its own learning rates, and optionally an empty group of its own.
+    def spec(stage):
+        return GroupSpec(lr_scale=1.0 + stage, empty_at=(9,) if empty_on_last and stage else ())
+
+    a = Setup(c, layout, opt, groups=spec(_stage(c, layout)))
+    a.train(2)
+    saved = flows.save(c, a, "dcp")
+    a.train(1)
+    want = snapshot(a)
+    b = Setup(c, layout, opt, seed=1, groups=spec(_stage(c, layout)))
+    b.set_steps_done(2)
+    flows.load(c, b, saved)
+    b.train(1)
+    fail_if(diff_snapshots(want, snapshot(b)), "stages with their own group layouts did not resume like the uninterrupted run")
+
+
+def _stage(c, layout) -> int:
+    from ..layouts import parse_layout
+
+    lay = parse_layout(layout)
+    return c.mesh(lay.mesh, lay.dim_names).get_coordinate()[0]
+
+
+def mpmd_3(c, layout, opt):
+    """flat -> nested -> flat through set and get, given the model: nothing lost."""
+    a = Setup(c, layout, opt)
+    a.train(2)
+    flat = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, "flat")))
+    b = Setup(c, layout, opt, seed=1)
+    c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), clone_tree(flat), options=set_options(c.iut, "flat"))
+    nested = clone_tree(c.iut.get_optimizer_state_dict(b.model, optimizers_arg(b)))
+    d = Setup(c, layout, opt, seed=2)
+    c.iut.set_optimizer_state_dict(d.model, optimizers_arg(d), nested)
+    again = c.iut.get_optimizer_state_dict(d.model, optimizers_arg(d), options=get_options(c.iut, "flat"))
+    fail_if(diff_values(flat, again, "flat"), "flat -> nested -> flat lost or changed entries")
+
+
+def cases():
+    for layout in ("pp2", "pp2xfsdp2"):
+        for opt in OPTS:
+            yield make_case("OPT-MPMD-1", layout, mpmd_1, opt=opt, mode="flat")
+        for opt in ("adamw", "sgd"):
+            yield make_case("OPT-MPMD-2", layout, mpmd_2, opt=opt, mode="flat", variant="lr", empty_on_last=False)
+            yield make_case("OPT-MPMD-2", layout, mpmd_2, opt=opt, mode="flat", variant="empty_group", empty_on_last=True)
+    for layout in ("single", "fsdp4", "pp2", "pp2xfsdp2"):
+        for opt in ("adamw", "sgd"):
+            yield make_case("OPT-MPMD-3", layout, mpmd_3, opt=opt, mode="flat")

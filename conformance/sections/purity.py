@@ -1,0 +1,94 @@
+"""SPEC §3 Purity (OPT-PURE): get changes nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from ..flows import get_options, optimizers_arg
+from ..layouts import Setup
+from ..models import batch, loss_fn
+from ..oracle import diff_snapshots, diff_values, expect_unchanged, fail_if, grads_view, optimizer_view, snapshot
+from ..registry import make_case
+
+LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
+OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
+
+
+def _accumulate(s) -> None:
+    """A forward and backward without a step: gradients present, optimizer fresh."""
+    tokens, targets = batch(0, 0, s.cfg)
+    rank, degree = s.dp
+    rows = tokens.shape[0] // degree
+    loss_fn(s.model(tokens[rank * rows : (rank + 1) * rows]), targets[rank * rows : (rank + 1) * rows]).backward()
+
+
+def _get_changes_nothing(c, s, mode):
+    before, grads = optimizer_view(s), grads_view(s)
+    c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, mode))
+    expect_unchanged(before, optimizer_view(s), f"get ({mode}) changed the optimizer or the parameters")
+    fail_if(diff_values(grads, grads_view(s), "grad"), f"get ({mode}) changed the gradients")
+
+
+def pure_1(c, layout, opt, mode, grads):
+    """Never stepped: get leaves it so, and training afterwards is unaffected."""
+    a = Setup(c, layout, opt)
+    b = Setup(c, layout, opt)
+    if grads:
+        _accumulate(a)
+        _accumulate(b)
+    _get_changes_nothing(c, a, mode)
+    for s in (a, b):
+        for o in s.optimizers:
+            o.zero_grad(set_to_none=True)
+        s.train(2)
+    fail_if(diff_snapshots(snapshot(b), snapshot(a)), "training after get differs from training without it")
+
+
+def pure_2(c, layout, opt, mode):
+    """After steps: get changes nothing, and changing what it returned does not reach the optimizer."""
+    a = Setup(c, layout, opt)
+    b = Setup(c, layout, opt)
+    a.train(2)
+    b.train(2)
+    _get_changes_nothing(c, a, mode)
+    osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode))
+    before = optimizer_view(a)
+    _vandalise(osd)
+    expect_unchanged(before, optimizer_view(a), "changing the returned dict changed the optimizer")
+    a.train(1)
+    b.train(1)
+    fail_if(diff_snapshots(snapshot(b), snapshot(a)), "training after get differs from training without it")
+
+
+def _vandalise(osd) -> None:
+    """Pop, replace and clear everything in the returned containers."""
+    if "state" in osd:
+        for entry in list(osd["state"].values()):
+            for key in list(entry):
+                entry[key] = torch.zeros(1) if isinstance(entry[key], torch.Tensor) else -1
+            entry.clear()
+        osd["state"].clear()
+        for group in osd["param_groups"]:
+            group["lr"] = 123.0
+            group["params"].clear()
+            group.pop("weight_decay", None)
+        osd["param_groups"].clear()
+    else:
+        for key in list(osd):
+            osd[key] = None
+        osd.clear()
+
+
+def cases():
+    for layout in LAYOUTS:
+        for opt in OPTS if layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2") else ("adamw",):
+            yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="fresh", grads=False)
+            if not layout.startswith("pp"):  # stages accumulate gradients only inside a schedule step
+                yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="grads", grads=True)
+    for layout in LAYOUTS:
+        for mode in ("sharded", "flat"):
+            yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
+    for layout in LAYOUTS:
+        for mode in ("full", "full_cpu", "flat"):
+            yield make_case("OPT-PURE-3", layout, pure_1, opt="adamw", mode=mode, variant="fresh", grads=False)
+            yield make_case("OPT-PURE-3", layout, pure_2, opt="adamw", mode=mode, variant="stepped")
