@@ -22,7 +22,7 @@ class ModelConfig:
     vocab: int = 16
     dim: int = 8
     hidden: int = 12
-    n_layers: int = 4
+    n_layers: int = 2
     tie: bool = True
     aux_out: int = 3
     dtype: torch.dtype = torch.float32

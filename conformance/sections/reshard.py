@@ -22,7 +22,7 @@ from ..oracle import check, diff_values, fail_if, full_snapshot
 from ..registry import Case, Phase, case_id
 from ..flows import Saved
 
-BEFORE, AFTER = 2, 2
+BEFORE, AFTER = 1, 1
 RTOL = 1e-6
 only_layers = lambda fqn: fqn.startswith("layers.")  # noqa: E731
 

@@ -14,7 +14,7 @@ from ..registry import make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
-BEFORE, AFTER = 2, 2
+BEFORE, AFTER = 1, 1
 
 
 def rt_1(c, layout, opt, mode):
