@@ -50,6 +50,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    if buf.numel() == 0:  # views of empty buffers may sit at unaligned offsets
+        return torch.empty(shape, dtype=dtype, device=buf.device)
     return buf.view(dtype).reshape(shape)
 
 
@@ -224,6 +226,11 @@ class Gatherer:
             offsets.append(total)
             total += _aligned(self._piece_bytes(item, n))
         device = _compat.local_tensor(bucket[0].dt).device
+        if total == 0:  # only empty tensors: every rank knows that without asking
+            if root is None or me == root:
+                for item in bucket:
+                    self._keep(item.key, torch.empty(item.dt.shape, dtype=item.dt.dtype, device=device))
+            return
         send = torch.zeros(total, dtype=torch.uint8, device=device)
         for item, off in zip(bucket, offsets):
             raw = _as_bytes(_compat.local_tensor(item.dt))

@@ -1,0 +1,127 @@
+"""Rank-side functions for hyperdsd's multi-rank tests (run through the harness)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import hyperdsd
+from hyperdsd import collectives
+from hyperdsd.collectives import Gatherer, Need, scatter_from_rank0
+from hyperdsd.placement import Layout
+
+SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
+
+
+def _tensors(mesh, placements):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for shape, dtype in SHAPES:
+        full = (torch.rand(shape, generator=gen) * 100).to(dtype)
+        out.append((full, distribute_tensor(full, mesh, placements, src_data_rank=None)))
+    return out
+
+
+def gather(ctx, mesh="4", root: bool = False, bucket_bytes: int = 64):
+    m = ctx.mesh(mesh)
+    placements = [Shard(0)] if m.ndim == 1 else [Replicate(), Shard(0)]
+    pairs = _tensors(m, placements)
+    g = Gatherer(cpu=True, bucket_bytes=bucket_bytes)
+    for i, (_, dt) in enumerate(pairs):
+        g.add(i, dt, root=0 if root else None)
+    results = g.run()
+    if root and ctx.rank != 0:
+        assert results == {}, f"rank {ctx.rank} kept {list(results)}"
+        return 0
+    for i, (full, _) in enumerate(pairs):
+        assert results[i].dtype == full.dtype and torch.equal(results[i], full), f"tensor {i} differs"
+    return len(results)
+
+
+def scatter(ctx, bucket_bytes: int = 48):
+    m = ctx.mesh(str(ctx.world_size))
+    fulls = [t.to(d) for t, d in ((torch.arange(70.0).reshape(7, 10), torch.float32), (torch.arange(12.0), torch.float64), (torch.ones(3), torch.int32))]
+    layouts = [Layout(m, (Shard(0),), f.shape, f.stride()) for f in fulls]
+    needs = [Need.of_layout(layouts[0]), Need.whole(fulls[1].shape), Need.of_layout(layouts[2]) if ctx.rank % 2 else None]
+    metas = [(tuple(f.shape), f.dtype) for f in fulls]
+    pieces = scatter_from_rank0(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
+    for i, need in enumerate(needs):
+        if need is None:
+            assert pieces[i] is None
+        else:
+            assert torch.equal(pieces[i], need.cut(fulls[i])), f"piece {i} differs on rank {ctx.rank}"
+    return True
+
+
+def agree(ctx, bad_rank: int = 1):
+    problems = [f"bad value on rank {ctx.rank}"] if ctx.rank == bad_rank else []
+    try:
+        collectives.agree(problems, "test")
+    except hyperdsd.StateDictError as exc:
+        assert f"rank {bad_rank}" in str(exc) and "bad value" in str(exc), str(exc)
+        return "raised"
+    return "passed"
+
+
+# -- interop with torch's implementation -------------------------------------
+
+def _setup(ctx, layout, seed, impl):
+    from conformance.adapters import load_adapter
+    from conformance.layouts import Setup
+    from conformance.models import ModelConfig
+
+    c = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, mesh=ctx.mesh, iut=load_adapter(impl))
+    # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.
+    return Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(tie=False), trainable=lambda f: not f.startswith(("aux", "frozen")))
+
+
+def _state(setup):
+    from conformance.oracle import snapshot
+
+    return snapshot(setup)
+
+
+def interop(ctx, layout: str, writer: str, reader: str, mode: str):
+    """State written by one implementation, read by the other, resumes exactly."""
+    from conformance.oracle import diff_snapshots
+    import torch.distributed.checkpoint as dcp
+    from conformance.adapters import load_adapter
+
+    w, r = load_adapter(writer), load_adapter(reader)
+    flat = mode in ("flat", "flat_dcp")
+    a = _setup(ctx, layout, 0, writer)
+    a.train(1)
+    opts_w = w.options(flatten_optimizer_state_dict=flat)
+    osd = copy.deepcopy(w.get_optimizer_state_dict(a.model, a.optimizers[0], options=opts_w)) if "dcp" not in mode else None
+    msd = w.get_model_state_dict(a.model)
+    path = None
+    if "dcp" in mode:
+        path = ctx.cache.setdefault("dir", None)
+        box = [__import__("tempfile").mkdtemp() if ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+        dcp.save({"model": msd, "optim": w.get_optimizer_state_dict(a.model, a.optimizers[0], options=opts_w)}, checkpoint_id=path)
+    else:
+        msd = copy.deepcopy(msd)
+    a.train(1)
+    b = _setup(ctx, layout, 1, reader)
+    b.set_steps_done(1)
+    opts_r = r.options(flatten_optimizer_state_dict=flat)
+    if path is not None:
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        tmpl_m = r.get_model_state_dict(b.model)
+        dcp.load({"model": tmpl_m}, checkpoint_id=path)
+        tmpl_o = r.get_optimizer_state_dict(b.model, b.optimizers[0], options=opts_r)
+        dcp.load({"optim": tmpl_o}, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        msd, osd = tmpl_m, tmpl_o
+    r.set_model_state_dict(b.model, msd)
+    r.set_optimizer_state_dict(b.model, b.optimizers[0], osd, options=opts_r)
+    b.train(1)
+    diffs = diff_snapshots(_state(a), _state(b))
+    assert not diffs, "\n".join(diffs[:10])
+    return True

@@ -1,0 +1,46 @@
+"""hyperdsd's distributed paths on real CPU ranks: batched gathers, bucketed
+scatters, agreement, and interoperability with torch's implementation."""
+
+import pytest
+
+from hyperdsd.testing import PoolSet, Task
+
+
+@pytest.fixture(scope="module")
+def pools():
+    ps = PoolSet()
+    yield ps
+    ps.kill()
+
+
+def run(pools, world_size, fn, **kwargs):
+    outcome = pools.run(world_size, Task(f"dist_tasks:{fn}", kwargs), 120)
+    assert outcome.status == "passed", outcome.describe() + "\n" + "\n".join(r.traceback for r in outcome.results)
+    return outcome.values
+
+
+@pytest.mark.parametrize("mesh, root", [("4", False), ("4", True), ("2x2", False), ("2x2", True)])
+def test_gather_in_small_buckets_with_uneven_and_empty_shards(pools, mesh, root):
+    values = run(pools, 4, "gather", mesh=mesh, root=root, bucket_bytes=64)
+    assert values[0] == 6
+
+
+def test_gather_on_three_ranks_uneven(pools):
+    assert run(pools, 3, "gather", mesh="3", root=False, bucket_bytes=40)[0] == 6
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_scatter_delivers_each_rank_only_its_pieces(pools, world_size):
+    assert all(run(pools, world_size, "scatter", bucket_bytes=48))
+
+
+def test_agreement_raises_on_every_rank(pools):
+    assert run(pools, 4, "agree", bad_rank=1) == ["raised"] * 4
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp2"])
+@pytest.mark.parametrize("writer, reader", [("torch", "hyperdsd"), ("hyperdsd", "torch")])
+@pytest.mark.parametrize("mode", ["sharded", "flat", "dcp", "flat_dcp"])
+def test_interop_with_torch(pools, layout, writer, reader, mode):
+    world_size = 1 if layout == "single" else 2
+    assert run(pools, world_size, "interop", layout=layout, writer=writer, reader=reader, mode=mode) == [True] * world_size

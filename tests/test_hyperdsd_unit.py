@@ -1,0 +1,365 @@
+"""hyperdsd in one process, no process group: conversion, flat layout,
+validation and in-place loading."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from parameterized import parameterized
+
+import hyperdsd
+from hyperdsd import StateDictError, StateDictOptions
+from hyperdsd import flatten as flat_format
+from hyperdsd.fqn import ModelIndex
+from hyperdsd.templates import is_unwritten_placeholder
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self, tie=True):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.blocks = nn.ModuleDict({"0": Block(), "1": Block()})
+        self.head = nn.Linear(4, 6, bias=False)
+        self.unused = nn.Linear(4, 2)  # never gets a gradient
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x) * self.scale
+        for b in self.blocks.values():
+            h = b(h)
+        return self.head(h)
+
+
+def make(seed=0, opt="adamw", empty_at=(), tie=True, **kw):
+    torch.manual_seed(seed)
+    model = Net(tie=tie)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if p.dim() >= 2], "lr": 0.01, "name": "mat"},
+        {"params": [p for n, p in named if p.dim() < 2], "lr": 0.02, "name": "vec"},
+    ]
+    for i, pos in enumerate(empty_at):
+        groups.insert(pos, {"params": [], "lr": 0.5 + i, "name": f"empty{i}"})
+    cls = {"adamw": torch.optim.AdamW, "sgd": lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9)}[opt]
+    return model, cls(groups, **kw) if opt == "adamw" else cls(groups)
+
+
+def step(model, opt, n=1):
+    for i in range(n):
+        x = torch.tensor([[i % 6, (i + 1) % 6, 2]])
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def view(opt):
+    """Everything an optimizer holds, deep-copied, for before/after comparisons."""
+    return copy.deepcopy({"state": {id(p): v for p, v in opt.state.items()}, "groups": opt.param_groups})
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# -- options ----------------------------------------------------------------
+
+def test_torch_options_are_accepted():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions as TorchOptions
+
+    model, opt = make()
+    step(model, opt)
+    ours = hyperdsd.get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    theirs = hyperdsd.get_optimizer_state_dict(model, opt, options=TorchOptions(flatten_optimizer_state_dict=True))
+    assert same(ours, theirs) and "state.blocks.0.fc.weight.exp_avg" in ours
+
+
+def test_contradictory_options_raise_value_error():
+    model, opt = make()
+    with pytest.raises(ValueError, match="broadcast_from_rank0=True requires full_state_dict=True"):
+        hyperdsd.set_optimizer_state_dict(model, opt, {}, options=StateDictOptions(broadcast_from_rank0=True))
+
+
+def test_non_bool_option_is_named():
+    with pytest.raises(StateDictError, match="options.strict"):
+        hyperdsd.get_model_state_dict(Net(), options=StateDictOptions(strict="yes"))
+
+
+# -- FQNs -------------------------------------------------------------------
+
+def test_wrapper_segments_are_not_in_canonical_names():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = Net()
+    model.blocks["0"] = checkpoint_wrapper(model.blocks["0"])
+    compiled = torch.compile(model, backend="eager")  # nothing is compiled until a forward
+    index = ModelIndex(compiled)
+    assert index.fqn_of[model.blocks["0"].fc.weight] == "blocks.0.fc.weight"
+    assert index.canonical_key("_orig_mod.blocks.0._checkpoint_wrapped_module.fc.weight") == "blocks.0.fc.weight"
+    # the checkpoint wrapper's state-dict hook already dropped its segment:
+    assert index.canonical_key("_orig_mod.blocks.0.fc.weight") == "blocks.0.fc.weight"
+    assert set(hyperdsd.get_model_state_dict(compiled)) == set(Net().state_dict())
+
+
+def test_fqn_modifiers_hide_children():
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wrapped = Inner()
+
+        def _fqn_modifiers(self):
+            return {"alias": "wrapped"}
+
+    index = ModelIndex(Outer())
+    assert set(index.param_of) == {"lin.weight", "lin.bias"}
+
+
+def test_tied_parameter_has_one_canonical_name_and_both_aliases():
+    model = Net()
+    index = ModelIndex(model)
+    assert index.fqn_of[model.head.weight] == "emb.weight"
+    assert index.aliases[model.head.weight] == ["emb.weight", "head.weight"]
+    assert index.canonical("head.weight") == "emb.weight"
+    sd = hyperdsd.get_model_state_dict(model)
+    assert "emb.weight" in sd and "head.weight" in sd and "cache" not in sd
+
+
+# -- get is pure ------------------------------------------------------------
+
+def test_get_on_a_fresh_optimizer_changes_nothing_and_gives_placeholders():
+    model, opt = make()
+    before = view(opt)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    osd = hyperdsd.get_optimizer_state_dict(model, opt)
+    assert same(before, view(opt)) and len(opt.state) == 0
+    assert all(torch.equal(params[n], p) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    entry = osd["state"]["blocks.0.fc.weight"]
+    assert set(entry) == {"step", "exp_avg", "exp_avg_sq"} and float(entry["step"]) == 0.0
+    assert is_unwritten_placeholder(entry["exp_avg"])
+    entry["exp_avg"].copy_(torch.ones(4, 4))  # what DCP does when it loads
+    assert not is_unwritten_placeholder(entry["exp_avg"])
+
+
+def test_changing_what_get_returned_does_not_reach_the_optimizer():
+    model, opt = make()
+    step(model, opt, 2)
+    before = view(opt)
+    osd = hyperdsd.get_optimizer_state_dict(model, opt)
+    for entry in osd["state"].values():
+        entry.clear()
+    osd["param_groups"][0]["lr"] = 99.0
+    osd["param_groups"][0]["params"].clear()
+    assert same(before, view(opt))
+
+
+def test_keys_follow_the_optimizers_order_and_lazy_state_stays_absent():
+    model, opt = make()
+    step(model, opt)
+    osd = hyperdsd.get_optimizer_state_dict(model, opt)
+    assert osd["param_groups"][0]["params"] == ["emb.weight", "blocks.0.fc.weight", "blocks.1.fc.weight", "unused.weight"]
+    assert "unused.weight" not in osd["state"] and "unused.bias" not in osd["state"]
+
+
+# -- set ----------------------------------------------------------------------
+
+def test_round_trip_into_a_fresh_optimizer_matches_uninterrupted_training():
+    a, oa = make(0)
+    step(a, oa, 2)
+    msd, osd = hyperdsd.get_state_dict(a, oa)
+    msd, osd = copy.deepcopy(msd), copy.deepcopy(osd)
+    b, ob = make(1)
+    hyperdsd.set_state_dict(b, ob, model_state_dict=msd, optim_state_dict=osd)
+    assert b.unused.weight not in ob.state and b.unused.bias not in ob.state
+    step(a, oa)
+    step(b, ob)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    state_a = [oa.state.get(p) for p in a.parameters()]
+    state_b = [ob.state.get(p) for p in b.parameters()]
+    assert same(state_a, state_b)
+
+
+def test_set_copies_into_existing_state_in_place():
+    a, oa = make(0)
+    step(a, oa, 2)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    b, ob = make(1)
+    step(b, ob)
+    p = b.blocks["0"].fc.weight
+    held = ob.state[p]["exp_avg"]
+    ptr = held.untyped_storage().data_ptr()
+    hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert ob.state[p]["exp_avg"] is held and held.untyped_storage().data_ptr() == ptr
+    assert torch.equal(held, oa.state[a.blocks["0"].fc.weight]["exp_avg"])
+
+
+def test_state_keeps_its_own_dtype():
+    model, opt = make()
+    step(model, opt)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(model, opt))
+    osd["state"]["blocks.0.fc.weight"]["exp_avg"] = osd["state"]["blocks.0.fc.weight"]["exp_avg"].double()
+    b, ob = make(1)
+    hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert ob.state[b.blocks["0"].fc.weight]["exp_avg"].dtype == torch.float64
+
+
+BAD_INPUTS = [
+    ("unknown_fqn", lambda o: o["state"].__setitem__("ghost.w", {"exp_avg": torch.zeros(1)}), "ghost.w"),
+    ("wrong_shape", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("exp_avg", torch.zeros(3, 4)), "blocks.0.fc.weight"),
+    ("non_tensor", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("exp_avg", "x"), "exp_avg"),
+    ("non_tensor_step", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("step", 3), "step"),
+    ("no_state", lambda o: o.pop("state"), "'state'"),
+    ("group_without_params", lambda o: o["param_groups"][0].pop("params"), "params"),
+    ("missing_fqn", lambda o: [o["state"].pop("emb.weight"), o["param_groups"][0]["params"].remove("emb.weight")], "emb.weight"),
+    ("int_keys", lambda o: o["state"].__setitem__(0, {}), "0"),
+]
+
+
+@parameterized.expand(BAD_INPUTS)
+def test_bad_input_raises_naming_it_and_changes_nothing(name, damage, needle):
+    a, oa = make(0)
+    step(a, oa, 2)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    damage(osd)
+    b, ob = make(1)
+    step(b, ob)
+    before = view(ob)
+    with pytest.raises(StateDictError) as err:
+        hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert needle in str(err.value)
+    assert same(before, view(ob))
+
+
+def test_strict_false_loads_the_rest_and_keeps_new_parameters_fresh():
+    a, oa = make(0)
+    step(a, oa)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    osd["state"].pop("blocks.1.fc.weight")
+    for g in osd["param_groups"]:
+        if "blocks.1.fc.weight" in g["params"]:
+            g["params"].remove("blocks.1.fc.weight")
+    b, ob = make(1)
+    hyperdsd.set_optimizer_state_dict(b, ob, osd, options=StateDictOptions(strict=False))
+    assert b.blocks["1"].fc.weight not in ob.state
+    assert torch.equal(ob.state[b.blocks["0"].fc.weight]["exp_avg"], oa.state[a.blocks["0"].fc.weight]["exp_avg"])
+
+
+def test_group_fields_merge_initial_lr_restored_target_only_kept():
+    a, oa = make(0)
+    torch.optim.lr_scheduler.StepLR(oa, step_size=1)
+    step(a, oa)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    b, ob = make(1)
+    ob.param_groups[0]["mine"] = "kept"
+    hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert ob.param_groups[0]["initial_lr"] == 0.01 and ob.param_groups[0]["mine"] == "kept"
+
+
+@parameterized.expand([("nested", False), ("flat", True)])
+def test_empty_groups_survive(name, flat):
+    a, oa = make(0, empty_at=(0, 2, 5))
+    step(a, oa)
+    opts = StateDictOptions(flatten_optimizer_state_dict=flat)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa, options=opts))
+    b, ob = make(1, empty_at=(0, 2, 5))
+    for g in ob.param_groups:
+        if not g["params"]:
+            g["lr"] = -1.0  # the target's own value
+    hyperdsd.set_optimizer_state_dict(b, ob, osd, options=opts)
+    empties = [g["lr"] for g in ob.param_groups if not g["params"]]
+    assert empties == ([-1.0] * 3 if flat else [0.5, 1.5, 2.5])
+    assert [g["name"] for g in ob.param_groups] == [g["name"] for g in oa.param_groups]
+    step(b, ob)
+
+
+# -- the flat layout -------------------------------------------------------------
+
+def test_flatten_and_unflatten_with_dotted_and_nested_keys():
+    nested = {
+        "state": {"a.b": {"step": 1, "m": {"x": torch.ones(1)}}, "a.bc": {"v": torch.zeros(2)}},
+        "param_groups": [{"params": ["a.b", "a.bc"], "lr": 0.1}, {"params": [], "lr": 9.0}],
+    }
+    flat = flat_format.flatten(nested)
+    assert set(flat) == {"state.a.b.step", "state.a.b.m.x", "state.a.bc.v", "param_groups.a.b.lr", "param_groups.a.bc.lr"}
+    state, fields, unknown = flat_format.unflatten({**flat, "state.zz.q": 1}, {"a.b", "a.bc"})
+    assert state["a.b"]["m"]["x"] is flat["state.a.b.m.x"] and state["a.bc"]["v"] is flat["state.a.bc.v"]
+    assert fields == {"a.b": {"lr": 0.1}, "a.bc": {"lr": 0.1}} and unknown == ["state.zz.q"]
+
+
+def test_flat_keys_match_torchs_layout():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_get
+
+    model, opt = make(tie=False)
+    step(model, opt)
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    ours = hyperdsd.get_optimizer_state_dict(model, opt, options=opts)
+    theirs = torch_get(model, opt, options=opts)
+    assert set(ours) == set(theirs)
+    assert all(same(ours[k], theirs[k]) for k in ours)
+
+
+# -- model ------------------------------------------------------------------------
+
+def test_model_strict_errors_change_nothing_and_non_strict_reports():
+    a = Net()
+    sd = copy.deepcopy(hyperdsd.get_model_state_dict(a))
+    sd.pop("blocks.0.fc.bias")
+    sd["ghost"] = torch.zeros(1)
+    b = Net()
+    before = copy.deepcopy(b.state_dict())
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "blocks.0.fc.bias"'):
+        hyperdsd.set_model_state_dict(b, sd)
+    assert same(before, b.state_dict())
+    missing, unexpected = hyperdsd.set_model_state_dict(b, sd, options=StateDictOptions(strict=False))
+    assert missing == ["blocks.0.fc.bias"] and unexpected == ["ghost"]
+    assert torch.equal(b.blocks["1"].fc.weight, a.blocks["1"].fc.weight)
+
+
+def test_model_wrong_shape_is_named():
+    sd = copy.deepcopy(hyperdsd.get_model_state_dict(Net()))
+    sd["blocks.0.fc.weight"] = torch.zeros(5, 4)
+    with pytest.raises(StateDictError, match=r"blocks.0.fc.weight.*shape \(5, 4\)"):
+        hyperdsd.set_model_state_dict(Net(), sd)
+
+
+def test_meta_model_is_materialised_by_a_full_load():
+    src = Net()
+    with torch.device("meta"):
+        dst = Net()
+    hyperdsd.set_model_state_dict(dst, hyperdsd.get_model_state_dict(src), options=StateDictOptions(full_state_dict=True))
+    assert dst.blocks["0"].fc.weight.device.type == "cpu"
+    assert torch.equal(dst.blocks["0"].fc.weight, src.blocks["0"].fc.weight)
+    assert dst.head.weight is dst.emb.weight or torch.equal(dst.head.weight, src.head.weight)
+
+
+def test_aliases_are_the_same_functions():
+    assert hyperdsd.get_optim_state_dict is hyperdsd.get_optimizer_state_dict
+    assert hyperdsd.set_optim_state_dict is hyperdsd.set_optimizer_state_dict
+
+
+def test_submodules_argument_is_refused_clearly():
+    with pytest.raises(StateDictError, match="submodules"):
+        hyperdsd.get_model_state_dict(Net(), submodules={nn.Linear(1, 1)})
