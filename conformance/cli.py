@@ -168,7 +168,7 @@ def _run_torchrun(args, cases, adapter, xfails, warnings) -> int:
     from hyperdsd.testing import ExistingWorld
 
     from .reporting import ConsoleReporter, RunInfo
-    from .runner import Runner
+    from .runner import Runner, WorldLost
 
     world = ExistingWorld(gloo_timeout_s=max(5.0, 0.75 * (args.timeout or 60.0)))
     rank0 = world.rank == 0
@@ -188,7 +188,15 @@ def _run_torchrun(args, cases, adapter, xfails, warnings) -> int:
         results.append(r)
         console.case_done(r)
 
-    runner.run(cases, on_result)
+    try:
+        runner.run(cases, on_result)
+    except WorldLost as exc:
+        # Other ranks are stuck in the lost case; report what ran and leave,
+        # torchrun stops the rest of the world.
+        console.write(f"\nrun aborted: {exc}")
+        _report(args, info, results, warnings + [f"run aborted: {exc}"], time.monotonic() - start, complete=False)
+        sys.stdout.flush()
+        os._exit(1)
     if not rank0:
         return 0
     elapsed = time.monotonic() - start

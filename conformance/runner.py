@@ -87,6 +87,10 @@ def describe_outcome(outcome: TaskOutcome, phase_label: str) -> tuple[str, str, 
     return "\n".join(lines), "\n".join(details), sorted(set(named))
 
 
+class WorldLost(RuntimeError):
+    """Under torchrun, a rank stopped answering: no further case can run."""
+
+
 class Runner:
     """Runs cases one after another and reports each as it finishes."""
 
@@ -107,6 +111,7 @@ class Runner:
         self.world = world
         self.pools = pools
         self.workdir = workdir
+        self.lost = ""  # set when the torchrun world stopped answering
 
     def applicability(self, case: Case) -> str:
         """Why ``case`` cannot run here, or "" when it can."""
@@ -124,6 +129,8 @@ class Runner:
         repro = repro_command(self.impl, case.id, self.timeout, self.world.world_size if self.world else None)
         reason = self.applicability(case)
         if reason:
+            if self.world is not None and self.world.rank != 0:
+                return None  # rank 0 reports
             return self._finish(CaseResult(case, "n/a", message=reason, repro=repro))
         start = time.monotonic()
         workdir = self._case_dir(case)
@@ -135,6 +142,8 @@ class Runner:
                     outcome = self.world.run(task, deadline)
                     if outcome is None:
                         continue  # not rank 0: rank 0 reports
+                    if outcome.recycled:
+                        self.lost = outcome.recycled
                 else:
                     outcome = self.pools.run(phase.world_size, task, deadline)
                 if outcome.status != "passed":
@@ -176,4 +185,6 @@ class Runner:
                 results.append(result)
                 if on_result is not None:
                     on_result(result)
+            if self.lost:
+                raise WorldLost(self.lost)
         return results

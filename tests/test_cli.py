@@ -129,3 +129,46 @@ def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path):
     assert data["complete"] is False
     time.sleep(0.5)
     assert marked_processes(mark) == []
+
+
+def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
+    report = tmp_path / "torchrun.json"
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "conformance",
+         "--impl", "hyperdsd", "-k", "OPT-KEYS-1[fsdp2-adamw", "-k", "OPT-KEYS-1[fsdp4-adamw-sharded]", "--json", str(report)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["launcher"] == "torchrun" and data["world_sizes"] == [2]
+    statuses = {c["id"]: c for c in data["cases"]}
+    assert statuses["OPT-KEYS-1[fsdp2-adamw-sharded]"]["status"] == "passed"
+    assert statuses["OPT-KEYS-1[fsdp2-adamw-full]"]["status"] == "passed"
+    na = statuses["OPT-KEYS-1[fsdp4-adamw-sharded]"]
+    assert na["status"] == "n/a" and "needs world size 4" in na["message"]
+    assert proc.stdout.count("PASS  OPT-KEYS-1[fsdp2-adamw-sharded]") == 1, "only rank 0 reports"
+    assert marked_processes(mark) == []
+
+
+def test_torchrun_hang_ends_the_run_with_stacks_and_a_partial_report(tmp_path):
+    report = tmp_path / "hang.json"
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "conformance",
+         "--impl", "faulty_impl:hang", "-k", SGD, "-k", ADAMW, "--timeout", "8", "--json", str(report)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 8 + 60
+    assert "run aborted" in out and "did not report within the 8 s deadline" in out
+    data = json.loads(report.read_text())
+    assert data["complete"] is False
+    statuses = {c["id"]: c["status"] for c in data["cases"]}
+    assert statuses == {ADAMW: "error"}, statuses  # the run stops at the hung case
+    time.sleep(1)
+    assert marked_processes(mark) == []

@@ -77,21 +77,39 @@ class ExistingWorld:
         self.on_expiry: Callable[[], None] | None = None
 
     def run(self, task: m.Task, deadline_s: float) -> TaskOutcome | None:
-        """Run on this rank; rank 0 returns the outcome for all ranks, others None."""
+        """Run on this rank; rank 0 returns the outcome for all ranks, others None.
+
+        Rank 0 waits for the other ranks' results until the deadline. If one
+        does not report, the outcome is an error with ``recycled`` set: the
+        world cannot be trusted any more, and the caller should end the run
+        (torchrun then stops the other ranks). Other ranks' watchdogs fire a
+        little later than rank 0's, so that rank 0 is the one that reports.
+        """
         self._count += 1
         start = time.monotonic()
-        with _Watchdog(deadline_s, self.on_expiry):
+        grace = 0.0 if self.rank == 0 else 10.0
+        with _Watchdog(deadline_s + grace, self.on_expiry if self.rank == 0 else None):
             result = execute(self.ctx, task)
-        result.value = None if result.status == m.PASSED and not _picklable(result.value) else result.value
+        if result.status == m.PASSED and not _picklable(result.value):
+            result.value = None
         key = f"hyperdsd/task{self._count}/rank"
         self._store.set(f"{key}{self.rank}", pickle.dumps(result))
         if self.rank != 0:
             return None
-        keys = [f"{key}{r}" for r in range(self.world_size)]
-        self._store.wait(keys, self._result_timeout)
-        results = [pickle.loads(self._store.get(k)) for k in keys]
+        results: list[m.RankResult] = []
+        missing = []
+        for r in range(self.world_size):
+            remaining = max(0.1, deadline_s - (time.monotonic() - start))
+            try:
+                self._store.wait([f"{key}{r}"], datetime.timedelta(seconds=remaining))
+                results.append(pickle.loads(self._store.get(f"{key}{r}")))
+            except Exception:  # the store raises on timeout
+                missing.append(r)
+                results.append(m.RankResult(r, m.TIMEOUT, message=f"did not report within the {deadline_s:g} s deadline (stuck or dead)"))
         status, notes = judge(results)
         outcome = TaskOutcome(task, self.world_size, status, results, time.monotonic() - start, notes=notes)
+        if missing:
+            outcome.recycled = f"ranks {missing} did not report; the world cannot run further tasks"
         out_of_step = _out_of_step(results)
         if out_of_step:
             outcome.notes.append(out_of_step)
