@@ -119,3 +119,21 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
     if optim:
         iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
     return keys
+
+
+def resume(c, make, mode: str, *, before: int = 1, after: int = 1, strict: bool = True):
+    """The scenario most clauses share: train, save in ``mode``, train on;
+    load into a fresh setup and train as long.
+
+    ``make(seed)`` builds a setup; seed 1 differs from seed 0 so that values
+    can only come from the checkpoint. Returns (uninterrupted, resumed).
+    """
+    a = make(0)
+    a.train(before)
+    saved = save(c, a, mode)
+    a.train(after)
+    b = make(1)
+    b.set_steps_done(before)
+    load(c, b, saved, strict=strict)
+    b.train(after)
+    return a, b

@@ -171,7 +171,7 @@ class _Load:
             self.problems += [f"{what}: {p}" for p in problems]
         offset = len(self._metas)
         if offset:
-            manifest = _shift_meta_indices(manifest, offset)
+            manifest = distribute.shift_indices(manifest, offset)
         self._fulls += fulls
         self._metas += distribute.manifest_metas(manifest)
         return manifest
@@ -219,18 +219,6 @@ class _Load:
             _run_post_hooks(self.optims)
         if self.model_plan is not None:
             model_state.apply_load(self.model, self.model_plan)
-
-
-def _shift_meta_indices(tree: Any, offset: int) -> Any:
-    if isinstance(tree, optim_state.TensorMeta):
-        return optim_state.TensorMeta(tree.shape, tree.dtype, tree.index + offset)
-    if isinstance(tree, dict):
-        return {k: _shift_meta_indices(v, offset) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_shift_meta_indices(v, offset) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_shift_meta_indices(v, offset) for v in tree)
-    return tree
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, options: StateDictOptions | None = None):

@@ -22,6 +22,7 @@ from . import _compat, collectives
 from .collectives import Gatherer, Need
 from .optimizer import Prepared, TensorMeta
 from .placement import Layout
+from .tree import rebuild, where
 
 
 def _to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -30,16 +31,14 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
 
 def offload(value: Any) -> Any:
     """Sharded ``cpu_offload``: local pieces to CPU, DTensors stay DTensors."""
-    if isinstance(value, DTensor):
-        local = _compat.local_tensor(value)
-        return value if local.device.type == "cpu" else Layout.of(value).wrap(local.cpu())
-    if isinstance(value, torch.Tensor):
-        return _to_cpu(value)
-    if isinstance(value, dict):
-        return {k: offload(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [offload(v) for v in value]
-    return value
+
+    def move(leaf: Any, _path: tuple) -> Any:
+        if isinstance(leaf, DTensor):
+            local = _compat.local_tensor(leaf)
+            return leaf if local.device.type == "cpu" else Layout.of(leaf).wrap(local.cpu())
+        return _to_cpu(leaf) if isinstance(leaf, torch.Tensor) else leaf
+
+    return rebuild(value, move)
 
 
 def full_entries(entries: dict[str, Any], *, rank0_only: bool, cpu: bool) -> tuple[dict[str, Any], dict[str, int] | None]:
@@ -93,27 +92,21 @@ def _replace_leaves(value: Any, fn: Callable, sub: tuple = ()) -> Any:
 
 # -- broadcast loads ---------------------------------------------------------
 
-def describe(tree: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
+def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     """Rank 0's dict with each tensor replaced by a :class:`TensorMeta`."""
     fulls: list[torch.Tensor] = []
     problems: list[str] = []
 
-    def walk(value: Any, where: str) -> Any:
-        if isinstance(value, DTensor):
-            problems.append(f"{where}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)")
+    def meta(leaf: Any, path: tuple) -> Any:
+        if isinstance(leaf, DTensor):
+            problems.append(f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)")
             return None
-        if isinstance(value, torch.Tensor):
-            fulls.append(value)
-            return TensorMeta(tuple(value.shape), value.dtype, len(fulls) - 1)
-        if isinstance(value, dict):
-            return {k: walk(v, f"{where}[{k!r}]") for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        if isinstance(value, tuple):
-            return tuple(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
-        return value
+        if isinstance(leaf, torch.Tensor):
+            fulls.append(leaf)
+            return TensorMeta(tuple(leaf.shape), leaf.dtype, len(fulls) - 1)
+        return leaf
 
-    return walk(tree, "state_dict"), fulls, problems
+    return rebuild(state_dict, meta), fulls, problems
 
 
 def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: list[tuple], device: torch.device) -> None:
@@ -147,22 +140,22 @@ def _compat_distribute(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     return _compat.local_tensor(distribute_full(full, layout))
 
 
-def manifest_metas(tree: Any) -> list[tuple]:
+def manifest_metas(manifest: Any) -> list[tuple]:
     """(shape, dtype) of every TensorMeta in a manifest, by index."""
     found: dict[int, tuple] = {}
 
-    def walk(value: Any) -> None:
-        if isinstance(value, TensorMeta):
-            found[value.index] = (value.shape, value.dtype)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
+    def note(leaf: Any, _path: tuple) -> Any:
+        if isinstance(leaf, TensorMeta):
+            found[leaf.index] = (leaf.shape, leaf.dtype)
+        return leaf
 
-    walk(tree)
+    rebuild(manifest, note)
     return [found[i] for i in range(len(found))]
+
+
+def shift_indices(manifest: Any, offset: int) -> Any:
+    """Renumber a manifest's tensors after ``offset`` others (model, then optimizer)."""
+    return rebuild(manifest, lambda leaf, _: TensorMeta(leaf.shape, leaf.dtype, leaf.index + offset) if isinstance(leaf, TensorMeta) else leaf)
 
 
 def unowned(names: list[str], mine: set[str]) -> list[str]:

@@ -61,38 +61,29 @@ def keys_1(c, layout, opt, mode):
 
 def keys_2(c, layout, mode, wrappers):
     """No wrapper prefix in any key; the dicts load back into a wrapped model."""
-    s = Setup(c, layout, "adamw", wrappers=wrappers)
-    s.train(1)
+    a, b = flows.resume(c, lambda seed: Setup(c, layout, "adamw", seed=seed, wrappers=wrappers), mode)
     opts = get_options(c.iut, mode)
-    msd = c.iut.get_model_state_dict(s.model, options=opts)
-    osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=opts)
-    plain = ToyModel(s.cfg)
-    if s.layout.pp > 1:
-        plain.keep_stage(s.stage, s.layout.pp)
-    expected = list(plain.state_dict())
-    bad = [k for k in msd if any(seg in k.split(".") for seg in ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"))]
-    bad += [k for k in osd.get("state", {}) if any(seg in str(k).split(".") for seg in ("module", "_orig_mod", "_checkpoint_wrapped_module"))]
+    msd = c.iut.get_model_state_dict(a.model, options=opts)
+    osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=opts)
+    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "a wrapped model does not resume like the uninterrupted run")
+    plain = ToyModel(a.cfg)
+    if a.layout.pp > 1:
+        plain.keep_stage(a.stage, a.layout.pp)
+    wrapper_segments = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+    bad = [k for k in list(msd) + list(osd.get("state", {})) if any(seg in str(k).split(".") for seg in wrapper_segments)]
     fail_if(bad, f"wrapper prefixes ({'+'.join(wrappers) or layout}) appear in keys")
-    if mode != "full_cpu" or c.rank == 0:
-        fail_if(sorted(set(expected) ^ set(msd)), "model keys differ from the unwrapped model's state_dict keys (symmetric difference)")
-    saved = flows.save(c, s, mode)
-    s.train(1)
-    want = snapshot(s)
-    b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers)
-    b.set_steps_done(1)
-    flows.load(c, b, saved)
-    b.train(1)
-    fail_if(diff_snapshots(want, snapshot(b)), "a wrapped model does not resume like the uninterrupted run")
+    fail_if(sorted(set(plain.state_dict()) ^ set(msd)), "model keys differ from the unwrapped model's state_dict keys (symmetric difference)")
 
 
 def keys_3(c, layout, mode):
     """A tied parameter appears once in optimizer state; loading keeps the tie."""
-    s = Setup(c, layout, "adamw")
-    s.train(2)
-    check(s.module.head.weight is s.module.tok.embedding.weight, "setup error: the model is not tied")
+    a, b = flows.resume(c, lambda seed: Setup(c, layout, "adamw", seed=seed), mode)
+    check(a.module.head.weight is a.module.tok.embedding.weight, "setup error: the model is not tied")
     opts = get_options(c.iut, mode)
-    osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=opts)
-    msd = c.iut.get_model_state_dict(s.model, options=opts)
+    osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=opts)
+    msd = c.iut.get_model_state_dict(a.model, options=opts)
+    check(b.module.head.weight is b.module.tok.embedding.weight, "loading untied the tied parameters")
+    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "a tied model does not resume like the uninterrupted run")
     tied = ("tok.embedding.weight", "head.weight")
     if mode == "flat":
         appear = {f for f in tied if any(k.startswith(f"state.{f}.") for k in osd)}
@@ -105,36 +96,18 @@ def keys_3(c, layout, mode):
     check(len(appear) == 1, f"optimizer state of the tied parameter appears under {sorted(appear) or 'no name'}, expected exactly one of {tied}")
     check(len(in_groups) == 1, f"the tied parameter's group fields appear under {sorted(in_groups)}, expected one name")
     check(set(tied) <= set(msd), f"the model state dict must keep both names of a tied parameter, has {[t for t in tied if t in msd]}")
-    saved = flows.save(c, s, mode)
-    s.train(1)
-    want = snapshot(s)
-    b = Setup(c, layout, "adamw", seed=1)
-    b.set_steps_done(2)
-    flows.load(c, b, saved)
-    check(b.module.head.weight is b.module.tok.embedding.weight, "loading untied the tied parameters")
-    b.train(1)
-    fail_if(diff_snapshots(want, snapshot(b)), "a tied model does not resume like the uninterrupted run")
 
 
 def keys_4(c, layout, mode):
     """Two optimizers over disjoint parameters: one merged dict, split back by group."""
-    s = Setup(c, layout, "adamw", n_optimizers=2)
-    s.train(2)
-    osd = c.iut.get_optimizer_state_dict(s.model, s.optimizers, options=get_options(c.iut, mode))
-    stateful = {fqn for fqn, _ in s.named_parameters() if any(o.state.get(s.param(fqn)) for o in s.optimizers)}
-    want_groups = sum(len(o.param_groups) for o in s.optimizers)
-    saved = flows.save(c, s, mode)
-    s.train(1)
-    want = snapshot(s)
-    b = Setup(c, layout, "adamw", seed=1, n_optimizers=2)
-    b.set_steps_done(2)
-    flows.load(c, b, saved)
-    b.train(1)
-    # Checked after every collective, so a failing rank cannot leave others waiting.
-    if mode in ("sharded", "full", "dcp") or (mode == "full_cpu" and c.rank == 0 and s.layout.pp == 1):
+    a, b = flows.resume(c, lambda seed: Setup(c, layout, "adamw", seed=seed, n_optimizers=2), mode)
+    osd = c.iut.get_optimizer_state_dict(a.model, a.optimizers, options=get_options(c.iut, mode))
+    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "after loading into two optimizers, the run differs from the uninterrupted one")
+    if mode in ("sharded", "full", "dcp") or (mode == "full_cpu" and c.rank == 0 and a.layout.pp == 1):
+        stateful = {fqn for fqn, p in a.named_parameters() if any(o.state.get(p) for o in a.optimizers)}
+        want_groups = sum(len(o.param_groups) for o in a.optimizers)
         check(len(osd["param_groups"]) == want_groups, f"the merged dict has {len(osd['param_groups'])} groups, the optimizers {want_groups}")
         check(set(osd["state"]) == stateful, f"merged state keys differ: {sorted(set(osd['state']) ^ stateful)}")
-    fail_if(diff_snapshots(want, snapshot(b)), "after loading into two optimizers, the run differs from the uninterrupted one")
 
 
 def cases():

@@ -51,16 +51,9 @@ def mpmd_2(c, layout, opt, empty_on_last):
     def spec(stage):
         return GroupSpec(lr_scale=1.0 + stage, empty_at=(9,) if empty_on_last and stage else ())
 
-    a = Setup(c, layout, opt, groups=spec(_stage(c, layout)))
-    a.train(2)
-    saved = flows.save(c, a, "dcp")
-    a.train(1)
-    want = snapshot(a)
-    b = Setup(c, layout, opt, seed=1, groups=spec(_stage(c, layout)))
-    b.set_steps_done(2)
-    flows.load(c, b, saved)
-    b.train(1)
-    fail_if(diff_snapshots(want, snapshot(b)), "stages with their own group layouts did not resume like the uninterrupted run")
+    stage = _stage(c, layout)
+    a, b = flows.resume(c, lambda seed: Setup(c, layout, opt, seed=seed, groups=spec(stage)), "dcp")
+    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "stages with their own group layouts did not resume like the uninterrupted run")
 
 
 def _stage(c, layout) -> int:

@@ -19,16 +19,8 @@ BEFORE, AFTER = 1, 1
 
 def rt_1(c, layout, opt, mode):
     """Resume in a fresh setup; K more steps must match the uninterrupted run bitwise."""
-    a = Setup(c, layout, opt, seed=0)
-    a.train(BEFORE)
-    saved = flows.save(c, a, mode)
-    a.train(AFTER)
-    expected = snapshot(a)
-    b = Setup(c, layout, opt, seed=1)
-    b.set_steps_done(BEFORE)
-    flows.load(c, b, saved)
-    b.train(AFTER)
-    fail_if(diff_snapshots(expected, snapshot(b)), f"{mode}: after resuming, the run differs from the uninterrupted one")
+    a, b = flows.resume(c, lambda seed: Setup(c, layout, opt, seed=seed), mode, before=BEFORE, after=AFTER)
+    fail_if(diff_snapshots(snapshot(a), snapshot(b)), f"{mode}: after resuming, the run differs from the uninterrupted one")
 
 
 def rt_2(c, layout, opt, mode):
