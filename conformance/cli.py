@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xfails", help="expected failures: lines 'CASE_ID_OR_PREFIX  # reason, link'")
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument("--junit", help="write a JUnit XML report here")
+    p.add_argument("--report", metavar="DIR", help="write report.json, junit.xml, report.html and report.md (the certificate) here")
     p.add_argument("--list", action="store_true", help="print the manifest of selected cases and exit")
     p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
     p.add_argument("--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)")
@@ -118,6 +119,13 @@ def _run(args) -> int:
 def _report(args, info, results, warnings, elapsed, complete=True) -> None:
     from .reporting import to_json, write_json, write_junit
 
+    if args.report:
+        from .adapters import load_adapter
+        from .certificate import write_report
+
+        data = write_report(args.report, info, results, warnings, elapsed, load_adapter(args.impl).profiles)
+        core = data["level"].get("core", {})
+        print(f"certificate: {'core certified' if core.get('reached') else 'not certified'} ({core.get('why', '')}); written to {args.report}")
     if args.json:
         write_json(args.json, to_json(info, results, warnings, elapsed, complete))
     if args.junit:

@@ -69,13 +69,23 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
+def headline(message: str) -> str:
+    """An exception message without the remote traceback some libraries embed in it."""
+    if "Traceback (most recent call last)" not in message:
+        return message
+    lines = [line for line in message.splitlines() if line.strip()]
+    return f"{lines[0]} ... {lines[-1].strip()}" if len(lines) > 1 else message
+
+
 def describe_outcome(outcome: TaskOutcome, phase_label: str) -> tuple[str, str, list[int]]:
     """(message, details, ranks named) for a phase that did not pass."""
     lines, details, named = [], [], []
     for ranks, r in _group_by_message(outcome.results):
         named += ranks
         what = {"raised": r.exc_type or "error", "died": "died", "timeout": "timeout", "stuck": "stuck", "n/a": "n/a"}.get(r.status, r.status)
-        lines.append(f"{phase_label}{_ranks(ranks)}: {what}: {r.message}")
+        lines.append(f"{phase_label}{_ranks(ranks)}: {what}: {headline(r.message)}")
+        if headline(r.message) != r.message:
+            details.append(f"--- full message ({_ranks(ranks)}) ---\n{r.message}")
         if r.traceback:
             details.append(f"--- traceback ({_ranks(ranks)}) ---\n{r.traceback}")
     for r in outcome.results:

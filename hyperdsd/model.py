@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat
 from .fqn import ModelIndex
-from .optimizer import Prepared, TensorMeta, _materialize
+from .optimizer import Prepared, TensorMeta, _materialize, same_memory
 from .placement import Layout
 
 
@@ -113,6 +113,10 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
     return plan, problems
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return _compat.local_tensor(t) if isinstance(t, DTensor) else t
+
+
 def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
     for prepared in plan.tensors():
         if prepared.redistribute is not None:
@@ -120,10 +124,14 @@ def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
             prepared.local = _compat.local_tensor(moved)
     copy_in: dict[str, Any] = {}
     assign: dict[str, Any] = {}
+    targets = model.state_dict(keep_vars=True)
     for raw, value in plan.values.items():
         if raw in plan.on_meta:
             assign[raw] = _materialize(value)
         elif isinstance(value, Prepared):
+            target = targets.get(raw)
+            if isinstance(target, torch.Tensor) and same_memory(_local(target), value.local):
+                continue  # the model's own tensor (a DCP template filled in place): nothing to copy
             copy_in[raw] = value.layout.wrap(value.local) if value.layout is not None else value.local
         else:
             copy_in[raw] = value

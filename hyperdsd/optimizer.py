@@ -400,8 +400,21 @@ def _materialize(prepared: Prepared) -> torch.Tensor:
     return prepared.layout.wrap(local) if prepared.layout is not None else local
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same view of the same storage (copying is a no-op)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
 def _into(existing: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-    (_compat.local_tensor(existing) if isinstance(existing, DTensor) else existing).copy_(prepared.local)
+    local = _compat.local_tensor(existing) if isinstance(existing, DTensor) else existing
+    if not same_memory(local, prepared.local):  # a DCP template filled in place needs no copy
+        local.copy_(prepared.local)
     return existing
 
 

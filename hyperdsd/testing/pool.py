@@ -279,7 +279,19 @@ class WorkerPool:
 
     # -- running tasks ---------------------------------------------------
     def run(self, task: m.Task, deadline_s: float) -> TaskOutcome:
-        """Run ``task`` on every rank; the pool is killed if it may be unhealthy."""
+        """Run ``task`` on every rank; the pool is killed if it may be unhealthy.
+
+        If the caller is interrupted while waiting (Ctrl-C, a test timeout),
+        the ranks are still busy with the task: the pool is killed rather
+        than left to answer the next task with this one's results.
+        """
+        try:
+            return self._run(task, deadline_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _run(self, task: m.Task, deadline_s: float) -> TaskOutcome:
         if not self.alive:
             raise PoolStartError("the pool is not running")
         start = time.monotonic()

@@ -1,0 +1,229 @@
+"""The certificate: a report a vendor can publish.
+
+``python -m conformance --report DIR`` writes ``report.json``,
+``junit.xml``, a self-contained ``report.html`` (no network, one file) and
+``report.md``. The level reached is ``core certified`` only when every core
+case of the suite ran and passed: none skipped, none expected to fail.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections import Counter, defaultdict
+
+from .registry import all_cases
+from .reporting import RunInfo, to_json, write_json, write_junit
+from .runner import CaseResult
+
+_ORDER = ("error", "failed", "xfail", "xpass", "n/a", "passed")  # worst first
+
+
+def level(results: list[CaseResult], profiles: frozenset[str]) -> dict:
+    """Which level the run reached, and why not a higher one."""
+    ran = {r.case.id: r for r in results}
+    out = {}
+    for profile in ("core", "inplace", "tp", "multi-optimizer"):
+        wanted = [c.id for c in all_cases() if c.profile == profile]
+        if not wanted:
+            continue
+        if profile != "core" and profile not in profiles:
+            out[profile] = {"reached": False, "why": "not claimed"}
+            continue
+        missing = [cid for cid in wanted if cid not in ran]
+        bad = [cid for cid in wanted if cid in ran and ran[cid].status != "passed"]
+        if missing:
+            why = f"{len(missing)} of {len(wanted)} cases did not run (a filtered run cannot certify)"
+        elif bad:
+            kinds = Counter(ran[cid].status for cid in bad)
+            why = f"{len(bad)} of {len(wanted)} cases did not pass (" + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
+        else:
+            why = f"all {len(wanted)} cases passed"
+        out[profile] = {"reached": not missing and not bad, "why": why}
+    return out
+
+
+def matrix(results: list[CaseResult]) -> tuple[list[str], list[str], dict]:
+    """Clauses, layouts and, per cell, the count of each status."""
+    clauses, layouts = [], []
+    cells: dict = defaultdict(Counter)
+    for r in results:
+        if r.case.clause not in clauses:
+            clauses.append(r.case.clause)
+        if r.case.layout not in layouts:
+            layouts.append(r.case.layout)
+        cells[(r.case.clause, r.case.layout)][r.status] += 1
+    return clauses, layouts, cells
+
+
+def worst(counter: Counter) -> str:
+    return next((s for s in _ORDER if counter.get(s)), "")
+
+
+def write_report(directory: str, info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float, profiles: frozenset[str]) -> dict:
+    os.makedirs(directory, exist_ok=True)
+    data = to_json(info, results, warnings, elapsed_s)
+    data["level"] = level(results, profiles)
+    write_json(os.path.join(directory, "report.json"), data)
+    write_junit(os.path.join(directory, "junit.xml"), info, results, elapsed_s)
+    with open(os.path.join(directory, "report.md"), "w", encoding="utf-8") as f:
+        f.write(render_markdown(data, results))
+    with open(os.path.join(directory, "report.html"), "w", encoding="utf-8") as f:
+        f.write(render_html(data))
+    return data
+
+
+def _verdict(data: dict) -> str:
+    core = data["level"].get("core", {})
+    return "core certified" if core.get("reached") else "not certified"
+
+
+def render_markdown(data: dict, results: list[CaseResult]) -> str:
+    impl = data["impl"]
+    lines = [
+        f"# Conformance report: {impl['name']} {impl['version']}",
+        "",
+        f"**Level: {_verdict(data)}**",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| implementation | `{impl['spec']}` ({impl['name']} {impl['version']}) |",
+        f"| spec / suite | {data['spec_version']} / {data['suite_version']} |",
+        f"| torch | {data['torch_version']} |",
+        f"| machine | {data['machine']}, Python {data['python']} |",
+        f"| world sizes / meshes | {', '.join(map(str, data['world_sizes']))} / {', '.join(data['meshes'])} |",
+        f"| started | {data['started']} ({data['elapsed_s']:.0f} s) |",
+        "",
+        "| profile | reached | |",
+        "|---|---|---|",
+    ]
+    for profile, v in data["level"].items():
+        lines.append(f"| {profile} | {'yes' if v['reached'] else 'no'} | {v['why']} |")
+    lines += ["", " | ".join(f"{k}: {n}" for k, n in data["summary"].items()), ""]
+    clauses, layouts, cells = matrix(results)
+    lines.append("| clause | " + " | ".join(layouts) + " |")
+    lines.append("|---|" + "---|" * len(layouts))
+    for clause in clauses:
+        row = []
+        for layout in layouts:
+            c = cells.get((clause, layout))
+            if not c:
+                row.append("")
+                continue
+            ran = sum(c.values()) - c["n/a"]
+            mark = {"error": " ERROR", "failed": " FAIL", "xfail": " xfail", "xpass": " xpass"}.get(worst(c), "")
+            row.append(f"{c['passed']}/{ran}{mark}" if ran else "n/a")
+        lines.append(f"| {clause} | " + " | ".join(row) + " |")
+    bad = [r for r in results if r.status in ("failed", "error", "xfail", "xpass")]
+    if bad:
+        lines += ["", "## Cases that did not pass", ""]
+        for r in bad:
+            lines.append(f"- **{r.case.id}** ({r.status}){': ' + r.xfail_reason if r.xfail_reason else ''}")
+            for line in r.message.splitlines()[:6]:
+                lines.append(f"  - {line}")
+            lines.append(f"  - repro: `{r.repro}`")
+    return "\n".join(lines) + "\n"
+
+
+_CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222}
+h1{font-size:20px;margin:0 0 8px}
+.level{display:inline-block;padding:6px 12px;border-radius:4px;font-weight:600;margin:8px 0}
+.level.yes{background:#c8e6c9;color:#1b5e20}.level.no{background:#ffcdd2;color:#b71c1c}
+table{border-collapse:collapse;margin:12px 0}
+th,td{border:1px solid #ccc;padding:4px 8px;text-align:center}
+th{background:#f5f5f5}
+td.clause{text-align:left;font-family:monospace}
+td.passed{background:#c8e6c9}td.failed{background:#ef9a9a}td.error{background:#e57373;color:#fff}
+td.xfail{background:#ffe082}td.xpass{background:#fff59d}td.na{background:#e0e0e0;color:#666}td.empty{background:#fff}
+details{margin:4px 0}summary{cursor:pointer;font-family:monospace}
+pre{background:#f7f7f7;padding:8px;overflow:auto;white-space:pre-wrap}
+.meta td{text-align:left}
+"""
+
+_JS = """
+const data = JSON.parse(document.getElementById('report-data').textContent);
+const el = (tag, attrs = {}, text) => {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+};
+const worstOf = (c) => ['error','failed','xfail','xpass','n/a','passed'].find(s => c[s]) || '';
+const clauses = [], layouts = [], cells = {};
+for (const c of data.cases) {
+  if (!clauses.includes(c.clause)) clauses.push(c.clause);
+  if (!layouts.includes(c.layout)) layouts.push(c.layout);
+  const key = c.clause + '|' + c.layout;
+  cells[key] = cells[key] || {};
+  cells[key][c.status] = (cells[key][c.status] || 0) + 1;
+}
+const table = el('table', {id: 'matrix'});
+const head = el('tr');
+head.appendChild(el('th', {}, 'clause'));
+layouts.forEach(l => head.appendChild(el('th', {}, l)));
+table.appendChild(head);
+for (const clause of clauses) {
+  const tr = el('tr');
+  tr.appendChild(el('td', {class: 'clause'}, clause));
+  for (const layout of layouts) {
+    const c = cells[clause + '|' + layout];
+    if (!c) { tr.appendChild(el('td', {class: 'empty', 'data-clause': clause, 'data-layout': layout}, '')); continue; }
+    const total = Object.values(c).reduce((a, b) => a + b, 0);
+    const ran = total - (c['n/a'] || 0);
+    const w = worstOf(c);
+    const text = ran ? `${(c.passed || 0) + (c.xpass || 0)}/${ran}` : 'n/a';
+    const title = Object.entries(c).map(([s, n]) => `${n} ${s}`).join(', ');
+    tr.appendChild(el('td', {class: w === 'n/a' ? 'na' : w, 'data-clause': clause, 'data-layout': layout, 'data-status': w, title}, text));
+  }
+  table.appendChild(tr);
+}
+document.getElementById('matrix-slot').replaceChildren(table);
+// The colour each cell renders with, for tests that read the rendered page.
+table.querySelectorAll('td[data-status]').forEach(td => td.setAttribute('data-bg', getComputedStyle(td).backgroundColor));
+const failures = data.cases.filter(c => ['failed','error','xfail','xpass'].includes(c.status));
+const list = document.getElementById('failures');
+if (!failures.length) list.appendChild(el('p', {}, 'Every case that ran passed or did not apply.'));
+for (const c of failures) {
+  const d = el('details', {class: c.status});
+  d.appendChild(el('summary', {}, `${c.status.toUpperCase()}  ${c.id}${c.xfail_reason ? '  (' + c.xfail_reason + ')' : ''}`));
+  d.appendChild(el('pre', {}, c.message + '\\n\\nrepro: ' + c.repro));
+  list.appendChild(d);
+}
+document.body.setAttribute('data-rendered', 'yes');
+"""
+
+
+def render_html(data: dict) -> str:
+    impl = data["impl"]
+    verdict = _verdict(data)
+    rows = [
+        ("implementation", f"{impl['spec']} ({impl['name']} {impl['version']})"),
+        ("spec / suite", f"{data['spec_version']} / {data['suite_version']}"),
+        ("torch", data["torch_version"]),
+        ("machine", f"{data['machine']}, Python {data['python']}"),
+        ("world sizes / meshes", f"{', '.join(map(str, data['world_sizes']))} / {', '.join(data['meshes'])}"),
+        ("started", f"{data['started']} ({data['elapsed_s']:.0f} s)"),
+        ("summary", " | ".join(f"{k}: {n}" for k, n in data["summary"].items())),
+    ]
+    rows += [(f"profile {p}", f"{'reached' if v['reached'] else 'not reached'}: {v['why']}") for p, v in data["level"].items()]
+    meta = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    payload = json.dumps(data).replace("</", "<\\/")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>Conformance report: {html.escape(impl['name'])} {html.escape(impl['version'])}</title>
+<style>{_CSS}</style></head>
+<body>
+<h1>Conformance report: {html.escape(impl['name'])} {html.escape(impl['version'])}</h1>
+<div class="level {'yes' if verdict == 'core certified' else 'no'}" id="level">Level: {verdict}</div>
+<table class="meta">{meta}</table>
+<h2>Clause by layout</h2>
+<p>Each cell: cases passed / cases run. Green: all passed; red: failed or errored; amber: expected failures; grey: not applicable.</p>
+<div id="matrix-slot"><noscript>The matrix needs JavaScript; report.md and report.json hold the same data.</noscript></div>
+<h2>Cases that did not pass</h2>
+<div id="failures"></div>
+<script type="application/json" id="report-data">{payload}</script>
+<script>{_JS}</script>
+</body></html>
+"""

@@ -1,0 +1,1 @@
+"""Worked examples for certifying an implementation whose API is not torch's."""

@@ -1,0 +1,74 @@
+"""The suite as a pytest plugin: ``pytest --pyargs conformance --dsd-impl X``.
+
+One pytest test per case ID, so ``-k``, ``-n`` (pytest-xdist: every worker
+keeps its own pools in private directories), ``--junitxml`` and
+pytest-timeout work as usual. ``--dsd-xfails FILE`` marks matching cases as
+expected failures: they still run and report XFAIL or XPASS.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .adapters import load_adapter
+from .registry import Case
+from .runner import Runner
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("conformance", "distributed state-dict conformance")
+    group.addoption("--dsd-impl", default=os.environ.get("CONFORMANCE_IMPL", "hyperdsd"),
+                    help="implementation under test (as python -m conformance --impl)")
+    group.addoption("--dsd-xfails", default=None, help="expected failures: lines 'CASE_ID_OR_PREFIX  # reason, link'")
+    group.addoption("--dsd-timeout", type=float, default=None, help="per-case deadline in seconds (default: each case's own)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "dsd_case(case_id): a conformance case")
+
+
+def pytest_collection_modifyitems(config, items):
+    path = config.getoption("--dsd-xfails")
+    if not path:
+        return
+    from .xfails import Xfails
+
+    xfails = Xfails.load(path)
+    for item in items:
+        marker = item.get_closest_marker("dsd_case")
+        if marker is None:
+            continue
+        entry = xfails.match(marker.args[0])
+        if entry is not None:
+            entry.used = True
+            item.add_marker(pytest.mark.xfail(reason=entry.reason or "listed in --dsd-xfails", strict=False))
+    for entry in xfails.unmatched():
+        item_ids = [i.get_closest_marker("dsd_case").args[0] for i in items if i.get_closest_marker("dsd_case")]
+        if not any(cid.startswith(entry.pattern) for cid in item_ids):
+            config.issue_config_time_warning(
+                pytest.PytestConfigWarning(f"{path}:{entry.line}: xfail entry {entry.pattern!r} matches no collected case"), 2
+            )
+
+
+@pytest.fixture(scope="session")
+def dsd_runner(request):
+    """A runner with persistent pools for this pytest process (one per xdist worker)."""
+    from hyperdsd.testing import PoolSet
+
+    impl = request.config.getoption("--dsd-impl")
+    pools = PoolSet()
+    yield Runner(impl, pools=pools, timeout=request.config.getoption("--dsd-timeout"))
+    pools.kill()
+
+
+def check_case(runner: Runner, case: Case) -> None:
+    """Run ``case`` and turn its verdict into a pytest outcome."""
+    if not load_adapter(runner.impl).claims(case.profile):
+        pytest.skip(f"not applicable: {runner.impl} does not claim the {case.profile!r} profile")
+    result = runner.run_case(case)
+    if result.status == "n/a":
+        pytest.skip(f"not applicable: {result.message}")
+    if result.status != "passed":
+        pytest.fail(f"{case.id}: {result.status}\n{result.message}\nrepro: {result.repro}\n\n{result.details}", pytrace=False)

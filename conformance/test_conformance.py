@@ -1,0 +1,11 @@
+"""Collected by ``pytest --pyargs conformance``: every case of the matrix."""
+
+import pytest
+
+from conformance.pytest_plugin import check_case
+from conformance.registry import all_cases
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=pytest.mark.dsd_case(c.id)) for c in all_cases()])
+def test_case(dsd_runner, case):
+    check_case(dsd_runner, case)

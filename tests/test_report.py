@@ -1,0 +1,85 @@
+"""The certificate: level rules, Markdown, and the HTML matrix as a real browser renders it."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conformance.certificate import level, write_report
+from conformance.registry import all_cases
+from conformance.reporting import RunInfo
+from conformance.runner import CaseResult
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+COLOURS = {"passed": "rgb(200, 230, 201)", "failed": "rgb(239, 154, 154)", "error": "rgb(229, 115, 115)", "xfail": "rgb(255, 224, 130)", "n/a": "rgb(224, 224, 224)"}
+
+
+def results_for(statuses: dict[str, str], default="passed"):
+    out = []
+    for case in all_cases():
+        status = statuses.get(case.id, default)
+        if status is None:
+            continue
+        out.append(CaseResult(case, status, 0.01, message=f"{status} message" if status != "passed" else "", repro=f"python -m conformance -k '{case.id}'", xfail_reason="known" if status == "xfail" else ""))
+    return out
+
+
+def info():
+    return RunInfo("demo", "1.0", "demo.module", [1, 2, 3, 4], ["1", "2", "3", "4", "2x2"])
+
+
+def test_core_certified_only_when_every_core_case_passed():
+    core = [c.id for c in all_cases() if c.profile == "core"]
+    assert level(results_for({}), frozenset())["core"]["reached"]
+    for status in ("failed", "error", "xfail", "xpass", "n/a"):
+        assert not level(results_for({core[3]: status}), frozenset())["core"]["reached"], status
+    partial = level(results_for({core[0]: None}), frozenset())["core"]
+    assert not partial["reached"] and "did not run" in partial["why"]
+    assert level(results_for({}), frozenset())["inplace"] == {"reached": False, "why": "not claimed"}
+
+
+def test_markdown_names_the_level_and_lists_failures(tmp_path):
+    bad = "OPT-RT-1[fsdp4-adamw-dcp]"
+    write_report(str(tmp_path), info(), results_for({bad: "failed"}), [], 12.0, frozenset())
+    md = (tmp_path / "report.md").read_text()
+    assert "**Level: not certified**" in md
+    assert f"**{bad}** (failed)" in md and f"repro: `python -m conformance -k '{bad}'`" in md
+    assert re.search(r"\| OPT-RT-1 \|.* FAIL", md)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["level"]["core"]["reached"] is False and (tmp_path / "junit.xml").exists()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian: apt-get install chromium); .ci/run installs it")
+def test_html_matrix_as_rendered_by_headless_chromium(tmp_path):
+    statuses = {"OPT-RT-1[fsdp4-adamw-dcp]": "failed", "OPT-PURE-1[single-adamw-sharded-fresh]": "error",
+                "OPT-KEYS-3[ddp-sharded]": "xfail"}
+    results = results_for(statuses)
+    write_report(str(tmp_path), info(), results, [], 12.0, frozenset())
+    proc = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", (tmp_path / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    dom = proc.stdout
+    assert 'data-rendered="yes"' in dom, proc.stderr[-2000:]
+    cells = {}
+    for attrs, text in re.findall(r"<td ([^>]*data-status[^>]*)>([^<]*)</td>", dom):
+        a = dict(re.findall(r'([\w-]+)="([^"]*)"', attrs))
+        cells[(a["data-clause"], a["data-layout"])] = (a["data-status"], a["data-bg"], text)
+    # Every (clause, layout) that ran has a cell, coloured by its worst status.
+    expected = {}
+    for r in results:
+        expected.setdefault((r.case.clause, r.case.layout), []).append(r.status)
+    assert set(cells) == set(expected)
+    for key, got_statuses in expected.items():
+        worst = next(s for s in ("error", "failed", "xfail", "passed") if s in got_statuses)
+        status, bg, text = cells[key]
+        assert status == worst, key
+        assert bg == COLOURS[worst], (key, bg)
+        assert text == f"{got_statuses.count('passed')}/{len(got_statuses)}", (key, text)
+    assert "Level: not certified" in dom
+    for cid in statuses:
+        assert cid in dom  # listed under the cases that did not pass

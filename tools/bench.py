@@ -1,0 +1,74 @@
+"""hyperdsd against torch.distributed.checkpoint.state_dict, side by side.
+
+Four CPU ranks on gloo, an FSDP2 model (fully_shard per layer) with AdamW
+state. For every mode both implementations run alternately in the same
+processes, several times; the table shows the medians (slowest rank) and the
+ratio hyperdsd / torch. Peak resident memory is measured per implementation
+in its own processes, in the full and broadcast modes.
+
+    python tools/bench.py                      # everything (about 10 minutes on 2 cores)
+    python tools/bench.py --sizes 4m --reps 3 --no-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_tasks import MODES, SIZES  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="4m,17m,67m,10k")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--hsdp-sizes", default="4m,17m", help="sizes also run on a 2x2 mesh (full_get, bcast_set)")
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args()
+
+    from hyperdsd.collectives import BUCKET_BYTES
+    from hyperdsd.testing import PoolSet, Task
+
+    sizes = [s for s in args.sizes.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    runs = [(s, m, "4") for s in sizes for m in modes]
+    runs += [(s, m, "2x2") for s in args.hsdp_sizes.split(",") if s for m in ("full_get", "bcast_set")]
+    print(f"4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, {args.reps} repetitions per implementation, medians; "
+          f"hyperdsd bucket {BUCKET_BYTES / 2**20:.0f} MiB")
+    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7}")
+    with PoolSet(gloo_timeout_s=600) as pools:
+        for size, mode, mesh in runs:
+            outcome = pools.run(4, Task("bench_tasks:time_mode", {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps}), 3600)
+            if outcome.status != "passed":
+                print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}")
+                continue
+            t = outcome.values[0]
+            a, b = statistics.median(t["torch"]), statistics.median(t["hyperdsd"])
+            print(f"{size:>5} {mesh:>4} {mode:>10} {a:10.1f} {b:12.1f} {b / a:7.2f}", flush=True)
+    if args.no_memory:
+        return
+    print("\npeak resident memory above the baseline during one op, MiB per rank (own processes per implementation)")
+    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)")
+    for size in sizes:
+        for mesh in ("4", "2x2"):
+            if mesh == "2x2" and size not in args.hsdp_sizes.split(","):
+                continue
+            for mode in ("full_get", "bcast_set"):
+                for impl in ("torch", "hyperdsd"):
+                    with PoolSet(gloo_timeout_s=600) as pools:
+                        outcome = pools.run(4, Task("bench_tasks:memory", {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
+                    if outcome.status != "passed":
+                        print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}")
+                        continue
+                    peaks = " / ".join(f"{v['peak_above_base_mib']:6.1f}" for v in outcome.values)
+                    own = outcome.values[1]["own_state_mib"]
+                    print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  {peaks}   ({own:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
