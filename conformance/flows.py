@@ -53,6 +53,11 @@ def set_options(iut, mode: str, **extra):
     return iut.options(**_SET[mode], **extra)
 
 
+def read_full(path: str):
+    """Read a full-state file written with torch.save; never runs pickled code."""
+    return torch.load(path, weights_only=True)
+
+
 def optimizers_arg(setup):
     """One optimizer is passed as itself, several as a list: both are the API."""
     return setup.optimizers[0] if len(setup.optimizers) == 1 else list(setup.optimizers)
@@ -106,7 +111,7 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys
     if saved.mode == "bcast":
-        data = torch.load(saved.path, weights_only=True) if c.rank == 0 else {"model": {}, "optim": {}}
+        data = read_full(saved.path) if c.rank == 0 else {"model": {}, "optim": {}}
         msd, osd = data["model"], data["optim"]
     elif saved.mode == "full_cpu":
         msd, osd = (clone_tree(saved.model), clone_tree(saved.optim)) if c.rank == 0 else ({}, {})

@@ -49,6 +49,14 @@ def summary_counts(results: list[CaseResult]) -> dict[str, int]:
     return {s: counts.get(s, 0) for s in STATUSES}
 
 
+def fault_counts(results: list[CaseResult]) -> dict[str, int]:
+    """Faults of the ranks themselves over the run: deaths, hangs, leaks, pool restarts."""
+    total: Counter = Counter()
+    for r in results:
+        total.update(r.faults)
+    return dict(total)
+
+
 class ConsoleReporter:
     """A line per case as it finishes, failures in full, then the matrix."""
 
@@ -99,6 +107,9 @@ class ConsoleReporter:
         counts = summary_counts(results)
         self.write("")
         self.write(" | ".join(f"{s}: {n}" for s, n in counts.items()) + f" | {elapsed_s:.1f} s")
+        faults = fault_counts(results)
+        if faults:
+            self.write("faults: " + ", ".join(f"{n} {k}" for k, n in faults.items()))
         bad = [r for r in results if r.unexpected]
         if bad:
             self.write(f"\n{len(bad)} case(s) failed or errored:")
@@ -156,10 +167,12 @@ def to_json(info: RunInfo, results: list[CaseResult], warnings: list[str], elaps
                 "ranks": r.ranks,
                 "xfail_reason": r.xfail_reason,
                 "repro": r.repro,
+                "faults": r.faults,
             }
             for r in results
         ],
         "summary": summary_counts(results),
+        "faults": fault_counts(results),
         "warnings": warnings,
     }
 

@@ -31,6 +31,7 @@ class CaseResult:
     repro: str = ""
     xfail_reason: str = ""
     ranks: list[int] = field(default_factory=list)
+    faults: dict[str, int] = field(default_factory=dict)  # rank deaths, hangs, leaks, pool restarts
 
     @property
     def unexpected(self) -> bool:
@@ -145,6 +146,8 @@ class Runner:
         start = time.monotonic()
         workdir = self._case_dir(case)
         status, message, details, ranks = "passed", "", "", []
+        faults: dict[str, int] = {}
+        notes: list[str] = []
         try:
             for i, phase in enumerate(case.phases):
                 task = Task("conformance.runner:run_phase", {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir}, name=case.id)
@@ -156,6 +159,10 @@ class Runner:
                         self.lost = outcome.recycled
                 else:
                     outcome = self.pools.run(phase.world_size, task, deadline)
+                for kind, n in outcome.faults().items():
+                    faults[kind] = faults.get(kind, 0) + n
+                if outcome.notes and outcome.status == "passed":
+                    notes += outcome.notes
                 if outcome.status != "passed":
                     label = f"phase {i + 1}/{len(case.phases)} on {phase.world_size} ranks: " if len(case.phases) > 1 else ""
                     status = outcome.status
@@ -166,7 +173,9 @@ class Runner:
                 shutil.rmtree(workdir, ignore_errors=True)
         if self.world is not None and self.world.rank != 0:
             return None
-        return self._finish(CaseResult(case, status, time.monotonic() - start, message, details, repro, ranks=ranks))
+        if notes and not message:
+            message = "\n".join(notes)  # e.g. leaked threads: the case passed, the run counts it
+        return self._finish(CaseResult(case, status, time.monotonic() - start, message, details, repro, ranks=ranks, faults=faults))
 
     def _case_dir(self, case: Case) -> str:
         if self.world is None:

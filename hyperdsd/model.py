@@ -43,6 +43,9 @@ def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str]) 
     if not isinstance(value, (torch.Tensor, TensorMeta)):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
         return None
+    if target.dtype.is_floating_point and not (value.dtype.is_floating_point or value.dtype.is_complex):
+        problems.append(f"{where}: dtype {value.dtype}, the model's is {target.dtype}")
+        return None
     shape = tuple(value.shape)
     if shape != tuple(target.shape):
         problems.append(f"{where}: shape {shape}, the model has {tuple(target.shape)}")

@@ -168,6 +168,15 @@ def _target_device(p, key: str, group: dict, value) -> torch.device:
     return local.device
 
 
+def _kind_problem(dtype: torch.dtype, param_dtype: torch.dtype, key: str) -> str:
+    """State keeps its own dtype, but not of another kind: no integer moments for float parameters."""
+    if key == "step" or not param_dtype.is_floating_point:
+        return ""
+    if dtype.is_floating_point or dtype.is_complex:
+        return ""
+    return f"dtype {dtype}, expected a floating-point dtype for the state of a {param_dtype} parameter"
+
+
 def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str, problems: list[str]):
     """Check one state value against its parameter; return what to load."""
     exp = expected.get(key) if expected else None
@@ -177,6 +186,9 @@ def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str,
         return value
     if isinstance(value, DTensor) and not isinstance(p, DTensor):
         problems.append(f"{where}: a DTensor, but the parameter is not; load it with full_state_dict=True or through DCP")
+        return None
+    if shape_kind_problem := _kind_problem(value.dtype, p.dtype, key):
+        problems.append(f"{where}: {shape_kind_problem}")
         return None
     shape = _shape(value)
     allowed = {_shape(exp)} if isinstance(exp, torch.Tensor) else {(), tuple(p.shape)}

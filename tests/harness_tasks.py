@@ -90,3 +90,13 @@ def leak_thread(ctx):
 def print_and_fail(ctx):
     print(f"hello from rank {ctx.rank}", flush=True)
     assert ctx.rank != 1, "rank 1 disagrees"
+
+
+def leak_child(ctx, marker):
+    """Start a child process and return without waiting for it."""
+    import subprocess
+    import sys
+
+    if ctx.rank == 0:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=dict(os.environ, HYPERDSD_TEST_MARK=marker))
+    return ctx.rank

@@ -161,3 +161,16 @@ def test_parse_mesh():
         parse_mesh("0x2")
     with pytest.raises(ValueError, match="joined by 'x'"):
         parse_mesh("two")
+
+
+def test_leaked_threads_and_processes_are_reported_and_processes_killed(pools):
+    outcome, _ = run(pools, "leak_thread", world_size=2)
+    assert outcome.status == "passed"
+    assert all(any("thread" in leak for leak in r.leaks) for r in outcome.results)
+    assert outcome.faults() == {"ranks that leaked threads or processes": 2}
+    mark = uuid.uuid4().hex
+    outcome, _ = run(pools, "leak_child", world_size=2, marker=mark)
+    assert outcome.status == "passed"
+    assert any("process" in leak and "killed" in leak for leak in outcome.results[0].leaks)
+    time.sleep(0.3)
+    assert marked_processes(mark) == []

@@ -134,7 +134,7 @@ def model_3(c, layout):
     want = _model_view(a)
     saved = flows.save(c, a, "bcast", optim=False)
     b = Setup(c, layout, "adamw", seed=1)
-    data = torch.load(saved.path, weights_only=True) if c.rank == 0 else {"model": {}}
+    data = flows.read_full(saved.path) if c.rank == 0 else {"model": {}}
     largest_full = max((v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0)
     box = [largest_full]
     dist.broadcast_object_list(box, src=0)

@@ -49,7 +49,7 @@ def save_phase(c, src, dst, opt, kind, subset=False):
 def _reference(c) -> dict:
     ref = {"params": {}, "state": {}, "groups": []}
     for path in sorted(glob.glob(c.path("reference-rank*.pt"))):
-        part = torch.load(path, weights_only=True)
+        part = flows.read_full(path)
         ref["params"].update(part["params"])
         ref["state"].update(part["state"])
         ref["groups"].extend(g for g in part["groups"] if g not in ref["groups"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -79,10 +81,46 @@ def _reset_torch_globals() -> None:
     torch.set_grad_enabled(True)
 
 
+def _children() -> set[int]:
+    """PIDs of this process's live children."""
+    pids: set[int] = set()
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+    except OSError:
+        pass
+    return pids
+
+
+def _describe_pid(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        return f"pid {pid} ({cmdline[:80]})"
+    except OSError:
+        return f"pid {pid}"
+
+
+def _leaks(threads_before: set[int], children_before: set[int]) -> list[str]:
+    """Threads and child processes the task left behind; the processes are killed."""
+    leaks = [f"thread {t.name!r}" for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
+    for pid in sorted(_children() - children_before):
+        leaks.append(f"process {_describe_pid(pid)}, killed")
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (OSError, ChildProcessError):
+            pass
+    return leaks
+
+
 def execute(ctx: RankContext, task: m.Task) -> m.RankResult:
     """Run ``task`` on this rank and describe how it went; never raises."""
     start = time.perf_counter()
     result = m.RankResult(rank=ctx.rank, status=m.PASSED)
+    threads_before = {t.ident for t in threading.enumerate()}
+    children_before = _children()
     try:
         result.value = resolve(task.fn)(ctx, **dict(task.kwargs))
     except NotApplicable as exc:
@@ -99,6 +137,7 @@ def execute(ctx: RankContext, task: m.Task) -> m.RankResult:
             pass
     result.duration_s = time.perf_counter() - start
     result.pg_sequence = ctx.group_sequences()
+    result.leaks = _leaks(threads_before, children_before)
     return result
 
 

@@ -69,6 +69,9 @@ class RankResult:
     # keyed by the group's global ranks; used to tell whether the groups are
     # still in step after a failure.
     pg_sequence: dict[tuple[int, ...], int] | None = None
+    # Threads still running and child processes still alive after the task
+    # (the processes are killed by the rank before it answers).
+    leaks: list[str] = field(default_factory=list)
 
     @property
     def reported(self) -> bool:

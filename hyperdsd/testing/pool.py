@@ -52,6 +52,19 @@ class TaskOutcome:
     recycled: str = ""  # why the pool was discarded after this task, if it was
     notes: list[str] = field(default_factory=list)
 
+    def faults(self) -> dict[str, int]:
+        """What went wrong with the ranks themselves, by kind (for run summaries)."""
+        out: dict[str, int] = {}
+        for r in self.results:
+            kind = {m.DIED: "rank deaths", m.TIMEOUT: "ranks past the deadline", m.STUCK: "ranks stuck after another failed"}.get(r.status)
+            if kind:
+                out[kind] = out.get(kind, 0) + 1
+            if r.leaks:
+                out["ranks that leaked threads or processes"] = out.get("ranks that leaked threads or processes", 0) + 1
+        if self.recycled:
+            out["pool restarts"] = 1
+        return out
+
     @property
     def values(self) -> list:
         return [r.value for r in self.results]
@@ -347,6 +360,9 @@ class WorkerPool:
                 recycled = "a rank died"
             else:
                 recycled = _out_of_step(ordered)
+        for r in ordered:
+            if r.leaks:
+                notes.append(f"rank {r.rank} left behind: " + "; ".join(r.leaks))
         if status != "passed":
             for r in ordered:
                 r.log = _read_from(self._log(r.rank), log_offsets[r.rank])
