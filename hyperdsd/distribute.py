@@ -130,14 +130,8 @@ def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: l
         for p in ps:
             piece = pieces[i]
             if p.layout is not None and whole:
-                piece = p.layout.local_from_full(piece) if p.layout.simple else _compat_distribute(piece, p.layout)
+                piece = p.layout.local_from_full(piece)
             p.local = piece
-
-
-def _compat_distribute(full: torch.Tensor, layout: Layout) -> torch.Tensor:
-    from .placement import distribute_full
-
-    return _compat.local_tensor(distribute_full(full, layout))
 
 
 def manifest_metas(manifest: Any) -> list[tuple]:

@@ -68,8 +68,13 @@ class Layout:
         return self.slices_for(self.mesh.get_coordinate())
 
     def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of ``full`` (a view, no copy)."""
-        return full[self.local_slices()]
+        """This rank's piece of ``full``: a view for Shard/Replicate layouts;
+        for others (strided shards of FSDP over TP) DTensor cuts it, locally."""
+        if self.simple:
+            return full[self.local_slices()]
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full, self.mesh, self.placements, src_data_rank=None).to_local()
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
@@ -83,11 +88,3 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
-def distribute_full(full: torch.Tensor, layout: Layout) -> DTensor:
-    """A DTensor with ``layout`` whose value is ``full``, available on every rank."""
-    layout = layout if layout.shape == full.shape else layout.with_shape(full.shape)
-    if layout.simple:
-        return layout.wrap(layout.local_from_full(full))
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, layout.mesh, layout.placements, src_data_rank=None)

@@ -147,9 +147,12 @@ def cases():
     for layout in SHARDED:
         for opt in ("adamw", "adam_amsgrad", "sgd", "adagrad"):
             yield make_case("OPT-DT-1", layout, dt_1, opt=opt, mode="sharded")
+    yield make_case("OPT-DT-1", "fsdp2xtp2", dt_1, opt="adamw", mode="sharded", profile="tp")
     for layout in ("fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in flows.MODES:
             yield make_case("OPT-DT-2", layout, dt_2, opt="adamw", mode=mode)
+    for mode in ("sharded", "full", "bcast", "dcp"):
+        yield make_case("OPT-DT-2", "fsdp2xtp2", dt_2, opt="adamw", mode=mode, profile="tp")
     for layout in ("single", "fsdp4", "hsdp2x2"):
         for mode in flows.MODES:
             yield make_case("OPT-DT-3", layout, dt_3, opt="adamw", mode=mode)

@@ -15,16 +15,16 @@ def _groups_without_params(snap) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in snap["groups"]]
 
 
-def empty_1(c, layout, opt, mode):
+def empty_1(c, layout, opt, mode, n_optimizers=1):
     """Groups without parameters, anywhere, survive: count, order, every field; step() works."""
     spec = GroupSpec(empty_at=EMPTY_AT)
-    a = Setup(c, layout, opt, groups=spec)
+    a = Setup(c, layout, opt, groups=spec, n_optimizers=n_optimizers)
     a.train(2)
     saved = flows.save(c, a, mode)
     want = snapshot(a)
     # The target's empty groups carry values of their own, so that a load
     # that ignores them shows.
-    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=EMPTY_AT, lr_scale=3.0))
+    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=EMPTY_AT, lr_scale=3.0), n_optimizers=n_optimizers)
     b.set_steps_done(2)
     own = snapshot(b)
     flows.load(c, b, saved)
@@ -64,6 +64,9 @@ def cases():
         for opt in ("adamw", "sgd"):
             for mode in flows.MODES:
                 yield make_case("OPT-EMPTY-1", layout, empty_1, opt=opt, mode=mode)
+    for layout in ("single", "fsdp4"):
+        for mode in ("sharded", "full_cpu", "dcp"):
+            yield make_case("OPT-EMPTY-1", layout, empty_1, opt="adamw", mode=mode, variant="2opt", profile="multi-optimizer", n_optimizers=2)
     for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for target_empty, name in (((0, 9), "same"), ((1, 2, 9), "more"), ((), "none")):
             yield make_case("OPT-EMPTY-2", layout, empty_2, opt="adamw", mode="flat", variant=f"{name}", target_empty=target_empty)

@@ -175,6 +175,8 @@ def cases():
     for layout in LAYOUTS:
         for mode in flows.MODES:
             yield make_case("MODEL-1", layout, model_1, mode=mode)
+    for mode in ("sharded", "full", "bcast", "dcp"):
+        yield make_case("MODEL-1", "fsdp2xtp2", model_1, mode=mode, profile="tp")
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full"):
             for strict in (True, False):

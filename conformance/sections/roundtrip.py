@@ -102,6 +102,8 @@ def cases():
         for opt in OPTS:
             for mode in flows.MODES:
                 yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode)
+    for mode in flows.MODES:  # optional: FSDP over tensor parallelism (strided shards)
+        yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
     for layout in LAYOUTS:
         for mode in ("sharded", "full", "full_cpu", "flat"):
             yield make_case("OPT-RT-2", layout, rt_2, opt="adamw", mode=mode)

@@ -39,9 +39,9 @@ def sched_1(c, layout, mode):
     fail_if(diff_values(_fields(want), _fields(snapshot(b)), "param_groups"), f"{mode}: param-group fields did not round-trip")
 
 
-def sched_2(c, layout, mode):
+def sched_2(c, layout, mode, n_optimizers=1):
     """A scheduler resumed from its state_dict plus the loaded optimizer repeats the lr sequence."""
-    a = Setup(c, layout, "adamw", scheduler=True)
+    a = Setup(c, layout, "adamw", scheduler=True, n_optimizers=n_optimizers)
     a.train(2)
     saved = flows.save(c, a, mode)
     sched_states = [s.state_dict() for s in a.schedulers]
@@ -49,7 +49,7 @@ def sched_2(c, layout, mode):
     for _ in range(3):
         a.train(1)
         lrs_a.append([g["lr"] for o in a.optimizers for g in o.param_groups])
-    b = Setup(c, layout, "adamw", seed=1, scheduler=True)
+    b = Setup(c, layout, "adamw", seed=1, scheduler=True, n_optimizers=n_optimizers)
     b.set_steps_done(2)
     flows.load(c, b, saved)
     for sched, st in zip(b.schedulers, sched_states):
@@ -85,6 +85,9 @@ def cases():
     for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("sharded", "full_cpu", "flat", "dcp"):
             yield make_case("OPT-SCHED-2", layout, sched_2, opt="adamw", mode=mode)
+    for layout in ("single", "fsdp4", "pp2xfsdp2"):
+        for mode in ("sharded", "bcast", "flat"):
+            yield make_case("OPT-SCHED-2", layout, sched_2, opt="adamw", mode=mode, variant="2opt", profile="multi-optimizer", n_optimizers=2)
     for layout in ("single", "fsdp4", "pp2"):
         for mode in ("sharded", "full", "bcast", "flat"):
             yield make_case("OPT-SCHED-3", layout, sched_3, opt="adamw", mode=mode)
