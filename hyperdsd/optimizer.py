@@ -187,8 +187,8 @@ def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str,
     if isinstance(value, DTensor) and not isinstance(p, DTensor):
         problems.append(f"{where}: a DTensor, but the parameter is not; load it with full_state_dict=True or through DCP")
         return None
-    if shape_kind_problem := _kind_problem(value.dtype, p.dtype, key):
-        problems.append(f"{where}: {shape_kind_problem}")
+    if kind := _kind_problem(value.dtype, p.dtype, key):
+        problems.append(f"{where}: {kind}")
         return None
     shape = _shape(value)
     allowed = {_shape(exp)} if isinstance(exp, torch.Tensor) else {(), tuple(p.shape)}
@@ -320,7 +320,14 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
     """
     problems: list[str] = []
     plan = LoadPlan(optimizers=tuple(optimizers))
-    targets = [(opt, g, [index.fqn_of[p] for p in g["params"]]) for opt in optimizers for g in opt.param_groups]
+    targets = []
+    for opt in optimizers:
+        for gi, g in enumerate(opt.param_groups):
+            unknown = [i for i, p in enumerate(g["params"]) if p not in index.fqn_of]
+            if unknown:
+                problems.append(f"the optimizer's param_groups[{gi}] holds parameters that are not the model's (positions {unknown})")
+                return plan, problems
+            targets.append((opt, g, [index.fqn_of[p] for p in g["params"]]))
     flat = is_flat(osd) and bool(osd)
     if flat:
         sources, state, unknown = _from_flat(osd, index, targets, strict, problems)

@@ -363,3 +363,12 @@ def test_aliases_are_the_same_functions():
 def test_submodules_argument_is_refused_clearly():
     with pytest.raises(StateDictError, match="submodules"):
         hyperdsd.get_model_state_dict(Net(), submodules={nn.Linear(1, 1)})
+
+
+def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
+    model, _ = make()
+    stray = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(StateDictError, match="not a parameter of the model"):
+        hyperdsd.get_optimizer_state_dict(model, stray)
+    with pytest.raises(StateDictError, match="not the model's"):
+        hyperdsd.set_optimizer_state_dict(model, stray, {"state": {}, "param_groups": []}, options=StateDictOptions(strict=False))
