@@ -44,7 +44,7 @@ def unhooked_step(opt_class: type) -> Callable:
 
 def is_compiled_module(module: torch.nn.Module) -> bool:
     # Checked by name: importing torch._dynamo costs a second of start-up.
-    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
 
 
 def is_fsdp1(module: torch.nn.Module) -> bool:

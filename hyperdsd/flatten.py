@@ -44,6 +44,9 @@ def _flatten_into(out: dict, prefix: str, value: Any) -> None:
 
 def _split(rest: str, fqns) -> tuple[str, str] | None:
     """``rest`` = ``{fqn}.{tail}`` for exactly one FQN of the model."""
+    head, _, tail = rest.rpartition(".")
+    if head in fqns:  # the common case: a plain state key or group field
+        return head, tail
     i = rest.find(".")
     while i != -1:
         if rest[:i] in fqns:

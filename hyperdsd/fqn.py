@@ -23,16 +23,17 @@ _EXTRA_STATE = nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 
 def _hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
     """Names of children whose name does not appear in FQNs."""
+    # Children and methods are looked up where they live: a missing attribute
+    # on a Module goes through a slow __getattr__ that raises.
     hidden = set()
     if isinstance(module, nn.parallel.DistributedDataParallel):
         hidden.add("module")
     if _compat.is_compiled_module(module):
         hidden.add("_orig_mod")
-    if hasattr(module, _CHECKPOINT_CHILD):
+    if _CHECKPOINT_CHILD in module._modules:
         hidden.add(_CHECKPOINT_CHILD)
-    modifiers = getattr(module, modifiers_attr, None)
-    if callable(modifiers):
-        hidden.update(modifiers().values())
+    if callable(getattr(type(module), modifiers_attr, None)):
+        hidden.update(getattr(module, modifiers_attr)().values())
     return hidden
 
 

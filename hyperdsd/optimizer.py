@@ -280,6 +280,8 @@ def _from_flat(osd: dict, index: ModelIndex, targets, strict: bool, problems: li
 
 
 def _differs(a, b) -> bool:
+    if a is b:
+        return False
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
