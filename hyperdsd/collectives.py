@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -297,13 +297,16 @@ def scatter_from_rank0(
     needs: Sequence[Need | None],
     device: torch.device,
     bucket_bytes: int | None = None,
+    on_piece: Callable[[int, torch.Tensor], None] | None = None,
 ) -> list[torch.Tensor | None]:
     """Deliver to every rank the regions it needs of tensors only rank 0 holds.
 
     ``metas`` (shape, dtype per tensor) are known everywhere; ``fulls`` only on
     rank 0; ``needs`` are this rank's. Every rank learns every rank's needs
     (one all-gather of small objects), then buckets move with one scatter
-    each. A rank never holds more than its own pieces plus one bucket.
+    each. With ``on_piece``, each piece is handed over as a view into the
+    bucket as it arrives (copy what you keep), so a rank holds its own state
+    plus one bucket; without it, pieces are returned.
     """
     limit = bucket_bytes or BUCKET_BYTES
     world = dist.get_world_size() if active() else 1
@@ -324,12 +327,12 @@ def scatter_from_rank0(
     for i in range(len(metas)):
         grow = [piece_bytes(i, r) for r in range(world)]
         if bucket and max(s + g for s, g in zip(sizes, grow)) > limit:
-            _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world)
+            _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece)
             bucket, sizes = [], [0] * world
         bucket.append(i)
         sizes = [s + g for s, g in zip(sizes, grow)]
     if bucket:
-        _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world)
+        _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece)
     return out
 
 
@@ -337,7 +340,7 @@ def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world) -> None:
+def _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece) -> None:
     layouts = []  # per rank: [(item, offset, nbytes)]
     for r in range(world):
         off, parts = 0, []
@@ -368,8 +371,11 @@ def _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world) -> N
     else:
         dist.scatter(recv, None, src=0)
     for i, off, nbytes in layouts[me][0]:
-        shape = everyone[me][i].shape()
-        out[i] = _from_bytes(recv[off : off + nbytes], metas[i][1], shape).clone()
+        piece = _from_bytes(recv[off : off + nbytes], metas[i][1], everyone[me][i].shape())
+        if on_piece is not None:
+            on_piece(i, piece)
+        else:
+            out[i] = piece.clone()
 
 
 def broadcast_object(obj: Any) -> Any:

@@ -110,10 +110,13 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
 
 
 def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: list[tuple], device: torch.device) -> None:
-    """Fill each Prepared's ``local`` with this rank's piece of rank 0's tensor.
+    """Give each Prepared this rank's piece of rank 0's tensor, as it arrives.
 
-    ``metas`` lists (shape, dtype) of every tensor in rank 0's dict, in
-    manifest order; it is the same on every rank, so is the bucket plan.
+    A piece goes straight into its destination (an existing tensor of the
+    same layout) or becomes the new tensor itself, so a rank holds its own
+    state plus one bucket in flight. ``metas`` lists (shape, dtype) of every
+    tensor in rank 0's dict, in manifest order: the same on every rank, so is
+    the bucket plan.
     """
     needs: list[Need | None] = [None] * len(metas)
     users: dict[int, list[Prepared]] = {}
@@ -124,14 +127,14 @@ def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: l
             need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
         needs[i] = need
         users.setdefault(i, []).append(p)
-    pieces = collectives.scatter_from_rank0(metas, fulls, needs, device)
-    for i, ps in users.items():
+
+    def receive(i: int, piece: torch.Tensor) -> None:
         whole = needs[i] == Need.whole(metas[i][0])
-        for p in ps:
-            piece = pieces[i]
-            if p.layout is not None and whole:
-                piece = p.layout.local_from_full(piece)
-            p.local = piece
+        for p in users[i]:
+            mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece
+            p.receive(mine)
+
+    collectives.scatter_from_rank0(metas, fulls, needs, device, on_piece=receive)
 
 
 def manifest_metas(manifest: Any) -> list[tuple]:

@@ -101,6 +101,8 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
                 plan.on_meta.add(raw)
                 if prepared.device.type == "meta":
                     prepared.device = prepared.local.device if prepared.local is not None else _compat.collective_device()
+            elif prepared.meta is not None and _local(target).dtype == prepared.dtype and prepared.redistribute is None:
+                prepared.dest = target  # a broadcast piece goes straight into the model's tensor
             plan.values[raw] = prepared
         else:
             plan.values[raw] = value  # extra state: whatever the module accepts

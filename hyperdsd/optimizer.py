@@ -96,6 +96,8 @@ class Prepared:
     local: torch.Tensor | None = None  # this rank's piece (None until a broadcast delivers it)
     meta: TensorMeta | None = None
     redistribute: DTensor | None = None  # a DTensor to move to ``layout`` first
+    dest: torch.Tensor | None = None  # an existing tensor of the same layout to copy into
+    owned: bool = False  # ``local`` is ours to keep as the new tensor, no copy needed
 
     @property
     def local_shape(self) -> tuple:
@@ -105,6 +107,20 @@ class Prepared:
             return tuple(self.meta.shape)
         return tuple(s.stop - s.start for s in self.layout.local_slices())
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype if self.local is not None else self.meta.dtype
+
+    def receive(self, piece: torch.Tensor) -> None:
+        """Take a delivered piece (a view into a transfer buffer)."""
+        if self.dest is not None:
+            target = _compat.local_tensor(self.dest) if isinstance(self.dest, DTensor) else self.dest
+            target.copy_(piece)
+            self.local = target
+        else:
+            self.local = piece.to(self.device, copy=True)
+            self.owned = True
+
 
 @dataclass
 class ParamLoad:
@@ -112,7 +128,6 @@ class ParamLoad:
     param: torch.Tensor
     fqn: str
     entry: dict | None  # None: the parameter ends without state
-    dest: dict | None = None  # tensors to copy into (a fresh optimizer's scratch state)
 
 
 @dataclass
@@ -392,8 +407,10 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
             prepared = {}
             for key, value in written.items():
                 prepared[key] = _prepare(value, p, key, group, expected, f"state[{fqn!r}][{key!r}]", problems)
-            dest = expected if expected is not None and expected is not opt.state.get(p) else None
-            plan.params.append(ParamLoad(opt, p, fqn, prepared, dest))
+                target = expected.get(key) if expected else None
+                if isinstance(prepared[key], Prepared) and _same_layout(target, prepared[key]):
+                    prepared[key].dest = target
+            plan.params.append(ParamLoad(opt, p, fqn, prepared))
     return plan, problems
 
 
@@ -412,12 +429,15 @@ def _same_layout(existing, prepared: Prepared) -> bool:
         ):
             return False
         existing = _compat.local_tensor(existing)
-    return tuple(existing.shape) == tuple(prepared.local.shape) and existing.dtype == prepared.local.dtype
+    return tuple(existing.shape) == prepared.local_shape and existing.dtype == prepared.dtype
 
 
 def _materialize(prepared: Prepared) -> torch.Tensor:
-    local = torch.empty_like(prepared.local, device=prepared.device)
-    local.copy_(prepared.local)
+    if prepared.owned and prepared.local.device == prepared.device:
+        local = prepared.local  # delivered for us alone: adopt it
+    else:
+        local = torch.empty_like(prepared.local, device=prepared.device)
+        local.copy_(prepared.local)
     return prepared.layout.wrap(local) if prepared.layout is not None else local
 
 
@@ -454,9 +474,7 @@ def apply_load(plan: LoadPlan) -> None:
         new = {}
         for key, value in load.entry.items():
             if isinstance(value, Prepared):
-                existing = (current or {}).get(key)
-                if existing is None and load.dest is not None:
-                    existing = load.dest.get(key)
+                existing = value.dest if value.dest is not None else (current or {}).get(key)
                 new[key] = _into(existing, value) if _same_layout(existing, value) else _materialize(value)
             else:
                 new[key] = copy.deepcopy(value)
