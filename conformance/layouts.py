@@ -77,13 +77,14 @@ class Setup:
         meta: bool = False,
         with_optimizer: bool = True,
         trainable: callable = None,
+        lazy: bool = False,
     ):
         self.c = c
         self.layout = parse_layout(layout) if isinstance(layout, str) else layout
         lay = self.layout
         if lay.world_size != c.world_size:
             raise ValueError(f"layout {lay.name} needs {lay.world_size} ranks, the world has {c.world_size}")
-        self.cfg = cfg or ModelConfig(tie=lay.pp == 1)
+        self.cfg = cfg or ModelConfig(tie=lay.pp == 1, lazy_aux=lazy)
         self.optimizer_name = optimizer
         self.steps_done = 0
         self.mesh = c.mesh(lay.mesh, lay.dim_names) if lay.kind != "single" else None

@@ -27,6 +27,10 @@ class ModelConfig:
     aux_out: int = 3
     dtype: torch.dtype = torch.float32
     adapter: bool = False  # an extra trainable module, as fine-tuning adds
+    # ``aux`` never gets a gradient (lazy optimizer state) when True; when
+    # False it gets a zero gradient, so clauses about other properties are
+    # not judged by how an implementation handles lazy state.
+    lazy_aux: bool = True
 
 
 class Embed(nn.Module):
@@ -83,6 +87,8 @@ class ToyModel(nn.Module):
         if self.head is None:
             return h
         h = h + self.frozen(h)
+        if not self.cfg.lazy_aux:
+            h = h + 0.0 * self.aux(h).sum(-1, keepdim=True)
         if self.adapter is not None:
             h = h + self.adapter(h)
         return self.head(self.norm(h))

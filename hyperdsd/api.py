@@ -206,7 +206,10 @@ class _Load:
         self.optim_plan = plan
 
     def commit(self, what: str) -> None:
-        collectives.agree(self.problems, f"{what}: nothing was loaded")
+        questions = self.optim_plan.questions if self.optim_plan is not None else None
+        answers = collectives.agree(self.problems, f"{what}: nothing was loaded", questions)
+        if self.optim_plan is not None:
+            self.optim_plan.settle(answers)
         if self.broadcast:
             prepared = []
             if self.model_plan is not None:

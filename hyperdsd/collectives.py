@@ -57,23 +57,38 @@ def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
 
 # -- agreement -------------------------------------------------------------
 
-def agree(problems: list[str], what: str) -> None:
+def agree(problems: list[str], what: str, questions: dict[str, bool | None] | None = None) -> dict[str, bool]:
     """Raise :class:`StateDictError` on every rank if any rank has problems.
 
-    One all-reduce of a single flag when all is well; the messages travel
-    only when something is wrong.
+    One all-reduce of two flags when all is well; messages travel only when
+    something is wrong. ``questions`` (name -> this rank's answer, or None
+    where it cannot tell) are answered by the other ranks in the same step:
+    the answer is True if any rank answered True. Returns the answers to this
+    rank's open questions.
     """
+    questions = questions or {}
+    open_ = [k for k, v in questions.items() if v is None]
     if not active():
         if problems:
             raise StateDictError(_format(what, {0: problems}))
-        return
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
-        return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
-    raise StateDictError(_format(what, {r: p for r, p in enumerate(everyone) if p}))
+        return {k: True for k in open_}
+    flags = torch.tensor([1 if problems else 0, 1 if open_ else 0], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    answers: dict[str, bool] = {}
+    if flags[1]:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {k: v for k, v in questions.items() if v is not None})
+        known: dict[str, bool] = {}
+        for part in everyone:
+            for k, v in part.items():
+                known[k] = known.get(k, False) or v
+        # Nobody could tell: nothing to load was there (an empty parameter, say).
+        answers = {k: known.get(k, True) for k in open_}
+    if flags[0]:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        raise StateDictError(_format(what, {r: p for r, p in enumerate(everyone) if p}))
+    return answers
 
 
 def _format(what: str, by_rank: dict[int, list[str]]) -> str:

@@ -21,7 +21,7 @@ from . import _compat
 from .flatten import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
 from .placement import Layout
-from .templates import is_template_value, is_unwritten_placeholder, scratch_state, template_state
+from .templates import has_placeholders, is_template_value, scratch_state, template_state, unwritten_keys
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -136,7 +136,15 @@ class LoadPlan:
     groups: list[tuple[dict, dict]] = field(default_factory=list)
     optimizers: tuple = ()
     claimed: set[str] = field(default_factory=set)  # source FQNs this rank loads
+    # Was the template entry of each FQN loaded into? None: this rank cannot tell.
+    questions: dict[str, bool | None] = field(default_factory=dict)
     foreign: list[str] = field(default_factory=list)  # source FQNs this rank does not know
+
+    def settle(self, answers: dict[str, bool]) -> None:
+        """Drop the entries other ranks say nobody loaded (they stay fresh)."""
+        for load in self.params:
+            if self.questions.get(load.fqn, True) is None and not answers.get(load.fqn, True):
+                load.entry = None
 
     def tensors(self):
         for load in self.params:
@@ -269,7 +277,7 @@ def _from_flat(osd: dict, index: ModelIndex, targets, strict: bool, problems: li
     aligned = []
     def listed(f: str) -> bool:
         entry = state.get(f)
-        if entry and any(not is_unwritten_placeholder(v) for v in entry.values()):
+        if entry and len(unwritten_keys(entry)[0]) < len(entry):
             return True
         # Group fields count unless they are still the template's own objects
         # (DCP replaces every value it loads; some it copies even when not).
@@ -372,7 +380,7 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
             if canon is not None and (canon not in by_name or fqn == canon):
                 by_name[canon] = entry
     # State that nobody wrote into (a template's placeholders) does not list a parameter.
-    listed.update(f for f, e in by_name.items() if any(not is_unwritten_placeholder(v) for v in e.values()))
+    listed.update(f for f, e in by_name.items() if len(unwritten_keys(e)[0]) < len(e))
     plan.claimed = {f for f in listed if f in index.param_of}
 
     if strict:
@@ -393,7 +401,10 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
             if fqn not in listed:
                 continue  # not in the checkpoint: left as it is
             entry = by_name.get(fqn)
-            written = {k: v for k, v in (entry or {}).items() if not is_unwritten_placeholder(v)}
+            skip, unknown = unwritten_keys(entry) if entry else (set(), False)
+            if entry and has_placeholders(entry):
+                plan.questions[fqn] = None if unknown else len(skip) < len(entry)
+            written = {k: v for k, v in (entry or {}).items() if k not in skip}
             if entry is not None and not written:
                 entry = None  # a template entry nobody filled: as if absent
             if entry is None:

@@ -45,10 +45,32 @@ def is_unwritten_placeholder(value: Any) -> bool:
     return entry is not None and entry[0]() is value and _compat.version_of(value) == entry[1]
 
 
-def entry_is_unwritten(entry: dict) -> bool:
-    """A template entry whose tensors all still hold their placeholder values."""
-    tensors = [v for v in entry.values() if isinstance(v, torch.Tensor)]
-    return bool(tensors) and all(is_unwritten_placeholder(v) for v in tensors)
+def unwritten_keys(entry: dict) -> tuple[set, bool]:
+    """Keys of ``entry`` that are placeholders nobody wrote into, and whether
+    that cannot be told here.
+
+    A placeholder with no elements (this rank's shard of a parameter with
+    fewer rows than ranks) cannot be written and says nothing: it follows the
+    rest of its entry. When it is all the entry has, this rank cannot tell;
+    ranks holding a non-empty shard of the same parameter can (the caller
+    asks them, see ``collectives.agree``). Until then it counts as written.
+    """
+    unwritten = {k for k, v in entry.items() if is_unwritten_placeholder(v)}
+    empty = {k for k in unwritten if _local_numel(entry[k]) == 0}
+    unknown = bool(empty) and empty == unwritten == set(entry)
+    if empty and (len(unwritten) < len(entry) or unknown):
+        unwritten -= empty
+    return unwritten, unknown
+
+
+def has_placeholders(entry: dict) -> bool:
+    return any(id(v) in _placeholders for v in entry.values())
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (_compat.local_tensor(t) if isinstance(t, DTensor) else t).numel()
 
 
 def _zero_grad_stand_in(p: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ def aliases(setup) -> dict:
 
 def keys_1(c, layout, opt, mode):
     """Groups list the FQNs of the optimizer's parameters, in its order; state keys are FQNs."""
-    s = Setup(c, layout, opt)
+    s = Setup(c, layout, opt, lazy=True)
     s.train(2)
     osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, mode))
     model_keys = set(c.iut.get_model_state_dict(s.model, options=get_options(c.iut, "sharded")))

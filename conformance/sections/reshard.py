@@ -27,9 +27,9 @@ RTOL = 1e-6
 only_layers = lambda fqn: fqn.startswith("layers.")  # noqa: E731
 
 
-def _cfg(src: str, dst: str) -> ModelConfig:
+def _cfg(src: str, dst: str, lazy: bool = False) -> ModelConfig:
     pp = parse_layout(src).pp > 1 or parse_layout(dst).pp > 1
-    return ModelConfig(tie=not pp, dtype=torch.float64)
+    return ModelConfig(tie=not pp, dtype=torch.float64, lazy_aux=lazy)
 
 
 def _mode_on(layout: str, kind: str) -> str:
@@ -39,7 +39,7 @@ def _mode_on(layout: str, kind: str) -> str:
 
 
 def save_phase(c, src, dst, opt, kind, subset=False):
-    a = Setup(c, src, opt, cfg=_cfg(src, dst), trainable=only_layers if subset else None)
+    a = Setup(c, src, opt, cfg=_cfg(src, dst, lazy=subset), trainable=only_layers if subset else None)
     a.train(BEFORE)
     flows.save(c, a, _mode_on(src, kind))
     a.train(AFTER)
@@ -57,7 +57,7 @@ def _reference(c) -> dict:
 
 
 def load_phase(c, src, dst, opt, kind, subset=False):
-    b = Setup(c, dst, opt, seed=1, cfg=_cfg(src, dst))
+    b = Setup(c, dst, opt, seed=1, cfg=_cfg(src, dst, lazy=subset))
     b.set_steps_done(BEFORE)
     saved = Saved(_mode_on(src, kind), path=c.path("full.pt") if kind == "bcast" else c.path(f"dcp-{_mode_on(src, kind)}"))
     flows.load(c, b, saved, strict=not subset)

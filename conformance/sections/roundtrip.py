@@ -19,7 +19,7 @@ BEFORE, AFTER = 1, 1
 
 def rt_1(c, layout, opt, mode):
     """Resume in a fresh setup; K more steps must match the uninterrupted run bitwise."""
-    a, b = flows.resume(c, lambda seed: Setup(c, layout, opt, seed=seed), mode, before=BEFORE, after=AFTER)
+    a, b = flows.resume(c, lambda seed: Setup(c, layout, opt, seed=seed, lazy=True), mode, before=BEFORE, after=AFTER)
     fail_if(diff_snapshots(snapshot(a), snapshot(b)), f"{mode}: after resuming, the run differs from the uninterrupted one")
 
 
