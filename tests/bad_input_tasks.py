@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import hyperdsd
+from helpers import same
 from hyperdsd import StateDictOptions
 
 
@@ -44,16 +45,6 @@ def _view(model, opt):
         "state": [{k: local(v) for k, v in opt.state[p].items()} if p in opt.state else None for p in model.parameters()],
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
     }
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _like(value, shape=None, dtype=None, mesh=None):
@@ -170,4 +161,4 @@ def bad_input(ctx, spec: dict):
         raised = None
     except Exception as exc:  # noqa: BLE001 - the type is checked by the controller
         raised = (type(exc).__name__, str(exc)[:500])
-    return {"raised": raised, "unchanged": _same(before, _view(model, opt))}
+    return {"raised": raised, "unchanged": same(before, _view(model, opt))}

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import uuid
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 
@@ -41,3 +43,14 @@ def run_cli(args, *, timeout=600, env=None, mark=None):
         timeout=timeout,
     )
     return proc, mark
+
+
+def same(a, b) -> bool:
+    """Bitwise equality of nested state: tensors (dtype, shape, values), dicts, lists, scalars."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b

@@ -13,6 +13,7 @@ from hyperdsd import StateDictError, StateDictOptions
 from hyperdsd import flatten as flat_format
 from hyperdsd.fqn import ModelIndex
 from hyperdsd.templates import is_unwritten_placeholder
+from helpers import same
 
 
 class Block(nn.Module):
@@ -68,16 +69,6 @@ def step(model, opt, n=1):
 def view(opt):
     """Everything an optimizer holds, deep-copied, for before/after comparisons."""
     return copy.deepcopy({"state": {id(p): v for p, v in opt.state.items()}, "groups": opt.param_groups})
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 # -- options ----------------------------------------------------------------
