@@ -104,7 +104,7 @@ def _builtin_torch() -> Adapter:
     import torch
     import torch.distributed.checkpoint.state_dict as dsd
 
-    return from_module(dsd, "torch", version=torch.__version__, profiles=("multi-optimizer",))
+    return from_module(dsd, "torch", version=torch.__version__, profiles=("multi-optimizer", "tp"))
 
 
 def _builtin_hyperdsd() -> Adapter:
