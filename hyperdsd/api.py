@@ -169,12 +169,12 @@ class _Load:
         manifest, problems = collectives.broadcast_object((manifest, problems))
         if collectives.rank() == 0:
             self.problems += [f"{what}: {p}" for p in problems]
+        # Tensors of a second dict (set_state_dict: optimizer, then model) are
+        # numbered after the first's.
         offset = len(self._metas)
-        if offset:
-            manifest = distribute.shift_indices(manifest, offset)
-        self._fulls += fulls
         self._metas += distribute.manifest_metas(manifest)
-        return manifest
+        self._fulls += fulls
+        return distribute.shift_indices(manifest, offset) if offset else manifest
 
     def plan_model(self, sd: Any) -> None:
         source = self._source(sd, "model")

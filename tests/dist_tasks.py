@@ -125,3 +125,22 @@ def interop(ctx, layout: str, writer: str, reader: str, mode: str):
     diffs = diff_snapshots(_state(a), _state(b))
     assert not diffs, "\n".join(diffs[:10])
     return True
+
+
+def combined_broadcast(ctx):
+    """set_state_dict with broadcast_from_rank0: ranks other than 0 pass empty dicts."""
+    from conformance.oracle import diff_snapshots, snapshot
+
+    a = _setup(ctx, "fsdp2", 0, "hyperdsd")
+    a.train(1)
+    opts = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
+    b = _setup(ctx, "fsdp2", 1, "hyperdsd")
+    b.set_steps_done(1)
+    hyperdsd.set_state_dict(b.model, b.optimizers[0], model_state_dict=msd, optim_state_dict=osd,
+                            options=hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    a.train(1)
+    b.train(1)
+    diffs = diff_snapshots(snapshot(a), snapshot(b))
+    assert not diffs, "\n".join(diffs[:10])
+    return True

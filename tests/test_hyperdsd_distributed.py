@@ -44,3 +44,7 @@ def test_agreement_raises_on_every_rank(pools):
 def test_interop_with_torch(pools, layout, writer, reader, mode):
     world_size = 1 if layout == "single" else 2
     assert run(pools, world_size, "interop", layout=layout, writer=writer, reader=reader, mode=mode) == [True] * world_size
+
+
+def test_set_state_dict_broadcast_with_empty_dicts_off_rank_0(pools):
+    assert run(pools, 2, "combined_broadcast") == [True, True]

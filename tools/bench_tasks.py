@@ -81,9 +81,12 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
         opts = _options(impl, flatten_optimizer_state_dict=(mode == "flat_set"))
         impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=opts)
     elif mode == "bcast_set":
+        # Separate calls: torch's set_state_dict skips the model on ranks that pass
+        # an empty model dict while rank 0 broadcasts it, and hangs.
         msd, osd = inputs
-        impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
-                            options=_options(impl, full_state_dict=True, broadcast_from_rank0=True))
+        opts = _options(impl, full_state_dict=True, broadcast_from_rank0=True)
+        impl.set_model_state_dict(model, msd, options=opts)
+        impl.set_optimizer_state_dict(model, opt, osd, options=opts)
     elif mode == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultLoadPlanner
