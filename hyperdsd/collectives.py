@@ -30,6 +30,9 @@ _ALIGN = 16
 # Bucket size in bytes: one bucket is what a collective moves at once, and
 # the most a rank holds beyond its own state while a transfer is in flight.
 BUCKET_BYTES = int(float(os.environ.get("HYPERDSD_BUCKET_MB", "64")) * 2**20)
+# Pieces at least this large, evenly split along dim 0, move on their own,
+# straight between the shards and the full tensor: no packing, no copies.
+DIRECT_BYTES = 1 << 20
 
 
 def active() -> bool:
@@ -203,13 +206,42 @@ class Gatherer:
             by_group.setdefault((id(pg), item.root), []).append(item)
         for (_, root), items in by_group.items():
             pg = items[0].dt.device_mesh.get_group(items[0].mesh_dim)
-            for bucket in self._buckets(items, dist.get_world_size(pg)):
+            n = dist.get_world_size(pg)
+            direct = [it for it in items if self._direct(it, n)]
+            for item in direct:
+                self._gather_direct(item, pg, root, me, n)
+            rest = [it for it in items if not self._direct(it, n)]
+            for bucket in self._buckets(rest, n):
                 self._gather_bucket(bucket, pg, root, me)
         for key, dt, root in self._fallback:
             full = dt.full_tensor()  # a collective on the whole mesh
             if root is None or root == me:
                 self._keep(key, full)
         return self.results
+
+    def _direct(self, item: _Item, n: int) -> bool:
+        """Large, split evenly along dim 0, contiguous: gathered without packing."""
+        shape = item.dt.shape
+        return (
+            item.shard_dim == 0
+            and len(shape) > 0
+            and shape[0] % n == 0
+            and self._piece_bytes(item, n) >= DIRECT_BYTES
+            and _compat.local_tensor(item.dt).is_contiguous()
+        )
+
+    def _gather_direct(self, item: _Item, pg, root: int | None, me: int, n: int) -> None:
+        local = _compat.local_tensor(item.dt)
+        if root is None:
+            full = torch.empty(item.dt.shape, dtype=local.dtype, device=local.device)
+            _compat.all_gather_into(full, local, group=pg)
+        else:
+            full = torch.empty(item.dt.shape, dtype=local.dtype, device=local.device) if me == root else None
+            # Each rank's piece lands in its rows of the full tensor.
+            dist.gather(local, list(full.chunk(n)) if full is not None else None, dst=root, group=pg)
+            if full is None:
+                return
+        self._keep(item.key, full)
 
     def _buckets(self, items: list[_Item], n: int):
         limit = max(self.bucket_bytes // n, 1)
@@ -313,6 +345,7 @@ def scatter_from_rank0(
     device: torch.device,
     bucket_bytes: int | None = None,
     on_piece: Callable[[int, torch.Tensor], None] | None = None,
+    target_for: Callable[[int], torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor | None]:
     """Deliver to every rank the regions it needs of tensors only rank 0 holds.
 
@@ -337,9 +370,15 @@ def scatter_from_rank0(
         need = everyone[r][i]
         return 0 if need is None else _aligned(need.numel() * _elem(metas[i][1]))
 
+    direct = [i for i in range(len(metas)) if world > 1 and _scatter_direct(i, metas, everyone)]
+    for i in direct:
+        _scatter_one(i, metas, fulls, everyone, out, device, me, world, on_piece, target_for)
     bucket: list[int] = []
     sizes = [0] * world
+    skip = set(direct)
     for i in range(len(metas)):
+        if i in skip:
+            continue
         grow = [piece_bytes(i, r) for r in range(world)]
         if bucket and max(s + g for s, g in zip(sizes, grow)) > limit:
             _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece)
@@ -349,6 +388,33 @@ def scatter_from_rank0(
     if bucket:
         _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece)
     return out
+
+
+def _scatter_direct(i: int, metas, everyone) -> bool:
+    """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
+    shape, dtype = metas[i]
+    sizes = set()
+    for needs in everyone:
+        need = needs[i]
+        if need is None or not need.region or any(need.region[d] != (0, shape[d]) for d in range(1, len(shape))):
+            return False
+        sizes.add(need.numel())
+    return len(sizes) == 1 and sizes.pop() * _elem(dtype) >= DIRECT_BYTES
+
+
+def _scatter_one(i, metas, fulls, everyone, out, device, me, world, on_piece, target_for) -> None:
+    """One large tensor: rank 0's rows go straight into each rank's destination."""
+    need = everyone[me][i]
+    shape, dtype = need.shape(), metas[i][1]
+    target = target_for(i) if target_for is not None else None
+    usable = target is not None and target.is_contiguous() and list(target.shape) == shape and target.dtype == dtype
+    recv = target if usable else torch.empty(shape, dtype=dtype, device=device)
+    sends = [everyone[r][i].cut(fulls[i]).to(device) for r in range(world)] if me == 0 else None
+    dist.scatter(recv, sends, src=0)
+    if on_piece is not None:
+        on_piece(i, recv)
+    else:
+        out[i] = recv
 
 
 def _elem(dtype: torch.dtype) -> int:

@@ -134,7 +134,15 @@ def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: l
             mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece
             p.receive(mine)
 
-    collectives.scatter_from_rank0(metas, fulls, needs, device, on_piece=receive)
+    def target_for(i: int) -> torch.Tensor | None:
+        """Where a large piece can be received in place: its one user's destination."""
+        ps = users.get(i, [])
+        if len(ps) != 1 or ps[0].dest is None:
+            return None
+        dest = ps[0].dest
+        return _compat.local_tensor(dest) if isinstance(dest, DTensor) else dest
+
+    collectives.scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for)
 
 
 def manifest_metas(manifest: Any) -> list[tuple]:

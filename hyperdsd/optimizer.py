@@ -115,7 +115,8 @@ class Prepared:
         """Take a delivered piece (a view into a transfer buffer)."""
         if self.dest is not None:
             target = _compat.local_tensor(self.dest) if isinstance(self.dest, DTensor) else self.dest
-            target.copy_(piece)
+            if not same_memory(target, piece):  # received in place already
+                target.copy_(piece)
             self.local = target
         else:
             self.local = piece.to(self.device, copy=True)

@@ -17,19 +17,22 @@ from hyperdsd.placement import Layout
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
 
 
-def _tensors(mesh, placements):
+BIG = [((2048, 512), torch.float32), ((1026, 600), torch.float32), ((4096, 256), torch.bfloat16)]  # even, uneven, bf16
+
+
+def _tensors(mesh, placements, big=False):
     gen = torch.Generator().manual_seed(1)
     out = []
-    for shape, dtype in SHAPES:
+    for shape, dtype in SHAPES + (BIG if big else []):
         full = (torch.rand(shape, generator=gen) * 100).to(dtype)
         out.append((full, distribute_tensor(full, mesh, placements, src_data_rank=None)))
     return out
 
 
-def gather(ctx, mesh="4", root: bool = False, bucket_bytes: int = 64):
+def gather(ctx, mesh="4", root: bool = False, bucket_bytes: int = 64, big: bool = False):
     m = ctx.mesh(mesh)
     placements = [Shard(0)] if m.ndim == 1 else [Replicate(), Shard(0)]
-    pairs = _tensors(m, placements)
+    pairs = _tensors(m, placements, big)
     g = Gatherer(cpu=True, bucket_bytes=bucket_bytes)
     for i, (_, dt) in enumerate(pairs):
         g.add(i, dt, root=0 if root else None)
@@ -42,11 +45,15 @@ def gather(ctx, mesh="4", root: bool = False, bucket_bytes: int = 64):
     return len(results)
 
 
-def scatter(ctx, bucket_bytes: int = 48):
+def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
     m = ctx.mesh(str(ctx.world_size))
     fulls = [t.to(d) for t, d in ((torch.arange(70.0).reshape(7, 10), torch.float32), (torch.arange(12.0), torch.float64), (torch.ones(3), torch.int32))]
+    if big:  # large and evenly split: moves on its own, straight into place
+        fulls.append(torch.arange(ctx.world_size * 2**18, dtype=torch.float32).reshape(ctx.world_size * 512, 512))
     layouts = [Layout(m, (Shard(0),), f.shape, f.stride()) for f in fulls]
     needs = [Need.of_layout(layouts[0]), Need.whole(fulls[1].shape), Need.of_layout(layouts[2]) if ctx.rank % 2 else None]
+    if big:
+        needs.append(Need.of_layout(layouts[3]))
     metas = [(tuple(f.shape), f.dtype) for f in fulls]
     pieces = scatter_from_rank0(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
     for i, need in enumerate(needs):

@@ -20,9 +20,10 @@ def run(pools, world_size, fn, **kwargs):
 
 
 @pytest.mark.parametrize("mesh, root", [("4", False), ("4", True), ("2x2", False), ("2x2", True)])
-def test_gather_in_small_buckets_with_uneven_and_empty_shards(pools, mesh, root):
-    values = run(pools, 4, "gather", mesh=mesh, root=root, bucket_bytes=64)
-    assert values[0] == 6
+@pytest.mark.parametrize("big", [False, True], ids=["small", "with-large"])
+def test_gather_in_small_buckets_with_uneven_and_empty_shards(pools, mesh, root, big):
+    values = run(pools, 4, "gather", mesh=mesh, root=root, bucket_bytes=64, big=big)
+    assert values[0] == (9 if big else 6)
 
 
 def test_gather_on_three_ranks_uneven(pools):
@@ -30,8 +31,9 @@ def test_gather_on_three_ranks_uneven(pools):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_scatter_delivers_each_rank_only_its_pieces(pools, world_size):
-    assert all(run(pools, world_size, "scatter", bucket_bytes=48))
+@pytest.mark.parametrize("big", [False, True], ids=["small", "with-large"])
+def test_scatter_delivers_each_rank_only_its_pieces(pools, world_size, big):
+    assert all(run(pools, world_size, "scatter", bucket_bytes=48, big=big))
 
 
 def test_agreement_raises_on_every_rank(pools):

@@ -106,8 +106,16 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
 def time_mode(ctx, size: str, mode: str, mesh: str, reps: int):
     """Alternate the two implementations, ``reps`` times each; slowest rank's ms."""
     model, opt = _build(ctx, size, mesh)
-    times = {"torch": [], "hyperdsd": []}
+    times = {"torch": [], "hyperdsd": [], "all_reduce": []}
+    flag = torch.zeros(2, dtype=torch.int32)
     for r in range(reps):
+        # The floor under every hyperdsd set: its agreement is one all-reduce of two flags.
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flag)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times["all_reduce"].append(elapsed.item() * 1000)
         for impl_name in (("torch", "hyperdsd") if r % 2 == 0 else ("hyperdsd", "torch")):
             inputs = _prepare(ctx, impl_name, mode, model, opt)
             dist.barrier()
