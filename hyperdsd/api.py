@@ -143,85 +143,111 @@ def _manifest_names(manifest: Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-class _Load:
-    """One model and/or optimizer load: plan everywhere, agree, then apply."""
+_ABSENT = object()
 
-    def __init__(self, model: nn.Module, opts: StateDictOptions):
+
+class _Load:
+    """One load of a model and/or optimizers: plan on every rank, agree, apply.
+
+    With ``broadcast_from_rank0``: one broadcast of rank 0's manifest (model
+    and optimizer together), planning on every rank, then one exchange that
+    carries each rank's problems, open questions, ownership and needs, then
+    the transfers. Without it: planning, then one all-reduce to agree.
+    """
+
+    def __init__(self, model: nn.Module, opts: StateDictOptions, *, model_sd: Any = _ABSENT, optimizers=None, osd: Any = _ABSENT):
         self.model = model
         self.opts = opts
         self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
+        self.broadcast = opts.broadcast_from_rank0 and collectives.active()
+        self.optims = optimizer_params(optimizers) if osd is not _ABSENT else ()
+        self.model_sd = model_sd
+        self.osd = _run_pre_hooks(self.optims, osd) if osd is not _ABSENT else _ABSENT
         self.problems: list[str] = []
         self.model_plan = None
         self.optim_plan = None
-        self.optims: tuple = ()
-        self.broadcast = opts.broadcast_from_rank0 and collectives.active()
-        self._fulls: list[torch.Tensor] = []
-        self._metas: list = []
 
-    def _source(self, value: Any, what: str) -> Any:
-        """The dict to plan with: as given, or rank 0's manifest when broadcasting."""
-        if not self.broadcast:
-            return value
-        if collectives.rank() == 0:
-            manifest, fulls, problems = distribute.describe(value)
+    def run(self, what: str) -> None:
+        fulls, metas = [], []
+        model_src, optim_src = self.model_sd, self.osd
+        if self.broadcast:
+            model_src, optim_src, fulls, metas = self._manifests()
+        if model_src is not _ABSENT:
+            self.model_plan, problems = model_state.plan_load(
+                self.model, self.index, model_src, strict=self.opts.strict,
+                ignore_frozen=self.opts.ignore_frozen_params, foreign_ok=self.broadcast,
+            )
+            self.problems += problems
+        if optim_src is not _ABSENT:
+            self.optim_plan, problems = optim_state.plan_load(
+                self.index, self.optims, optim_src, strict=self.opts.strict, foreign_ok=self.broadcast
+            )
+            self.problems += problems
+        questions = self.optim_plan.questions if self.optim_plan is not None else {}
+        if self.broadcast:
+            answers = self._exchange_and_deliver(what, model_src, optim_src, questions, fulls, metas)
         else:
-            manifest, fulls, problems = None, [], []
-        manifest, problems = collectives.broadcast_object((manifest, problems))
-        if collectives.rank() == 0:
-            self.problems += [f"{what}: {p}" for p in problems]
-        # Tensors of a second dict (set_state_dict: optimizer, then model) are
-        # numbered after the first's.
-        offset = len(self._metas)
-        self._metas += distribute.manifest_metas(manifest)
-        self._fulls += fulls
-        return distribute.shift_indices(manifest, offset) if offset else manifest
-
-    def plan_model(self, sd: Any) -> None:
-        source = self._source(sd, "model")
-        plan, problems = model_state.plan_load(
-            self.model, self.index, source, strict=self.opts.strict,
-            ignore_frozen=self.opts.ignore_frozen_params, foreign_ok=self.broadcast,
-        )
-        self.problems += problems
-        if self.broadcast and self.opts.strict and isinstance(source, dict):
-            names = [k for k in source if isinstance(k, str)]
-            nobody = distribute.unowned(names, plan.claimed)
-            if nobody:
-                self.problems.append(f"model keys that no rank has (strict=True): {nobody}")
-        self.model_plan = plan
-
-    def plan_optimizers(self, optimizers: Optimizers, osd: Any) -> None:
-        self.optims = optimizer_params(optimizers)
-        source = self._source(_run_pre_hooks(self.optims, osd), "optimizer")
-        plan, problems = optim_state.plan_load(
-            self.index, self.optims, source, strict=self.opts.strict, foreign_ok=self.broadcast
-        )
-        self.problems += problems
-        if self.broadcast and self.opts.strict:
-            names = _manifest_names(source)
-            mine = set(names) - set(plan.foreign)
-            nobody = distribute.unowned(names, mine)
-            if nobody:
-                self.problems.append(f"not parameters of any rank's model (strict=True): {nobody}")
-        self.optim_plan = plan
-
-    def commit(self, what: str) -> None:
-        questions = self.optim_plan.questions if self.optim_plan is not None else None
-        answers = collectives.agree(self.problems, f"{what}: nothing was loaded", questions)
+            answers = collectives.agree(self.problems, f"{what}: nothing was loaded", questions)
         if self.optim_plan is not None:
             self.optim_plan.settle(answers)
-        if self.broadcast:
-            prepared = []
-            if self.model_plan is not None:
-                prepared += [p for p in self.model_plan.tensors() if p.meta is not None]
-            if self.optim_plan is not None:
-                prepared += [p for _, _, p in self.optim_plan.tensors() if p.meta is not None]
-            distribute.deliver(prepared, self._fulls if collectives.rank() == 0 else None, self._metas, _compat.collective_device())
-        if self.optim_plan is not None:
             optim_state.apply_load(self.optim_plan)
             _run_post_hooks(self.optims)
         if self.model_plan is not None:
             model_state.apply_load(self.model, self.model_plan)
+
+    def _manifests(self):
+        """Rank 0's dicts as manifests, on every rank; its tensors, on rank 0."""
+        both = {"model": self.model_sd, "optim": self.osd}
+        if collectives.rank() == 0:
+            manifest, fulls, problems = distribute.describe({k: v for k, v in both.items() if v is not _ABSENT})
+        else:
+            manifest, fulls, problems = None, [], []
+        manifest, problems = collectives.broadcast_object((manifest, problems))
+        if collectives.rank() == 0:
+            self.problems += problems
+        metas = distribute.manifest_metas(manifest)
+        return manifest.get("model", _ABSENT), manifest.get("optim", _ABSENT), fulls, metas
+
+    def _exchange_and_deliver(self, what, model_src, optim_src, questions, fulls, metas) -> dict[str, bool]:
+        # Names in rank 0's dict, the same list on every rank, and the ones this rank loads.
+        model_names = [k for k in model_src if isinstance(k, str)] if isinstance(model_src, dict) else []
+        optim_names = _manifest_names(optim_src) if optim_src is not _ABSENT else []
+        mine_model = self.model_plan.claimed if self.model_plan is not None else set()
+        mine_optim = set(optim_names) - set(self.optim_plan.foreign) if self.optim_plan is not None else set()
+        prepared = self._prepared()
+        needs, _ = distribute.needs_for(prepared, metas)
+        everyone = collectives.exchange({
+            "problems": self.problems,
+            "known": {k: v for k, v in questions.items() if v is not None},
+            "model": [i for i, k in enumerate(model_names) if k in mine_model],
+            "optim": [i for i, k in enumerate(optim_names) if k in mine_optim],
+            "needs": needs,
+        })
+        problems = [e["problems"] for e in everyone]
+        if self.opts.strict:
+            owned_model = {i for e in everyone for i in e["model"]}
+            owned_optim = {i for e in everyone for i in e["optim"]}
+            nobody = [k for i, k in enumerate(model_names) if i not in owned_model]
+            nobody_optim = [k for i, k in enumerate(optim_names) if i not in owned_optim]
+            extra = []
+            if nobody:
+                extra.append(f"model keys that no rank has (strict=True): {nobody}")
+            if nobody_optim:
+                extra.append(f"not parameters of any rank's model (strict=True): {nobody_optim}")
+            problems = [p + extra for p in problems]
+        collectives.raise_if_any(problems, f"{what}: nothing was loaded")
+        answers = collectives.answer([k for k, v in questions.items() if v is None], [e["known"] for e in everyone])
+        distribute.deliver(prepared, fulls if collectives.rank() == 0 else None, metas, _compat.collective_device(),
+                           everyone_needs=[e["needs"] for e in everyone])
+        return answers
+
+    def _prepared(self) -> list:
+        prepared = []
+        if self.model_plan is not None:
+            prepared += [p for p in self.model_plan.tensors() if p.meta is not None]
+        if self.optim_plan is not None:
+            prepared += [p for _, _, p in self.optim_plan.tensors() if p.meta is not None]
+        return prepared
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, options: StateDictOptions | None = None):
@@ -232,9 +258,8 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, 
     """
     opts = resolve_options(options)
     with torch.no_grad():
-        load = _Load(model, opts)
-        load.plan_model(model_state_dict)
-        load.commit("set_model_state_dict")
+        load = _Load(model, opts, model_sd=model_state_dict)
+        load.run("set_model_state_dict")
     return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)
 
 
@@ -247,19 +272,15 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_sta
     """
     opts = resolve_options(options)
     with torch.no_grad():
-        load = _Load(model, opts)
-        load.plan_optimizers(optimizers, optim_state_dict)
-        load.commit("set_optimizer_state_dict")
+        _Load(model, opts, optimizers=optimizers, osd=optim_state_dict).run("set_optimizer_state_dict")
 
 
 def set_state_dict(model: nn.Module, optimizers: Optimizers, *, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any], options: StateDictOptions | None = None):
     """Both at once: nothing is changed unless both load."""
     opts = resolve_options(options)
     with torch.no_grad():
-        load = _Load(model, opts)
-        load.plan_optimizers(optimizers, optim_state_dict)
-        load.plan_model(model_state_dict)
-        load.commit("set_state_dict")
+        load = _Load(model, opts, model_sd=model_state_dict, optimizers=optimizers, osd=optim_state_dict)
+        load.run("set_state_dict")
     return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)
 
 

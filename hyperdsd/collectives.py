@@ -79,19 +79,34 @@ def agree(problems: list[str], what: str, questions: dict[str, bool | None] | No
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     answers: dict[str, bool] = {}
     if flags[1]:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, {k: v for k, v in questions.items() if v is not None})
-        known: dict[str, bool] = {}
-        for part in everyone:
-            for k, v in part.items():
-                known[k] = known.get(k, False) or v
-        # Nobody could tell: nothing to load was there (an empty parameter, say).
-        answers = {k: known.get(k, True) for k in open_}
+        known = exchange({k: v for k, v in questions.items() if v is not None})
+        answers = answer(open_, known)
     if flags[0]:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
-        raise StateDictError(_format(what, {r: p for r, p in enumerate(everyone) if p}))
+        raise_if_any(exchange(problems), what)
     return answers
+
+
+def exchange(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, on every rank (one all-gather of objects)."""
+    if not active():
+        return [obj]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def answer(open_questions, known_by_rank: list[dict[str, bool]]) -> dict[str, bool]:
+    """True where any rank knows the answer is True; nobody knowing means nothing was there."""
+    known: dict[str, bool] = {}
+    for part in known_by_rank:
+        for k, v in part.items():
+            known[k] = known.get(k, False) or v
+    return {k: known.get(k, True) for k in open_questions}
+
+
+def raise_if_any(problems_by_rank: list[list[str]], what: str) -> None:
+    if any(problems_by_rank):
+        raise StateDictError(_format(what, {r: p for r, p in enumerate(problems_by_rank) if p}))
 
 
 def _format(what: str, by_rank: dict[int, list[str]]) -> str:
@@ -346,24 +361,21 @@ def scatter_from_rank0(
     bucket_bytes: int | None = None,
     on_piece: Callable[[int, torch.Tensor], None] | None = None,
     target_for: Callable[[int], torch.Tensor | None] | None = None,
+    everyone_needs: list[list[Need | None]] | None = None,
 ) -> list[torch.Tensor | None]:
     """Deliver to every rank the regions it needs of tensors only rank 0 holds.
 
     ``metas`` (shape, dtype per tensor) are known everywhere; ``fulls`` only on
     rank 0; ``needs`` are this rank's. Every rank learns every rank's needs
-    (one all-gather of small objects), then buckets move with one scatter
-    each. With ``on_piece``, each piece is handed over as a view into the
+    (one all-gather of small objects, unless the caller already exchanged
+    them: ``everyone_needs``), then buckets move with one scatter each. With ``on_piece``, each piece is handed over as a view into the
     bucket as it arrives (copy what you keep), so a rank holds its own state
     plus one bucket; without it, pieces are returned.
     """
     limit = bucket_bytes or BUCKET_BYTES
     world = dist.get_world_size() if active() else 1
     me = rank()
-    if world > 1:
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, list(needs))
-    else:
-        everyone = [list(needs)]
+    everyone = everyone_needs if everyone_needs is not None else exchange(list(needs))
     out: list[torch.Tensor | None] = [None] * len(metas)
 
     def piece_bytes(i: int, r: int) -> int:

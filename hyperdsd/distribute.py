@@ -109,15 +109,8 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     return rebuild(state_dict, meta), fulls, problems
 
 
-def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: list[tuple], device: torch.device) -> None:
-    """Give each Prepared this rank's piece of rank 0's tensor, as it arrives.
-
-    A piece goes straight into its destination (an existing tensor of the
-    same layout) or becomes the new tensor itself, so a rank holds its own
-    state plus one bucket in flight. ``metas`` lists (shape, dtype) of every
-    tensor in rank 0's dict, in manifest order: the same on every rank, so is
-    the bucket plan.
-    """
+def needs_for(prepared: list[Prepared], metas: list[tuple]) -> tuple[list[Need | None], dict[int, list[Prepared]]]:
+    """What this rank needs of each of rank 0's tensors, and who uses each."""
     needs: list[Need | None] = [None] * len(metas)
     users: dict[int, list[Prepared]] = {}
     for p in prepared:
@@ -127,6 +120,21 @@ def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: l
             need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
         needs[i] = need
         users.setdefault(i, []).append(p)
+    return needs, users
+
+
+def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: list[tuple], device: torch.device,
+            everyone_needs: list | None = None) -> None:
+    """Give each Prepared this rank's piece of rank 0's tensor, as it arrives.
+
+    A piece goes straight into its destination (an existing tensor of the
+    same layout) or becomes the new tensor itself, so a rank holds its own
+    state plus one bucket in flight. ``metas`` lists (shape, dtype) of every
+    tensor in rank 0's dict, in manifest order: the same on every rank, so is
+    the bucket plan. ``everyone_needs``: every rank's needs, when the caller
+    has exchanged them already.
+    """
+    needs, users = needs_for(prepared, metas)
 
     def receive(i: int, piece: torch.Tensor) -> None:
         whole = needs[i] == Need.whole(metas[i][0])
@@ -142,7 +150,7 @@ def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: l
         dest = ps[0].dest
         return _compat.local_tensor(dest) if isinstance(dest, DTensor) else dest
 
-    collectives.scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for)
+    collectives.scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs)
 
 
 def manifest_metas(manifest: Any) -> list[tuple]:
@@ -156,16 +164,3 @@ def manifest_metas(manifest: Any) -> list[tuple]:
 
     rebuild(manifest, note)
     return [found[i] for i in range(len(found))]
-
-
-def shift_indices(manifest: Any, offset: int) -> Any:
-    """Renumber a manifest's tensors after ``offset`` others (model, then optimizer)."""
-    return rebuild(manifest, lambda leaf, _: TensorMeta(leaf.shape, leaf.dtype, leaf.index + offset) if isinstance(leaf, TensorMeta) else leaf)
-
-
-def unowned(names: list[str], mine: set[str]) -> list[str]:
-    """Names in rank 0's manifest that no rank loads (one all-reduce of flags)."""
-    flags = torch.tensor([1 if n in mine else 0 for n in names], dtype=torch.uint8)
-    if collectives.active() and len(names):
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [n for n, f in zip(names, flags.tolist()) if not f]

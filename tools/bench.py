@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="4m,17m,67m,10k")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=90.0, help="seconds per size and mode before repetitions stop early")
     parser.add_argument("--hsdp-sizes", default="4m,17m", help="sizes also run on a 2x2 mesh (full_get, bcast_set)")
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args()
@@ -43,17 +44,17 @@ def main() -> None:
     runs += [(s, m, "2x2") for s in args.hsdp_sizes.split(",") if s for m in ("full_get", "bcast_set")]
     print(f"4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, {args.reps} repetitions per implementation, medians; "
           f"hyperdsd bucket {BUCKET_BYTES / 2**20:.0f} MiB")
-    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'1 all-reduce ms':>16}")
+    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'1 all-reduce ms':>16} {'reps':>5}")
     with PoolSet(gloo_timeout_s=600) as pools:
         for size, mode, mesh in runs:
-            outcome = pools.run(4, Task("bench_tasks:time_mode", {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps}), 3600)
+            outcome = pools.run(4, Task("bench_tasks:time_mode", {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget}), 3600)
             if outcome.status != "passed":
                 print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}")
                 continue
             t = outcome.values[0]
             a, b = statistics.median(t["torch"]), statistics.median(t["hyperdsd"])
             floor = statistics.median(t["all_reduce"])
-            print(f"{size:>5} {mesh:>4} {mode:>10} {a:10.1f} {b:12.1f} {b / a:7.2f} {floor:16.2f}", flush=True)
+            print(f"{size:>5} {mesh:>4} {mode:>10} {a:10.1f} {b:12.1f} {b / a:7.2f} {floor:16.2f} {len(t['torch']):5d}", flush=True)
     if args.no_memory:
         return
     print("\npeak resident memory above the baseline during one op, MiB per rank (own processes per implementation)")

@@ -103,12 +103,18 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
             shutil.rmtree(box[0], ignore_errors=True)
 
 
-def time_mode(ctx, size: str, mode: str, mesh: str, reps: int):
-    """Alternate the two implementations, ``reps`` times each; slowest rank's ms."""
+def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0):
+    """Alternate the two implementations, ``reps`` times each, or fewer once
+    ``budget_s`` is spent (one each at least); slowest rank's ms."""
     model, opt = _build(ctx, size, mesh)
+    began = time.perf_counter()
     times = {"torch": [], "hyperdsd": [], "all_reduce": []}
     flag = torch.zeros(2, dtype=torch.int32)
     for r in range(reps):
+        spent = torch.tensor([time.perf_counter() - began])
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops at the same repetition
+        if r > 0 and spent.item() > budget_s:
+            break
         # The floor under every hyperdsd set: its agreement is one all-reduce of two flags.
         dist.barrier()
         start = time.perf_counter()
