@@ -94,6 +94,10 @@ def _run(args) -> int:
         return 0
     if not cases:
         raise UsageError("no case matches the selection (see --list)")
+    from hyperdsd.testing import environment_problems
+
+    for problem in environment_problems():
+        raise UsageError(problem)
     try:
         adapter = load_adapter(args.impl)
     except AdapterError as exc:

@@ -55,8 +55,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def dsd_runner(request):
     """A runner with persistent pools for this pytest process (one per xdist worker)."""
-    from hyperdsd.testing import PoolSet
+    from hyperdsd.testing import PoolSet, environment_problems
 
+    for problem in environment_problems():
+        raise pytest.UsageError(problem)
     impl = request.config.getoption("--dsd-impl")
     pools = PoolSet()
     yield Runner(impl, pools=pools, timeout=request.config.getoption("--dsd-timeout"))

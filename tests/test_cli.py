@@ -42,6 +42,17 @@ def test_usage_errors_exit_2(args, needle):
     assert needle in proc.stderr
 
 
+def test_missing_numpy_is_one_clear_usage_error(monkeypatch, capsys):
+    # torch's wheel does not pull numpy in, yet its object collectives need
+    # it: without it every case would fail alike, so the run refuses to start.
+    from conformance.cli import main
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # makes `import numpy` raise ImportError
+    assert main(["-k", "OPT-KEYS-1[single"]) == 2
+    err = capsys.readouterr().err
+    assert "numpy is not installed" in err and "pip install numpy" in err
+
+
 @pytest.mark.parametrize(
     "fault, rank, words",
     [

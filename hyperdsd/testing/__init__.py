@@ -9,6 +9,7 @@ left behind. Under ``torchrun`` the same tasks run on the launched world.
 from .context import NotApplicable, RankContext
 from .mesh import MeshSpec, parse_mesh
 from .messages import RankResult, Task
+from .process import environment_problems
 from .pool import PoolSet, PoolStartError, TaskOutcome, WorkerPool
 from .world import ExistingWorld, launched_by_torchrun
 
@@ -23,6 +24,7 @@ __all__ = [
     "Task",
     "TaskOutcome",
     "WorkerPool",
+    "environment_problems",
     "launched_by_torchrun",
     "parse_mesh",
 ]

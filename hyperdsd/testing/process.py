@@ -34,6 +34,21 @@ def isolate_worker(parent_pid: int) -> None:
         os._exit(1)
 
 
+def environment_problems() -> list[str]:
+    """What in this Python environment would make every rank fail alike.
+
+    Checked once before any rank starts, so that a broken install gives one
+    clear message instead of a failure per case.
+    """
+    problems = []
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        problems.append("numpy is not installed, and torch.distributed's object collectives "
+                        "(broadcast_object_list, DCP's planning) need it: pip install numpy")
+    return problems
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a worker and every process in its process group."""
     try:
