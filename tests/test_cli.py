@@ -120,7 +120,8 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
     assert marked_processes(mark) == []
 
 
-def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path):
+@pytest.mark.parametrize("delay_s", [0.0, 2.0], ids=["while-ranks-start", "mid-run"])
+def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path, delay_s):
     report = tmp_path / "partial.json"
     mark = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
@@ -130,8 +131,8 @@ def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path):
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(marked_processes(mark)) < 5:
-        time.sleep(0.2)
-    time.sleep(2)
+        time.sleep(0.05)
+    time.sleep(delay_s)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, out

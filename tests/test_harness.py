@@ -174,3 +174,40 @@ def test_leaked_threads_and_processes_are_reported_and_processes_killed(pools):
     assert any("process" in leak and "killed" in leak for leak in outcome.results[0].leaks)
     time.sleep(0.3)
     assert marked_processes(mark) == []
+
+
+@pytest.mark.parametrize("when", ["while-ranks-start", "after-start"])
+def test_ranks_die_with_a_controller_killed_outright(when):
+    # SIGKILL leaves the controller no chance to clean up: the ranks must go
+    # by themselves (the kernel's parent-death signal, armed at once).
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT, TESTS
+
+    mark = uuid.uuid4().hex
+    script = (
+        "import sys, time\n"
+        "from hyperdsd.testing import WorkerPool\n"
+        "WorkerPool(2).start()\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        if when == "after-start":
+            assert proc.stdout.readline().strip() == "started"
+        else:
+            deadline = time.monotonic() + 60
+            while len(marked_processes(mark)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(marked_processes(mark)) == 3
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    deadline = time.monotonic() + 10
+    while marked_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marked_processes(mark) == []

@@ -18,16 +18,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from . import messages as m
 from .context import worker_env
-from .process import describe_exit, kill_tree, request_stacks
+from .process import describe_exit, kill_tree, request_stacks, worker_command
 
 _LOG_TAIL_BYTES = 16_000
-_live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+# Strong references: a pool whose start was interrupted is referenced by
+# nothing else, and must still be killed at exit.
+_live_pools: "set[WorkerPool]" = set()
 
 
 @atexit.register
@@ -171,6 +172,15 @@ class WorkerPool:
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> "WorkerPool":
+        try:
+            self._spawn()
+            self._await_ready()
+        except BaseException:
+            self.kill()  # Ctrl-C or a failed start: no rank outlives it
+            raise
+        return self
+
+    def _spawn(self) -> None:
         # mkdtemp makes a 0700 directory: the rendezvous store and logs stay private.
         self.workdir = tempfile.mkdtemp(prefix=f"hyperdsd-pool{self.world_size}-")
         _live_pools.add(self)
@@ -179,15 +189,14 @@ class WorkerPool:
             ours, theirs = socket.socketpair()
             with open(self._log(rank), "ab") as log:
                 proc = subprocess.Popen(
-                    [
-                        sys.executable, "-m", "hyperdsd.testing.worker",
+                    worker_command(
                         "--fd", str(theirs.fileno()),
                         "--rank", str(rank),
                         "--world-size", str(self.world_size),
                         "--workdir", self.workdir,
                         "--parent-pid", str(os.getpid()),
                         "--gloo-timeout", str(self.gloo_timeout_s),
-                    ],
+                    ),
                     pass_fds=(theirs.fileno(),),
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -199,8 +208,6 @@ class WorkerPool:
             theirs.close()
             self._procs.append(_Rank(proc))
             self._conns.append(Connection(ours.detach()))
-        self._await_ready()
-        return self
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

@@ -1,11 +1,20 @@
 """Process hygiene for rank workers: isolation from the terminal, death with
-the controller, stack dumps on request, and killing whole process trees."""
+the controller, stack dumps on request, and killing whole process trees.
+
+Run as a script (``python .../process.py --parent-pid P ARGS...``) this file
+is the worker's bootstrap: it arms the death signal within milliseconds of
+the process starting, before the seconds spent importing torch, and then
+runs ``hyperdsd.testing.worker`` with ARGS. Importing the worker first would
+leave that window open: a controller killed during it would leave ranks
+behind until their imports finished.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import sys
 
 PR_SET_PDEATHSIG = 1
 STACK_SIGNAL = signal.SIGUSR1
@@ -32,6 +41,11 @@ def isolate_worker(parent_pid: int) -> None:
     if os.getppid() != parent_pid:
         # The controller died before the death signal was armed.
         os._exit(1)
+
+
+def worker_command(*args: str) -> list[str]:
+    """The command line that starts a rank worker through this bootstrap."""
+    return [sys.executable, os.path.abspath(__file__), *args]
 
 
 def environment_problems() -> list[str]:
@@ -78,3 +92,15 @@ def describe_exit(exitcode: int | None) -> str:
             name = f"signal {-exitcode}"
         return f"killed by {name}"
     return f"exited with code {exitcode}"
+
+
+if __name__ == "__main__":
+    # Bootstrap: only the standard library is loaded so far.
+    _parent = int(sys.argv[sys.argv.index("--parent-pid") + 1])
+    isolate_worker(_parent)
+    # Behave as `python -m`: the working directory, not this file's folder,
+    # heads the import path, so the testing modules cannot shadow others.
+    sys.path[0] = os.getcwd()
+    import runpy
+
+    runpy.run_module("hyperdsd.testing.worker", run_name="__main__", alter_sys=True)

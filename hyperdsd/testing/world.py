@@ -113,6 +113,9 @@ class ExistingWorld:
         out_of_step = _out_of_step(results)
         if out_of_step:
             outcome.notes.append(out_of_step)
+            # Its next collective would pair with the wrong partners: every
+            # later case would fail for this one's sake.
+            outcome.recycled = outcome.recycled or f"{out_of_step}; the world cannot run further tasks"
         return outcome
 
 
