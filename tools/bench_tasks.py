@@ -3,6 +3,7 @@ get/set in one mode for both implementations, or measure peak memory."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import shutil
@@ -103,34 +104,64 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
             shutil.rmtree(box[0], ignore_errors=True)
 
 
-def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0):
-    """Alternate the two implementations, ``reps`` times each, or fewer once
-    ``budget_s`` is spent (one each at least); slowest rank's ms."""
-    model, opt = _build(ctx, size, mesh)
-    began = time.perf_counter()
-    times = {"torch": [], "hyperdsd": [], "all_reduce": []}
+def _local_state(model, opt) -> torch.Tensor:
+    """This rank's shards of every parameter and state tensor, as one flat buffer."""
+    return torch.empty(_state_bytes(model, opt), dtype=torch.uint8)
+
+
+def _floor(ctx, mode: str, model, opt, buf) -> None:
+    """The least work any implementation giving hyperdsd's guarantees must do.
+
+    set, flat_set: torch's own op, then one all-reduce of two flags: the
+    agreement that makes bad input on one rank raise on all (SPEC OPT-ATOM-4),
+    which torch's sharded set does not perform. full_get: every rank's state
+    bytes gathered into rank 0 in one gloo call. bcast_set: the same bytes
+    scattered from rank 0 in one call. Other modes: one all-reduce.
+    """
     flag = torch.zeros(2, dtype=torch.int32)
+    if mode in ("set", "flat_set"):
+        _op(ctx, "torch", mode, model, opt, ctx.cache["floor_inputs"])
+        dist.all_reduce(flag)
+    elif mode == "full_get":
+        # On a 2-D mesh one replica's shards make the whole: rank 0's shard group.
+        group = ctx.mesh(ctx.cache["mesh"]).get_group("shard") if "x" in ctx.cache["mesh"] else dist.group.WORLD
+        if 0 in dist.get_process_group_ranks(group):
+            n = dist.get_world_size(group)
+            dist.gather(buf, [torch.empty_like(buf) for _ in range(n)] if ctx.rank == 0 else None, group=group, group_dst=0)
+    elif mode == "bcast_set":
+        dist.scatter(buf, [torch.empty_like(buf) for _ in range(ctx.world_size)] if ctx.rank == 0 else None, src=0)
+    else:
+        dist.all_reduce(flag)
+
+
+def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0):
+    """Alternate the two implementations and the floor, ``reps`` times each,
+    or fewer once ``budget_s`` is spent (one each at least); slowest rank's ms."""
+    model, opt = _build(ctx, size, mesh)
+    ctx.cache["mesh"] = mesh
+    buf = _local_state(model, opt) if mode in ("full_get", "bcast_set") else None
+    began = time.perf_counter()
+    times = {"torch": [], "hyperdsd": [], "floor": []}
+    orders = (("torch", "hyperdsd", "floor"), ("hyperdsd", "floor", "torch"), ("floor", "torch", "hyperdsd"))
     for r in range(reps):
         spent = torch.tensor([time.perf_counter() - began])
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops at the same repetition
         if r > 0 and spent.item() > budget_s:
             break
-        # The floor under every hyperdsd set: its agreement is one all-reduce of two flags.
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(flag)
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times["all_reduce"].append(elapsed.item() * 1000)
-        for impl_name in (("torch", "hyperdsd") if r % 2 == 0 else ("hyperdsd", "torch")):
-            inputs = _prepare(ctx, impl_name, mode, model, opt)
+        for name in orders[r % 3]:
+            inputs = _prepare(ctx, "torch" if name == "floor" else name, mode, model, opt)
+            ctx.cache["floor_inputs"] = inputs
             dist.barrier()
             start = time.perf_counter()
-            _op(ctx, impl_name, mode, model, opt, inputs)
+            if name == "floor":
+                _floor(ctx, mode, model, opt, buf)
+            else:
+                _op(ctx, name, mode, model, opt, inputs)
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[impl_name].append(elapsed.item() * 1000)
+            times[name].append(elapsed.item() * 1000)
             del inputs
+            ctx.cache.pop("floor_inputs", None)
     return times
 
 
@@ -162,6 +193,9 @@ def memory(ctx, impl: str, size: str, mode: str, mesh: str):
     _op(ctx, impl, mode, model, opt, inputs)  # warm up allocations and imports
     inputs = _prepare(ctx, impl, mode, model, opt)
     gc.collect()
+    # Return what the warm-up freed to the OS, or the op would reuse it
+    # unseen and the peak would read low.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current size
