@@ -221,7 +221,7 @@ class _Load:
             "known": {k: v for k, v in questions.items() if v is not None},
             "model": [i for i, k in enumerate(model_names) if k in mine_model],
             "optim": [i for i, k in enumerate(optim_names) if k in mine_optim],
-            "needs": needs,
+            "needs": collectives.PackedNeeds(needs),
         })
         problems = [e["problems"] for e in everyone]
         if self.opts.strict:

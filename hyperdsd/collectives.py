@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -353,6 +354,27 @@ class Need:
         return full[tuple(slice(a, b) for a, b in self.region)] if self.region else full
 
 
+class PackedNeeds(Sequence):
+    """One rank's needs as sent to the others: each distinct region once,
+    then an index per tensor. Thousands of same-shaped tensors cost a few
+    bytes each on the wire and in every rank's memory, not an object each."""
+
+    def __init__(self, needs: Sequence[Need | None]):
+        table: dict[Need, int] = {}
+        index = array("i")
+        for need in needs:
+            index.append(-1 if need is None else table.setdefault(need, len(table)))
+        self.table = list(table)
+        self.index = index
+
+    def __getitem__(self, i):  # type: ignore[override]
+        j = self.index[i]
+        return None if j < 0 else self.table[j]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
 def scatter_from_rank0(
     metas: Sequence[tuple[torch.Size, torch.dtype]],
     fulls: Sequence[torch.Tensor] | None,
@@ -375,7 +397,7 @@ def scatter_from_rank0(
     limit = bucket_bytes or BUCKET_BYTES
     world = dist.get_world_size() if active() else 1
     me = rank()
-    everyone = everyone_needs if everyone_needs is not None else exchange(list(needs))
+    everyone = everyone_needs if everyone_needs is not None else exchange(PackedNeeds(needs))
     out: list[torch.Tensor | None] = [None] * len(metas)
 
     def piece_bytes(i: int, r: int) -> int:

@@ -363,3 +363,17 @@ def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
         hyperdsd.get_optimizer_state_dict(model, stray)
     with pytest.raises(StateDictError, match="not the model's"):
         hyperdsd.set_optimizer_state_dict(model, stray, {"state": {}, "param_groups": []}, options=StateDictOptions(strict=False))
+
+
+def test_packed_needs_send_each_distinct_region_once():
+    import pickle
+
+    from hyperdsd.collectives import Need, PackedNeeds
+
+    needs = [Need(((0, 2), (0, 4))), None, Need.whole((3,))] * 5000
+    packed = pickle.loads(pickle.dumps(PackedNeeds(needs)))
+    assert len(packed) == len(needs)
+    assert [packed[i] for i in range(len(needs))] == needs
+    assert len(packed.table) == 2
+    # A few bytes per tensor on the wire, not a pickled object each.
+    assert len(pickle.dumps(PackedNeeds(needs))) < 8 * len(needs)
