@@ -14,7 +14,7 @@ such floor (get is local; dcp is dominated by DCP's own save and load).
 Peak resident memory is measured per implementation in its own processes, in
 the full and broadcast modes.
 
-    python tools/bench.py                      # everything (about 10 minutes on 2 cores)
+    python tools/bench.py                      # everything (about 45 minutes on 2 cores, most of it torch on the 10k model)
     python tools/bench.py --sizes 4m --reps 3 --no-memory
 """
 
