@@ -215,7 +215,7 @@ class _Load:
         mine_model = self.model_plan.claimed if self.model_plan is not None else set()
         mine_optim = set(optim_names) - set(self.optim_plan.foreign) if self.optim_plan is not None else set()
         prepared = self._prepared()
-        needs, _ = distribute.needs_for(prepared, metas)
+        needs, users = distribute.needs_for(prepared, metas)
         everyone = collectives.exchange({
             "problems": self.problems,
             "known": {k: v for k, v in questions.items() if v is not None},
@@ -237,7 +237,7 @@ class _Load:
             problems = [p + extra for p in problems]
         collectives.raise_if_any(problems, f"{what}: nothing was loaded")
         answers = collectives.answer([k for k, v in questions.items() if v is None], [e["known"] for e in everyone])
-        distribute.deliver(prepared, fulls if collectives.rank() == 0 else None, metas, _compat.collective_device(),
+        distribute.deliver(needs, users, fulls if collectives.rank() == 0 else None, metas, _compat.collective_device(),
                            everyone_needs=[e["needs"] for e in everyone])
         return answers
 

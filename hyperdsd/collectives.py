@@ -223,10 +223,12 @@ class Gatherer:
         for (_, root), items in by_group.items():
             pg = items[0].dt.device_mesh.get_group(items[0].mesh_dim)
             n = dist.get_world_size(pg)
-            direct = [it for it in items if self._direct(it, n)]
-            for item in direct:
-                self._gather_direct(item, pg, root, me, n)
-            rest = [it for it in items if not self._direct(it, n)]
+            rest = []
+            for item in items:
+                if self._direct(item, n):
+                    self._gather_direct(item, pg, root, me, n)
+                else:
+                    rest.append(item)
             for bucket in self._buckets(rest, n):
                 self._gather_bucket(bucket, pg, root, me)
         for key, dt, root in self._fallback:
@@ -390,8 +392,9 @@ def scatter_from_rank0(
     ``metas`` (shape, dtype per tensor) are known everywhere; ``fulls`` only on
     rank 0; ``needs`` are this rank's. Every rank learns every rank's needs
     (one all-gather of small objects, unless the caller already exchanged
-    them: ``everyone_needs``), then buckets move with one scatter each. With ``on_piece``, each piece is handed over as a view into the
-    bucket as it arrives (copy what you keep), so a rank holds its own state
+    them: ``everyone_needs``), then large pieces move one scatter each and
+    the rest in buckets. With ``on_piece``, each piece is handed over as a
+    view into the bucket as it arrives (copy what you keep), so a rank holds its own state
     plus one bucket; without it, pieces are returned.
     """
     limit = bucket_bytes or BUCKET_BYTES

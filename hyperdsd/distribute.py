@@ -123,18 +123,18 @@ def needs_for(prepared: list[Prepared], metas: list[tuple]) -> tuple[list[Need |
     return needs, users
 
 
-def deliver(prepared: list[Prepared], fulls: list[torch.Tensor] | None, metas: list[tuple], device: torch.device,
-            everyone_needs: list | None = None) -> None:
+def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: list[torch.Tensor] | None,
+            metas: list[tuple], device: torch.device, everyone_needs: list | None = None) -> None:
     """Give each Prepared this rank's piece of rank 0's tensor, as it arrives.
 
     A piece goes straight into its destination (an existing tensor of the
     same layout) or becomes the new tensor itself, so a rank holds its own
     state plus one bucket in flight. ``metas`` lists (shape, dtype) of every
     tensor in rank 0's dict, in manifest order: the same on every rank, so is
-    the bucket plan. ``everyone_needs``: every rank's needs, when the caller
-    has exchanged them already.
+    the bucket plan. ``needs``, ``users``: as :func:`needs_for` gives them.
+    ``everyone_needs``: every rank's needs, when the caller has exchanged
+    them already.
     """
-    needs, users = needs_for(prepared, metas)
 
     def receive(i: int, piece: torch.Tensor) -> None:
         whole = needs[i] == Need.whole(metas[i][0])

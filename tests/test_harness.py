@@ -1,13 +1,16 @@
 """The harness itself: every rank judged, deadlines kept, no process left behind."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 
 import pytest
 
 from hyperdsd.testing import PoolSet, Task, parse_mesh
-from helpers import marked_processes
+from helpers import ROOT, TESTS, marked_processes
 
 DEADLINE = 8.0
 MARK = uuid.uuid4().hex
@@ -180,12 +183,6 @@ def test_leaked_threads_and_processes_are_reported_and_processes_killed(pools):
 def test_ranks_die_with_a_controller_killed_outright(when):
     # SIGKILL leaves the controller no chance to clean up: the ranks must go
     # by themselves (the kernel's parent-death signal, armed at once).
-    import signal
-    import subprocess
-    import sys
-
-    from helpers import ROOT, TESTS
-
     mark = uuid.uuid4().hex
     script = (
         "import sys, time\n"

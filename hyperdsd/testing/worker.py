@@ -1,7 +1,8 @@
 """The rank side of a pool: join the process group once, then run tasks
 until told to stop. One task at a time, one answer per task.
 
-Started by the controller as ``python -m hyperdsd.testing.worker``: a fresh
+Started by the controller through the bootstrap in ``process.py`` (which
+has already isolated the process and armed its death signal): a fresh
 interpreter (the spawn model, never fork), which neither re-imports the
 controller's main module nor inherits its threads.
 """
@@ -19,7 +20,7 @@ from multiprocessing.connection import Connection
 
 from . import messages as m
 from .context import RankContext, execute
-from .process import STACK_SIGNAL, isolate_worker
+from .process import STACK_SIGNAL
 
 
 def _send(conn, result: m.RankResult) -> None:
@@ -76,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--gloo-timeout", type=float, required=True)
-    args = parser.parse_args(argv)
-    isolate_worker(args.parent_pid)
+    args = parser.parse_args(argv)  # --parent-pid was used by the bootstrap
     # Resolve task functions exactly as the controller would.
     sys.path[:0] = [p for p in json.loads(os.environ.get("HYPERDSD_SYS_PATH", "[]")) if p not in sys.path]
     os.set_inheritable(args.fd, False)  # children of a task must not hold the pipe open
