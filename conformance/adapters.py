@@ -10,11 +10,13 @@
   object with the four functions.
 
 An adapter may rename functions, build its own options, shard models its own
-way (default: ``fully_shard``) and claim optional profiles.
+way (default: ``fully_shard``), claim optional profiles and declare the modes
+it supports (default: all of them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -25,6 +27,8 @@ from typing import Any, Callable
 FUNCTIONS = ("get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict")
 OPTION_FIELDS = ("full_state_dict", "cpu_offload", "ignore_frozen_params", "strict", "broadcast_from_rank0", "flatten_optimizer_state_dict")
 PROFILES = ("core", "inplace", "tp", "multi-optimizer")
+# How a state dict leaves a setup and comes back (SPEC §2; see flows.py).
+MODES = ("sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp")
 
 
 class AdapterError(RuntimeError):
@@ -55,15 +59,25 @@ class Adapter:
     version: str = "unknown"
     shard: Callable[..., Any] = fully_shard
     profiles: frozenset[str] = field(default_factory=frozenset)
+    modes: frozenset[str] = frozenset(MODES)
+    # How --impl names it: the ranks load the adapter again by this name.
+    spec: str = ""
 
     def __post_init__(self) -> None:
         unknown = set(self.profiles) - set(PROFILES)
         if unknown:
             raise AdapterError(f"adapter {self.name!r} claims unknown profiles {sorted(unknown)}; known: {list(PROFILES)}")
+        unknown = set(self.modes) - set(MODES)
+        if unknown or not self.modes:
+            raise AdapterError(f"adapter {self.name!r} declares modes {sorted(self.modes)}; known: {list(MODES)}")
         self.profiles = frozenset(self.profiles)
+        self.modes = frozenset(self.modes)
 
     def claims(self, profile: str) -> bool:
         return profile == "core" or profile in self.profiles
+
+    def supports(self, mode: str | None) -> bool:
+        return mode is None or mode in self.modes
 
 
 def from_module(obj: Any, name: str, version: str | None = None, profiles=()) -> Adapter:
@@ -133,6 +147,14 @@ def _coerce(obj: Any, name: str) -> Adapter:
 @functools.lru_cache(maxsize=None)
 def load_adapter(spec: str) -> Adapter:
     """Resolve ``--impl``; errors say what was looked for and what was missing."""
+    adapter = _resolve(spec)
+    if adapter.spec and adapter.spec != spec:
+        adapter = dataclasses.replace(adapter)
+    adapter.spec = spec
+    return adapter
+
+
+def _resolve(spec: str) -> Adapter:
     if spec in BUILTIN:
         return BUILTIN[spec]()
     module_name, _, attr = spec.partition(":")

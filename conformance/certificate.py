@@ -13,18 +13,21 @@ import json
 import os
 from collections import Counter, defaultdict
 
+from hyperdsd.testing import Status
+
+from .adapters import PROFILES
 from .registry import all_cases
 from .reporting import RunInfo, to_json, write_json, write_junit
-from .runner import CaseResult
+from .results import CaseResult
 
-_ORDER = ("error", "failed", "xfail", "xpass", "n/a", "passed")  # worst first
+_ORDER = (Status.ERROR, Status.FAILED, Status.XFAIL, Status.XPASS, Status.NOT_APPLICABLE, Status.PASSED)  # worst first
 
 
 def level(results: list[CaseResult], profiles: frozenset[str]) -> dict:
     """Which level the run reached, and why not a higher one."""
     ran = {r.case.id: r for r in results}
     out = {}
-    for profile in ("core", "inplace", "tp", "multi-optimizer"):
+    for profile in PROFILES:
         wanted = [c.id for c in all_cases() if c.profile == profile]
         if not wanted:
             continue
@@ -32,11 +35,11 @@ def level(results: list[CaseResult], profiles: frozenset[str]) -> dict:
             out[profile] = {"reached": False, "why": "not claimed"}
             continue
         missing = [cid for cid in wanted if cid not in ran]
-        bad = [cid for cid in wanted if cid in ran and ran[cid].status != "passed"]
+        bad = [cid for cid in wanted if cid in ran and ran[cid].status != Status.PASSED]
         if missing:
             why = f"{len(missing)} of {len(wanted)} cases did not run (a filtered run cannot certify)"
         elif bad:
-            kinds = Counter(ran[cid].status for cid in bad)
+            kinds = Counter(ran[cid].status.value for cid in bad)
             why = f"{len(bad)} of {len(wanted)} cases did not pass (" + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
         else:
             why = f"all {len(wanted)} cases passed"
@@ -111,11 +114,11 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
             if not c:
                 row.append("")
                 continue
-            ran = sum(c.values()) - c["n/a"]
-            mark = {"error": " ERROR", "failed": " FAIL", "xfail": " xfail", "xpass": " xpass"}.get(worst(c), "")
-            row.append(f"{c['passed']}/{ran}{mark}" if ran else "n/a")
+            ran = sum(c.values()) - c[Status.NOT_APPLICABLE]
+            mark = {Status.ERROR: " ERROR", Status.FAILED: " FAIL", Status.XFAIL: " xfail", Status.XPASS: " xpass"}.get(worst(c), "")
+            row.append(f"{c[Status.PASSED]}/{ran}{mark}" if ran else "n/a")
         lines.append(f"| {clause} | " + " | ".join(row) + " |")
-    bad = [r for r in results if r.status in ("failed", "error", "xfail", "xpass")]
+    bad = [r for r in results if r.status in (Status.FAILED, Status.ERROR, Status.XFAIL, Status.XPASS)]
     if bad:
         lines += ["", "## Cases that did not pass", ""]
         for r in bad:

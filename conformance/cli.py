@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="print the manifest of selected cases and exit")
     p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
     p.add_argument("--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)")
+    p.add_argument("--device", default="cpu", help="device every rank computes on: cpu (default), cuda, or another torch device type")
+    p.add_argument("--backend", default=None, help="process-group backend: gloo (default on cpu), nccl (default on cuda), or another by name")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks, stacks and rank output of failures")
     return p
 
@@ -76,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from hyperdsd.testing import launched_by_torchrun
-
     cases = select(all_cases(), patterns=args.patterns, world_sizes=args.world_sizes, meshes=args.mesh or None)
     if args.mesh:
         from hyperdsd.testing import parse_mesh
@@ -98,6 +98,7 @@ def _run(args) -> int:
 
     for problem in environment_problems():
         raise UsageError(problem)
+    args.backend = _check_device(args.device, args.backend)
     try:
         adapter = load_adapter(args.impl)
     except AdapterError as exc:
@@ -115,19 +116,39 @@ def _run(args) -> int:
         xfails.mark_selected([c.id for c in all_cases()])
         warnings += [f"{xfails.source}:{e.line}: xfail entry {e.pattern!r} matches no case" for e in xfails.unmatched()]
 
-    if launched_by_torchrun():
-        return _run_torchrun(args, cases, adapter, xfails, warnings)
-    return _run_pools(args, cases, adapter, xfails, warnings)
+    return _run_cases(args, cases, adapter, xfails, warnings)
 
 
-def _report(args, info, results, warnings, elapsed, complete=True) -> None:
+def _check_device(device: str, backend: str | None) -> str:
+    """The backend to use; a usage error for a device or backend torch does not have here."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"--device {device!r} is not a torch device type: {exc}") from None
+    if kind != device:
+        raise UsageError(f"--device takes a device type such as 'cpu' or 'cuda' (each rank picks its own index), got {device!r}")
+    if kind != "cpu":
+        module = getattr(torch, kind, None)
+        available = module is not None and callable(getattr(module, "is_available", None)) and module.is_available()
+        if not available:
+            raise UsageError(f"--device {kind}: torch.{kind} is not available on this machine (torch {torch.__version__})")
+    if backend is None:
+        backend = dist.Backend.default_device_backend_map.get(kind, "gloo")
+    if not dist.is_backend_available(backend):
+        raise UsageError(f"--backend {backend}: this torch build has no such process-group backend")
+    return backend
+
+
+def _report(args, adapter, info, results, warnings, elapsed, complete=True) -> None:
     from .reporting import to_json, write_json, write_junit
 
     if args.report:
-        from .adapters import load_adapter
         from .certificate import write_report
 
-        data = write_report(args.report, info, results, warnings, elapsed, load_adapter(args.impl).profiles)
+        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles)
         core = data["level"].get("core", {})
         print(f"certificate: {'core certified' if core.get('reached') else 'not certified'} ({core.get('why', '')}); written to {args.report}")
     if args.json:
@@ -136,82 +157,94 @@ def _report(args, info, results, warnings, elapsed, complete=True) -> None:
         write_junit(args.junit, info, results, elapsed)
 
 
-def _run_pools(args, cases, adapter, xfails, warnings) -> int:
-    from hyperdsd.testing import PoolSet
+def _executor(args):
+    """Spawned pools, or the world torchrun launched: the runner does not care which."""
+    from hyperdsd.testing import PoolSet, TorchrunWorld, launched_by_torchrun
+
+    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0))
+    if launched_by_torchrun():
+        return TorchrunWorld(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
+    return PoolSet(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
+
+
+def _workdir(args, executor) -> str:
+    """The run's directory; every rank of a case must see its case directory."""
+    import tempfile
+
+    if executor.launcher == "torchrun":
+        base = args.workdir or os.path.join(tempfile.gettempdir(), f"conformance-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        return base
+    return tempfile.mkdtemp(prefix="conformance-", dir=args.workdir)
+
+
+def _run_cases(args, cases, adapter, xfails, warnings) -> int:
+    import shutil
+
+    from hyperdsd.testing import WorldLost
 
     from .reporting import ConsoleReporter, RunInfo
     from .runner import Runner
 
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    info = RunInfo(adapter.name, adapter.version, args.impl, sorted({w for c in cases for w in c.world_sizes}), sorted({m for c in cases for m in c.meshes}))
-    console = ConsoleReporter(len(cases), verbose=args.verbose)
-    console.start(info)
-    results: list = []
-    start = time.monotonic()
-    # SIGTERM ends the run like Ctrl-C: pools killed, partial report written.
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0))
-    pools = PoolSet(gloo_timeout_s=gloo_timeout)
-    try:
-        runner = Runner(args.impl, timeout=args.timeout, xfails=xfails, pools=pools, workdir=args.workdir)
-
-        def on_result(r):
-            results.append(r)
-            console.case_done(r)
-
-        runner.run(cases, on_result)
-    except KeyboardInterrupt:
-        pools.kill()
-        elapsed = time.monotonic() - start
-        console.write(f"\ninterrupted after {len(results)} of {len(cases)} cases; all ranks stopped")
-        _report(args, info, results, warnings + ["run interrupted"], elapsed, complete=False)
-        return 1
-    finally:
-        pools.kill()
-        signal.signal(signal.SIGTERM, previous)
-    elapsed = time.monotonic() - start
-    console.finish(results, elapsed, warnings)
-    _report(args, info, results, warnings, elapsed)
-    return 1 if any(r.unexpected for r in results) else 0
-
-
-def _run_torchrun(args, cases, adapter, xfails, warnings) -> int:
-    from hyperdsd.testing import ExistingWorld
-
-    from .reporting import ConsoleReporter, RunInfo
-    from .runner import Runner, WorldLost
-
-    world = ExistingWorld(gloo_timeout_s=max(5.0, 0.75 * (args.timeout or 60.0)))
-    rank0 = world.rank == 0
-    info = RunInfo(adapter.name, adapter.version, args.impl, [world.world_size], sorted({m for c in cases for m in c.meshes}), launcher="torchrun")
+    executor = _executor(args)
+    reporter = executor.reporter
+    world_sizes = sorted({w for c in cases for w in c.world_sizes})
+    if executor.launcher == "torchrun":
+        world_sizes = [w for w in world_sizes if w <= executor.world_size]
+    info = RunInfo(adapter.name, adapter.version, adapter.spec, world_sizes, sorted({m for c in cases for m in c.meshes}),
+                   launcher=executor.launcher, device=args.device, backend=args.backend)
     console = ConsoleReporter(len(cases), verbose=args.verbose)
     results: list = []
     start = time.monotonic()
-    if rank0:
+    workdir = _workdir(args, executor)
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None if executor.launcher == "torchrun" else None
+    runner = Runner(adapter, executor, timeout=args.timeout, xfails=xfails, workdir=workdir, torchrun_nproc=nproc)
+    if reporter:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         console.start(info)
-        # A hung case ends the process; keep what ran so far.
-        world.on_expiry = lambda: _report(args, info, results, warnings + ["a case missed its deadline; run aborted"], time.monotonic() - start, complete=False)
-    runner = Runner(args.impl, timeout=args.timeout, xfails=xfails, world=world, workdir=args.workdir)
+
+    def partial(note: str) -> None:
+        _report(args, adapter, info, results, warnings + [note], time.monotonic() - start, complete=False)
+
+    def hung(outcome) -> None:
+        # The reporting rank itself hung in a case: report it, then the run ends.
+        if runner.current is not None and outcome is not None:
+            on_result(runner.result_of_hang(runner.current, outcome))
+        partial("a case missed its deadline; run aborted")
 
     def on_result(r):
         results.append(r)
         console.case_done(r)
 
+    if executor.launcher == "torchrun":
+        executor.on_expiry = hung if reporter else None
+    # SIGTERM ends the run like Ctrl-C: ranks stopped, partial report written.
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        runner.run(cases, on_result)
+        runner.run(cases, on_result if reporter else None)
+    except KeyboardInterrupt:
+        executor.kill()
+        if reporter:
+            console.write(f"\ninterrupted after {len(results)} of {len(cases)} cases; all ranks stopped")
+            partial("run interrupted")
+        return 1
     except WorldLost as exc:
-        # Other ranks are stuck in the lost case; report what ran and leave,
-        # torchrun stops the rest of the world.
-        console.write(f"\nrun aborted: {exc}")
-        _report(args, info, results, warnings + [f"run aborted: {exc}"], time.monotonic() - start, complete=False)
+        # A rank stopped answering; others may be stuck in that case. Report
+        # what ran and leave: torchrun stops the rest of the world.
+        if reporter:
+            console.write(f"\nrun aborted: {exc}")
+            partial(f"run aborted: {exc}")
         sys.stdout.flush()
         os._exit(1)
-    if not rank0:
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if reporter:
+            shutil.rmtree(workdir, ignore_errors=True)
+    executor.close()
+    if not reporter:
         return 0
     elapsed = time.monotonic() - start
     console.finish(results, elapsed, warnings)
-    _report(args, info, results, warnings, elapsed)
+    _report(args, adapter, info, results, warnings, elapsed)
     return 1 if any(r.unexpected for r in results) else 0

@@ -1,17 +1,54 @@
-"""What a case function sees on its rank."""
+"""What a case function sees on its rank, and the boundary between the suite
+and the implementation under test (IUT).
+
+Every call a case makes through ``c.iut`` runs as code under test (see
+``RankContext.under_test``): a failure inside it, a hang in it or in a
+collective it issued, is a verdict on the IUT (``failed``); a failure of the
+suite's own code elsewhere is an ``error``. Work that only exercises what the
+IUT produced (training a model it loaded, DCP saving a dict it returned)
+runs under test too, labelled as such.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch.distributed as dist
 
 from hyperdsd.testing import NotApplicable, RankContext
 
-from .adapters import Adapter
+from .adapters import FUNCTIONS, Adapter
 from .registry import Case
 
 __all__ = ["CaseContext", "NotApplicable"]
+
+# Adapter members that run the IUT's code.
+_IUT_CALLS = frozenset(FUNCTIONS) | {"options", "shard"}
+
+
+class JudgedAdapter:
+    """The adapter as cases see it: every IUT call runs under test, and the
+    setup whose model it was given remembers that the IUT touched it."""
+
+    def __init__(self, adapter: Adapter, c: "CaseContext"):
+        self._adapter = adapter
+        self._c = c
+        self._calls: dict[str, object] = {}
+
+    def __getattr__(self, name: str):
+        value = getattr(self._adapter, name)
+        if name not in _IUT_CALLS or not callable(value):
+            return value
+        if name not in self._calls:
+            def call(*args, **kwargs):
+                if args:
+                    self._c.touched(args[0], name)
+                with self._c.rank_ctx.under_test(name):
+                    return value(*args, **kwargs)
+
+            self._calls[name] = call
+        return self._calls[name]
 
 
 class CaseContext:
@@ -19,9 +56,12 @@ class CaseContext:
         self.rank_ctx = rank_ctx
         self.case = case
         self.phase = phase
-        self.iut = iut
+        self.adapter = iut
+        self.iut = JudgedAdapter(iut, self)
         # Private to this case, shared by its ranks and phases (checkpoints live here).
         self.dir = workdir
+        # id(model) -> the IUT function that last received it (see touched()).
+        self._touched: dict[int, str] = {}
 
     @property
     def rank(self) -> int:
@@ -44,3 +84,16 @@ class CaseContext:
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    def under_test(self, label: str):
+        """Work that exercises what the IUT produced: its failures are the IUT's."""
+        return self.rank_ctx.under_test(label)
+
+    def touched(self, model, fn: str) -> None:
+        self._touched[id(model)] = fn
+
+    def after_iut(self, model, what: str):
+        """``what`` on a model the IUT was given runs under test, named after
+        the IUT call it follows; on an untouched model it is the suite's own."""
+        fn = self._touched.get(id(model))
+        return self.under_test(f"{what} after {fn}") if fn else contextlib.nullcontext()

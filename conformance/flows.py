@@ -83,12 +83,14 @@ def save(c, setup, mode: str, *, model: bool = True, optim: bool = True, options
     osd = iut.get_optimizer_state_dict(setup.model, optimizers_arg(setup), options=opts) if optim else None
     if mode in ("dcp", "flat_dcp"):
         path = c.path(f"dcp-{mode}")
-        dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=path)
+        with c.under_test("dcp.save of the state dicts get returned"):
+            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=path)
         return Saved(mode, path=path)
     if mode == "bcast":
         path = c.path("full.pt")
         if c.rank == 0:
-            torch.save({"model": msd, "optim": osd}, path)
+            with c.under_test("torch.save of the full state dicts get returned"):
+                torch.save({"model": msd, "optim": osd}, path)
         return Saved(mode, path=path)
     return Saved(mode, model=clone_tree(msd), optim=clone_tree(osd))
 
@@ -103,11 +105,13 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
         tmpl_opts = get_options(iut, saved.mode)
         if model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
-            dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+            with c.under_test("dcp.load into the template get returned"):
+                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)
-            dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=partial))
+            with c.under_test("dcp.load into the template get returned"):
+                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=partial))
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys
     if saved.mode == "bcast":

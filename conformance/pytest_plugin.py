@@ -61,14 +61,17 @@ def dsd_runner(request):
         raise pytest.UsageError(problem)
     impl = request.config.getoption("--dsd-impl")
     pools = PoolSet()
-    yield Runner(impl, pools=pools, timeout=request.config.getoption("--dsd-timeout"))
+    runner = Runner(load_adapter(impl), pools, timeout=request.config.getoption("--dsd-timeout"))
+    yield runner
     pools.kill()
+    runner.close()
 
 
 def check_case(runner: Runner, case: Case) -> None:
     """Run ``case`` and turn its verdict into a pytest outcome."""
-    if not load_adapter(runner.impl).claims(case.profile):
-        pytest.skip(f"not applicable: {runner.impl} does not claim the {case.profile!r} profile")
+    reason = runner.applicability(case)
+    if reason:
+        pytest.skip(f"not applicable: {reason}")
     result = runner.run_case(case)
     if result.status == "n/a":
         pytest.skip(f"not applicable: {result.message}")

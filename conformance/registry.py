@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterable
@@ -103,9 +102,6 @@ def make_case(
         rtol=rtol,
         meshes=(lay.mesh,),
     )
-
-
-CLAUSE_RE = re.compile(r"^- ((?:OPT|MODEL)-[A-Z]*-?\d+)", re.M)
 
 
 @lru_cache(maxsize=None)

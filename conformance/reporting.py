@@ -11,10 +11,13 @@ import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from . import SPEC_VERSION, __version__
-from .runner import STATUSES, CaseResult
+from hyperdsd.testing import Status
 
-_LABEL = {"passed": "PASS", "failed": "FAIL", "xfail": "XFAIL", "xpass": "XPASS", "n/a": "N/A", "error": "ERROR"}
+from . import SPEC_VERSION, __version__
+from .results import STATUSES, CaseResult
+
+_LABEL = {Status.PASSED: "PASS", Status.FAILED: "FAIL", Status.XFAIL: "XFAIL", Status.XPASS: "XPASS",
+          Status.NOT_APPLICABLE: "N/A", Status.ERROR: "ERROR"}
 
 
 @dataclass
@@ -25,6 +28,8 @@ class RunInfo:
     world_sizes: list[int]
     meshes: list[str]
     launcher: str = "pools"
+    device: str = "cpu"
+    backend: str = "gloo"
     started: float = field(default_factory=time.time)
 
     def header(self) -> dict:
@@ -38,6 +43,8 @@ class RunInfo:
             "world_sizes": self.world_sizes,
             "meshes": self.meshes,
             "launcher": self.launcher,
+            "device": self.device,
+            "backend": self.backend,
             "python": platform.python_version(),
             "machine": f"{platform.system()} {platform.machine()}",
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
@@ -46,7 +53,7 @@ class RunInfo:
 
 def summary_counts(results: list[CaseResult]) -> dict[str, int]:
     counts = Counter(r.status for r in results)
-    return {s: counts.get(s, 0) for s in STATUSES}
+    return {s.value: counts.get(s, 0) for s in STATUSES}
 
 
 def fault_counts(results: list[CaseResult]) -> dict[str, int]:
@@ -85,11 +92,11 @@ class ConsoleReporter:
         running = " ".join(f"{_LABEL[s].lower()} {self.counts[s]}" for s in STATUSES if self.counts[s])
         line = f"[{self.done:>{width}}/{self.total}] {_LABEL[result.status]:<5} {result.case.id} ({result.duration_s:.2f} s) | {running}"
         self.write(line)
-        if result.status in ("failed", "error"):
+        if result.status.unexpected:
             self.write(self.failure_text(result, details=self.verbose))
-        elif result.status == "xpass":
+        elif result.status == Status.XPASS:
             self.write(f"    unexpectedly passed; the xfail entry says: {result.xfail_reason}")
-        elif result.status == "n/a" and self.verbose:
+        elif result.status == Status.NOT_APPLICABLE and self.verbose:
             self.write(f"    {result.message}")
 
     @staticmethod
@@ -133,11 +140,11 @@ def render_matrix(results: list[CaseResult]) -> str:
     def cell(counter: Counter) -> str:
         if not counter:
             return "."
-        total = sum(counter.values()) - counter["n/a"]
+        total = sum(counter.values()) - counter[Status.NOT_APPLICABLE]
         if total == 0:
             return "n/a"
-        ok = counter["passed"] + counter["xpass"]
-        mark = "!" if counter["failed"] or counter["error"] else ("x" if counter["xfail"] else "")
+        ok = counter[Status.PASSED] + counter[Status.XPASS]
+        mark = "!" if counter[Status.FAILED] or counter[Status.ERROR] else ("x" if counter[Status.XFAIL] else "")
         return f"{ok}/{total}{mark}"
 
     clauses = list(cells)
@@ -161,7 +168,7 @@ def to_json(info: RunInfo, results: list[CaseResult], warnings: list[str], elaps
                 "clause": r.case.clause,
                 "layout": r.case.layout,
                 "profile": r.case.profile,
-                "status": r.status,
+                "status": r.status.value,
                 "duration_s": round(r.duration_s, 4),
                 "message": r.message,
                 "ranks": r.ranks,
@@ -190,9 +197,9 @@ def write_junit(path: str, info: RunInfo, results: list[CaseResult], elapsed_s: 
         "testsuite",
         name=f"conformance[{info.impl_name}]",
         tests=str(len(results)),
-        failures=str(counts["failed"]),
-        errors=str(counts["error"]),
-        skipped=str(counts["xfail"] + counts["n/a"]),
+        failures=str(counts[Status.FAILED]),
+        errors=str(counts[Status.ERROR]),
+        skipped=str(counts[Status.XFAIL] + counts[Status.NOT_APPLICABLE]),
         time=f"{elapsed_s:.3f}",
     )
     props = ET.SubElement(suite, "properties")
@@ -203,18 +210,18 @@ def write_junit(path: str, info: RunInfo, results: list[CaseResult], elapsed_s: 
     for r in results:
         tc = ET.SubElement(suite, "testcase", classname=r.case.clause, name=r.case.id, time=f"{r.duration_s:.3f}")
         tprops = ET.SubElement(tc, "properties")
-        ET.SubElement(tprops, "property", name="status", value=r.status)
+        ET.SubElement(tprops, "property", name="status", value=r.status.value)
         ET.SubElement(tprops, "property", name="layout", value=r.case.layout)
         text = f"{r.message}\n\nrepro: {r.repro}\n\n{r.details}".strip()
-        if r.status == "failed":
+        if r.status == Status.FAILED:
             ET.SubElement(tc, "failure", message=_first_line(r.message)).text = text
-        elif r.status == "error":
+        elif r.status == Status.ERROR:
             ET.SubElement(tc, "error", message=_first_line(r.message)).text = text
-        elif r.status == "xfail":
+        elif r.status == Status.XFAIL:
             ET.SubElement(tc, "skipped", type="xfail", message=f"expected failure: {r.xfail_reason}").text = text
-        elif r.status == "n/a":
+        elif r.status == Status.NOT_APPLICABLE:
             ET.SubElement(tc, "skipped", type="n/a", message=f"not applicable: {r.message}")
-        elif r.status == "xpass":
+        elif r.status == Status.XPASS:
             ET.SubElement(tc, "system-out").text = f"unexpectedly passed; xfail entry: {r.xfail_reason}"
     root = ET.Element("testsuites")
     root.append(suite)

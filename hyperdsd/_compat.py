@@ -62,13 +62,6 @@ def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group) -> None:
         dist.all_gather_into_tensor(output, inp, group=group)
 
 
-def group_sequence(group) -> int | None:
-    try:
-        return group._get_sequence_number_for_group()
-    except Exception:
-        return None
-
-
 def incompatible_keys(missing: list[str], unexpected: list[str]):
     # What Module.load_state_dict returns; set_model_state_dict returns the same type.
     from torch.nn.modules.module import _IncompatibleKeys
@@ -81,3 +74,22 @@ def collective_device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# -- for the harness (hyperdsd.testing) and the conformance suite ------------
+
+def member_groups(rank: int) -> dict[tuple[int, ...], "dist.ProcessGroup"]:
+    # Every process group this rank belongs to, by its global ranks. torch
+    # keeps the registry private; it is only read here, to tell whether the
+    # groups are still in step after a task and to count collectives issued.
+    out = {}
+    for pg, ranks in dist.distributed_c10d._world.pg_group_ranks.items():
+        if isinstance(pg, dist.ProcessGroup) and rank in ranks:
+            out[tuple(sorted(ranks))] = pg
+    return out
+
+
+def collectives_issued(pg: "dist.ProcessGroup") -> int:
+    # The group's collective sequence number; no public accessor exists.
+    return pg._get_sequence_number_for_group()
+

@@ -100,3 +100,40 @@ def leak_child(ctx, marker):
     if ctx.rank == 0:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=dict(os.environ, HYPERDSD_TEST_MARK=marker))
     return ctx.rank
+
+
+def raise_after_importing_fsdp(ctx, rank=1):
+    """Some torch modules keep process groups alive once imported; leaving must still release the others."""
+    import torch.distributed.fsdp  # noqa: F401
+
+    if ctx.rank == rank:
+        raise ValueError(f"deliberate failure on rank {ctx.rank}")
+    dist.barrier()
+
+
+def fail_in_region(ctx, rank=1, label="set_optimizer_state_dict"):
+    """The code under test raises on one rank; the others wait for it inside it."""
+    with ctx.under_test(label):
+        if ctx.rank == rank:
+            raise ValueError("the code under test fails")
+        dist.barrier()
+
+
+def fail_outside_region(ctx):
+    with ctx.under_test("get_model_state_dict"):
+        dist.barrier()
+    raise KeyError("the task's own code is broken")
+
+
+def check_fails_outside_region(ctx):
+    with ctx.under_test("get_model_state_dict"):
+        value = ctx.rank
+    assert value < 0, "a check on what the code under test returned"
+
+
+def hang_in_region(ctx, rank=1, label="get_optimizer_state_dict"):
+    with ctx.under_test(label):
+        if ctx.rank == rank:
+            while True:
+                time.sleep(1)
+    dist.barrier()

@@ -7,6 +7,7 @@ reported as skipped with its reason, never as passed.
 
 import pytest
 
+from conformance.adapters import load_adapter
 from conformance.pytest_plugin import check_case
 from conformance.registry import all_cases
 from conformance.runner import Runner
@@ -16,8 +17,10 @@ from hyperdsd.testing import PoolSet
 @pytest.fixture(scope="session")
 def runner():
     pools = PoolSet()
-    yield Runner("hyperdsd", pools=pools)
+    runner = Runner(load_adapter("hyperdsd"), pools)
+    yield runner
     pools.kill()
+    runner.close()
 
 
 @pytest.mark.parametrize("case", all_cases(), ids=lambda c: c.id)

@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from hyperdsd.testing import PoolSet, Task, parse_mesh
+import harness_tasks
+from hyperdsd.testing import REGIONS, PoolSet, Task, parse_mesh
 from helpers import ROOT, TESTS, marked_processes
 
 DEADLINE = 8.0
@@ -25,9 +26,9 @@ def pools():
     assert marked_processes(MARK) == [], "rank processes survived PoolSet.kill()"
 
 
-def run(pools, fn, world_size=4, deadline=DEADLINE, **kwargs):
+def run(pools, fn, world_size=4, deadline=DEADLINE, scope="task", **kwargs):
     start = time.monotonic()
-    outcome = pools.run(world_size, Task(f"harness_tasks:{fn}", kwargs), deadline)
+    outcome = pools.run(world_size, Task(getattr(harness_tasks, fn), kwargs, scope=scope), deadline)
     return outcome, time.monotonic() - start
 
 
@@ -50,6 +51,7 @@ def test_pool_is_reused_between_tasks(pools):
 
 
 def assert_recovers(pools, old_pids):
+    """The next task runs on a fresh pool, and the old ranks are gone."""
     outcome, _ = run(pools, "all_reduce_rank")
     assert outcome.status == "passed", outcome.describe()
     assert not set(pools.pool(4).pids) & set(old_pids), "the next task must run on a fresh pool"
@@ -57,27 +59,36 @@ def assert_recovers(pools, old_pids):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
 
 
+def assert_regrouped(pools, outcome, old_pids):
+    """The same ranks formed new process groups, and the next task runs on them."""
+    assert outcome.regrouped and not outcome.recycled, (outcome.regrouped, outcome.recycled)
+    again, _ = run(pools, "all_reduce_rank")
+    assert again.status == "passed" and again.values == [6.0] * 4, again.describe()
+    assert pools.pool(4).pids == old_pids, "the pool must be kept"
+
+
 def test_rank_hanging_in_collective(pools):
     run(pools, "noop")
     old = pools.pool(4).pids
     outcome, took = run(pools, "hang_in_collective", rank=1)
-    assert outcome.status in ("failed", "error")
+    assert outcome.status == "failed"
     assert by_rank(outcome)[1].status in ("raised", "timeout")
-    assert took <= DEADLINE + 15
+    assert took <= DEADLINE + 60
     assert "rank 1" in outcome.describe()
-    assert outcome.recycled
-    assert_recovers(pools, old)
+    assert outcome.recycled or outcome.regrouped
+    again, _ = run(pools, "all_reduce_rank")
+    assert again.status == "passed", again.describe()
 
 
 def test_rank_missing_deadline_gets_stacks(pools):
     run(pools, "noop")
     old = pools.pool(4).pids
     outcome, took = run(pools, "sleep_forever", rank=1, deadline=4.0)
-    assert outcome.status == "error"
+    assert outcome.status == "failed"  # the whole task is under test: its hang is its verdict
     r1 = by_rank(outcome)[1]
     assert r1.status in ("timeout", "stuck")
     assert "sleep_forever" in r1.stacks, r1.stacks
-    assert took <= 4.0 + 15
+    assert took <= 4.0 + 60
     assert_recovers(pools, old)
 
 
@@ -85,11 +96,11 @@ def test_nonzero_rank_exit_code(pools):
     run(pools, "noop")
     old = pools.pool(4).pids
     outcome, took = run(pools, "exit_code", rank=2, code=3)
-    assert outcome.status == "error"
+    assert outcome.status == "failed"
     r2 = by_rank(outcome)[2]
     assert r2.status == "died" and "exited with code 3" in r2.message
     assert outcome.describe().startswith("rank 2 died")
-    assert took <= DEADLINE + 15
+    assert took <= DEADLINE + 60
     assert_recovers(pools, old)
 
 
@@ -97,10 +108,10 @@ def test_nonzero_rank_sigkill(pools):
     run(pools, "noop")
     old = pools.pool(4).pids
     outcome, took = run(pools, "sigkill", rank=3)
-    assert outcome.status == "error"
+    assert outcome.status == "failed"
     r3 = by_rank(outcome)[3]
     assert r3.status == "died" and "SIGKILL" in r3.message
-    assert took <= DEADLINE + 15
+    assert took <= DEADLINE + 60
     assert_recovers(pools, old)
 
 
@@ -108,25 +119,60 @@ def test_rank_raises_while_others_wait(pools):
     run(pools, "noop")
     old = pools.pool(4).pids
     outcome, took = run(pools, "raise_while_others_wait", rank=1)
-    assert outcome.status in ("failed", "error")
+    assert outcome.status == "failed"
     r = by_rank(outcome)
     assert r[1].status == "raised" and r[1].exc_type == "ValueError" and "rank 1" in r[1].message
     assert "Traceback" in r[1].traceback
     for other in (0, 2, 3):
-        assert r[other].status in ("stuck", "raised")
-        if r[other].status == "stuck":
-            assert "barrier" in r[other].stacks
-    assert took <= DEADLINE + 15
-    assert_recovers(pools, old)
+        # Released when rank 1 left the group, not after a timeout: the
+        # traceback shows where each was blocked.
+        assert r[other].status == "stuck", r[other]
+        assert "until rank 1 left" in r[other].message and "barrier" in r[other].traceback
+    assert took <= DEADLINE + 60
+    assert_regrouped(pools, outcome, old)
+
+
+def test_a_failed_rank_releases_the_others_even_when_torch_keeps_its_groups(pools):
+    # Once FSDP's modules are imported, a destroyed process group is kept
+    # alive by torch; leaving must still close its connections.
+    run(pools, "noop")
+    old = pools.pool(4).pids
+    outcome, _ = run(pools, "raise_after_importing_fsdp", rank=1)
+    assert outcome.status == "failed"
+    assert [r.status for r in outcome.results] == ["stuck", "raised", "stuck", "stuck"], outcome.describe()
+    assert_regrouped(pools, outcome, old)
+
+
+def test_regions_tell_the_code_under_test_from_the_task(pools):
+    outcome, _ = run(pools, "fail_in_region", scope=REGIONS, rank=1, label="set_optimizer_state_dict")
+    assert outcome.status == "failed"
+    lines = outcome.describe().splitlines()
+    assert lines[0] == "rank 1 raised ValueError in set_optimizer_state_dict: the code under test fails", lines
+    assert lines[1] == "ranks 0,2,3 blocked in a collective until rank 1 left the process group in set_optimizer_state_dict", lines
+    outcome, _ = run(pools, "fail_outside_region", scope=REGIONS)
+    assert outcome.status == "error", outcome.describe()
+    assert all(r.region == "" for r in outcome.results)
+    outcome, _ = run(pools, "check_fails_outside_region", scope=REGIONS)
+    assert outcome.status == "failed", outcome.describe()  # a failed check is a verdict
+    outcome, _ = run(pools, "fail_outside_region")  # the whole task under test
+    assert outcome.status == "failed"
+
+
+def test_a_hang_inside_the_code_under_test_is_a_failure_naming_where(pools):
+    outcome, _ = run(pools, "hang_in_region", scope=REGIONS, deadline=4.0, rank=1, label="get_optimizer_state_dict")
+    assert outcome.status == "failed", outcome.describe()
+    r1 = by_rank(outcome)[1]
+    assert r1.status in ("timeout", "stuck") and r1.region == "get_optimizer_state_dict"
+    assert "rank 1 still running in get_optimizer_state_dict" in outcome.describe() or "in get_optimizer_state_dict" in outcome.describe()
 
 
 def test_out_of_step_groups_recycle_the_pool(pools):
     run(pools, "noop")
     old = pools.pool(4).pids
     outcome, _ = run(pools, "mismatched_count")
-    assert outcome.status in ("failed", "error")
-    assert outcome.recycled
-    assert_recovers(pools, old)
+    assert outcome.status == "failed"
+    assert "out of step" in outcome.regrouped or outcome.regrouped.startswith("ranks left")
+    assert_regrouped(pools, outcome, old)
 
 
 def test_not_applicable(pools):
@@ -150,7 +196,7 @@ def test_rank_output_is_attached_to_failures(pools):
 def test_grandchildren_are_killed_with_the_pool(pools):
     mark = uuid.uuid4().hex
     outcome, _ = run(pools, "spawn_child", world_size=2, deadline=3.0, marker=mark)
-    assert outcome.status == "error"
+    assert outcome.status == "failed"
     time.sleep(0.5)
     assert marked_processes(mark) == []
 

@@ -10,7 +10,8 @@ import pytest
 from conformance.certificate import level, write_report
 from conformance.registry import all_cases
 from conformance.reporting import RunInfo
-from conformance.runner import CaseResult
+from conformance.results import CaseResult
+from hyperdsd.testing import Status
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 COLOURS = {"passed": "rgb(200, 230, 201)", "failed": "rgb(239, 154, 154)", "error": "rgb(229, 115, 115)", "xfail": "rgb(255, 224, 130)", "n/a": "rgb(224, 224, 224)"}
@@ -22,7 +23,7 @@ def results_for(statuses: dict[str, str], default="passed"):
         status = statuses.get(case.id, default)
         if status is None:
             continue
-        out.append(CaseResult(case, status, 0.01, message=f"{status} message" if status != "passed" else "", repro=f"python -m conformance -k '{case.id}'", xfail_reason="known" if status == "xfail" else ""))
+        out.append(CaseResult(case, Status(status), 0.01, message=f"{status} message" if status != "passed" else "", repro=f"python -m conformance -k '{case.id}'", xfail_reason="known" if status == "xfail" else ""))
     return out
 
 

@@ -57,13 +57,14 @@ def pools():
 def test_pool_and_case_directories_are_private_and_removed(pools, tmp_path):
     import tempfile
 
+    from conformance.adapters import load_adapter
     from conformance.registry import by_id
     from conformance.runner import Runner
 
     outcome = pools.run(2, Task("safety_tasks:workdir_mode"), 30)
     assert [v["pool"] for v in outcome.values] == [0o700, 0o700]
     pool_dir = pools.pool(2).workdir
-    runner = Runner("hyperdsd", pools=pools, workdir=str(tmp_path))
+    runner = Runner(load_adapter("hyperdsd"), pools, workdir=str(tmp_path))
     case_dir = runner._case_dir(by_id()["OPT-KEYS-1[single-adamw-sharded]"])
     assert os.stat(case_dir).st_mode & 0o777 == 0o700
     os.rmdir(case_dir)

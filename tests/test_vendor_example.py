@@ -7,6 +7,7 @@ replicated one and keeps one rank's shard), and OPT-DT-1 names the cause.
 
 import pytest
 
+from conformance.adapters import load_adapter
 from conformance.registry import by_id
 from conformance.runner import Runner
 from hyperdsd.testing import PoolSet
@@ -26,8 +27,10 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def runner():
     pools = PoolSet()
-    yield Runner(IMPL, pools=pools)
+    runner = Runner(load_adapter(IMPL), pools)
+    yield runner
     pools.kill()
+    runner.close()
 
 
 @pytest.mark.parametrize("case_id, expected", sorted(EXPECTED.items()))
@@ -44,8 +47,6 @@ def test_unclaimed_profile_is_not_applicable(runner):
     case = by_id()["OPT-DT-4[single-adamw-sharded]"]
     from dataclasses import replace
 
-    from conformance.adapters import load_adapter
-
     assert load_adapter(IMPL).claims("inplace") and not load_adapter(IMPL).claims("multi-optimizer")
-    result = Runner("torch", pools=runner.pools).run_case(replace(case))
+    result = Runner(load_adapter("torch"), runner.executor).run_case(replace(case))
     assert result.status == "n/a" and "does not claim the 'inplace' profile" in result.message

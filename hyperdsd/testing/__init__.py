@@ -1,30 +1,42 @@
-"""A multi-process test harness for distributed PyTorch code on CPU.
+"""A multi-process test harness for distributed PyTorch code on CPU (or an
+accelerator).
 
-Spawns ranks that join a gloo process group once and then run task after
-task (``fn(ctx, **kwargs)`` on every rank), with a deadline per task, a
-verdict from every rank, stacks from any rank that hangs, and no process
-left behind. Under ``torchrun`` the same tasks run on the launched world.
+Spawns ranks that join a process group once and then run task after task
+(``fn(ctx, **kwargs)`` on every rank), with a deadline per task, a verdict
+from every rank, stacks from any rank that hangs, and no process left
+behind. Under ``torchrun`` the same tasks run on the launched world, on
+sub-worlds of it where a task needs fewer ranks.
 """
 
 from .context import NotApplicable, RankContext
+from .executor import Executor
 from .mesh import MeshSpec, parse_mesh
-from .messages import RankResult, Task
+from .messages import REGIONS, WHOLE_TASK, RankResult, Task
+from .outcome import TaskOutcome, judge
+from .pool import PoolSet, PoolStartError, WorkerPool
 from .process import environment_problems
-from .pool import PoolSet, PoolStartError, TaskOutcome, WorkerPool
-from .world import ExistingWorld, launched_by_torchrun
+from .status import RankStatus, Status
+from .world import TorchrunWorld, WorldLost, launched_by_torchrun
 
 __all__ = [
-    "ExistingWorld",
+    "Executor",
     "MeshSpec",
     "NotApplicable",
     "PoolSet",
     "PoolStartError",
+    "REGIONS",
     "RankContext",
     "RankResult",
+    "RankStatus",
+    "Status",
     "Task",
     "TaskOutcome",
+    "TorchrunWorld",
+    "WHOLE_TASK",
     "WorkerPool",
+    "WorldLost",
     "environment_problems",
+    "judge",
     "launched_by_torchrun",
     "parse_mesh",
 ]

@@ -1,7 +1,9 @@
-"""What a task sees on its rank: rank, world size, meshes and a private cache."""
+"""What a task sees on its rank (rank, world size, device, meshes, a private
+cache, the code under test it is in) and how one task runs there."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -12,6 +14,7 @@ from typing import Any, Callable
 
 from . import messages as m
 from .mesh import MeshSpec, build_mesh, parse_mesh
+from .status import RankStatus
 
 
 class NotApplicable(Exception):
@@ -22,16 +25,31 @@ class RankContext:
     """Per-process state that outlives a single task.
 
     Meshes are expensive to create (a 2-D mesh creates subgroups, which is a
-    collective) so they are made once per process and reused by every task.
+    collective) so they are made once per world and reused by every task;
+    they are dropped when the rank leaves its process group.
     """
 
-    def __init__(self, rank: int, world_size: int, workdir: str, device_type: str = "cpu"):
+    def __init__(self, rank: int, world_size: int, workdir: str, device_type: str = "cpu", local_rank: int = 0):
         self.rank = rank
         self.world_size = world_size
         self.workdir = workdir
         self.device_type = device_type
+        self.local_rank = local_rank
         self.cache: dict[Any, Any] = {}
         self._meshes: dict[MeshSpec, Any] = {}
+        # The code under test this rank is running now ("" outside it). Kept
+        # in a file too, so that a controller can read where a rank hung or died.
+        self.region = ""
+        self._region_fd: int | None = None
+        if workdir:
+            self._region_fd = os.open(os.path.join(workdir, f"rank{rank}.region"), os.O_WRONLY | os.O_CREAT, 0o600)
+
+    @property
+    def device(self):
+        """The device this rank computes on: the CPU, or its accelerator by local rank."""
+        import torch
+
+        return torch.device("cpu") if self.device_type == "cpu" else torch.device(self.device_type, self.local_rank)
 
     def mesh(self, spec: str | MeshSpec, dim_names: tuple[str, ...] | None = None):
         spec = parse_mesh(spec, dim_names)
@@ -41,6 +59,36 @@ class RankContext:
             self._meshes[spec] = build_mesh(spec, self.device_type)
         return self._meshes[spec]
 
+    def reset(self) -> None:
+        """Forget meshes and cached objects: they belong to process groups that are gone."""
+        self._meshes.clear()
+        self.cache.clear()
+
+    @contextlib.contextmanager
+    def under_test(self, label: str):
+        """Run a block of the code under test: a failure inside it (raising,
+        hanging, dying) is a verdict on that code, not on the task."""
+        outer = self.region
+        self._set_region(label)
+        try:
+            yield
+        except BaseException as exc:
+            if not getattr(exc, REGION_ATTR, ""):
+                try:
+                    setattr(exc, REGION_ATTR, label)
+                except (AttributeError, TypeError):
+                    pass
+            raise
+        finally:
+            self._set_region(outer)
+
+    def _set_region(self, label: str) -> None:
+        self.region = label
+        if self._region_fd is not None:
+            data = label.encode()
+            os.pwrite(self._region_fd, data, 0)
+            os.ftruncate(self._region_fd, len(data))
+
     def group_sequences(self) -> dict[tuple[int, ...], int] | None:
         """Sequence numbers of every process group this rank is in.
 
@@ -49,18 +97,37 @@ class RankContext:
         """
         import torch.distributed as dist
 
+        from .. import _compat
+
         if not dist.is_initialized():
             return {}
         try:
-            # torch keeps the group registry private; it is only read here.
-            groups = dist.distributed_c10d._world.pg_group_ranks
-            out = {}
-            for pg, ranks in groups.items():
-                if self.rank in ranks:
-                    out[tuple(sorted(ranks))] = pg._get_sequence_number_for_group()
-            return out
+            return {ranks: _compat.collectives_issued(pg) for ranks, pg in _compat.member_groups(self.rank).items()}
         except Exception:
-            return None  # unknown: the controller treats the pool as suspect
+            return None  # unknown: the controller treats the groups as suspect
+
+
+REGION_ATTR = "__hyperdsd_region__"
+
+
+def select_device(device_type: str, local_rank: int) -> None:
+    """Make this rank's accelerator (by local rank) the current one, where the
+    device type has that notion (``torch.cuda``, ``torch.xpu``, ...)."""
+    import torch
+
+    module = getattr(torch, device_type, None)
+    count = module.device_count() if module is not None and hasattr(module, "device_count") else 0
+    if count and hasattr(module, "set_device"):
+        module.set_device(local_rank % count)
+
+
+def read_region(workdir: str, rank: int) -> str:
+    """Where a rank of a pool was last (see RankContext.under_test)."""
+    try:
+        with open(os.path.join(workdir, f"rank{rank}.region"), encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def resolve(ref: str) -> Callable:
@@ -118,18 +185,20 @@ def _leaks(threads_before: set[int], children_before: set[int]) -> list[str]:
 def execute(ctx: RankContext, task: m.Task) -> m.RankResult:
     """Run ``task`` on this rank and describe how it went; never raises."""
     start = time.perf_counter()
-    result = m.RankResult(rank=ctx.rank, status=m.PASSED)
+    result = m.RankResult(rank=ctx.rank, status=RankStatus.PASSED)
     threads_before = {t.ident for t in threading.enumerate()}
     children_before = _children()
     try:
         result.value = resolve(task.fn)(ctx, **dict(task.kwargs))
     except NotApplicable as exc:
-        result.status, result.message = m.NOT_APPLICABLE, str(exc)
+        result.status, result.message = RankStatus.NOT_APPLICABLE, str(exc)
     except BaseException as exc:  # noqa: BLE001 - a task's SystemExit is a failure too
-        result.status = m.RAISED
+        result.status = RankStatus.RAISED
         result.exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
         result.message = str(exc) or repr(exc)
         result.traceback = traceback.format_exc()
+        result.region = getattr(exc, REGION_ATTR, "")
+        result.check = isinstance(exc, AssertionError)
     finally:
         try:
             _reset_torch_globals()

@@ -1,10 +1,12 @@
 """The controller side: persistent pools of rank workers, one per world size.
 
 A pool spawns its ranks once; each task is sent to every rank and every rank
-must answer before its deadline. A rank that raises, dies or misses the
-deadline fails the task, and any doubt about the pool's health (a dead or
-stuck rank, process groups out of step) gets the pool killed; the next task
-on that world size starts a fresh one.
+must answer before its deadline. When a rank fails while others are still
+running, the finished ranks are told to leave the process group, which
+releases any rank blocked on them in a collective at once; the ranks then
+form new process groups (a new generation) instead of being restarted. A
+dead rank, or one that stays stuck, gets the pool killed; the next task on
+that world size starts a fresh one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from . import messages as m
-from .context import worker_env
+from .context import read_region, worker_env
+from .outcome import TaskOutcome, judge, mark_released, out_of_step
+from .status import RankStatus, Status
 from .process import describe_exit, kill_tree, request_stacks, worker_command
 
 _LOG_TAIL_BYTES = 16_000
@@ -39,71 +43,6 @@ def _kill_all_pools() -> None:
 
 class PoolStartError(RuntimeError):
     pass
-
-
-@dataclass
-class TaskOutcome:
-    """How one task went on every rank of one pool."""
-
-    task: m.Task
-    world_size: int
-    status: str  # "passed" | "failed" | "error" | "n/a"
-    results: list[m.RankResult]
-    duration_s: float
-    recycled: str = ""  # why the pool was discarded after this task, if it was
-    notes: list[str] = field(default_factory=list)
-
-    def faults(self) -> dict[str, int]:
-        """What went wrong with the ranks themselves, by kind (for run summaries)."""
-        out: dict[str, int] = {}
-        for r in self.results:
-            kind = {m.DIED: "rank deaths", m.TIMEOUT: "ranks past the deadline", m.STUCK: "ranks stuck after another failed"}.get(r.status)
-            if kind:
-                out[kind] = out.get(kind, 0) + 1
-            if r.leaks:
-                out["ranks that leaked threads or processes"] = out.get("ranks that leaked threads or processes", 0) + 1
-        if self.recycled:
-            out["pool restarts"] = 1
-        return out
-
-    @property
-    def values(self) -> list:
-        return [r.value for r in self.results]
-
-    def describe(self) -> str:
-        """One line per rank that did not pass, most telling first."""
-        # A death or a hang explains the errors it causes on other ranks, so it comes first.
-        order = {m.DIED: 0, m.TIMEOUT: 1, m.RAISED: 2, m.STUCK: 3, m.NOT_APPLICABLE: 4, m.PASSED: 5}
-        lines = [r.headline() for r in sorted(self.results, key=lambda r: (order.get(r.status, 9), r.rank)) if r.status != m.PASSED]
-        return "\n".join(lines + self.notes)
-
-
-def judge(results: list[m.RankResult]) -> tuple[str, list[str]]:
-    """Turn per-rank results into one verdict; every rank counts."""
-    statuses = {r.status for r in results}
-    if statuses & {m.DIED, m.TIMEOUT, m.STUCK}:
-        return "error", []
-    if m.RAISED in statuses:
-        return "failed", []
-    if statuses == {m.NOT_APPLICABLE}:
-        return "n/a", []
-    if m.NOT_APPLICABLE in statuses:
-        return "error", ["ranks disagree on whether the task applies"]
-    return "passed", []
-
-
-def _out_of_step(results: list[m.RankResult]) -> str:
-    seen: dict[tuple[int, ...], dict[int, int]] = {}
-    for r in results:
-        if r.pg_sequence is None:
-            return f"rank {r.rank} could not report its process groups"
-        for ranks, seq in r.pg_sequence.items():
-            seen.setdefault(ranks, {})[r.rank] = seq
-    for ranks, by_rank in seen.items():
-        if len(set(by_rank.values())) > 1:
-            detail = ", ".join(f"rank {k}: {v}" for k, v in sorted(by_rank.items()))
-            return f"process group {list(ranks)} is out of step ({detail} collectives issued)"
-    return ""
 
 
 def _read_from(path: str, offset: int, limit: int = _LOG_TAIL_BYTES) -> str:
@@ -158,14 +97,22 @@ class _Rank:
 class WorkerPool:
     """``world_size`` rank processes sharing one gloo process group."""
 
-    def __init__(self, world_size: int, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0, grace_s: float = 5.0):
+    def __init__(self, world_size: int, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0,
+                 grace_s: float = 5.0, release_after_s: float = 0.25, device_type: str = "cpu", backend: str = "gloo"):
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
         self.world_size = world_size
+        self.device_type = device_type
+        self.backend = backend
         self.gloo_timeout_s = gloo_timeout_s
         self.start_timeout_s = start_timeout_s
+        # After a rank fails: how long the others may take to finish on their
+        # own before the finished ranks leave the process group (releasing
+        # ranks blocked on them), and how long released ranks may take to answer.
+        self.release_after_s = release_after_s
         self.grace_s = grace_s
         self.workdir = ""
+        self.generation = 0
         self._procs: list = []
         self._conns: list = []
         self.tasks_run = 0
@@ -174,7 +121,7 @@ class WorkerPool:
     def start(self) -> "WorkerPool":
         try:
             self._spawn()
-            self._await_ready()
+            self._await_ready(range(self.world_size), 0)
         except BaseException:
             self.kill()  # Ctrl-C or a failed start: no rank outlives it
             raise
@@ -196,6 +143,8 @@ class WorkerPool:
                         "--workdir", self.workdir,
                         "--parent-pid", str(os.getpid()),
                         "--gloo-timeout", str(self.gloo_timeout_s),
+                        "--device", self.device_type,
+                        "--backend", self.backend,
                     ),
                     pass_fds=(theirs.fileno(),),
                     env=env,
@@ -209,9 +158,10 @@ class WorkerPool:
             self._procs.append(_Rank(proc))
             self._conns.append(Connection(ours.detach()))
 
-    def _await_ready(self) -> None:
+    def _await_ready(self, ranks, generation: int) -> None:
+        """Every rank in ``ranks`` joins process-group ``generation``, or PoolStartError."""
         deadline = time.monotonic() + self.start_timeout_s
-        pending = set(range(self.world_size))
+        pending = set(ranks)
         problems = []
         while pending and not problems:
             remaining = deadline - time.monotonic()
@@ -228,19 +178,21 @@ class WorkerPool:
                         msg = conn.recv()
                     except (EOFError, OSError):
                         msg = None
-                    if isinstance(msg, m.Ready):
+                    if isinstance(msg, m.Ready) and msg.generation == generation:
                         pending.discard(rank)
                         continue
                     if isinstance(msg, m.StartFailed):
                         problems.append(f"rank {rank} could not join the process group: {msg.message}")
                         continue
+                    if msg is not None:
+                        problems.append(f"rank {rank} answered {type(msg).__name__} while joining the process group")
+                        continue
                 self._procs[rank].join(1)
-                problems.append(f"rank {rank} {describe_exit(self._procs[rank].exitcode)} while starting")
+                problems.append(f"rank {rank} {describe_exit(self._procs[rank].exitcode)} while joining the process group")
         if problems:
             logs = "\n".join(
                 f"--- rank {r} log ---\n{_read_from(self._log(r), 0)}" for r in range(self.world_size)
             )
-            self.kill()
             raise PoolStartError("; ".join(problems) + "\n" + logs)
 
     def _log(self, rank: int) -> str:
@@ -267,13 +219,17 @@ class WorkerPool:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
+    def _tell(self, rank: int, msg) -> bool:
+        try:
+            self._conns[rank].send(msg)
+            return True
+        except (OSError, ValueError):
+            return False
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Ask ranks to stop, then make sure they and their children are gone."""
-        for conn in self._conns:
-            try:
-                conn.send(m.Shutdown())
-            except (OSError, ValueError):
-                pass
+        for rank in range(len(self._conns)):
+            self._tell(rank, m.Shutdown())
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -299,7 +255,8 @@ class WorkerPool:
 
     # -- running tasks ---------------------------------------------------
     def run(self, task: m.Task, deadline_s: float) -> TaskOutcome:
-        """Run ``task`` on every rank; the pool is killed if it may be unhealthy.
+        """Run ``task`` on every rank; the pool re-forms its groups or is
+        killed if it may be unhealthy.
 
         If the caller is interrupted while waiting (Ctrl-C, a test timeout),
         the ranks are still busy with the task: the pool is killed rather
@@ -318,21 +275,27 @@ class WorkerPool:
         self.tasks_run += 1
         log_offsets = [_size(self._log(r)) for r in range(self.world_size)]
         results: dict[int, m.RankResult] = {}
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send(task)
-            except (OSError, ValueError):
+        for rank in range(self.world_size):
+            if not self._tell(rank, task):
                 results[rank] = self._died(rank)
         pending = set(range(self.world_size)) - set(results)
         hard = start + deadline_s
-        soft = float("inf")
+        release_at = soft = float("inf")
+        releasing = False
         first_failure = next(iter(results.values()), None)
         if first_failure is not None:
-            soft = time.monotonic() + self.grace_s
+            release_at, soft = time.monotonic() + self.release_after_s, time.monotonic() + self.grace_s
         while pending:
-            limit = min(hard, soft)
+            limit = min(hard, soft) if releasing else min(hard, soft, release_at)
             remaining = limit - time.monotonic()
             if remaining <= 0:
+                if not releasing and limit == release_at:
+                    # A rank failed and others still run: they may be blocked
+                    # on it. Finished ranks leave, which releases them.
+                    releasing = True
+                    for rank in results:
+                        self._tell(rank, m.Leave())
+                    continue
                 break
             for obj in wait(self._waitables(pending), timeout=remaining):
                 rank = self._rank_of(obj)
@@ -341,43 +304,55 @@ class WorkerPool:
                 result = self._receive(rank)
                 results[rank] = result
                 pending.discard(rank)
-                if result.status not in (m.PASSED, m.NOT_APPLICABLE) and first_failure is None:
+                if releasing:
+                    self._tell(rank, m.Leave())
+                if result.status.failed and first_failure is None:
                     first_failure = result
-                    soft = time.monotonic() + self.grace_s
+                    release_at, soft = time.monotonic() + self.release_after_s, time.monotonic() + self.grace_s
         recycled = ""
         if pending:
             timed_out = time.monotonic() >= hard
             stacks = self._collect_stacks(sorted(pending))
             for rank in pending:
                 if timed_out:
-                    msg = f"missed the {deadline_s:g} s deadline"
-                    status = m.TIMEOUT
+                    status, msg = RankStatus.TIMEOUT, f"missed the {deadline_s:g} s deadline"
                 else:
-                    msg = (
-                        f"still running {self.grace_s:g} s after rank {first_failure.rank} failed "
-                        "(blocked, most likely in a collective)"
-                    )
-                    status = m.STUCK
-                results[rank] = m.RankResult(rank, status, message=msg, stacks=stacks.get(rank, ""))
+                    status = RankStatus.STUCK
+                    msg = f"still running {self.grace_s:g} s after rank {first_failure.rank} failed (blocked, most likely in a collective)"
+                results[rank] = m.RankResult(rank, status, message=msg, stacks=stacks.get(rank, ""), region=read_region(self.workdir, rank))
             recycled = "ranks " + ",".join(map(str, sorted(pending))) + (" missed the deadline" if timed_out else " were stuck")
         ordered = [results[r] for r in range(self.world_size)]
-        status, notes = judge(ordered)
+        mark_released(ordered)
+        status, notes = judge(ordered, task.scope)
+        if not recycled and any(r.status == RankStatus.DIED for r in ordered):
+            recycled = "a rank died"
+        regrouped = ""
         if not recycled:
-            if any(r.status == m.DIED for r in ordered):
-                recycled = "a rank died"
-            else:
-                recycled = _out_of_step(ordered)
+            regrouped = "ranks left the process group to release ranks blocked on a failed one" if releasing else out_of_step(ordered)
         for r in ordered:
             if r.leaks:
                 notes.append(f"rank {r.rank} left behind: " + "; ".join(r.leaks))
-        if status != "passed":
+        if status != Status.PASSED:
             for r in ordered:
                 r.log = _read_from(self._log(r.rank), log_offsets[r.rank])
-        outcome = TaskOutcome(task, self.world_size, status, ordered, time.monotonic() - start, recycled, notes)
+        outcome = TaskOutcome(task, self.world_size, status, ordered, time.monotonic() - start, recycled, regrouped, notes)
+        if regrouped:
+            try:
+                self._rejoin()
+            except PoolStartError as exc:
+                outcome.recycled = recycled = f"the ranks could not form new process groups ({str(exc).splitlines()[0]})"
         if recycled:
             outcome.notes.append(f"pool restarted: {recycled}")
             self.kill()
         return outcome
+
+    def _rejoin(self) -> None:
+        """Every rank leaves its process groups and joins a new generation."""
+        self.generation += 1
+        for rank in range(self.world_size):
+            if not self._tell(rank, m.Rejoin(self.generation)):
+                raise PoolStartError(f"rank {rank} cannot be reached")
+        self._await_ready(range(self.world_size), self.generation)
 
     def _receive(self, rank: int) -> m.RankResult:
         conn = self._conns[rank]
@@ -393,7 +368,8 @@ class WorkerPool:
     def _died(self, rank: int) -> m.RankResult:
         proc = self._procs[rank]
         proc.join(2)
-        return m.RankResult(rank, m.DIED, message=f"died during the task ({describe_exit(proc.exitcode)})")
+        return m.RankResult(rank, RankStatus.DIED, message=f"{describe_exit(proc.exitcode)} during the task",
+                            region=read_region(self.workdir, rank))
 
     def _collect_stacks(self, ranks: list[int], wait_s: float = 2.0) -> dict[int, str]:
         before = {r: _size(self._stacks(r)) for r in ranks}
@@ -408,17 +384,25 @@ class WorkerPool:
 
 
 class PoolSet:
-    """Pools keyed by world size, started on first use and reused after.
+    """Pools keyed by world size, started on first use and reused after: the
+    :class:`~hyperdsd.testing.executor.Executor` of spawned ranks.
 
     At most ``max_ranks`` rank processes are kept alive; the least recently
     used pool is closed to make room.
     """
 
-    def __init__(self, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0, grace_s: float = 5.0, max_ranks: int = 12):
+    launcher = "pools"
+    reporter = True
+
+    def __init__(self, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0, grace_s: float = 5.0,
+                 release_after_s: float = 0.25, max_ranks: int = 12, device_type: str = "cpu", backend: str = "gloo"):
         self.gloo_timeout_s = gloo_timeout_s
         self.start_timeout_s = start_timeout_s
         self.grace_s = grace_s
+        self.release_after_s = release_after_s
         self.max_ranks = max_ranks
+        self.device_type = device_type
+        self.backend = backend
         self._pools: dict[int, WorkerPool] = {}
         self.starts = 0
 
@@ -430,19 +414,25 @@ class PoolSet:
             while self._pools and sum(self._pools) + world_size > self.max_ranks:
                 oldest = next(iter(self._pools))
                 self._pools.pop(oldest).close()
-            pool = WorkerPool(world_size, gloo_timeout_s=self.gloo_timeout_s, start_timeout_s=self.start_timeout_s, grace_s=self.grace_s)
+            pool = WorkerPool(world_size, gloo_timeout_s=self.gloo_timeout_s, start_timeout_s=self.start_timeout_s,
+                              grace_s=self.grace_s, release_after_s=self.release_after_s,
+                              device_type=self.device_type, backend=self.backend)
             self.starts += 1
             pool.start()
         self._pools[world_size] = pool  # most recently used last
         return pool
+
+    def unfit(self, world_sizes) -> str:
+        big = [w for w in world_sizes if w > self.max_ranks]
+        return f"needs {max(big)} ranks; this run keeps at most {self.max_ranks}" if big else ""
 
     def run(self, world_size: int, task: m.Task, deadline_s: float = 60.0) -> TaskOutcome:
         start = time.monotonic()
         try:
             pool = self.pool(world_size)
         except PoolStartError as exc:
-            result = m.RankResult(0, m.DIED, message=f"the pool of {world_size} ranks did not start: {exc}")
-            return TaskOutcome(task, world_size, "error", [result], time.monotonic() - start, "start failed")
+            result = m.RankResult(0, RankStatus.DIED, message=f"the pool of {world_size} ranks did not start: {exc}")
+            return TaskOutcome(task, world_size, Status.ERROR, [result], time.monotonic() - start, "start failed")
         outcome = pool.run(task, deadline_s)
         if outcome.recycled:
             self._pools.pop(world_size, None)

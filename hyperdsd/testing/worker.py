@@ -1,5 +1,6 @@
-"""The rank side of a pool: join the process group once, then run tasks
-until told to stop. One task at a time, one answer per task.
+"""The rank side of a pool: join the process group, then serve messages
+until told to stop: run a task (one answer each), leave the process group,
+or join a new generation of it.
 
 Started by the controller through the bootstrap in ``process.py`` (which
 has already isolated the process and armed its death signal): a fresh
@@ -10,7 +11,6 @@ controller's main module nor inherits its threads.
 from __future__ import annotations
 
 import argparse
-import datetime
 import faulthandler
 import json
 import os
@@ -19,8 +19,10 @@ import sys
 from multiprocessing.connection import Connection
 
 from . import messages as m
-from .context import RankContext, execute
+from .context import RankContext, execute, select_device
+from .group import Membership
 from .process import STACK_SIGNAL
+from .status import RankStatus
 
 
 def _send(conn, result: m.RankResult) -> None:
@@ -28,13 +30,25 @@ def _send(conn, result: m.RankResult) -> None:
         conn.send(result)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         result.value = None
-        result.status = m.RAISED
+        result.status = RankStatus.RAISED
         result.exc_type = "hyperdsd.testing.UnpicklableResult"
         result.message = f"the task returned a value that cannot be sent to the controller: {exc}"
         conn.send(result)
 
 
-def serve(conn: Connection, rank: int, world_size: int, workdir: str, gloo_timeout_s: float) -> None:
+def _join(conn, membership: Membership, ctx: RankContext, generation: int) -> bool:
+    ctx.reset()
+    try:
+        membership.join(ctx.rank, ctx.world_size, generation)
+    except Exception as exc:  # noqa: BLE001
+        conn.send(m.StartFailed(ctx.rank, f"{type(exc).__name__}: {exc}"))
+        return False
+    conn.send(m.Ready(ctx.rank, os.getpid(), generation))
+    return True
+
+
+def serve(conn: Connection, rank: int, world_size: int, workdir: str, gloo_timeout_s: float,
+          device_type: str = "cpu", backend: str = "gloo") -> None:
     stacks = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
 
@@ -42,21 +56,12 @@ def serve(conn: Connection, rank: int, world_size: int, workdir: str, gloo_timeo
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=gloo_timeout_s),
-        )
-    except Exception as exc:  # noqa: BLE001
-        conn.send(m.StartFailed(rank, f"{type(exc).__name__}: {exc}"))
+    ctx = RankContext(rank, world_size, workdir, device_type=device_type, local_rank=rank)
+    if device_type != "cpu":
+        select_device(device_type, rank)
+    membership = Membership(dist.FileStore(os.path.join(workdir, "store"), world_size), backend=backend, timeout_s=gloo_timeout_s)
+    if not _join(conn, membership, ctx, 0):
         return
-    conn.send(m.Ready(rank, os.getpid()))
-
-    ctx = RankContext(rank, world_size, workdir)
     while True:
         try:
             msg = conn.recv()
@@ -64,7 +69,14 @@ def serve(conn: Connection, rank: int, world_size: int, workdir: str, gloo_timeo
             return  # the controller went away
         if isinstance(msg, m.Shutdown):
             return
-        _send(conn, execute(ctx, msg))
+        if isinstance(msg, m.Leave):
+            ctx.reset()
+            membership.leave()
+        elif isinstance(msg, m.Rejoin):
+            if not _join(conn, membership, ctx, msg.generation):
+                return
+        else:
+            _send(conn, execute(ctx, msg))
         sys.stdout.flush()
         sys.stderr.flush()
 
@@ -77,13 +89,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--gloo-timeout", type=float, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="gloo")
     args = parser.parse_args(argv)  # --parent-pid was used by the bootstrap
     # Resolve task functions exactly as the controller would.
     sys.path[:0] = [p for p in json.loads(os.environ.get("HYPERDSD_SYS_PATH", "[]")) if p not in sys.path]
     os.set_inheritable(args.fd, False)  # children of a task must not hold the pipe open
     conn = Connection(args.fd)
     try:
-        serve(conn, args.rank, args.world_size, args.workdir, args.gloo_timeout)
+        serve(conn, args.rank, args.world_size, args.workdir, args.gloo_timeout, args.device, args.backend)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
