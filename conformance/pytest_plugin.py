@@ -4,17 +4,23 @@ One pytest test per case ID, so ``-k``, ``-n`` (pytest-xdist: every worker
 keeps its own pools in private directories), ``--junitxml`` and
 pytest-timeout work as usual. ``--dsd-xfails FILE`` marks matching cases as
 expected failures: they still run and report XFAIL or XPASS.
+
+Installing hyperdsd registers this plugin in every pytest run of the
+environment, so this module imports only the standard library and pytest:
+torch, the case registry and the runner are imported by the fixture and the
+check that run a case, never by a run that collects none.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 
-from .adapters import load_adapter
-from .registry import Case
-from .runner import Runner
+if TYPE_CHECKING:
+    from .registry import Case
+    from .runner import Runner
 
 
 def pytest_addoption(parser):
@@ -57,6 +63,8 @@ def dsd_runner(request):
     """A runner with persistent pools for this pytest process (one per xdist worker)."""
     from hyperdsd.testing import PoolSet, environment_problems
 
+    from .runner import Runner
+
     for problem in environment_problems():
         raise pytest.UsageError(problem)
     impl = request.config.getoption("--dsd-impl")
@@ -67,6 +75,8 @@ def dsd_runner(request):
 
 def check_case(runner: Runner, case: Case) -> None:
     """Run ``case`` and turn its verdict into a pytest outcome."""
+    from .adapters import load_adapter
+
     if not load_adapter(runner.impl).claims(case.profile):
         pytest.skip(f"not applicable: {runner.impl} does not claim the {case.profile!r} profile")
     result = runner.run_case(case)
