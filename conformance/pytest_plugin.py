@@ -4,17 +4,23 @@ One pytest test per case ID, so ``-k``, ``-n`` (pytest-xdist: every worker
 keeps its own pools in private directories), ``--junitxml`` and
 pytest-timeout work as usual. ``--dsd-xfails FILE`` marks matching cases as
 expected failures: they still run and report XFAIL or XPASS.
+
+Installing hyperdsd registers this plugin in every pytest run of the
+environment, so this module imports only the standard library and pytest:
+torch, the case registry and the runner are imported by the fixture and the
+check that run a case, never by a run that collects none.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 
-from .adapters import load_adapter
-from .registry import Case
-from .runner import Runner
+if TYPE_CHECKING:
+    from .registry import Case
+    from .runner import Runner
 
 
 def pytest_addoption(parser):
@@ -56,6 +62,9 @@ def pytest_collection_modifyitems(config, items):
 def dsd_runner(request):
     """A runner with persistent pools for this pytest process (one per xdist worker)."""
     from hyperdsd.testing import PoolSet, environment_problems
+
+    from .adapters import load_adapter
+    from .runner import Runner
 
     for problem in environment_problems():
         raise pytest.UsageError(problem)

@@ -1,8 +1,15 @@
-"""Shared helpers for tests that start processes."""
+"""Shared helpers for tests that start processes.
+
+Tests wait on events (a process exits, a line is printed, a rank is gone),
+each with a limit far above what any load makes of it: the limit only turns
+a hang into a failure. Speed claims live in the benchmarks under tools/.
+"""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import torch
@@ -28,6 +35,34 @@ def marked_processes(mark: str) -> list[int]:
         if needle in env.split(b"\0") and state != b"Z":
             found.append(int(entry))
     return found
+
+
+def wait_for(condition, limit_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds or ``limit_s`` has passed; whether it held."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
+def lingering(mark: str, limit_s: float = 120.0) -> list[int]:
+    """Marked processes still alive after ``limit_s`` to go (killed ranks may
+    take a moment); they are then killed, so a failing test leaves none behind."""
+    wait_for(lambda: not marked_processes(mark), limit_s, interval_s=0.2)
+    left = marked_processes(mark)
+    kill_marked(mark)
+    return left
+
+
+def kill_marked(mark: str) -> None:
+    """SIGKILL every live process marked ``mark``: cleanup after a failed test."""
+    for pid in marked_processes(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def run_cli(args, *, timeout=600, env=None, mark=None):

@@ -14,8 +14,10 @@ such floor (get is local; dcp is dominated by DCP's own save and load).
 Peak resident memory is measured per implementation in its own processes, in
 the full and broadcast modes.
 
-    python tools/bench.py                      # everything (about 45 minutes on 2 cores, most of it torch on the 10k model)
-    python tools/bench.py --sizes 4m --reps 3 --no-memory
+    python -m tools.bench                      # everything (about 45 minutes on 2 cores, most of it torch on the 10k model)
+    python -m tools.bench --sizes 4m --reps 3 --no-memory
+
+Run from the repository root: the ranks import their work from ``tools.bench_tasks``.
 """
 
 from __future__ import annotations
@@ -23,17 +25,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_tasks import MODES, SIZES  # noqa: E402
+from tools.bench_tasks import MODES, SIZES
 
 FLOORED = ("set", "flat_set", "full_get", "bcast_set")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4m,17m,67m,10k")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--reps", type=int, default=5)
@@ -54,7 +53,7 @@ def main() -> None:
     print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10} {'hyperdsd/floor':>15} {'reps':>5}")
     with PoolSet(gloo_timeout_s=600) as pools:
         for size, mode, mesh in runs:
-            outcome = pools.run(4, Task("bench_tasks:time_mode", {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget}), 3600)
+            outcome = pools.run(4, Task("tools.bench_tasks:time_mode", {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget}), 3600)
             if outcome.status != "passed":
                 print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}")
                 continue
@@ -77,7 +76,7 @@ def main() -> None:
             for mode in ("full_get", "bcast_set"):
                 for impl in ("torch", "hyperdsd"):
                     with PoolSet(gloo_timeout_s=600) as pools:
-                        outcome = pools.run(4, Task("bench_tasks:memory", {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
+                        outcome = pools.run(4, Task("tools.bench_tasks:memory", {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
                     if outcome.status != "passed":
                         print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}")
                         continue

@@ -6,7 +6,10 @@ CPU ranks both ways, in the same run, and prints the per-test wall time of
 each and the warm pool's overhead (wall time minus the slowest rank's own
 work), as medians.
 
-    python tools/bench_harness.py [--tests 8] [--world-size 4]
+    python -m tools.bench_harness [--tests 8] [--world-size 4]
+
+Run from the repository root: the pool's ranks import the test body from
+``tools.bench_harness``.
 """
 
 from __future__ import annotations
@@ -15,11 +18,8 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def fsdp_get_set(ctx, variant: int = 0):
@@ -87,11 +87,11 @@ def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]
         start = time.perf_counter()
         pools.pool(world_size)
         startup = time.perf_counter() - start
-        pools.run(world_size, Task("bench_harness:fsdp_get_set", {"variant": 99}))  # warm imports
+        pools.run(world_size, Task("tools.bench_harness:fsdp_get_set", {"variant": 99}))  # warm imports
         walls, overheads = [], []
         for i in range(n):
             start = time.perf_counter()
-            outcome = pools.run(world_size, Task("bench_harness:fsdp_get_set", {"variant": i}))
+            outcome = pools.run(world_size, Task("tools.bench_harness:fsdp_get_set", {"variant": i}))
             wall = time.perf_counter() - start
             assert outcome.status == "passed", outcome.describe()
             walls.append(wall)
@@ -100,7 +100,7 @@ def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tests", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=4)
     args = parser.parse_args()

@@ -1,5 +1,6 @@
-"""Rank-side work for tools/bench.py: build a model once per process, time
-get/set in one mode for both implementations, or measure peak memory."""
+"""Rank-side work for ``python -m tools.bench``: build a model once per
+process, time get/set in one mode for both implementations, or measure peak
+memory."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ print a draft expected-failures file instead: the shortest ID prefixes that
 cover the failing cases (a whole clause, a clause on one layout, or single
 cases), each with its most common cause as a placeholder reason to rewrite.
 
-    python tools/verdict_table.py report.json [--causes 2]
-    python tools/verdict_table.py report.json --xfails-draft > known.txt
+    python -m tools.verdict_table report.json [--causes 2]
+    python -m tools.verdict_table report.json --xfails-draft > known.txt
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def draft_xfails(cases: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m tools.verdict_table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report")
     parser.add_argument("--causes", type=int, default=2)
     parser.add_argument("--xfails-draft", action="store_true")
