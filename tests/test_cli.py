@@ -76,7 +76,10 @@ def test_faulty_implementation_is_reported_and_the_run_goes_on(tmp_path, fault, 
     data = json.loads(report.read_text())
     cases = {c["id"]: c for c in data["cases"]}
     bad, good = cases[ADAMW], cases[SGD]
-    assert bad["status"] in ("failed", "error")
+    # The implementation's own fault (raising, hanging or dying inside its
+    # call) is a deviation, never an error of the suite.
+    assert bad["status"] == "failed", bad["message"]
+    assert "in get_optimizer_state_dict" in bad["message"], bad["message"]
     for w in words:
         assert w in bad["message"], bad["message"]
     assert rank in bad["ranks"]
@@ -174,13 +177,15 @@ def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "conformance",
-         "--impl", "hyperdsd", "-k", "OPT-KEYS-1[fsdp2-adamw", "-k", "OPT-KEYS-1[fsdp4-adamw-sharded]", "--json", str(report)],
+         "--impl", "hyperdsd", "-k", "OPT-KEYS-1[fsdp2-adamw", "-k", "OPT-KEYS-1[single-adamw-sharded]",
+         "-k", "OPT-KEYS-1[fsdp4-adamw-sharded]", "--json", str(report)],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(report.read_text())
-    assert data["launcher"] == "torchrun" and data["world_sizes"] == [2]
+    assert data["launcher"] == "torchrun" and data["world_sizes"] == [1, 2]
     statuses = {c["id"]: c for c in data["cases"]}
+    assert statuses["OPT-KEYS-1[single-adamw-sharded]"]["status"] == "passed"  # on a sub-world of one rank
     assert statuses["OPT-KEYS-1[fsdp2-adamw-sharded]"]["status"] == "passed"
     assert statuses["OPT-KEYS-1[fsdp2-adamw-full]"]["status"] == "passed"
     na = statuses["OPT-KEYS-1[fsdp4-adamw-sharded]"]
@@ -205,5 +210,6 @@ def test_torchrun_hang_ends_the_run_with_stacks_and_a_partial_report(tmp_path):
     data = json.loads(report.read_text())
     assert data["complete"] is False
     statuses = {c["id"]: c["status"] for c in data["cases"]}
-    assert statuses == {ADAMW: "error"}, statuses  # the run stops at the hung case
+    assert statuses == {ADAMW: "failed"}, statuses  # the run stops at the hung case, a hang of the implementation
+    assert "in get_optimizer_state_dict" in data["cases"][0]["message"], data["cases"][0]["message"]
     assert lingering(mark) == []

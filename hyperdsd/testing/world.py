@@ -115,6 +115,7 @@ class TorchrunWorld:
         self._membership.join(self.rank, self.world_size, self._generation)
         self._formed = self.world_size
         self._dirty = False
+        self._lost = ""
         self._count = 0
         self.ctx = RankContext(self.rank, self.world_size, workdir="", device_type=device_type, local_rank=self.local_rank)
         self.on_expiry: Callable[[TaskOutcome | None], None] | None = None
@@ -149,6 +150,8 @@ class TorchrunWorld:
     def run(self, world_size: int, task: m.Task, deadline_s: float) -> TaskOutcome | None:
         """Run on this rank if it is one of the first ``world_size``; rank 0
         returns the outcome for all of them, others None."""
+        if self._lost:
+            raise WorldLost(self._lost)
         self._count += 1
         n = self._count
         self._form(world_size)
@@ -169,6 +172,7 @@ class TorchrunWorld:
             return self._await_verdict(n, deadline_s)
         outcome = self._collect(n, world_size, task, start, deadline_s)
         self._dirty = self._dirty or bool(outcome.regrouped)
+        self._lost = outcome.recycled
         self._store.set(self._key(n, "verdict"), pickle.dumps({"regroup": bool(outcome.regrouped), "lost": outcome.recycled}))
         return outcome
 
