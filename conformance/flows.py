@@ -1,4 +1,4 @@
-"""Modes: how a state dict leaves a setup and comes back.
+"""Modes: how a state dict leaves a setup and comes back (SPEC §2).
 
 ``sharded``  default options, in memory.
 ``full``     ``full_state_dict`` on every rank, in memory.
@@ -6,6 +6,10 @@
              loaded back with ``broadcast_from_rank0``.
 ``bcast``    as ``full_cpu``, but through ``torch.save`` / ``torch.load``
              (``weights_only=True``) on rank 0.
+``file``     rank 0 saves the ``full_cpu`` dict with ``torch.save``; every
+             rank reads the file and sets the full dict with
+             ``full_state_dict`` (no broadcast): the consolidated checkpoint.
+             Pipeline stages take from it what is theirs (``strict=False``).
 ``flat``     ``flatten_optimizer_state_dict``, in memory.
 ``dcp``      default options through ``torch.distributed.checkpoint``; the
              target's own get provides the load template, as users do. On
@@ -13,10 +17,10 @@
              nested ``param_groups.N`` keys of different stages would collide
              in one checkpoint, which is why the flat layout exists.
 
-A never-stepped target's template can name optimizer state that the
-checkpoint legitimately lacks (parameters that never had a gradient), so the
-optimizer part is loaded with ``allow_partial_load=True`` unless a case asks
-otherwise; telling loaded entries from the rest is the implementation's job.
+Where a clause is about optimizer state, the model goes the *reference* way
+(the model's own ``state_dict``, copied by the suite), so that a deviation of
+the implementation's model functions fails the MODEL clauses only; MODEL
+cases send the model through the implementation (``model="iut"``).
 """
 
 from __future__ import annotations
@@ -28,21 +32,25 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from .adapters import MODES
 from .oracle import clone_tree
 
-MODES = ("sharded", "full", "full_cpu", "bcast", "flat", "dcp")
+__all__ = ["MODES", "Saved", "get_options", "load", "resume", "save", "set_options"]
 
 _GET = {
     "sharded": {},
     "full": {"full_state_dict": True},
     "full_cpu": {"full_state_dict": True, "cpu_offload": True},
     "bcast": {"full_state_dict": True, "cpu_offload": True},
+    "file": {"full_state_dict": True, "cpu_offload": True},
     "flat": {"flatten_optimizer_state_dict": True},
     "dcp": {},
     "flat_dcp": {"flatten_optimizer_state_dict": True},
 }
 _SET = dict(_GET)
 _SET["full_cpu"] = _SET["bcast"] = {"full_state_dict": True, "broadcast_from_rank0": True}
+_SET["file"] = {"full_state_dict": True}
+_FILES = ("bcast", "file")  # modes that go through a torch.save file on rank 0
 
 
 def get_options(iut, mode: str, **extra):
@@ -66,44 +74,71 @@ def optimizers_arg(setup):
 @dataclass
 class Saved:
     mode: str
-    model: Any = None
+    model: Any = None  # the implementation's model dict (model="iut")
     optim: Any = None
     path: str = ""
+    model_ref: Any = None  # the model's own state_dict, copied (model="reference")
 
 
 def _effective(mode: str, setup) -> str:
     return "flat_dcp" if mode == "dcp" and setup.layout.pp > 1 else mode
 
 
-def save(c, setup, mode: str, *, model: bool = True, optim: bool = True, options: dict | None = None) -> Saved:
+def save(c, setup, mode: str, *, model: str | None = "reference", optim: bool = True, options: dict | None = None) -> Saved:
+    """Take ``setup``'s state in ``mode``. ``model``: "reference", "iut" or None."""
     iut = c.iut
     mode = _effective(mode, setup)
     opts = get_options(iut, mode, **(options or {}))
-    msd = iut.get_model_state_dict(setup.model, options=opts) if model else None
+    msd = iut.get_model_state_dict(setup.model, options=opts) if model == "iut" else None
     osd = iut.get_optimizer_state_dict(setup.model, optimizers_arg(setup), options=opts) if optim else None
+    saved = Saved(mode, model_ref=clone_tree(setup.module.state_dict()) if model == "reference" else None)
     if mode in ("dcp", "flat_dcp"):
-        path = c.path(f"dcp-{mode}")
+        saved.path = c.path(f"dcp-{mode}")
         with c.under_test("dcp.save of the state dicts get returned"):
-            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=path)
-        return Saved(mode, path=path)
-    if mode == "bcast":
-        path = c.path("full.pt")
+            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=saved.path)
+    elif mode in _FILES:
+        saved.path = c.path("full.pt")
         if c.rank == 0:
             with c.under_test("torch.save of the full state dicts get returned"):
-                torch.save({"model": msd, "optim": osd}, path)
-        return Saved(mode, path=path)
-    return Saved(mode, model=clone_tree(msd), optim=clone_tree(osd))
+                torch.save({"model": msd, "optim": osd}, saved.path)
+        c.barrier()  # the file is complete before any rank reads it
+    else:
+        saved.model, saved.optim = clone_tree(msd), clone_tree(osd)
+    return saved
+
+
+def load_reference_model(setup, state: dict, strict: bool = True) -> None:
+    """Load the model's own state dict the model's own way (no implementation involved)."""
+    with torch.no_grad():
+        setup.module.load_state_dict(clone_tree(state), strict=strict)
+
+
+def save_reference_model(c, setup, name: str = "model-ref") -> None:
+    """The model's own state dict through DCP, for a load on another layout."""
+    dcp.save({"model": setup.module.state_dict()}, checkpoint_id=c.path(name))
+
+
+def load_reference_model_from(c, setup, name: str = "model-ref") -> None:
+    state = setup.module.state_dict()
+    dcp.load({"model": state}, checkpoint_id=c.path(name))
+    with torch.no_grad():
+        setup.module.load_state_dict(state)
 
 
 def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, model: bool = True, optim: bool = True, options: dict | None = None):
     """Load ``saved`` into ``setup``; returns the model's (missing, unexpected) keys or None."""
     iut = c.iut
+    if saved.mode == "file" and setup.layout.pp > 1:
+        strict = False  # a consolidated dict holds every stage; each takes its own
     opts = set_options(iut, saved.mode, strict=strict, **(options or {}))
     optims = optimizers_arg(setup)
     keys = None
+    if model and saved.model_ref is not None:
+        load_reference_model(setup, saved.model_ref, strict=strict)
+    iut_model = model and saved.model_ref is None
     if saved.mode in ("dcp", "flat_dcp"):
         tmpl_opts = get_options(iut, saved.mode)
-        if model:
+        if iut_model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
             with c.under_test("dcp.load into the template get returned"):
                 dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
@@ -117,13 +152,16 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
     if saved.mode == "bcast":
         data = read_full(saved.path) if c.rank == 0 else {"model": {}, "optim": {}}
         msd, osd = data["model"], data["optim"]
+    elif saved.mode == "file":
+        data = read_full(saved.path)
+        msd, osd = data["model"], data["optim"]
     elif saved.mode == "full_cpu":
         msd, osd = (clone_tree(saved.model), clone_tree(saved.optim)) if c.rank == 0 else ({}, {})
     else:
         # A copy, so that an implementation that consumes its input cannot
         # change what a later load of the same checkpoint sees.
         msd, osd = clone_tree(saved.model), clone_tree(saved.optim)
-    if model:
+    if iut_model:
         keys = iut.set_model_state_dict(setup.model, msd, options=opts)
     if optim:
         iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
@@ -134,8 +172,9 @@ def resume(c, make, mode: str, *, before: int = 1, after: int = 1, strict: bool 
     """The scenario most clauses share: train, save in ``mode``, train on;
     load into a fresh setup and train as long.
 
-    ``make(seed)`` builds a setup; seed 1 differs from seed 0 so that values
-    can only come from the checkpoint. Returns (uninterrupted, resumed).
+    ``make(seed)`` builds a setup; seed 1 differs from seed 0 in values and
+    hyperparameters, so that they can only come from the checkpoint.
+    Returns (uninterrupted, resumed).
     """
     a = make(0)
     a.train(before)

@@ -70,21 +70,23 @@ class Setup:
         *,
         seed: int = 0,
         cfg: ModelConfig | None = None,
-        groups: GroupSpec = GroupSpec(),
+        groups: GroupSpec | None = None,
         wrappers: tuple[str, ...] = (),
         scheduler: bool = False,
         n_optimizers: int = 1,
         meta: bool = False,
         with_optimizer: bool = True,
         trainable: callable = None,
-        lazy: bool = False,
     ):
         self.c = c
         self.layout = parse_layout(layout) if isinstance(layout, str) else layout
         lay = self.layout
         if lay.world_size != c.world_size:
             raise ValueError(f"layout {lay.name} needs {lay.world_size} ranks, the world has {c.world_size}")
-        self.cfg = cfg or ModelConfig(tie=lay.pp == 1, lazy_aux=lazy)
+        self.cfg = cfg or ModelConfig()
+        if self.cfg.tie and lay.pp > 1:
+            raise ValueError(f"layout {lay.name}: a tied model cannot be split into pipeline stages")
+        groups = groups or GroupSpec.for_seed(seed)
         self.optimizer_name = optimizer
         self.steps_done = 0
         self.mesh = c.mesh(lay.mesh, lay.dim_names) if lay.kind != "single" else None

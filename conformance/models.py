@@ -1,16 +1,20 @@
 """The models, optimizers and data every case trains.
 
-Small enough that a case takes well under a second, but with everything that
-breaks state-dict code: several layers, a tied weight, persistent and
-non-persistent buffers, extra state, a parameter that never gets a gradient
-(``aux``: lazy optimizer state), a frozen parameter, a parameter with fewer
-rows than ranks (uneven and empty shards), and several param groups with
-their own hyperparameters.
+Small enough that a case takes well under a second. The base model has what
+every model has: several layers, persistent and non-persistent buffers,
+extra state, a parameter with fewer rows than ranks (uneven and empty
+shards), and several param groups with their own hyperparameters. What
+breaks state-dict code in one particular way is a *feature* a case turns on
+only where its clause names it (SPEC §2, isolation): a tied weight
+(``tie``), a parameter that never gets a gradient (``lazy``: no optimizer
+state), a frozen parameter (``frozen``), an adapter the checkpoint lacks
+(``adapter``); empty groups, custom group fields and schedulers are set up
+by the cases that need them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -23,14 +27,19 @@ class ModelConfig:
     dim: int = 8
     hidden: int = 12
     n_layers: int = 2
-    tie: bool = True
     aux_out: int = 3
     dtype: torch.dtype = torch.float32
-    adapter: bool = False  # an extra trainable module, as fine-tuning adds
+    # Features (off in the base model):
+    tie: bool = False  # the head shares the embedding's weight
     # ``aux`` never gets a gradient (lazy optimizer state) when True; when
-    # False it gets a zero gradient, so clauses about other properties are
-    # not judged by how an implementation handles lazy state.
-    lazy_aux: bool = True
+    # False it gets a zero gradient and state like every other parameter.
+    lazy_aux: bool = False
+    frozen: bool = False  # a module with requires_grad=False from the start
+    adapter: bool = False  # an extra trainable module, as fine-tuning adds
+
+    def everything(self, pipeline: bool = False) -> "ModelConfig":
+        """Every feature at once (pipeline stages cannot tie across stages)."""
+        return replace(self, tie=not pipeline, lazy_aux=True, frozen=True)
 
 
 class Embed(nn.Module):
@@ -69,8 +78,9 @@ class ToyModel(nn.Module):
         self.cfg = cfg
         self.tok = Embed(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.frozen = nn.Linear(cfg.dim, cfg.dim)
-        self.frozen.requires_grad_(False)
+        self.frozen = nn.Linear(cfg.dim, cfg.dim) if cfg.frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.aux = nn.Linear(cfg.dim, cfg.aux_out)  # never used in forward
@@ -86,7 +96,8 @@ class ToyModel(nn.Module):
             h = layer(h)
         if self.head is None:
             return h
-        h = h + self.frozen(h)
+        if self.frozen is not None:
+            h = h + self.frozen(h)
         if not self.cfg.lazy_aux:
             h = h + 0.0 * self.aux(h).sum(-1, keepdim=True)
         if self.adapter is not None:
@@ -128,33 +139,40 @@ class GroupSpec:
     """How parameters are split into groups, and where empty groups go.
 
     ``empty_at`` lists positions (in the final group list) of groups without
-    parameters; each gets its own lr and a ``name``.
+    parameters; each gets its own lr, weight decay and ``name``. ``scale``
+    multiplies every group's lr and weight decay: a target built with
+    another scale than the checkpoint's shows a load that loses them.
     """
 
     split: bool = True
     empty_at: tuple[int, ...] = ()
-    lr_scale: float = 1.0
+    scale: float = 1.0
     extra: tuple[tuple[str, object], ...] = ()  # extra fields on every group
+
+    @classmethod
+    def for_seed(cls, seed: int, **kw) -> "GroupSpec":
+        """Setups built with another seed differ in their hyperparameters too."""
+        return cls(scale=1.0 + 0.5 * seed, **kw)
 
 
 def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec = GroupSpec()) -> list[dict]:
     """Groups by role: embedding, matrices (decayed), vectors (not decayed)."""
     extra = dict(spec.extra)
     if not spec.split:
-        groups = [{"params": [p for _, p in named_params], "name": "all", **extra}]
+        groups = [{"params": [p for _, p in named_params], "lr": 1e-2 * spec.scale, **extra}]
     else:
         roles: dict[str, list] = {"embed": [], "decay": [], "no_decay": []}
         for name, p in named_params:
             role = "embed" if "embedding" in name else ("decay" if p.dim() >= 2 else "no_decay")
             roles[role].append(p)
-        settings = {"embed": (5e-3, 0.0), "decay": (1e-2, 0.1), "no_decay": (2e-2, 0.0)}
+        settings = {"embed": (5e-3, 0.01), "decay": (1e-2, 0.1), "no_decay": (2e-2, 0.001)}
         groups = [
-            {"params": ps, "lr": settings[r][0] * spec.lr_scale, "weight_decay": settings[r][1], "name": r, **extra}
+            {"params": ps, "lr": settings[r][0] * spec.scale, "weight_decay": settings[r][1] * spec.scale, **extra}
             for r, ps in roles.items()
             if ps
         ]
     for i, pos in enumerate(sorted(spec.empty_at)):
-        empty = {"params": [], "lr": 0.5 + i, "weight_decay": 0.01 * (i + 1), "name": f"empty{i}", **extra}
+        empty = {"params": [], "lr": (0.5 + i) * spec.scale, "weight_decay": 0.01 * (i + 1) * spec.scale, "name": f"empty{i}", **extra}
         groups.insert(min(pos, len(groups)), empty)
     return groups
 

@@ -52,6 +52,7 @@ class Case:
     profile: str = "core"
     rtol: float = 0.0
     meshes: tuple[str, ...] = ()
+    mode: str | None = None  # the mode the case runs in (None: modes do not apply)
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
@@ -65,6 +66,7 @@ class Case:
             "profile": self.profile,
             "world_sizes": list(self.world_sizes),
             "meshes": list(self.meshes),
+            "mode": self.mode,
             "phases": [f"{p.fn.__module__.rsplit('.', 1)[-1]}.{p.fn.__name__}@{p.world_size}" for p in self.phases],
             "deadline_s": self.deadline_s,
             "rtol": self.rtol,
@@ -101,6 +103,7 @@ def make_case(
         profile=profile,
         rtol=rtol,
         meshes=(lay.mesh,),
+        mode=mode,
     )
 
 

@@ -80,6 +80,8 @@ class Runner:
         """Why ``case`` cannot run here, or "" when it can."""
         if not self.adapter.claims(case.profile):
             return f"{self.adapter.name} does not claim the {case.profile!r} profile"
+        if not self.adapter.supports(case.mode):
+            return f"{self.adapter.name} does not declare the {case.mode!r} mode (it declares {', '.join(sorted(self.adapter.modes))})"
         return self.executor.unfit(case.world_sizes)
 
     def repro(self, case: Case) -> str:

@@ -70,7 +70,7 @@ def dt_2(c, layout, mode):
 
 def dt_3(c, layout, mode):
     """State in a dtype other than the parameter's (fp32 moments, bf16 parameters) keeps its dtype."""
-    cfg = ModelConfig(tie=not layout.startswith("pp"), dtype=torch.bfloat16, lazy_aux=False)
+    cfg = ModelConfig(dtype=torch.bfloat16)
     a = Setup(c, layout, "adamw", cfg=cfg)
     a.train(1)
     _moments_to_fp32(a)

@@ -24,7 +24,7 @@ def empty_1(c, layout, opt, mode, n_optimizers=1):
     want = snapshot(a)
     # The target's empty groups carry values of their own, so that a load
     # that ignores them shows.
-    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=EMPTY_AT, lr_scale=3.0), n_optimizers=n_optimizers)
+    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=EMPTY_AT, scale=3.0), n_optimizers=n_optimizers)
     b.set_steps_done(2)
     own = snapshot(b)
     flows.load(c, b, saved)
@@ -49,7 +49,7 @@ def empty_2(c, layout, opt, target_empty):
     a = Setup(c, layout, opt, groups=GroupSpec(empty_at=(0, 9)))
     a.train(2)
     saved = flows.save(c, a, "flat")
-    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=target_empty, lr_scale=3.0))
+    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=target_empty, scale=3.0))
     own = snapshot(b)
     flows.load(c, b, saved)
     got = snapshot(b)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -11,7 +9,9 @@ from torch.distributed.tensor import DTensor
 from .. import flows
 from ..flows import get_options, set_options
 from ..layouts import Setup
-from ..models import ToyModel
+from ..meter import ReceiveMeter
+from ..models import ModelConfig, ToyModel
+from .keys import WRAPPERS
 from ..oracle import check, clone_tree, diff_values, expect_error, fail_if
 from ..registry import make_case
 
@@ -24,25 +24,27 @@ def _model_view(s) -> dict:
     return {".".join(p for p in k.split(".") if p != "_checkpoint_wrapped_module"): v for k, v in out.items()}
 
 
-def model_1(c, layout, mode):
-    """Round trip in every mode; keys are those of the unwrapped model's state_dict."""
-    a = Setup(c, layout, "adamw")
+def model_1(c, layout, mode, wrappers=(), tie=False):
+    """Round trip in every mode; keys are those of the unwrapped model's state_dict
+    (wrapper segments left out, a tied parameter under each of its names)."""
+    a = Setup(c, layout, "adamw", wrappers=wrappers, cfg=ModelConfig(tie=tie))
     a.train(1)
     plain = ToyModel(a.cfg)
     if a.layout.pp > 1:
         plain.keep_stage(a.stage, a.layout.pp)
     expected_keys = list(plain.state_dict())
     msd = c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode))
-    rank0_holds_all = mode in ("full_cpu", "bcast")
+    rank0_holds_all = mode in ("full_cpu", "bcast", "file")
     want_keys = _all_ranks_keys(expected_keys) if rank0_holds_all else expected_keys  # a collective: every rank
     want = _model_view(a)
-    saved = flows.save(c, a, mode, optim=False)
-    b = Setup(c, layout, "adamw", seed=1)
-    for block in b.module.layers.values():
+    saved = flows.save(c, a, mode, model="iut", optim=False)
+    b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers, cfg=ModelConfig(tie=tie))
+    blocks = {name: getattr(blk, "_checkpoint_wrapped_module", blk) for name, blk in b.module.layers.items()}
+    for block in blocks.values():
         block.index = -1  # extra state must come back from the checkpoint
     flows.load(c, b, saved, optim=False)
     fail_if(diff_values(want, _model_view(b), "model"), f"{mode}: the model does not round-trip")
-    got_index = {name: blk.index for name, blk in b.module.layers.items()}
+    got_index = {name: blk.index for name, blk in blocks.items()}
     check(all(int(n) == i for n, i in got_index.items()), f"extra state was not restored: {got_index}")
     if not rank0_holds_all or c.rank == 0:
         fail_if(sorted(set(want_keys) ^ set(msd)), "model keys differ from model.state_dict() of the unwrapped model (symmetric difference)")
@@ -78,68 +80,19 @@ def model_2(c, layout, mode, strict):
     fail_if(diff_values(want, got, "model"), "MODEL-2: strict=False did not load the other keys")
 
 
-class _ReceiveMeter:
-    """Bytes a rank receives per torch.distributed call while active."""
-
-    NAMES = ("broadcast", "scatter", "all_gather", "all_gather_into_tensor", "all_gather_single", "gather", "recv",
-             "irecv", "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list", "all_to_all")
-
-    def __init__(self):
-        self.largest = 0
-        self.total = 0
-        self.calls = 0
-        self._saved = {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._saved[name] = fn
-                setattr(dist, name, self._wrap(fn))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-    def _wrap(self, fn):
-        def wrapper(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            size = sum(_nbytes(a) for a in list(args) + list(kwargs.values()))
-            self.largest = max(self.largest, size)
-            self.total += size
-            self.calls += 1
-            return out
-
-        return wrapper
-
-
-def _nbytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    if obj is None or isinstance(obj, (int, float, str, bool, dist.ProcessGroup)):
-        return 0
-    try:
-        return len(pickle.dumps(obj))
-    except Exception:
-        return 0
-
-
 def model_3(c, layout):
     """broadcast from rank 0 into a sharded model: values, DTensors kept, bounded memory in flight."""
     a = Setup(c, layout, "adamw")
     a.train(1)
     want = _model_view(a)
-    saved = flows.save(c, a, "bcast", optim=False)
+    saved = flows.save(c, a, "bcast", model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1)
     data = flows.read_full(saved.path) if c.rank == 0 else {"model": {}}
     largest_full = max((v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0)
     box = [largest_full]
     dist.broadcast_object_list(box, src=0)
     largest_full = box[0]
-    with _ReceiveMeter() as meter:
+    with ReceiveMeter() as meter:
         c.iut.set_model_state_dict(b.model, data["model"], options=set_options(c.iut, "bcast"))
     fail_if(diff_values(want, _model_view(b), "model"), "broadcast load: values differ")
     not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
@@ -159,7 +112,7 @@ def model_4(c, layout, mode):
     a = Setup(c, layout, "adamw")
     a.train(1)
     want = _model_view(a)
-    saved = flows.save(c, a, mode, optim=False)
+    saved = flows.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, meta=True, with_optimizer=False)
     flows.load(c, b, saved, optim=False)
     got = _model_view(b)
@@ -175,6 +128,13 @@ def cases():
     for layout in LAYOUTS:
         for mode in flows.MODES:
             yield make_case("MODEL-1", layout, model_1, mode=mode)
+    for layout, variants in WRAPPERS.items():
+        for wrappers in [w for w in variants if w]:
+            for mode in ("sharded", "full"):
+                yield make_case("MODEL-1", layout, model_1, mode=mode, variant="+".join(wrappers), wrappers=wrappers, deadline_s=120)
+    for layout in ("single", "fsdp2", "hsdp2x2"):
+        for mode in ("sharded", "full", "dcp"):
+            yield make_case("MODEL-1", layout, model_1, mode=mode, variant="tied", tie=True)
     for mode in ("sharded", "full", "bcast", "dcp"):
         yield make_case("MODEL-1", "fsdp2xtp2", model_1, mode=mode, profile="tp")
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):

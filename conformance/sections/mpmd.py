@@ -49,7 +49,7 @@ def mpmd_2(c, layout, opt, empty_on_last):
     # pipeline stages hold different parameters, so their groups differ in number already;
     # each stage also gets its own learning rates, and optionally an empty group of its own.
     def spec(stage):
-        return GroupSpec(lr_scale=1.0 + stage, empty_at=(9,) if empty_on_last and stage else ())
+        return GroupSpec(scale=1.0 + stage, empty_at=(9,) if empty_on_last and stage else ())
 
     stage = _stage(c, layout)
     a, b = flows.resume(c, lambda seed: Setup(c, layout, opt, seed=seed, groups=spec(stage)), "dcp")

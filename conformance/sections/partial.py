@@ -14,11 +14,11 @@ ADAPTER = ["adapter.weight", "adapter.bias"]
 
 def part_1(c, layout, mode, strict):
     """The target has parameters the checkpoint lacks (an adapter added for fine-tuning)."""
-    a = Setup(c, layout, "adamw", cfg=ModelConfig(tie=layout[:2] != "pp", lazy_aux=False))
+    a = Setup(c, layout, "adamw")
     a.train(2)
     saved = flows.save(c, a, mode)
     want = snapshot(a)
-    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(tie=layout[:2] != "pp", adapter=True, lazy_aux=False))
+    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(adapter=True))
     b.set_steps_done(2)
     mine = [f for f in ADAPTER if f in dict(b.named_parameters())]
     if strict:
@@ -48,13 +48,13 @@ def part_1(c, layout, mode, strict):
 
 def part_2(c, layout, mode):
     """Lazy state: parameters that never had a gradient have no state, before and after."""
-    a = Setup(c, layout, "adamw", lazy=True)
+    a = Setup(c, layout, "adamw", cfg=ModelConfig(lazy_aux=True))
     a.train(2)
     lazy = [f for f, p in a.named_parameters() if p.requires_grad and not a.optimizers[0].state.get(p)]
     check(bool(lazy) or layout.startswith("pp"), "setup error: no lazy parameter")
     saved = flows.save(c, a, mode)
     want = snapshot(a)
-    b = Setup(c, layout, "adamw", seed=1, lazy=True)
+    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(lazy_aux=True))
     b.set_steps_done(2)
     flows.load(c, b, saved, strict=True)
     fail_if(diff_snapshots(want, snapshot(b)), "OPT-PART-2: the loaded optimizer does not reproduce the source (lazy state included)")
@@ -63,7 +63,7 @@ def part_2(c, layout, mode):
 def part_3(c, layout, mode):
     """Freezing after training: ignore_frozen_params drops them from the model dict, never their optimizer state."""
     frozen = ["layers.0.fc1.weight", "layers.0.fc1.bias"]
-    a = Setup(c, layout, "adamw")
+    a = Setup(c, layout, "adamw", cfg=ModelConfig(frozen=True))
     a.train(2)
     a.freeze(frozen)
     opts = get_options(c.iut, mode, ignore_frozen_params=True)
@@ -73,7 +73,7 @@ def part_3(c, layout, mode):
         check(not leaked, f"OPT-PART-3: ignore_frozen_params kept frozen parameters {leaked}")
     saved = flows.save(c, a, mode, options={"ignore_frozen_params": True})
     want = snapshot(a)
-    b = Setup(c, layout, "adamw", seed=1)
+    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(frozen=True))
     b.freeze(frozen)
     flows.load(c, b, saved, options={"ignore_frozen_params": True}, model=False)
     got = snapshot(b)

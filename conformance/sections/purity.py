@@ -31,8 +31,8 @@ def _get_changes_nothing(c, s, mode):
 
 def pure_1(c, layout, opt, mode, grads):
     """Never stepped: get leaves it so, and training afterwards is unaffected."""
-    a = Setup(c, layout, opt, lazy=True)
-    b = Setup(c, layout, opt, lazy=True)
+    a = Setup(c, layout, opt)
+    b = Setup(c, layout, opt)
     if grads:
         _accumulate(a)
         _accumulate(b)
@@ -46,8 +46,8 @@ def pure_1(c, layout, opt, mode, grads):
 
 def pure_2(c, layout, opt, mode):
     """After steps: get changes nothing, and changing what it returned does not reach the optimizer."""
-    a = Setup(c, layout, opt, lazy=True)
-    b = Setup(c, layout, opt, lazy=True)
+    a = Setup(c, layout, opt)
+    b = Setup(c, layout, opt)
     a.train(2)
     b.train(2)
     _get_changes_nothing(c, a, mode)

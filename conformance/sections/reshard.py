@@ -27,9 +27,8 @@ RTOL = 1e-6
 only_layers = lambda fqn: fqn.startswith("layers.")  # noqa: E731
 
 
-def _cfg(src: str, dst: str, lazy: bool = False) -> ModelConfig:
-    pp = parse_layout(src).pp > 1 or parse_layout(dst).pp > 1
-    return ModelConfig(tie=not pp, dtype=torch.float64, lazy_aux=lazy)
+def _cfg(lazy: bool = False) -> ModelConfig:
+    return ModelConfig(dtype=torch.float64, lazy_aux=lazy)
 
 
 def _mode_on(layout: str, kind: str) -> str:
@@ -39,9 +38,10 @@ def _mode_on(layout: str, kind: str) -> str:
 
 
 def save_phase(c, src, dst, opt, kind, subset=False):
-    a = Setup(c, src, opt, cfg=_cfg(src, dst, lazy=subset), trainable=only_layers if subset else None)
+    a = Setup(c, src, opt, cfg=_cfg(lazy=subset), trainable=only_layers if subset else None)
     a.train(BEFORE)
-    flows.save(c, a, _mode_on(src, kind))
+    flows.save(c, a, _mode_on(src, kind), model=None)
+    flows.save_reference_model(c, a)
     a.train(AFTER)
     torch.save(full_snapshot(a), c.path(f"reference-rank{c.rank}.pt"))
 
@@ -57,10 +57,11 @@ def _reference(c) -> dict:
 
 
 def load_phase(c, src, dst, opt, kind, subset=False):
-    b = Setup(c, dst, opt, seed=1, cfg=_cfg(src, dst, lazy=subset))
+    b = Setup(c, dst, opt, seed=1, cfg=_cfg(lazy=subset))
     b.set_steps_done(BEFORE)
     saved = Saved(_mode_on(src, kind), path=c.path("full.pt") if kind == "bcast" else c.path(f"dcp-{_mode_on(src, kind)}"))
-    flows.load(c, b, saved, strict=not subset)
+    flows.load_reference_model_from(c, b)
+    flows.load(c, b, saved, strict=not subset, model=False)
     if subset:
         # Parameters the checkpoint had no state for stay fresh (OPT-PURE-1 for what was not loaded).
         stale = [f for f, p in b.named_parameters() if not only_layers(f) and b.optimizers[0].state.get(p)]
@@ -93,6 +94,7 @@ def _case(clause, src, dst, opt, kind, subset=False) -> Case:
         deadline_s=90,
         rtol=RTOL,
         meshes=(a.mesh, b.mesh),
+        mode=kind,
     )
 
 

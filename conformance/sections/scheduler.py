@@ -31,7 +31,7 @@ def sched_1(c, layout, mode):
     check(all("initial_lr" in g for g in want["groups"]), "setup error: no initial_lr")
     saved = flows.save(c, a, mode)
     if mode == "dcp":  # as a resuming job builds it: the fields exist, with other values
-        b = Setup(c, layout, "adamw", seed=1, scheduler=True, groups=GroupSpec(lr_scale=0.5, extra=(("tag", "target"),)))
+        b = Setup(c, layout, "adamw", seed=1, scheduler=True, groups=GroupSpec(scale=0.5, extra=(("tag", "target"),)))
         b.train(1)
     else:  # no scheduler yet (no initial_lr), no custom field
         b = Setup(c, layout, "adamw", seed=1)
