@@ -15,7 +15,8 @@ from collections import Counter, defaultdict
 
 from hyperdsd.testing import Status
 
-from .adapters import PROFILES
+from . import spec
+from .adapters import MODES, PROFILES
 from .registry import all_cases
 from .reporting import RunInfo, to_json, write_json, write_junit
 from .results import CaseResult
@@ -23,12 +24,17 @@ from .results import CaseResult
 _ORDER = (Status.ERROR, Status.FAILED, Status.XFAIL, Status.XPASS, Status.NOT_APPLICABLE, Status.PASSED)  # worst first
 
 
-def level(results: list[CaseResult], profiles: frozenset[str]) -> dict:
-    """Which level the run reached, and why not a higher one."""
+def level(results: list[CaseResult], profiles: frozenset[str], modes=MODES) -> dict:
+    """Which level the run reached per profile, and why not a higher one.
+
+    An implementation that declares fewer modes is certified for those modes
+    when every case of them (and every case that has no mode) passed.
+    """
     ran = {r.case.id: r for r in results}
+    partial_modes = set(modes) != set(MODES)
     out = {}
     for profile in PROFILES:
-        wanted = [c.id for c in all_cases() if c.profile == profile]
+        wanted = [c.id for c in all_cases() if c.profile == profile and (c.mode is None or c.mode in modes)]
         if not wanted:
             continue
         if profile != "core" and profile not in profiles:
@@ -43,8 +49,23 @@ def level(results: list[CaseResult], profiles: frozenset[str]) -> dict:
             why = f"{len(bad)} of {len(wanted)} cases did not pass (" + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
         else:
             why = f"all {len(wanted)} cases passed"
-        out[profile] = {"reached": not missing and not bad, "why": why}
+        reached = not missing and not bad
+        entry = {"reached": reached and not partial_modes, "why": why}
+        if partial_modes:
+            entry["modes"] = sorted(modes, key=MODES.index)
+            entry["reached_for_modes"] = reached
+            entry["why"] += f", in the declared modes ({', '.join(entry['modes'])}; not declared: {', '.join(m for m in MODES if m not in modes)})"
+        out[profile] = entry
     return out
+
+
+def verdict(level_: dict) -> str:
+    core = level_.get("core", {})
+    if core.get("reached"):
+        return "core certified"
+    if core.get("reached_for_modes"):
+        return "core certified for modes " + ", ".join(core["modes"])
+    return "not certified"
 
 
 def matrix(results: list[CaseResult]) -> tuple[list[str], list[str], dict]:
@@ -64,10 +85,14 @@ def worst(counter: Counter) -> str:
     return next((s for s in _ORDER if counter.get(s)), "")
 
 
-def write_report(directory: str, info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float, profiles: frozenset[str]) -> dict:
+def write_report(directory: str, info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float,
+                 profiles: frozenset[str], modes=MODES) -> dict:
     os.makedirs(directory, exist_ok=True)
     data = to_json(info, results, warnings, elapsed_s)
-    data["level"] = level(results, profiles)
+    data["level"] = level(results, profiles, modes)
+    data["verdict"] = verdict(data["level"])
+    texts = spec.clauses()
+    data["clauses"] = {c: texts.get(c, "") for c in dict.fromkeys(r.case.clause for r in results)}
     write_json(os.path.join(directory, "report.json"), data)
     write_junit(os.path.join(directory, "junit.xml"), info, results, elapsed_s)
     with open(os.path.join(directory, "report.md"), "w", encoding="utf-8") as f:
@@ -78,8 +103,7 @@ def write_report(directory: str, info: RunInfo, results: list[CaseResult], warni
 
 
 def _verdict(data: dict) -> str:
-    core = data["level"].get("core", {})
-    return "core certified" if core.get("reached") else "not certified"
+    return data.get("verdict") or verdict(data["level"])
 
 
 def render_markdown(data: dict, results: list[CaseResult]) -> str:
@@ -104,6 +128,17 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
     for profile, v in data["level"].items():
         lines.append(f"| {profile} | {'yes' if v['reached'] else 'no'} | {v['why']} |")
     lines += ["", " | ".join(f"{k}: {n}" for k, n in data["summary"].items()), ""]
+    devs = data.get("deviations", [])
+    if devs:
+        lines += ["## Distinct deviations", ""]
+        for i, d in enumerate(devs, 1):
+            known = f" (expected: {d['xfail_reason']})" if d.get("xfail_reason") else ""
+            lines.append(f"{i}. **{d['status']}** in {d['count']} case(s) of {', '.join(d['clauses'])}{known}")
+            for line in d["message"].splitlines()[:4]:
+                lines.append(f"   - {line}")
+            lines.append(f"   - repro: `{d['repro']}`")
+        lines.append("")
+    lines += ["## Clause by layout", ""]
     clauses, layouts, cells = matrix(results)
     lines.append("| clause | " + " | ".join(layouts) + " |")
     lines.append("|---|" + "---|" * len(layouts))
@@ -118,6 +153,10 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
             mark = {Status.ERROR: " ERROR", Status.FAILED: " FAIL", Status.XFAIL: " xfail", Status.XPASS: " xpass"}.get(worst(c), "")
             row.append(f"{c[Status.PASSED]}/{ran}{mark}" if ran else "n/a")
         lines.append(f"| {clause} | " + " | ".join(row) + " |")
+    texts = data.get("clauses", {})
+    if texts:
+        lines += ["", "## Clauses", ""]
+        lines += [f"- **{c}** {t}" for c, t in texts.items()]
     bad = [r for r in results if r.status in (Status.FAILED, Status.ERROR, Status.XFAIL, Status.XPASS)]
     if bad:
         lines += ["", "## Cases that did not pass", ""]
@@ -143,6 +182,8 @@ td.xfail{background:#ffe082}td.xpass{background:#fff59d}td.na{background:#e0e0e0
 details{margin:4px 0}summary{cursor:pointer;font-family:monospace}
 pre{background:#f7f7f7;padding:8px;overflow:auto;white-space:pre-wrap}
 .meta td{text-align:left}
+.spec{font-family:system-ui,sans-serif;font-size:12px;max-width:40em;text-align:left;white-space:normal;color:#444}
+details.deviation{border-left:4px solid #e57373;padding-left:8px}details.deviation.xfail{border-color:#ffe082}
 """
 
 _JS = """
@@ -169,7 +210,17 @@ layouts.forEach(l => head.appendChild(el('th', {}, l)));
 table.appendChild(head);
 for (const clause of clauses) {
   const tr = el('tr');
-  tr.appendChild(el('td', {class: 'clause'}, clause));
+  const td = el('td', {class: 'clause'});
+  const text = (data.clauses || {})[clause];
+  if (text) {
+    const det = el('details');
+    det.appendChild(el('summary', {}, clause));
+    det.appendChild(el('div', {class: 'spec'}, text));
+    td.appendChild(det);
+  } else {
+    td.textContent = clause;
+  }
+  tr.appendChild(td);
   for (const layout of layouts) {
     const c = cells[clause + '|' + layout];
     if (!c) { tr.appendChild(el('td', {class: 'empty', 'data-clause': clause, 'data-layout': layout}, '')); continue; }
@@ -185,6 +236,18 @@ for (const clause of clauses) {
 document.getElementById('matrix-slot').replaceChildren(table);
 // The colour each cell renders with, for tests that read the rendered page.
 table.querySelectorAll('td[data-status]').forEach(td => td.setAttribute('data-bg', getComputedStyle(td).backgroundColor));
+const devs = document.getElementById('deviations');
+if (!(data.deviations || []).length) devs.appendChild(el('p', {}, 'No case failed.'));
+(data.deviations || []).forEach((d, i) => {
+  const box = el('details', {class: 'deviation ' + d.status, open: ''});
+  box.appendChild(el('summary', {}, `D${i + 1}  ${d.status.toUpperCase()} in ${d.count} case(s) of ${d.clauses.join(', ')}${d.xfail_reason ? '  (expected: ' + d.xfail_reason + ')' : ''}`));
+  box.appendChild(el('pre', {}, d.message + '\n\nrepro: ' + d.repro));
+  const list = el('details');
+  list.appendChild(el('summary', {}, 'cases'));
+  list.appendChild(el('pre', {}, d.cases.join('\n')));
+  box.appendChild(list);
+  devs.appendChild(box);
+});
 const failures = data.cases.filter(c => ['failed','error','xfail','xpass'].includes(c.status));
 const list = document.getElementById('failures');
 if (!failures.length) list.appendChild(el('p', {}, 'Every case that ran passed or did not apply.'));
@@ -221,6 +284,9 @@ def render_html(data: dict) -> str:
 <h1>Conformance report: {html.escape(impl['name'])} {html.escape(impl['version'])}</h1>
 <div class="level {'yes' if verdict == 'core certified' else 'no'}" id="level">Level: {verdict}</div>
 <table class="meta">{meta}</table>
+<h2>Distinct deviations</h2>
+<p>Failing cases grouped by cause: the same error or difference, with case-specific names and numbers masked.</p>
+<div id="deviations"></div>
 <h2>Clause by layout</h2>
 <p>Each cell: cases passed / cases run. Green: all passed; red: failed or errored; amber: expected failures; grey: not applicable.</p>
 <div id="matrix-slot"><noscript>The matrix needs JavaScript; report.md and report.json hold the same data.</noscript></div>

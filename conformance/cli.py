@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m conformance",
         description="Run the distributed state-dict conformance matrix (SPEC.md) against an implementation.",
-        epilog="Exit status: 0 when nothing failed or errored unexpectedly, 1 otherwise, 2 for usage errors.",
+        epilog="Exit status: 0 when nothing failed or errored unexpectedly, 1 otherwise, 2 for usage errors. "
+               "'python -m conformance diff OLD.json NEW.json' compares two runs' JSON reports.",
     )
     p.add_argument("--impl", default=os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL),
                    help="implementation under test: hyperdsd, torch, some.module or some.module:attr "
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["diff"]:
+        from .diff import main as diff_main
+
+        return diff_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -148,9 +154,9 @@ def _report(args, adapter, info, results, warnings, elapsed, complete=True) -> N
     if args.report:
         from .certificate import write_report
 
-        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles)
+        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles, adapter.modes)
         core = data["level"].get("core", {})
-        print(f"certificate: {'core certified' if core.get('reached') else 'not certified'} ({core.get('why', '')}); written to {args.report}")
+        print(f"certificate: {data['verdict']} ({core.get('why', '')}); written to {args.report}")
     if args.json:
         write_json(args.json, to_json(info, results, warnings, elapsed, complete))
     if args.junit:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from hyperdsd.testing import Status
 
-from . import SPEC_VERSION, __version__
+from . import SPEC_VERSION, __version__, deviations
 from .results import STATUSES, CaseResult
 
 _LABEL = {Status.PASSED: "PASS", Status.FAILED: "FAIL", Status.XFAIL: "XFAIL", Status.XPASS: "XPASS",
@@ -118,10 +118,13 @@ class ConsoleReporter:
         if faults:
             self.write("faults: " + ", ".join(f"{n} {k}" for k, n in faults.items()))
         bad = [r for r in results if r.unexpected]
-        if bad:
-            self.write(f"\n{len(bad)} case(s) failed or errored:")
-            for r in bad:
-                self.write(f"  {_LABEL[r.status]} {r.case.id}\n    repro: {r.repro}")
+        found = deviations.group(results)
+        if found:
+            unexpected = [d for d in found if d.status.unexpected]
+            self.write(f"\n{len(bad)} case(s) failed or errored: {len(unexpected)} distinct deviation(s)"
+                       + (f", and {len(found) - len(unexpected)} expected" if len(found) > len(unexpected) else ""))
+            for line in deviations.render(found):
+                self.write(line)
         for w in warnings:
             self.write(f"warning: {w}")
 
@@ -179,6 +182,7 @@ def to_json(info: RunInfo, results: list[CaseResult], warnings: list[str], elaps
             for r in results
         ],
         "summary": summary_counts(results),
+        "deviations": [d.to_json() for d in deviations.group(results)],
         "faults": fault_counts(results),
         "warnings": warnings,
     }

@@ -41,6 +41,45 @@ def test_core_certified_only_when_every_core_case_passed():
     assert level(results_for({}), frozenset())["inplace"] == {"reached": False, "why": "not claimed"}
 
 
+def test_an_implementation_with_fewer_modes_is_certified_for_those():
+    from conformance.adapters import MODES
+
+    declared = frozenset(m for m in MODES if m != "flat")
+    results = results_for({c.id: "n/a" for c in all_cases() if c.mode == "flat"})
+    core = level(results, frozenset(), declared)["core"]
+    assert core["reached"] is False and core["reached_for_modes"] is True
+    assert "not declared: flat" in core["why"]
+    from conformance.certificate import verdict
+
+    assert verdict({"core": core}) == "core certified for modes " + ", ".join(m for m in MODES if m != "flat")
+    some = next(c.id for c in all_cases() if c.mode == "dcp" and c.profile == "core")
+    broken = level(results_for({**{c.id: "n/a" for c in all_cases() if c.mode == "flat"}, some: "failed"}), frozenset(), declared)["core"]
+    assert broken["reached_for_modes"] is False and "1 failed" in broken["why"]
+
+
+def test_failures_are_grouped_into_distinct_deviations(tmp_path):
+    same_cause = {  # one bug, two cases: names and numbers differ, the cause does not
+        "OPT-RT-1[fsdp4-adamw-dcp]": "rank 1 raised KeyError in set_optimizer_state_dict: 'layers.0.fc1.weight'",
+        "OPT-RT-1[fsdp2-sgd-dcp]": "ranks 0,1 raised KeyError in set_optimizer_state_dict: 'aux.bias'",
+    }
+    other = {"OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.oracle.CheckFailure: full: state dtypes or values were not kept:\n"
+                                             "  state['aux.weight']['exp_avg']: dtype torch.bfloat16, expected torch.float32"}
+    results = []
+    for case in all_cases():
+        message = {**same_cause, **other}.get(case.id)
+        results.append(CaseResult(case, Status.FAILED if message else Status.PASSED, 0.01, message=message or "", repro=f"python -m conformance -k '{case.id}'"))
+    write_report(str(tmp_path), info(), results, [], 12.0, frozenset())
+    data = json.loads((tmp_path / "report.json").read_text())
+    devs = data["deviations"]
+    assert [d["count"] for d in devs] == [2, 1]
+    assert sorted(devs[0]["cases"]) == sorted(same_cause) and devs[0]["clauses"] == ["OPT-RT-1"]
+    assert devs[1]["clauses"] == ["OPT-DT-3"] and devs[1]["repro"].endswith("'OPT-DT-3[single-adamw-full]'")
+    md = (tmp_path / "report.md").read_text()
+    assert md.index("## Distinct deviations") < md.index("## Clause by layout")
+    assert "1. **failed** in 2 case(s) of OPT-RT-1" in md
+    assert "- **OPT-DT-3** dtypes are kept" in md  # the clause's SPEC text
+
+
 def test_markdown_names_the_level_and_lists_failures(tmp_path):
     bad = "OPT-RT-1[fsdp4-adamw-dcp]"
     write_report(str(tmp_path), info(), results_for({bad: "failed"}), [], 12.0, frozenset())
@@ -84,3 +123,7 @@ def test_html_matrix_as_rendered_by_headless_chromium(tmp_path):
     assert "Level: not certified" in dom
     for cid in statuses:
         assert cid in dom  # listed under the cases that did not pass
+    # Distinct deviations come first, and each clause row carries its SPEC text.
+    assert dom.index('id="deviations"') < dom.index('id="matrix"')
+    assert dom.count('class="deviation ') == 3
+    assert "get, then set into a fresh model and optimizer of the same layout" in dom

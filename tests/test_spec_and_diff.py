@@ -1,0 +1,43 @@
+"""The shipped SPEC and the manifest agree; ``python -m conformance diff`` tells regressions."""
+
+import json
+
+from conformance import spec
+from conformance.registry import all_cases
+from helpers import run_cli
+
+
+def test_every_clause_has_cases_and_every_case_a_clause():
+    clauses = spec.clauses()
+    assert spec.version() == "1.1"
+    used = {c.clause for c in all_cases()}
+    assert sorted(set(clauses) - used) == [], "clauses without a case"
+    assert sorted(used - set(clauses)) == [], "cases of clauses SPEC does not have"
+
+
+def _report(path, statuses, deviations=()):
+    cases = [{"id": cid, "clause": cid.split("[")[0], "status": st, "message": f"{st} because" if st in ("failed", "error") else ""}
+             for cid, st in statuses.items()]
+    data = {"impl": {"name": "demo", "version": "1"}, "torch_version": "2.13.0", "suite_version": "0.2.0", "cases": cases,
+            "deviations": list(deviations)}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path):
+    old = _report(tmp_path / "old.json", {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "failed", "OPT-DT-1[a]": "passed", "OPT-DT-1[b]": "passed"})
+    new = _report(tmp_path / "new.json", {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "passed", "OPT-DT-1[a]": "error", "OPT-PART-5[a]": "passed"},
+                  [{"signature": "x", "status": "error", "clauses": ["OPT-DT-1"], "count": 1, "message": "error because"}])
+    proc, _ = run_cli(["diff", old, new])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "fixed: OPT-RT-1[b]: failed -> passed" in out
+    assert "REGRESSED: OPT-DT-1[a]: passed -> error" in out
+    assert "REGRESSED: OPT-DT-1[b]: was passed, not in the new run" in out
+    assert "+ 1 new case(s): 1 passed" in out
+    assert "+ error in 1 case(s) of OPT-DT-1: error because" in out
+    assert out.rstrip().endswith("2 regressed, 1 fixed")
+    same, _ = run_cli(["diff", old, old])
+    assert same.returncode == 0 and "every case has the same status" in same.stdout
+    bad, _ = run_cli(["diff", old, str(tmp_path / "missing.json")])
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
