@@ -241,10 +241,10 @@ if (!(data.deviations || []).length) devs.appendChild(el('p', {}, 'No case faile
 (data.deviations || []).forEach((d, i) => {
   const box = el('details', {class: 'deviation ' + d.status, open: ''});
   box.appendChild(el('summary', {}, `D${i + 1}  ${d.status.toUpperCase()} in ${d.count} case(s) of ${d.clauses.join(', ')}${d.xfail_reason ? '  (expected: ' + d.xfail_reason + ')' : ''}`));
-  box.appendChild(el('pre', {}, d.message + '\n\nrepro: ' + d.repro));
+  box.appendChild(el('pre', {}, d.message + '\\n\\nrepro: ' + d.repro));
   const list = el('details');
   list.appendChild(el('summary', {}, 'cases'));
-  list.appendChild(el('pre', {}, d.cases.join('\n')));
+  list.appendChild(el('pre', {}, d.cases.join('\\n')));
   box.appendChild(list);
   devs.appendChild(box);
 });
