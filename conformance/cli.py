@@ -178,7 +178,9 @@ def _workdir(args, executor) -> str:
     import tempfile
 
     if executor.launcher == "torchrun":
-        base = args.workdir or os.path.join(tempfile.gettempdir(), f"conformance-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        # Every rank names the same directory: on a filesystem all nodes share
+        # when the world spans machines (--workdir).
+        base = os.path.join(args.workdir or tempfile.gettempdir(), f"conformance-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
         os.makedirs(base, mode=0o700, exist_ok=True)
         return base
     return tempfile.mkdtemp(prefix="conformance-", dir=args.workdir)

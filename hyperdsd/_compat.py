@@ -93,3 +93,28 @@ def collectives_issued(pg: "dist.ProcessGroup") -> int:
     # The group's collective sequence number; no public accessor exists.
     return pg._get_sequence_number_for_group()
 
+
+
+def forget_device_meshes() -> None:
+    # DTensor memoises sharding and redistribution plans keyed by specs whose
+    # DeviceMesh compares equal across process-group generations (equality
+    # ignores the groups): after the groups are re-formed, a cached plan would
+    # hand back a mesh of the old generation, whose groups no longer exist.
+    # No public API clears these caches.
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _redistribute, _sharding_prop
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    ):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_plans is not None:
+        clear_plans()

@@ -9,6 +9,7 @@ import uuid
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from helpers import ROOT, TESTS, kill_marked, lingering, marked_processes, run_cli, wait_for
 
@@ -40,6 +41,10 @@ def test_list_prints_the_manifest():
         (["-k", "NO-SUCH-CLAUSE"], "no case matches"),
         (["--mesh", "2y2"], "joined by 'x'"),
         (["--timeout", "-1"], "positive"),
+        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nosuchdevice"], "not"),
+        (["--device", "nosuchdevice"], "not a torch device type"),
+        (["--device", "cuda:1"], "device type such as"),
+        (["--backend", "nosuchbackend"], "no such process-group backend"),
     ],
 )
 def test_usage_errors_exit_2(args, needle):

@@ -16,6 +16,8 @@ import gc
 import os
 import socket
 
+from .. import _compat
+
 
 def _socket_fds() -> dict[str, int]:
     """This process's sockets: inode link -> fd (empty where /proc is not there)."""
@@ -99,6 +101,7 @@ class Membership:
         if not dist.is_initialized():
             return
         dist.destroy_process_group()
+        _compat.forget_device_meshes()
         gc.collect()  # groups that only cycles of the last task still reference
         _close_connections(self._before_join)
         self.generation = self.rank = self.world_size = None

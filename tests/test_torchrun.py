@@ -1,0 +1,92 @@
+"""The suite under torchrun: every world size on sub-worlds of the launched
+ranks, the same verdicts as with spawned pools, and worlds across two node
+agents on loopback."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+
+from helpers import ROOT, TESTS, lingering, run_cli
+
+# 1-, 2- and 3-rank cases, a failing rank's release and regroup, and
+# resharding between world sizes (phases on sub-worlds of their own).
+SLICE = [
+    "-k", "OPT-RT-1[single-adamw-dcp]", "-k", "OPT-RT-1[fsdp2-sgd-full]", "-k", "OPT-RT-1[fsdp3-adamw-bcast]",
+    "-k", "OPT-KEYS-1[fsdp4-adamw", "-k", "OPT-ATOM-4[fsdp2-bcast]", "-k", "OPT-RESHARD-1[fsdp4_to_fsdp2-sgd",
+    "-k", "OPT-RESHARD-3[single_to_fsdp3",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args, cwd, mark, launcher_args=("--standalone", "--nproc-per-node", "4"), timeout=600):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "conformance", *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _statuses(path) -> dict:
+    return {c["id"]: c["status"] for c in json.loads(path.read_text())["cases"]}
+
+
+def test_every_world_size_runs_on_sub_worlds_with_the_pools_verdicts(tmp_path):
+    mark = uuid.uuid4().hex
+    launched = tmp_path / "torchrun.json"
+    proc = _torchrun([*SLICE, "--json", str(launched)], str(tmp_path), mark)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    pools = tmp_path / "pools.json"
+    pool_run, _ = run_cli([*SLICE, "--json", str(pools)])
+    assert pool_run.returncode == 0, pool_run.stdout[-3000:]
+    got, want = _statuses(launched), _statuses(pools)
+    assert got == want
+    assert set(got.values()) == {"passed"}, got  # none n/a for its world size
+    sizes = json.loads(launched.read_text())["world_sizes"]
+    assert sizes == [1, 2, 3, 4]
+    assert lingering(mark) == []
+
+
+def test_a_failing_rank_under_torchrun_releases_the_others_and_the_run_goes_on(tmp_path):
+    mark = uuid.uuid4().hex
+    report = tmp_path / "faulty.json"
+    adamw, sgd = "OPT-KEYS-1[fsdp4-adamw-sharded]", "OPT-KEYS-1[fsdp4-sgd-sharded]"
+    proc = _torchrun(["--impl", "faulty_impl:raises", "-k", adamw, "-k", sgd, "--timeout", "300", "--json", str(report)], str(tmp_path), mark)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out[-4000:]
+    cases = {c["id"]: c for c in json.loads(report.read_text())["cases"]}
+    assert cases[adamw]["status"] == "failed" and cases[sgd]["status"] == "passed"
+    message = cases[adamw]["message"]
+    assert "rank 1 raised ValueError in get_optimizer_state_dict" in message, message
+    assert "ranks 0,2,3 blocked in a collective until rank 1 left the process group" in message, message
+    assert cases[adamw]["duration_s"] < 300  # released at once, not at the deadline
+    assert lingering(mark) == []
+
+
+def test_two_node_agents_on_loopback_form_one_world(tmp_path):
+    mark = uuid.uuid4().hex
+    port = str(_free_port())
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    reports = [tmp_path / f"node{n}.json" for n in (0, 1)]
+    procs = [
+        _torchrun(["-k", "OPT-KEYS-1[fsdp4-adamw", "-k", "OPT-RT-1[single-adamw-dcp]", "-k", "OPT-RESHARD-1[fsdp4_to_fsdp2-sgd",
+                   "--workdir", str(shared), "--json", str(reports[n])], str(tmp_path), mark,
+                  launcher_args=("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2", "--rdzv-backend", "static",
+                                 "--master-addr", "127.0.0.1", "--master-port", port))
+        for n in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    data = json.loads(reports[0].read_text())  # rank 0 lives on node 0 and reports
+    assert not reports[1].exists()
+    assert data["launcher"] == "torchrun" and data["world_sizes"] == [1, 2, 4]
+    assert set(_statuses(reports[0]).values()) == {"passed"} and len(data["cases"]) == 4
+    assert os.listdir(shared) == [], "the run's case directories are removed, the shared directory kept"
+    assert lingering(mark) == []
