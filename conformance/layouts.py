@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hyperdsd import _compat
+
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
 # Path segments that wrappers insert and canonical FQNs leave out.
@@ -101,10 +103,8 @@ class Setup:
         if lay.pp > 1:
             module.keep_stage(self.stage, lay.pp)
         if "checkpoint" in wrappers:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
             for name in list(module.layers):
-                module.layers[name] = checkpoint_wrapper(module.layers[name])
+                module.layers[name] = _compat.checkpoint_wrapper(module.layers[name])
         self.module = module
         self._shard()
         model: nn.Module = module

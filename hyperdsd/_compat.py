@@ -118,3 +118,12 @@ def forget_device_meshes() -> None:
     clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_plans is not None:
         clear_plans()
+
+
+def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    # Activation checkpointing's wrapper module, whose child name
+    # (_checkpoint_wrapped_module) state dicts must hide; torch keeps it in a
+    # private module path. The suite wraps models with it.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module)
