@@ -1,52 +1,140 @@
-"""The adapter guide's worked example runs, and the suite's verdict on it is what the guide says.
+"""The adapter guide's worked examples run, and the suite's verdict on them is what the guide says.
 
-The example backend returns plain local shards in sharded mode. In memory
-that round-trips; through DCP it cannot (DCP takes a plain tensor for a
-replicated one and keeps one rank's shard), and OPT-DT-1 names the cause.
+``vendor_adapter``: a backend that returns plain local shards in sharded
+mode. In memory that round-trips; through DCP it cannot (DCP takes a plain
+tensor for a replicated one and keeps one rank's shard), and OPT-DT-1 names
+the cause.
+
+``full_state_adapter``: a backend with full state dicts only and a
+``device`` argument. It declares the modes full, full_cpu, bcast and file:
+cases of the other modes are n/a, cases without a mode run, and its one real
+deviation is that it takes one optimizer (OPT-KEYS-4).
 """
 
+from dataclasses import replace
+
 import pytest
+import torch
+import torch.nn as nn
 
 from conformance.adapters import load_adapter
-from conformance.registry import by_id
+from conformance.certificate import level, verdict
+from conformance.registry import all_cases, by_id
+from conformance.results import CaseResult
 from conformance.runner import Runner
-from hyperdsd.testing import PoolSet
+from hyperdsd.testing import PoolSet, Status
 
-IMPL = "conformance.examples.vendor_adapter"
+VENDOR = "conformance.examples.vendor_adapter"
+FULL_STATE = "conformance.examples.full_state_adapter"
+FULL_STATE_MODES = ("full", "full_cpu", "bcast", "file")
+
 EXPECTED = {
-    "OPT-KEYS-1[fsdp2-adamw-sharded]": "passed",  # FQN keys: fine
-    "OPT-RT-1[fsdp2-adamw-sharded]": "passed",  # an in-memory round trip survives local shards
-    "OPT-RT-1[single-adamw-dcp]": "passed",  # nothing is sharded on one rank
-    "OPT-RT-1[fsdp3-adamw-dcp]": "failed",  # uneven local shards: DCP sees a size mismatch
-    "OPT-DT-1[fsdp2-adamw-sharded]": "failed",  # the cause: state is not DTensor
-    "OPT-KEYS-4[single-sharded]": "failed",  # the backend takes one optimizer
-    "OPT-DT-4[single-adamw-sharded]": "passed",  # claimed 'inplace': loads into existing tensors
+    (VENDOR, "OPT-KEYS-1[fsdp2-adamw-sharded]"): "passed",  # FQN keys: fine
+    (VENDOR, "OPT-RT-1[fsdp2-adamw-sharded]"): "passed",  # an in-memory round trip survives local shards
+    (VENDOR, "OPT-RT-1[single-adamw-dcp]"): "passed",  # nothing is sharded on one rank
+    (VENDOR, "OPT-RT-1[fsdp3-adamw-dcp]"): "failed",  # uneven local shards: DCP sees a size mismatch
+    (VENDOR, "OPT-DT-1[fsdp2-adamw-sharded]"): "failed",  # the cause: state is not DTensor
+    (VENDOR, "OPT-KEYS-4[single-sharded]"): "failed",  # the backend takes one optimizer
+    (VENDOR, "OPT-DT-4[single-adamw-sharded]"): "passed",  # claimed 'inplace': loads into existing tensors
+    (FULL_STATE, "OPT-RT-1[fsdp3-adamw-full]"): "passed",  # declared modes: full dicts on every rank ...
+    (FULL_STATE, "OPT-RT-1[pp2xfsdp2-adamw-file]"): "passed",  # ... a consolidated file, stages take theirs ...
+    (FULL_STATE, "OPT-RT-3[fsdp4-adamw-full_cpu]"): "passed",  # ... rank 0 alone, on the CPU ...
+    (FULL_STATE, "MODEL-3[fsdp4-bcast]"): "passed",  # ... and broadcast from rank 0
+    (FULL_STATE, "OPT-RT-1[fsdp3-adamw-sharded]"): "n/a",  # undeclared modes do not run
+    (FULL_STATE, "OPT-RT-1[fsdp3-adamw-dcp]"): "n/a",
+    (FULL_STATE, "OPT-ATOM-3[fsdp2-optim]"): "passed",  # no mode: runs, and contradictions raise ValueError
+    (FULL_STATE, "OPT-ATOM-3[fsdp2-model]"): "passed",
+    (FULL_STATE, "OPT-KEYS-4[fsdp4-full]"): "failed",  # the real deviation: one optimizer
+}
+MESSAGES = {
+    "OPT-DT-1": "expected a DTensor like its parameter",
+    "OPT-KEYS-4": "takes one optimizer",
 }
 
 
 @pytest.fixture(scope="module")
-def runner():
+def pools():
     pools = PoolSet()
-    runner = Runner(load_adapter(IMPL), pools)
-    yield runner
+    yield pools
     pools.kill()
-    runner.close()
 
 
-@pytest.mark.parametrize("case_id, expected", sorted(EXPECTED.items()))
-def test_verdict_on_the_example(runner, case_id, expected):
-    result = runner.run_case(by_id()[case_id])
+@pytest.fixture(scope="module")
+def runners(pools):
+    made = {impl: Runner(load_adapter(impl), pools) for impl in (VENDOR, FULL_STATE)}
+    yield made
+    for runner in made.values():
+        runner.close()
+
+
+@pytest.mark.parametrize("impl, case_id", sorted(EXPECTED), ids=lambda x: x.rsplit(".", 1)[-1])
+def test_verdict_on_the_examples(runners, impl, case_id):
+    expected = EXPECTED[impl, case_id]
+    result = runners[impl].run_case(by_id()[case_id])
     assert result.status == expected, f"{case_id}: {result.status}\n{result.message}"
-    if case_id.startswith("OPT-DT-1"):
-        assert "expected a DTensor like its parameter" in result.message
-    if case_id.startswith("OPT-KEYS-4"):
-        assert "takes one optimizer" in result.message
+    clause = case_id.split("[")[0]
+    if clause in MESSAGES:
+        assert MESSAGES[clause] in result.message
+    if expected == "n/a":
+        assert f"does not declare the {by_id()[case_id].mode!r} mode" in result.message
 
 
-def test_unclaimed_profile_is_not_applicable(runner):
+def test_unclaimed_profile_is_not_applicable(pools):
     case = by_id()["OPT-DT-4[single-adamw-sharded]"]
-    from dataclasses import replace
-
-    assert load_adapter(IMPL).claims("inplace") and not load_adapter(IMPL).claims("multi-optimizer")
-    result = Runner(load_adapter("torch"), runner.executor).run_case(replace(case))
+    assert load_adapter(VENDOR).claims("inplace") and not load_adapter(VENDOR).claims("multi-optimizer")
+    result = Runner(load_adapter("torch"), pools).run_case(replace(case))
     assert result.status == "n/a" and "does not claim the 'inplace' profile" in result.message
+
+
+def test_full_state_example_declares_its_modes(runners):
+    runner = runners[FULL_STATE]
+    assert runner.adapter.modes == frozenset(FULL_STATE_MODES)
+    undeclared = [c for c in all_cases() if c.mode is not None and c.mode not in FULL_STATE_MODES and c.profile == "core"]
+    assert undeclared and all("does not declare the" in runner.applicability(c) for c in undeclared)
+    modeless = [c for c in all_cases() if c.mode is None]
+    assert modeless and not any(runner.applicability(c) for c in modeless)
+
+
+def _results(adapter, failing=()):
+    """Every case: the declared modes' (and mode-less) passed, the rest n/a, as a run would give."""
+    out = []
+    for case in all_cases():
+        runs = adapter.supports(case.mode) and adapter.claims(case.profile)
+        status = Status.FAILED if case.id in failing else Status.PASSED if runs else Status.NOT_APPLICABLE
+        out.append(CaseResult(case, status))
+    return out
+
+
+def test_full_state_certificate_wording():
+    adapter = load_adapter(FULL_STATE)
+    certified = level(_results(adapter), adapter.profiles, adapter.modes)
+    assert verdict(certified) == "core certified for modes full, full_cpu, bcast, file"
+    assert "not declared: sharded, flat, dcp" in certified["core"]["why"]
+    # The example's one deviation: the two-optimizer cases of its modes fail, so it does not certify.
+    two_optimizers = [c.id for c in all_cases() if c.clause == "OPT-KEYS-4" and c.mode in FULL_STATE_MODES]
+    assert len(two_optimizers) == 10
+    broken = level(_results(adapter, two_optimizers), adapter.profiles, adapter.modes)
+    assert verdict(broken) == "not certified" and "10 failed" in broken["core"]["why"]
+
+
+def test_full_state_backend_device_and_limits():
+    from conformance.examples import full_state_adapter as adapter
+    from conformance.examples import full_state_backend as backend
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    # ``device`` says where the returned tensors live; the meta device shows it without copying data.
+    assert {v.device.type for v in backend.gather_model(model, device="meta").values()} == {"meta"}
+    state = backend.gather_optimizer(model, optimizer, device="meta")["state"]
+    assert {v.device.type for e in state.values() for v in e.values()} == {"meta"}
+    assert adapter.rank_device(model) == torch.device("cpu")
+    with pytest.raises(TypeError, match="exactly one"):
+        backend.gather_optimizer(model, [optimizer], device="cpu")
+    with pytest.raises(NotImplementedError, match="full state dicts only"):
+        adapter.get_model_state_dict(model, options=adapter.Options())
+    with pytest.raises(NotImplementedError, match="no flat optimizer layout"):
+        adapter.get_optimizer_state_dict(model, optimizer, options=adapter.Options(full_state_dict=True, flatten_optimizer_state_dict=True))
+    with pytest.raises(ValueError, match="needs full_state_dict"):
+        adapter.set_model_state_dict(model, {}, options=adapter.Options(broadcast_from_rank0=True))
