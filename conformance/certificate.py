@@ -102,6 +102,14 @@ def write_report(directory: str, info: RunInfo, results: list[CaseResult], warni
     return data
 
 
+def _reached(entry: dict) -> str:
+    if entry.get("reached"):
+        return "yes"
+    if entry.get("reached_for_modes"):
+        return "yes, for the declared modes"
+    return "no"
+
+
 def _verdict(data: dict) -> str:
     return data.get("verdict") or verdict(data["level"])
 
@@ -126,7 +134,7 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
         "|---|---|---|",
     ]
     for profile, v in data["level"].items():
-        lines.append(f"| {profile} | {'yes' if v['reached'] else 'no'} | {v['why']} |")
+        lines.append(f"| {profile} | {_reached(v)} | {v['why']} |")
     lines += ["", " | ".join(f"{k}: {n}" for k, n in data["summary"].items()), ""]
     devs = data.get("deviations", [])
     if devs:
@@ -273,7 +281,7 @@ def render_html(data: dict) -> str:
         ("started", f"{data['started']} ({data['elapsed_s']:.0f} s)"),
         ("summary", " | ".join(f"{k}: {n}" for k, n in data["summary"].items())),
     ]
-    rows += [(f"profile {p}", f"{'reached' if v['reached'] else 'not reached'}: {v['why']}") for p, v in data["level"].items()]
+    rows += [(f"profile {p}", f"{_reached(v)}: {v['why']}") for p, v in data["level"].items()]
     meta = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     payload = json.dumps(data).replace("</", "<\\/")
     return f"""<!doctype html>

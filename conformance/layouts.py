@@ -105,6 +105,9 @@ class Setup:
         if "checkpoint" in wrappers:
             for name in list(module.layers):
                 module.layers[name] = _compat.checkpoint_wrapper(module.layers[name])
+        self.device = c.rank_ctx.device
+        if not meta and self.device.type != "cpu":
+            module.to(self.device)  # built on the CPU for the same values on every device
         self.module = module
         self._shard()
         model: nn.Module = module
@@ -178,7 +181,7 @@ class Setup:
 
     def _train(self, steps: int) -> None:
         for _ in range(steps):
-            tokens, targets = batch(self.steps_done, 0, self.cfg)
+            tokens, targets = (t.to(self.device) for t in batch(self.steps_done, 0, self.cfg))
             rank, degree = self.dp
             rows = tokens.shape[0] // degree
             tokens, targets = tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
@@ -198,7 +201,7 @@ class Setup:
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
             group = self.mesh.get_group("pp")
-            stage = PipelineStage(self.module, self.stage, self.layout.pp, device=torch.device("cpu"), group=group)
+            stage = PipelineStage(self.module, self.stage, self.layout.pp, device=self.device, group=group)
             self._pipeline = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
         if self.stage == 0:
             self._pipeline.step(tokens)

@@ -75,8 +75,10 @@ def _relayout(model, osd: dict, flat: bool) -> dict:
             fqn = next((f for f in params if head == "state" and rest.startswith(f + ".")), None)
             out[key] = wrap(fqn, value) if fqn else value
         return out
-    state = {fqn: {k: wrap(fqn, v) for k, v in entry.items()} for fqn, entry in osd.get("state", {}).items()}
-    return {"state": state, "param_groups": osd.get("param_groups", [])}
+    if not isinstance(osd.get("state"), dict):
+        return osd  # malformed: hyperdsd says what is wrong with it
+    state = {fqn: ({k: wrap(fqn, v) for k, v in entry.items()} if isinstance(entry, dict) else entry) for fqn, entry in osd["state"].items()}
+    return {**osd, "state": state}
 
 
 def get_model_state_dict(model, config: CheckpointConfig | None = None) -> dict:

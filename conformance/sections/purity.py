@@ -16,7 +16,7 @@ OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 
 def _accumulate(s) -> None:
     """A forward and backward without a step: gradients present, optimizer fresh."""
-    tokens, targets = batch(0, 0, s.cfg)
+    tokens, targets = (t.to(s.device) for t in batch(0, 0, s.cfg))
     rank, degree = s.dp
     rows = tokens.shape[0] // degree
     loss_fn(s.model(tokens[rank * rows : (rank + 1) * rows]), targets[rank * rows : (rank + 1) * rows]).backward()

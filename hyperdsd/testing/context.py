@@ -49,7 +49,11 @@ class RankContext:
         """The device this rank computes on: the CPU, or its accelerator by local rank."""
         import torch
 
-        return torch.device("cpu") if self.device_type == "cpu" else torch.device(self.device_type, self.local_rank)
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        module = getattr(torch, self.device_type, None)
+        count = module.device_count() if module is not None and hasattr(module, "device_count") else 0
+        return torch.device(self.device_type, self.local_rank % count if count else self.local_rank)
 
     def mesh(self, spec: str | MeshSpec, dim_names: tuple[str, ...] | None = None):
         spec = parse_mesh(spec, dim_names)
