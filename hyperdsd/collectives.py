@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _compat
 from .errors import StateDictError
-from .placement import Layout, chunk_bounds
+from .placement import DTensorLayout, chunk_bounds
 
 _ALIGN = 16
 # Bucket size in bytes: one bucket is what a collective moves at once, and
@@ -340,7 +340,7 @@ class Need:
         return cls(tuple((0, n) for n in shape))
 
     @classmethod
-    def of_layout(cls, layout: Layout) -> "Need":
+    def of_layout(cls, layout: DTensorLayout) -> "Need":
         return cls(tuple((s.start, s.stop) for s in layout.local_slices()))
 
     def shape(self) -> list[int]:

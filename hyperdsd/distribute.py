@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from . import _compat, collectives
 from .collectives import Gatherer, Need
 from .optimizer import Prepared, TensorMeta
-from .placement import Layout
+from .placement import DTensorLayout
 from .tree import rebuild, where
 
 
@@ -35,7 +35,7 @@ def offload(value: Any) -> Any:
     def move(leaf: Any, _path: tuple) -> Any:
         if isinstance(leaf, DTensor):
             local = _compat.local_tensor(leaf)
-            return leaf if local.device.type == "cpu" else Layout.of(leaf).wrap(local.cpu())
+            return leaf if local.device.type == "cpu" else DTensorLayout.of(leaf).wrap(local.cpu())
         return _to_cpu(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
     return rebuild(value, move)

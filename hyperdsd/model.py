@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from . import _compat
 from .fqn import ModelIndex
 from .optimizer import Prepared, TensorMeta, _materialize, same_memory
-from .placement import Layout
+from .placement import DTensorLayout
 
 
 def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -> dict[str, Any]:
@@ -59,9 +59,9 @@ def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str]) 
             problems.append(f"{where}: on mesh {value.device_mesh}, the model's is on {target.device_mesh}")
             return None
         if tuple(value.placements) == tuple(target.placements):
-            return Prepared(Layout.of(value), device, local=_compat.local_tensor(value))
-        return Prepared(Layout.of(target), device, redistribute=value)
-    layout = Layout.of(target) if isinstance(target, DTensor) else None
+            return Prepared(DTensorLayout.of(value), device, local=_compat.local_tensor(value))
+        return Prepared(DTensorLayout.of(target), device, redistribute=value)
+    layout = DTensorLayout.of(target) if isinstance(target, DTensor) else None
     if isinstance(value, TensorMeta):
         return Prepared(layout, device, meta=value)
     local = layout.local_from_full(value) if layout is not None else value

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from . import _compat
 from .flatten import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
-from .placement import Layout
+from .placement import DTensorLayout
 from .templates import has_placeholders, is_template_value, scratch_state, template_state, unwritten_keys
 
 _STRUCTURAL = ("params", "param_names")
@@ -91,7 +91,7 @@ class TensorMeta:
 class Prepared:
     """One state tensor as it will be loaded on this rank."""
 
-    layout: Layout | None  # DTensor layout of the result; None: a plain tensor
+    layout: DTensorLayout | None  # DTensor layout of the result; None: a plain tensor
     device: torch.device
     local: torch.Tensor | None = None  # this rank's piece (None until a broadcast delivers it)
     meta: TensorMeta | None = None
@@ -226,10 +226,10 @@ def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str,
             problems.append(f"{where}: on mesh {value.device_mesh}, the parameter is on {p.device_mesh}")
             return None
         if tuple(value.placements) == tuple(p.placements) or shape != tuple(p.shape):
-            return Prepared(Layout.of(value), device, local=_compat.local_tensor(value))
-        return Prepared(Layout.of(p), device, redistribute=value)
+            return Prepared(DTensorLayout.of(value), device, local=_compat.local_tensor(value))
+        return Prepared(DTensorLayout.of(p), device, redistribute=value)
     if isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ():
-        layout = Layout.of(p).with_shape(p.shape)
+        layout = DTensorLayout.of(p).with_shape(p.shape)
         if isinstance(value, TensorMeta):
             return Prepared(layout, device, meta=value)
         return Prepared(layout, device, local=layout.local_from_full(value))
