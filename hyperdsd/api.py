@@ -20,6 +20,7 @@ from . import optimizer as optim_state
 from .errors import StateDictError
 from .fqn import ModelIndex, optimizer_params
 from .options import StateDictOptions, resolve_options
+from .scatter import PackedNeeds
 
 Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
@@ -221,7 +222,7 @@ class _Load:
             "known": {k: v for k, v in questions.items() if v is not None},
             "model": [i for i, k in enumerate(model_names) if k in mine_model],
             "optim": [i for i, k in enumerate(optim_names) if k in mine_optim],
-            "needs": collectives.PackedNeeds(needs),
+            "needs": PackedNeeds(needs),
         })
         problems = [e["problems"] for e in everyone]
         if self.opts.strict:

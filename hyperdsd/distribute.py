@@ -19,9 +19,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import _compat, collectives
-from .collectives import Gatherer, Need
+from .gather import Gatherer
 from .optimizer import Prepared, TensorMeta
 from .placement import DTensorLayout
+from .scatter import Need, scatter_from_rank0
 from .tree import rebuild, where
 
 
@@ -150,7 +151,7 @@ def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: l
         dest = ps[0].dest
         return _compat.local_tensor(dest) if isinstance(dest, DTensor) else dest
 
-    collectives.scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs)
+    scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs)
 
 
 def manifest_metas(manifest: Any) -> list[tuple]:

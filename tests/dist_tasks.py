@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import hyperdsd
 from hyperdsd import collectives
-from hyperdsd.collectives import Gatherer, Need, scatter_from_rank0
+from hyperdsd.gather import Gatherer
+from hyperdsd.scatter import Need, scatter_from_rank0
 from hyperdsd.placement import DTensorLayout
 
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]

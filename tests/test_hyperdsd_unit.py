@@ -368,7 +368,7 @@ def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
 def test_packed_needs_send_each_distinct_region_once():
     import pickle
 
-    from hyperdsd.collectives import Need, PackedNeeds
+    from hyperdsd.scatter import Need, PackedNeeds
 
     needs = [Need(((0, 2), (0, 4))), None, Need.whole((3,))] * 5000
     packed = pickle.loads(pickle.dumps(PackedNeeds(needs)))
