@@ -17,6 +17,7 @@ from . import _compat, collectives, distribute, flatten as flat_format
 from . import model as model_state
 from . import templates
 from . import optimizer as optim_state
+from . import optimizer_plan as optim_plan
 from .errors import StateDictError
 from .fqn import ModelIndex, optimizer_params
 from .options import StateDictOptions, resolve_options
@@ -180,7 +181,7 @@ class _Load:
             )
             self.problems += problems
         if optim_src is not _ABSENT:
-            self.optim_plan, problems = optim_state.plan_load(
+            self.optim_plan, problems = optim_plan.plan_load(
                 self.index, self.optims, optim_src, strict=self.opts.strict, foreign_ok=self.broadcast
             )
             self.problems += problems
@@ -247,7 +248,7 @@ class _Load:
         if self.model_plan is not None:
             prepared += [p for p in self.model_plan.tensors() if p.meta is not None]
         if self.optim_plan is not None:
-            prepared += [p for _, _, p in self.optim_plan.tensors() if p.meta is not None]
+            prepared += [p for p in self.optim_plan.tensors() if p.meta is not None]
         return prepared
 
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat, collectives
 from .gather import Gatherer
-from .optimizer import Prepared, TensorMeta
 from .placement import DTensorLayout
+from .plan import Prepared, TensorMeta
 from .scatter import Need, scatter_from_rank0
 from .tree import rebuild, where
 
