@@ -19,10 +19,11 @@ from .plan import (
     ModelLoadPlan,
     Prepared,
     dtensor_problem,
+    from_dtensor,
+    from_full,
     is_tensorish,
     kind_differs,
     materialize,
-    prepare,
     redistribute,
     same_memory,
 )
@@ -51,8 +52,10 @@ def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str]) 
     if isinstance(value, DTensor) and (problem := dtensor_problem(value, target, "the model's")):
         problems.append(f"{where}: {problem}")
         return None
-    layout = DTensorLayout.of(target) if isinstance(target, DTensor) else None
-    return prepare(value, target, _compat.local_tensor(target).device, layout)
+    device = _compat.local_tensor(target).device
+    if isinstance(value, DTensor):
+        return from_dtensor(value, target, device)
+    return from_full(value, device, DTensorLayout.of(target) if isinstance(target, DTensor) else None)
 
 
 def _canonical_or_none(index: ModelIndex, key: str) -> str | None:

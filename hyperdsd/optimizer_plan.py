@@ -19,7 +19,17 @@ from . import _compat
 from .fqn import ModelIndex
 from .optimizer_source import Source, TargetGroup, parse, target_groups
 from .placement import DTensorLayout
-from .plan import OptimizerLoadPlan, ParamLoad, Prepared, dtensor_problem, fits, is_tensorish, kind_differs, prepare
+from .plan import (
+    OptimizerLoadPlan,
+    ParamLoad,
+    Prepared,
+    dtensor_problem,
+    fits,
+    from_dtensor,
+    from_full,
+    is_tensorish,
+    kind_differs,
+)
 from .templates import has_placeholders, scratch_state, unwritten_keys
 
 _STRUCTURAL = ("params", "param_names")
@@ -154,6 +164,9 @@ def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str,
     if isinstance(value, DTensor) and (problem := dtensor_problem(value, p, "the parameter")):
         problems.append(f"{where}: {problem}")
         return None
+    device = _target_device(p, key, group, value)
+    if isinstance(value, DTensor):
+        return from_dtensor(value, p, device)
     # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
-    full_layout = DTensorLayout.of(p).with_shape(p.shape) if isinstance(p, DTensor) and shape == tuple(p.shape) and shape != () else None
-    return prepare(value, p, _target_device(p, key, group, value), full_layout)
+    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
+    return from_full(value, device, DTensorLayout.of(p).with_shape(p.shape) if sharded else None)

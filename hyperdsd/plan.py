@@ -127,21 +127,20 @@ def dtensor_problem(value: DTensor, target: torch.Tensor, whose: str) -> str:
     return ""
 
 
-def prepare(value: torch.Tensor | TensorMeta, target: torch.Tensor, device: torch.device, full_layout: DTensorLayout | None) -> Prepared:
-    """A checked ``value`` for ``target`` as a :class:`Prepared`.
+def from_dtensor(value: DTensor, target: torch.Tensor, device: torch.device) -> Prepared:
+    """A checked DTensor ``value`` for ``target``: kept as it is laid out where
+    that matches ``target``'s placements (or it is not ``target``'s shape),
+    else redistributed to ``target``'s layout when the plan is applied."""
+    if tuple(value.placements) == tuple(target.placements) or value.shape != target.shape:
+        return Prepared(DTensorLayout.of(value), device, local=local_tensor(value))
+    return Prepared(DTensorLayout.of(target), device, redistribute=value)
 
-    A DTensor keeps its layout where it already matches ``target``'s
-    placements (or is not the target's shape) and is redistributed to
-    ``target``'s otherwise; anything else is a full value, of which this rank
-    takes its piece of ``full_layout`` (None: the value as it is).
-    """
-    if isinstance(value, DTensor):
-        if tuple(value.placements) == tuple(target.placements) or value.shape != target.shape:
-            return Prepared(DTensorLayout.of(value), device, local=local_tensor(value))
-        return Prepared(DTensorLayout.of(target), device, redistribute=value)
+
+def from_full(value: torch.Tensor | TensorMeta, device: torch.device, layout: DTensorLayout | None) -> Prepared:
+    """A checked full ``value``: this rank's piece of ``layout`` (None: the value as it is)."""
     if isinstance(value, TensorMeta):
-        return Prepared(full_layout, device, meta=value)
-    return Prepared(full_layout, device, local=full_layout.local_from_full(value) if full_layout is not None else value)
+        return Prepared(layout, device, meta=value)
+    return Prepared(layout, device, local=layout.local_from_full(value) if layout is not None else value)
 
 
 # -- applying --------------------------------------------------------------
