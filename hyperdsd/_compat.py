@@ -13,16 +13,29 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def local_tensor(t: DTensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor is its own."""
     # ``to_local()`` goes through autograd when grad mode is on; the wrapped
     # tensor itself is what DCP reads and writes in place.
-    return t._local_tensor
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def version_of(t: torch.Tensor) -> int:
     # The in-place version counter is how we know whether anyone (DCP) wrote
     # into a placeholder tensor; there is no public accessor.
-    return (local_tensor(t) if isinstance(t, DTensor) else t)._version
+    return local_tensor(t)._version
+
+
+def child_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    # ``named_children()`` yields a module registered under two names once;
+    # canonical FQNs need every name, and a dict lookup per child.
+    return module._modules
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    # ``named_parameters(recurse=False, remove_duplicate=False)`` gives the
+    # same entries through a generator per module; the index reads thousands.
+    return module._parameters
 
 
 def optimizer_load_hooks(opt: torch.optim.Optimizer) -> tuple[list[Callable], list[Callable]]:

@@ -1,31 +1,24 @@
-"""Collectives, batched: the *how* of moving state between ranks.
-
-Three jobs, each in as few collectives as the data allows:
+"""Collectives for small things, and the byte buckets that large ones use.
 
 * :func:`agree` - every rank learns whether any rank found a problem, so all
   raise together instead of some waiting forever in a later collective.
-* :class:`Gatherer` - full tensors from DTensor shards, packed into byte
-  buckets (one collective per bucket, not per tensor), to every rank of a
-  shard group or only to a root.
-* :func:`scatter_from_rank0` - rank 0 holds full tensors; each rank receives
-  only the pieces it needs, in bounded buckets.
+* who holds what: :func:`same_everywhere`, :func:`roots_of`, and object
+  exchanges (:func:`exchange`, :func:`send_to_rank0`, :func:`broadcast_object`).
+* byte buckets: tensors packed at aligned offsets of one uint8 buffer, so
+  that :mod:`gather` and :mod:`scatter` move many tensors per collective.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from array import array
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _compat
 from .errors import StateDictError
-from .placement import Layout, chunk_bounds
 
 _ALIGN = 16
 # Bucket size in bytes: one bucket is what a collective moves at once, and
@@ -42,21 +35,6 @@ def active() -> bool:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
-def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
-    if buf.numel() == 0:  # views of empty buffers may sit at unaligned offsets
-        return torch.empty(shape, dtype=dtype, device=buf.device)
-    return buf.view(dtype).reshape(shape)
 
 
 # -- agreement -------------------------------------------------------------
@@ -158,344 +136,6 @@ def send_to_rank0(obj: Any) -> list[Any] | None:
     return out
 
 
-# -- gathering shards ------------------------------------------------------
-
-@dataclass
-class _Item:
-    key: Any
-    dt: DTensor
-    mesh_dim: int
-    shard_dim: int
-    root: int | None  # global rank that keeps the result; None: every rank
-
-
-def _single_shard(dt: DTensor) -> tuple[int, int] | None:
-    """(mesh dim, tensor dim) when exactly one plain Shard, the rest Replicate."""
-    found = None
-    for i, p in enumerate(dt.placements):
-        if type(p) is Shard:
-            if found is not None:
-                return None
-            found = (i, p.dim)
-        elif type(p) is not Replicate:
-            return None
-    return found if found is not None else (-1, -1)
-
-
-class Gatherer:
-    """Full tensors for many DTensors, one collective per bucket.
-
-    Call :meth:`add` for every DTensor, in the same order on every rank of a
-    mesh, then :meth:`run`. With ``root`` set, only the ranks of the root's
-    shard group take part and only the root keeps the result.
-    """
-
-    def __init__(self, cpu: bool = False, bucket_bytes: int | None = None):
-        self.cpu = cpu
-        self.bucket_bytes = bucket_bytes or BUCKET_BYTES
-        self._items: list[_Item] = []
-        self._fallback: list[tuple[Any, DTensor, int | None]] = []
-        self.results: dict[Any, torch.Tensor] = {}
-
-    def add(self, key: Any, dt: DTensor, root: int | None = None) -> None:
-        shard = _single_shard(dt)
-        if shard is None:
-            self._fallback.append((key, dt, root))
-            return
-        mesh_dim, shard_dim = shard
-        if mesh_dim < 0:  # replicated everywhere: the local tensor is the full tensor
-            if root is None or root == rank():
-                self._keep(key, _compat.local_tensor(dt))
-            return
-        self._items.append(_Item(key, dt, mesh_dim, shard_dim, root))
-
-    def _keep(self, key: Any, full: torch.Tensor) -> None:
-        self.results[key] = full.cpu() if self.cpu else full
-
-    def run(self) -> dict[Any, torch.Tensor]:
-        by_group: dict[tuple, list[_Item]] = {}
-        me = rank()
-        for item in self._items:
-            pg = item.dt.device_mesh.get_group(item.mesh_dim)
-            if item.root is not None and item.root not in dist.get_process_group_ranks(pg):
-                continue  # another shard group gathers this one
-            by_group.setdefault((id(pg), item.root), []).append(item)
-        for (_, root), items in by_group.items():
-            pg = items[0].dt.device_mesh.get_group(items[0].mesh_dim)
-            n = dist.get_world_size(pg)
-            rest = []
-            for item in items:
-                if self._direct(item, n):
-                    self._gather_direct(item, pg, root, me, n)
-                else:
-                    rest.append(item)
-            for bucket in self._buckets(rest, n):
-                self._gather_bucket(bucket, pg, root, me)
-        for key, dt, root in self._fallback:
-            full = dt.full_tensor()  # a collective on the whole mesh
-            if root is None or root == me:
-                self._keep(key, full)
-        return self.results
-
-    def _direct(self, item: _Item, n: int) -> bool:
-        """Large, split evenly along dim 0, contiguous: gathered without packing."""
-        shape = item.dt.shape
-        return (
-            item.shard_dim == 0
-            and len(shape) > 0
-            and shape[0] % n == 0
-            and self._piece_bytes(item, n) >= DIRECT_BYTES
-            and _compat.local_tensor(item.dt).is_contiguous()
-        )
-
-    def _gather_direct(self, item: _Item, pg, root: int | None, me: int, n: int) -> None:
-        local = _compat.local_tensor(item.dt)
-        if root is None:
-            full = torch.empty(item.dt.shape, dtype=local.dtype, device=local.device)
-            _compat.all_gather_into(full, local, group=pg)
-        else:
-            full = torch.empty(item.dt.shape, dtype=local.dtype, device=local.device) if me == root else None
-            # Each rank's piece lands in its rows of the full tensor.
-            dist.gather(local, list(full.chunk(n)) if full is not None else None, dst=root, group=pg)
-            if full is None:
-                return
-        self._keep(item.key, full)
-
-    def _buckets(self, items: list[_Item], n: int):
-        limit = max(self.bucket_bytes // n, 1)
-        bucket, size = [], 0
-        for item in items:
-            piece = _aligned(self._piece_bytes(item, n))
-            if bucket and size + piece > limit:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(item)
-            size += piece
-        if bucket:
-            yield bucket
-
-    @staticmethod
-    def _piece_bytes(item: _Item, n: int) -> int:
-        shape = item.dt.shape
-        rows = -(-shape[item.shard_dim] // n) if shape[item.shard_dim] else 0
-        inner = 1
-        for d, s in enumerate(shape):
-            if d != item.shard_dim:
-                inner *= s
-        return rows * inner * item.dt.element_size()
-
-    def _gather_bucket(self, bucket: list[_Item], pg, root: int | None, me: int) -> None:
-        n = dist.get_world_size(pg)
-        offsets, total = [], 0
-        for item in bucket:
-            offsets.append(total)
-            total += _aligned(self._piece_bytes(item, n))
-        device = _compat.local_tensor(bucket[0].dt).device
-        if total == 0:  # only empty tensors: every rank knows that without asking
-            if root is None or me == root:
-                for item in bucket:
-                    self._keep(item.key, torch.empty(item.dt.shape, dtype=item.dt.dtype, device=device))
-            return
-        send = torch.zeros(total, dtype=torch.uint8, device=device)
-        for item, off in zip(bucket, offsets):
-            raw = _as_bytes(_compat.local_tensor(item.dt))
-            send[off : off + raw.numel()] = raw
-        if root is None:
-            recv = torch.empty(n * total, dtype=torch.uint8, device=device)
-            _compat.all_gather_into(recv, send, group=pg)
-            rows = list(recv.view(n, total))
-        else:
-            rows = [torch.empty(total, dtype=torch.uint8, device=device) for _ in range(n)] if me == root else None
-            dist.gather(send, rows, dst=root, group=pg)
-            if me != root:
-                return
-        for item, off in zip(bucket, offsets):
-            self._keep(item.key, self._assemble(item, rows, off, n))
-
-    @staticmethod
-    def _assemble(item: _Item, rows, off: int, n: int) -> torch.Tensor:
-        shape, d = list(item.dt.shape), item.shard_dim
-        pieces = []
-        for r in range(n):
-            start, stop = chunk_bounds(shape[d], n, r)
-            piece_shape = shape[:d] + [stop - start] + shape[d + 1 :]
-            count = 1
-            for s in piece_shape:
-                count *= s
-            nbytes = count * item.dt.element_size()
-            pieces.append(_from_bytes(rows[r][off : off + nbytes], item.dt.dtype, piece_shape))
-        return torch.cat(pieces, dim=d)
-
-
-# -- scattering from rank 0 ------------------------------------------------
-
-@dataclass(frozen=True)
-class Need:
-    """What a rank needs of a full tensor: a region (slices as (start, stop))."""
-
-    region: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def whole(cls, shape) -> "Need":
-        return cls(tuple((0, n) for n in shape))
-
-    @classmethod
-    def of_layout(cls, layout: Layout) -> "Need":
-        return cls(tuple((s.start, s.stop) for s in layout.local_slices()))
-
-    def shape(self) -> list[int]:
-        return [b - a for a, b in self.region]
-
-    def numel(self) -> int:
-        n = 1
-        for a, b in self.region:
-            n *= b - a
-        return n
-
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        return full[tuple(slice(a, b) for a, b in self.region)] if self.region else full
-
-
-class PackedNeeds(Sequence):
-    """One rank's needs as sent to the others: each distinct region once,
-    then an index per tensor. Thousands of same-shaped tensors cost a few
-    bytes each on the wire and in every rank's memory, not an object each."""
-
-    def __init__(self, needs: Sequence[Need | None]):
-        table: dict[Need, int] = {}
-        index = array("i")
-        for need in needs:
-            index.append(-1 if need is None else table.setdefault(need, len(table)))
-        self.table = list(table)
-        self.index = index
-
-    def __getitem__(self, i):  # type: ignore[override]
-        j = self.index[i]
-        return None if j < 0 else self.table[j]
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-
-def scatter_from_rank0(
-    metas: Sequence[tuple[torch.Size, torch.dtype]],
-    fulls: Sequence[torch.Tensor] | None,
-    needs: Sequence[Need | None],
-    device: torch.device,
-    bucket_bytes: int | None = None,
-    on_piece: Callable[[int, torch.Tensor], None] | None = None,
-    target_for: Callable[[int], torch.Tensor | None] | None = None,
-    everyone_needs: list[list[Need | None]] | None = None,
-) -> list[torch.Tensor | None]:
-    """Deliver to every rank the regions it needs of tensors only rank 0 holds.
-
-    ``metas`` (shape, dtype per tensor) are known everywhere; ``fulls`` only on
-    rank 0; ``needs`` are this rank's. Every rank learns every rank's needs
-    (one all-gather of small objects, unless the caller already exchanged
-    them: ``everyone_needs``), then large pieces move one scatter each and
-    the rest in buckets. With ``on_piece``, each piece is handed over as a
-    view into the bucket as it arrives (copy what you keep), so a rank holds its own state
-    plus one bucket; without it, pieces are returned.
-    """
-    limit = bucket_bytes or BUCKET_BYTES
-    world = dist.get_world_size() if active() else 1
-    me = rank()
-    everyone = everyone_needs if everyone_needs is not None else exchange(PackedNeeds(needs))
-    out: list[torch.Tensor | None] = [None] * len(metas)
-
-    def piece_bytes(i: int, r: int) -> int:
-        need = everyone[r][i]
-        return 0 if need is None else _aligned(need.numel() * _elem(metas[i][1]))
-
-    direct = [i for i in range(len(metas)) if world > 1 and _scatter_direct(i, metas, everyone)]
-    for i in direct:
-        _scatter_one(i, metas, fulls, everyone, out, device, me, world, on_piece, target_for)
-    bucket: list[int] = []
-    sizes = [0] * world
-    skip = set(direct)
-    for i in range(len(metas)):
-        if i in skip:
-            continue
-        grow = [piece_bytes(i, r) for r in range(world)]
-        if bucket and max(s + g for s, g in zip(sizes, grow)) > limit:
-            _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece)
-            bucket, sizes = [], [0] * world
-        bucket.append(i)
-        sizes = [s + g for s, g in zip(sizes, grow)]
-    if bucket:
-        _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece)
-    return out
-
-
-def _scatter_direct(i: int, metas, everyone) -> bool:
-    """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
-    shape, dtype = metas[i]
-    sizes = set()
-    for needs in everyone:
-        need = needs[i]
-        if need is None or not need.region or any(need.region[d] != (0, shape[d]) for d in range(1, len(shape))):
-            return False
-        sizes.add(need.numel())
-    return len(sizes) == 1 and sizes.pop() * _elem(dtype) >= DIRECT_BYTES
-
-
-def _scatter_one(i, metas, fulls, everyone, out, device, me, world, on_piece, target_for) -> None:
-    """One large tensor: rank 0's rows go straight into each rank's destination."""
-    need = everyone[me][i]
-    shape, dtype = need.shape(), metas[i][1]
-    target = target_for(i) if target_for is not None else None
-    usable = target is not None and target.is_contiguous() and list(target.shape) == shape and target.dtype == dtype
-    recv = target if usable else torch.empty(shape, dtype=dtype, device=device)
-    sends = [everyone[r][i].cut(fulls[i]).to(device) for r in range(world)] if me == 0 else None
-    dist.scatter(recv, sends, src=0)
-    if on_piece is not None:
-        on_piece(i, recv)
-    else:
-        out[i] = recv
-
-
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _scatter_bucket(bucket, metas, fulls, everyone, out, device, me, world, on_piece) -> None:
-    layouts = []  # per rank: [(item, offset, nbytes)]
-    for r in range(world):
-        off, parts = 0, []
-        for i in bucket:
-            need = everyone[r][i]
-            if need is None:
-                continue
-            nbytes = need.numel() * _elem(metas[i][1])
-            parts.append((i, off, nbytes))
-            off += _aligned(nbytes)
-        layouts.append((parts, off))
-    width = max(total for _, total in layouts)
-    if width == 0:
-        return
-    recv = torch.empty(width, dtype=torch.uint8, device=device)
-    if me == 0:
-        sends = []
-        for r in range(world):
-            buf = torch.zeros(width, dtype=torch.uint8, device=device)
-            for i, off, nbytes in layouts[r][0]:
-                piece = everyone[r][i].cut(fulls[i])
-                buf[off : off + nbytes] = _as_bytes(piece.to(device))
-            sends.append(buf)
-        if world > 1:
-            dist.scatter(recv, sends, src=0)
-        else:
-            recv = sends[0]
-    else:
-        dist.scatter(recv, None, src=0)
-    for i, off, nbytes in layouts[me][0]:
-        piece = _from_bytes(recv[off : off + nbytes], metas[i][1], everyone[me][i].shape())
-        if on_piece is not None:
-            on_piece(i, piece)
-        else:
-            out[i] = piece.clone()
-
-
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
     if not active():
@@ -503,3 +143,21 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# -- byte buckets ----------------------------------------------------------
+
+def aligned(n: int) -> int:
+    """``n`` bytes rounded up to where the next piece of a bucket may start."""
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    if buf.numel() == 0:  # views of empty buffers may sit at unaligned offsets
+        return torch.empty(shape, dtype=dtype, device=buf.device)
+    return buf.view(dtype).reshape(shape)

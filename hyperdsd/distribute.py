@@ -1,28 +1,24 @@
-"""Full and broadcast state dicts: which rank ends up with what.
+"""Full and offloaded state dicts: which rank ends up with what on get.
 
-``full_entries`` turns per-FQN entries holding DTensors into full tensors,
-everywhere or only on rank 0 (``cpu_offload``). When ranks hold different
-FQNs (pipeline stages), each FQN's lowest holder gathers it and rank 0
-receives the rest, so rank 0 ends with everything.
-
-``describe`` / ``deliver`` move rank 0's full tensors for a broadcast load:
-every rank first sees a manifest (shapes, dtypes, and the non-tensor values)
-to validate against, and only then receives its own pieces.
+``full_model`` and ``full_optimizer`` turn DTensors into full tensors,
+everywhere or, with ``cpu_offload``, only on rank 0 (the others get ``{}``).
+When ranks hold different FQNs (pipeline stages), each FQN's lowest holder
+gathers it and rank 0 receives the rest, so rank 0 ends with everything.
+``offload`` moves a sharded state dict to CPU. Loads from rank 0 are
+:mod:`broadcast`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import _compat, collectives
-from .collectives import Gatherer, Need
-from .optimizer import Prepared, TensorMeta
-from .placement import Layout
-from .tree import rebuild, where
+from .gather import Gatherer
+from .placement import DTensorLayout
+from .tree import leaves, rebuild
 
 
 def _to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +31,7 @@ def offload(value: Any) -> Any:
     def move(leaf: Any, _path: tuple) -> Any:
         if isinstance(leaf, DTensor):
             local = _compat.local_tensor(leaf)
-            return leaf if local.device.type == "cpu" else Layout.of(leaf).wrap(local.cpu())
+            return leaf if local.device.type == "cpu" else DTensorLayout.of(leaf).wrap(local.cpu())
         return _to_cpu(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
     return rebuild(value, move)
@@ -61,7 +57,7 @@ def full_entries(entries: dict[str, Any], *, rank0_only: bool, cpu: bool) -> tup
 
     gatherer = Gatherer(cpu=cpu)
     for key, value in entries.items():
-        for sub, leaf in _tensor_leaves(value):
+        for sub, leaf in leaves(value):
             if isinstance(leaf, DTensor):
                 gatherer.add((key, sub), leaf, root=root_of(key))
     gathered = gatherer.run()
@@ -70,97 +66,52 @@ def full_entries(entries: dict[str, Any], *, rank0_only: bool, cpu: bool) -> tup
         root = root_of(key)
         if root is not None and root != me:
             continue
-        kept[key] = _replace_leaves(value, lambda sub, leaf: gathered[(key, sub)] if isinstance(leaf, DTensor) else (_to_cpu(leaf) if cpu else leaf))
+
+        def full(leaf: Any, sub: tuple, key=key) -> Any:
+            if isinstance(leaf, DTensor):
+                return gathered[(key, sub)]
+            return _to_cpu(leaf) if cpu and isinstance(leaf, torch.Tensor) else leaf
+
+        kept[key] = rebuild(value, full)
     return kept, roots
 
 
-def _tensor_leaves(value: Any, sub: tuple = ()):
-    if isinstance(value, torch.Tensor):
-        yield sub, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _tensor_leaves(v, sub + (k,))
+def full_model(sd: dict[str, Any], *, cpu: bool) -> dict[str, Any]:
+    """The model's full state dict: on every rank, or with ``cpu`` on rank 0 only."""
+    rank0_only = cpu and collectives.active()
+    kept, roots = full_entries(sd, rank0_only=rank0_only, cpu=cpu)
+    if rank0_only and roots is not None:
+        received = collectives.send_to_rank0(kept if collectives.rank() != 0 else None)
+        if collectives.rank() != 0:
+            return {}
+        for part in received[1:]:
+            kept.update(part or {})
+    return kept if not rank0_only or collectives.rank() == 0 else {}
 
 
-def _replace_leaves(value: Any, fn: Callable, sub: tuple = ()) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(sub, value)
-    if isinstance(value, dict):
-        return {k: _replace_leaves(v, fn, sub + (k,)) for k, v in value.items()}
-    return value
-
-
-# -- broadcast loads ---------------------------------------------------------
-
-def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
-    """Rank 0's dict with each tensor replaced by a :class:`TensorMeta`."""
-    fulls: list[torch.Tensor] = []
-    problems: list[str] = []
-
-    def meta(leaf: Any, path: tuple) -> Any:
-        if isinstance(leaf, DTensor):
-            problems.append(f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)")
-            return None
-        if isinstance(leaf, torch.Tensor):
-            fulls.append(leaf)
-            return TensorMeta(tuple(leaf.shape), leaf.dtype, len(fulls) - 1)
-        return leaf
-
-    return rebuild(state_dict, meta), fulls, problems
-
-
-def needs_for(prepared: list[Prepared], metas: list[tuple]) -> tuple[list[Need | None], dict[int, list[Prepared]]]:
-    """What this rank needs of each of rank 0's tensors, and who uses each."""
-    needs: list[Need | None] = [None] * len(metas)
-    users: dict[int, list[Prepared]] = {}
-    for p in prepared:
-        i = p.meta.index
-        need = Need.of_layout(p.layout) if p.layout is not None and p.layout.simple else Need.whole(p.meta.shape)
-        if needs[i] is not None and needs[i] != need:
-            need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
-        needs[i] = need
-        users.setdefault(i, []).append(p)
-    return needs, users
-
-
-def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: list[torch.Tensor] | None,
-            metas: list[tuple], device: torch.device, everyone_needs: list | None = None) -> None:
-    """Give each Prepared this rank's piece of rank 0's tensor, as it arrives.
-
-    A piece goes straight into its destination (an existing tensor of the
-    same layout) or becomes the new tensor itself, so a rank holds its own
-    state plus one bucket in flight. ``metas`` lists (shape, dtype) of every
-    tensor in rank 0's dict, in manifest order: the same on every rank, so is
-    the bucket plan. ``needs``, ``users``: as :func:`needs_for` gives them.
-    ``everyone_needs``: every rank's needs, when the caller has exchanged
-    them already.
-    """
-
-    def receive(i: int, piece: torch.Tensor) -> None:
-        whole = needs[i] == Need.whole(metas[i][0])
-        for p in users[i]:
-            mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece
-            p.receive(mine)
-
-    def target_for(i: int) -> torch.Tensor | None:
-        """Where a large piece can be received in place: its one user's destination."""
-        ps = users.get(i, [])
-        if len(ps) != 1 or ps[0].dest is None:
-            return None
-        dest = ps[0].dest
-        return _compat.local_tensor(dest) if isinstance(dest, DTensor) else dest
-
-    collectives.scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs)
-
-
-def manifest_metas(manifest: Any) -> list[tuple]:
-    """(shape, dtype) of every TensorMeta in a manifest, by index."""
-    found: dict[int, tuple] = {}
-
-    def note(leaf: Any, _path: tuple) -> Any:
-        if isinstance(leaf, TensorMeta):
-            found[leaf.index] = (leaf.shape, leaf.dtype)
-        return leaf
-
-    rebuild(manifest, note)
-    return [found[i] for i in range(len(found))]
+def full_optimizer(nested: dict, *, cpu: bool) -> dict:
+    """The optimizers' full state dict (nested): on every rank, or with ``cpu`` on rank 0 only."""
+    rank0_only = cpu and collectives.active()
+    state, groups = nested["state"], nested["param_groups"]
+    if not rank0_only:
+        kept, _ = full_entries(state, rank0_only=False, cpu=cpu)
+        return {"state": kept, "param_groups": groups}
+    # Roots are decided over every FQN this rank knows, stateless ones included.
+    names = list(dict.fromkeys([*state, *(f for g in groups for f in g["params"])]))
+    entries = {name: state.get(name) for name in names}
+    kept, roots = full_entries(entries, rank0_only=True, cpu=True)
+    me = collectives.rank()
+    mine = {"state": {k: v for k, v in kept.items() if v is not None}, "param_groups": []}
+    if roots is None:
+        mine["param_groups"] = groups if me == 0 else []
+        return mine if me == 0 else {}
+    rooted = set(kept)
+    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"]) or (not g["params"] and rooted)]
+    received = collectives.send_to_rank0(mine if me != 0 else None)
+    if me != 0:
+        return {}
+    for part in received[1:]:
+        if part:
+            mine["state"].update(part["state"])
+            mine["param_groups"].extend(part["param_groups"])
+    return mine

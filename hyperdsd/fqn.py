@@ -18,7 +18,6 @@ from . import _compat
 from .errors import StateDictError
 
 _CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
-_EXTRA_STATE = nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 
 
 def _hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
@@ -30,7 +29,7 @@ def _hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
         hidden.add("module")
     if _compat.is_compiled_module(module):
         hidden.add("_orig_mod")
-    if _CHECKPOINT_CHILD in module._modules:
+    if _CHECKPOINT_CHILD in _compat.child_modules(module):
         hidden.add(_CHECKPOINT_CHILD)
     if callable(getattr(type(module), modifiers_attr, None)):
         hidden.update(getattr(module, modifiers_attr)().values())
@@ -53,7 +52,7 @@ class ModelIndex:
                     f"module {raw or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1); "
                     "hyperdsd supports fully_shard (FSDP2) models"
                 )
-            for name, param in module._parameters.items():
+            for name, param in _compat.own_parameters(module).items():
                 if param is None:
                     continue
                 fqn = f"{canon}{name}"
@@ -66,7 +65,7 @@ class ModelIndex:
     def _walk(self, module: nn.Module, raw: str, canon: str) -> Iterator[tuple[nn.Module, str, str]]:
         yield module, raw, canon
         hidden = _hidden_children(module, self.modifiers_attr)
-        for name, child in module._modules.items():
+        for name, child in _compat.child_modules(module).items():
             if child is None:
                 continue
             child_raw = f"{raw}{name}."
@@ -96,12 +95,14 @@ class ModelIndex:
         # The name was not a child of ``parent`` as stored: a hook removed a
         # wrapper segment; step through hidden children until it resolves.
         current, canon = parent, parent_canon
-        while name not in current._modules:
-            hidden = [h for h in _hidden_children(current, self.modifiers_attr) if h in current._modules]
+        children = _compat.child_modules(current)
+        while name not in children:
+            hidden = [h for h in _hidden_children(current, self.modifiers_attr) if h in children]
             if not hidden:
                 raise StateDictError(f"state-dict key path {path!r} does not name a submodule of the model")
-            current = current._modules[hidden[0]]
-        child = current._modules[name]
+            current = children[hidden[0]]
+            children = _compat.child_modules(current)
+        child = children[name]
         child_canon = f"{canon}.{name}" if canon else name
         if name in _hidden_children(current, self.modifiers_attr):
             child_canon = canon

@@ -1,4 +1,4 @@
-"""Model state by canonical FQN: reading it, and planning how to load it.
+"""Model state by canonical FQN: reading it, planning a load, applying it.
 
 Keys are those of ``model.state_dict()`` with wrapper segments removed:
 buffers and extra state included, non-persistent buffers excluded, tied
@@ -7,7 +7,6 @@ parameters under each of their names, as PyTorch's own state dict has them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,8 +14,19 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat
 from .fqn import ModelIndex
-from .optimizer import Prepared, TensorMeta, _materialize, same_memory
-from .placement import Layout
+from .placement import DTensorLayout
+from .plan import (
+    ModelLoadPlan,
+    Prepared,
+    dtensor_problem,
+    from_dtensor,
+    from_full,
+    is_tensorish,
+    kind_differs,
+    materialize,
+    redistribute,
+    same_memory,
+)
 
 
 def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -> dict[str, Any]:
@@ -27,45 +37,25 @@ def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -
     return sd
 
 
-@dataclass
-class ModelLoadPlan:
-    values: dict[str, Any] = field(default_factory=dict)  # raw key -> Prepared or object
-    on_meta: set[str] = field(default_factory=set)  # raw keys whose target lives on meta
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    claimed: set[str] = field(default_factory=set)
-
-    def tensors(self):
-        return [v for v in self.values.values() if isinstance(v, Prepared)]
-
-
 def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str]) -> Prepared | None:
-    if not isinstance(value, (torch.Tensor, TensorMeta)):
+    """Check one value against the model's tensor; return what to load."""
+    if not is_tensorish(value):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
         return None
-    if target.dtype.is_floating_point and not (value.dtype.is_floating_point or value.dtype.is_complex):
+    if kind_differs(value.dtype, target.dtype):
         problems.append(f"{where}: dtype {value.dtype}, the model's is {target.dtype}")
         return None
     shape = tuple(value.shape)
     if shape != tuple(target.shape):
         problems.append(f"{where}: shape {shape}, the model has {tuple(target.shape)}")
         return None
-    device = (_compat.local_tensor(target) if isinstance(target, DTensor) else target).device
+    if isinstance(value, DTensor) and (problem := dtensor_problem(value, target, "the model's")):
+        problems.append(f"{where}: {problem}")
+        return None
+    device = _compat.local_tensor(target).device
     if isinstance(value, DTensor):
-        if not isinstance(target, DTensor):
-            problems.append(f"{where}: a DTensor, but the model's is not; load it with full_state_dict=True or through DCP")
-            return None
-        if value.device_mesh != target.device_mesh:
-            problems.append(f"{where}: on mesh {value.device_mesh}, the model's is on {target.device_mesh}")
-            return None
-        if tuple(value.placements) == tuple(target.placements):
-            return Prepared(Layout.of(value), device, local=_compat.local_tensor(value))
-        return Prepared(Layout.of(target), device, redistribute=value)
-    layout = Layout.of(target) if isinstance(target, DTensor) else None
-    if isinstance(value, TensorMeta):
-        return Prepared(layout, device, meta=value)
-    local = layout.local_from_full(value) if layout is not None else value
-    return Prepared(layout, device, local=local)
+        return from_dtensor(value, target, device)
+    return from_full(value, device, DTensorLayout.of(target) if isinstance(target, DTensor) else None)
 
 
 def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
@@ -101,7 +91,7 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
                 plan.on_meta.add(raw)
                 if prepared.device.type == "meta":
                     prepared.device = prepared.local.device if prepared.local is not None else _compat.collective_device()
-            elif prepared.meta is not None and _local(target).dtype == prepared.dtype and prepared.redistribute is None:
+            elif prepared.meta is not None and _compat.local_tensor(target).dtype == prepared.dtype and prepared.redistribute is None:
                 prepared.dest = target  # a broadcast piece goes straight into the model's tensor
             plan.values[raw] = prepared
         else:
@@ -118,24 +108,17 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
     return plan, problems
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return _compat.local_tensor(t) if isinstance(t, DTensor) else t
-
-
 def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
-    for prepared in plan.tensors():
-        if prepared.redistribute is not None:
-            moved = prepared.redistribute.redistribute(prepared.layout.mesh, prepared.layout.placements)
-            prepared.local = _compat.local_tensor(moved)
+    redistribute(plan.tensors())
     copy_in: dict[str, Any] = {}
     assign: dict[str, Any] = {}
     targets = model.state_dict(keep_vars=True)
     for raw, value in plan.values.items():
         if raw in plan.on_meta:
-            assign[raw] = _materialize(value)
+            assign[raw] = materialize(value)
         elif isinstance(value, Prepared):
             target = targets.get(raw)
-            if isinstance(target, torch.Tensor) and same_memory(_local(target), value.local):
+            if isinstance(target, torch.Tensor) and same_memory(_compat.local_tensor(target), value.local):
                 continue  # the model's own tensor (a DCP template filled in place): nothing to copy
             copy_in[raw] = value.layout.wrap(value.local) if value.layout is not None else value.local
         else:

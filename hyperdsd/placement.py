@@ -9,6 +9,7 @@ back to DTensor's own collectives.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,9 @@ def is_simple(placements) -> bool:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a DTensor (parameter or state) is laid out: enough to rebuild it."""
+class DTensorLayout:
+    """How a DTensor (parameter or state) is laid out: mesh, placements,
+    global shape and stride, enough to rebuild it around a local tensor."""
 
     mesh: object
     placements: tuple
@@ -43,11 +45,11 @@ class Layout:
     stride: tuple
 
     @classmethod
-    def of(cls, t: DTensor) -> "Layout":
+    def of(cls, t: DTensor) -> "DTensorLayout":
         return cls(t.device_mesh, tuple(t.placements), t.shape, t.stride())
 
-    def with_shape(self, shape: torch.Size) -> "Layout":
-        return Layout(self.mesh, self.placements, shape, _contiguous_stride(shape))
+    def with_shape(self, shape: torch.Size) -> "DTensorLayout":
+        return DTensorLayout(self.mesh, self.placements, shape, _contiguous_stride(shape))
 
     @property
     def simple(self) -> bool:
@@ -81,10 +83,5 @@ class Layout:
 
 
 def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
+    """torch's stride for a contiguous tensor of ``shape`` (empty dims count as 1)."""
+    return tuple(math.prod(max(n, 1) for n in shape[d + 1 :]) for d in range(len(shape)))

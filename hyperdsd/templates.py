@@ -4,9 +4,10 @@ The usual way to load a checkpoint through DCP is to ask the optimizer for
 its state dict, let DCP fill it in place, and set it back. An optimizer that
 has never stepped has no state to fill, and stepping it to create some (what
 other implementations do) changes it. Here the template is built on a
-throwaway copy: the same class and hyperparameters over zero-filled stand-ins
-of the parameters, stepped once with zero gradients. The real optimizer, its
-parameters and its gradients are never touched.
+throwaway optimizer: the same class, built by its own constructor with the
+same hyperparameters over zero-filled stand-ins of the parameters, stepped
+once with zero gradients. The real optimizer, its parameters and its
+gradients are never touched.
 
 Template tensors are *placeholders*: set_* recognises one that nobody wrote
 into (its in-place version counter has not moved) and treats it as absent,
@@ -16,33 +17,62 @@ so what a partial load did not cover leaves the optimizer as fresh as before.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 import weakref
-from collections import OrderedDict, defaultdict
 from typing import Any
 
 import torch
 
 from . import _compat
 
-_placeholders: dict[int, tuple[weakref.ref, int]] = {}
+# -- which objects are a template's --------------------------------------------
+#
+# Two registries keyed by ``id()``: placeholder tensors, with the in-place
+# version counter each had when marked, and the group-field values of flat
+# templates (floats and tuples that DCP and torch.load must read as they
+# are, so they cannot carry a tag). Invariant: an id stays registered only
+# while its object lives (a tensor's weakref callback drops it; a value is
+# dropped when its template's anchor tensor is collected), and every lookup
+# checks that the registered object is the very one asked about, so a
+# reused id never matches. The registries keep no template alive.
 
-
-def _forget(key: int) -> None:
-    _placeholders.pop(key, None)
+_placeholders: dict[int, tuple[weakref.ref, int]] = {}  # id -> (the tensor, weakly; its version)
+_template_values: dict[int, object] = {}  # id -> the value, while its template's anchor lives
 
 
 def mark_placeholder(t: torch.Tensor) -> torch.Tensor:
     key = id(t)
-    _placeholders[key] = (weakref.ref(t, lambda _ref, key=key: _forget(key)), _compat.version_of(t))
+    _placeholders[key] = (weakref.ref(t, lambda _ref, key=key: _placeholders.pop(key, None)), _compat.version_of(t))
     return t
 
 
 def is_unwritten_placeholder(value: Any) -> bool:
+    """A placeholder nobody wrote into (its version counter has not moved)."""
     if not isinstance(value, torch.Tensor):
         return False
     entry = _placeholders.get(id(value))
     return entry is not None and entry[0]() is value and _compat.version_of(value) == entry[1]
+
+
+def has_placeholders(entry: dict) -> bool:
+    return any(id(v) in _placeholders for v in entry.values())
+
+
+def _track_values(values: list, anchor: torch.Tensor) -> None:
+    for v in values:
+        _template_values[id(v)] = v
+    weakref.finalize(anchor, _forget_values, [id(v) for v in values])
+
+
+def _forget_values(ids: list[int]) -> None:
+    for i in ids:
+        _template_values.pop(i, None)
+
+
+def is_template_value(value: Any) -> bool:
+    """A group field of a flat template, still the template's own object."""
+    return id(value) in _template_values and _template_values[id(value)] is value
 
 
 def unwritten_keys(entry: dict) -> tuple[set, bool]:
@@ -56,22 +86,14 @@ def unwritten_keys(entry: dict) -> tuple[set, bool]:
     asks them, see ``collectives.agree``). Until then it counts as written.
     """
     unwritten = {k for k, v in entry.items() if is_unwritten_placeholder(v)}
-    empty = {k for k in unwritten if _local_numel(entry[k]) == 0}
+    empty = {k for k in unwritten if _compat.local_tensor(entry[k]).numel() == 0}
     unknown = bool(empty) and empty == unwritten == set(entry)
     if empty and (len(unwritten) < len(entry) or unknown):
         unwritten -= empty
     return unwritten, unknown
 
 
-def has_placeholders(entry: dict) -> bool:
-    return any(id(v) in _placeholders for v in entry.values())
-
-
-def _local_numel(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    return (_compat.local_tensor(t) if isinstance(t, DTensor) else t).numel()
-
+# -- the scratch step --------------------------------------------------------
 
 def _zero_grad_stand_in(p: torch.Tensor) -> torch.Tensor:
     stand_in = torch.zeros_like(p).requires_grad_(True)
@@ -79,7 +101,33 @@ def _zero_grad_stand_in(p: torch.Tensor) -> torch.Tensor:
     return stand_in
 
 
-def scratch_state(opt: torch.optim.Optimizer, only_trainable: bool = False) -> dict[torch.Tensor, dict] | None:
+def _scratch_optimizer(opt: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """A new optimizer of ``opt``'s class and hyperparameters over ``groups``.
+
+    Built by its own constructor, so it is exactly what its class makes:
+    empty state, no hooks of ``opt``'s, no instance-level ``step`` wrapper
+    (an LR scheduler's). The groups carry every hyperparameter; the defaults
+    the constructor accepts are passed for what a step might read from them.
+    A constructor that asks for more than its defaults (a subclass with
+    arguments of its own) gets the base constructor and ``opt``'s other
+    attributes instead.
+    """
+    cls = type(opt)
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
+    kwargs = {k: v for k, v in opt.defaults.items() if takes_any or k in accepted}
+    try:
+        return cls(groups, **kwargs)
+    except TypeError:
+        scratch = cls.__new__(cls)
+        torch.optim.Optimizer.__init__(scratch, groups, copy.copy(opt.defaults))
+        for name, value in vars(opt).items():
+            if name != "step":  # an instance-level wrapper belongs to the real optimizer
+                vars(scratch).setdefault(name, value)
+        return scratch
+
+
+def scratch_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict] | None:
     """The state ``opt`` would have after its first step, built on a copy.
 
     Returns ``{param: {key: value}}`` for the parameters that would get state,
@@ -88,19 +136,11 @@ def scratch_state(opt: torch.optim.Optimizer, only_trainable: bool = False) -> d
     stand_ins: dict[torch.Tensor, torch.Tensor] = {}
     groups = []
     for group in opt.param_groups:
-        params = [p for p in group["params"] if p.requires_grad or not only_trainable]
-        for p in params:
+        for p in group["params"]:
             stand_ins[p] = _zero_grad_stand_in(p)
-        groups.append({**group, "params": [stand_ins[p] for p in params]})
-    scratch = object.__new__(type(opt))
-    scratch.__dict__.update(opt.__dict__)
-    scratch.__dict__.pop("step", None)  # an instance-level wrapper belongs to the real optimizer
-    scratch.defaults = copy.copy(opt.defaults)
-    scratch.state = defaultdict(dict)
-    scratch.param_groups = groups
-    scratch._optimizer_step_pre_hooks = OrderedDict()
-    scratch._optimizer_step_post_hooks = OrderedDict()
+        groups.append({**group, "params": [stand_ins[p] for p in group["params"]]})
     try:
+        scratch = _scratch_optimizer(opt, groups)
         with torch.enable_grad():
             _compat.unhooked_step(type(opt))(scratch)
     except Exception as exc:  # noqa: BLE001 - any optimizer may refuse a bare step
@@ -118,6 +158,8 @@ def scratch_state(opt: torch.optim.Optimizer, only_trainable: bool = False) -> d
     return out
 
 
+# -- templates ---------------------------------------------------------------
+
 def template_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     """Placeholder state for a never-stepped optimizer (see module docstring)."""
     state = scratch_state(opt) or {}
@@ -130,12 +172,9 @@ def template_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     return state
 
 
-# Group fields of a flat template are plain values (DCP and torch.load must
-# read them), so they are recognised by identity instead: the template holds
-# objects made for it, and anything DCP loads arrives as a new object.
-_template_values: dict[int, object] = {}
-
-
+# Group fields of a flat template are recognised by identity (see above): the
+# template holds objects made for it, and anything DCP loads arrives as a new
+# object.
 def _fresh(value: Any) -> tuple[Any, bool]:
     """A new object equal to ``value``, and whether it is unique (not a cached singleton)."""
     if isinstance(value, float):
@@ -151,25 +190,15 @@ def track_template_fields(flat: dict, anchor: torch.Tensor) -> None:
     The copies stay known while ``anchor`` (one of the template's
     placeholders) lives; nothing is kept after the template is gone.
     """
-    ids = []
+    tracked = []
     for key, value in flat.items():
         if isinstance(key, str) and key.startswith("param_groups."):
             copy_, unique = _fresh(value)
             if unique:
                 flat[key] = copy_
-                _template_values[id(copy_)] = copy_
-                ids.append(id(copy_))
-    if ids:
-        weakref.finalize(anchor, _drop_values, ids)
-
-
-def _drop_values(ids: list[int]) -> None:
-    for i in ids:
-        _template_values.pop(i, None)
-
-
-def is_template_value(value: Any) -> bool:
-    return id(value) in _template_values and _template_values[id(value)] is value
+                tracked.append(copy_)
+    if tracked:
+        _track_values(tracked, anchor)
 
 
 def first_placeholder(flat: dict) -> torch.Tensor | None:

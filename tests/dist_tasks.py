@@ -11,8 +11,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import hyperdsd
 from hyperdsd import collectives
-from hyperdsd.collectives import Gatherer, Need, scatter_from_rank0
-from hyperdsd.placement import Layout
+from hyperdsd.gather import Gatherer
+from hyperdsd.scatter import Need, scatter_from_rank0
+from hyperdsd.placement import DTensorLayout
 
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
 
@@ -50,7 +51,7 @@ def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
     fulls = [t.to(d) for t, d in ((torch.arange(70.0).reshape(7, 10), torch.float32), (torch.arange(12.0), torch.float64), (torch.ones(3), torch.int32))]
     if big:  # large and evenly split: moves on its own, straight into place
         fulls.append(torch.arange(ctx.world_size * 2**18, dtype=torch.float32).reshape(ctx.world_size * 512, 512))
-    layouts = [Layout(m, (Shard(0),), f.shape, f.stride()) for f in fulls]
+    layouts = [DTensorLayout(m, (Shard(0),), f.shape, f.stride()) for f in fulls]
     needs = [Need.of_layout(layouts[0]), Need.whole(fulls[1].shape), Need.of_layout(layouts[2]) if ctx.rank % 2 else None]
     if big:
         needs.append(Need.of_layout(layouts[3]))

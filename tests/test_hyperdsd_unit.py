@@ -2,6 +2,7 @@
 validation and in-place loading."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -153,6 +154,32 @@ def test_get_on_a_fresh_optimizer_changes_nothing_and_gives_placeholders():
     assert is_unwritten_placeholder(entry["exp_avg"])
     entry["exp_avg"].copy_(torch.ones(4, 4))  # what DCP does when it loads
     assert not is_unwritten_placeholder(entry["exp_avg"])
+
+
+class TaggedAdamW(torch.optim.AdamW):
+    """A subclass whose constructor wants more than its defaults hold."""
+
+    def __init__(self, params, tag, **kw):
+        super().__init__(params, **kw)
+        self.tag = tag
+
+
+@parameterized.expand([("own_class", torch.optim.AdamW, {}), ("subclass_with_own_arguments", TaggedAdamW, {"tag": "t"})])
+def test_a_fresh_optimizers_template_runs_none_of_its_hooks(_name, cls, extra):
+    torch.manual_seed(0)
+    model = Net()
+    opt = cls(model.parameters(), lr=0.01, **extra)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("step"))
+    opt.register_step_post_hook(lambda *a: calls.append("step"))
+    opt.register_state_dict_post_hook(lambda *a: calls.append("state_dict"))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step on the instance
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a template built, not given up on
+        osd = hyperdsd.get_optimizer_state_dict(model, opt)
+    assert calls == ["state_dict"]  # the real optimizer's own state_dict, nothing from the scratch step
+    assert len(opt.state) == 0 and sched.last_epoch == 0
+    assert set(osd["state"]["blocks.0.fc.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
@@ -368,7 +395,7 @@ def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
 def test_packed_needs_send_each_distinct_region_once():
     import pickle
 
-    from hyperdsd.collectives import Need, PackedNeeds
+    from hyperdsd.scatter import Need, PackedNeeds
 
     needs = [Need(((0, 2), (0, 4))), None, Need.whole((3,))] * 5000
     packed = pickle.loads(pickle.dumps(PackedNeeds(needs)))

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import hyperdsd
-from hyperdsd.placement import Layout
+from hyperdsd.placement import DTensorLayout
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _relayout(model, osd: dict, flat: bool) -> dict:
     def wrap(fqn, value):
         p = params.get(fqn)
         if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
-            return Layout.of(p).wrap(value)
+            return DTensorLayout.of(p).wrap(value)
         return value
 
     if flat:
@@ -91,7 +91,7 @@ def set_model_state_dict(model, state_dict: dict, config: CheckpointConfig | Non
     config = config or CheckpointConfig()
     if not config.gather:
         params = {**dict(hyperdsd.fqn.ModelIndex(model).param_of)}
-        state_dict = {k: (Layout.of(params[k]).wrap(v) if isinstance(params.get(k), DTensor) and not isinstance(v, DTensor) else v) for k, v in state_dict.items()}
+        state_dict = {k: (DTensorLayout.of(params[k]).wrap(v) if isinstance(params.get(k), DTensor) and not isinstance(v, DTensor) else v) for k, v in state_dict.items()}
     return hyperdsd.set_model_state_dict(model, state_dict, options=config._as_options())
 
 

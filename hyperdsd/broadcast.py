@@ -1,0 +1,177 @@
+"""Broadcast loads (``broadcast_from_rank0``): rank 0 holds full state
+dicts, every rank receives only its own pieces.
+
+:class:`BroadcastLoad` runs the protocol around the planning that every
+rank does alike:
+
+1. :meth:`~BroadcastLoad.manifests` - rank 0's dicts, each tensor replaced
+   by a :class:`TensorMeta` (shape, dtype, index), broadcast in one
+   collective; every rank plans its load against them.
+2. :meth:`~BroadcastLoad.agree_and_deliver` - one exchange carries each
+   rank's problems, its answers about placeholders, the names it loads and
+   the regions it needs; every rank raises alike if any rank found a
+   problem (or, with ``strict``, a name no rank loads); otherwise rank 0's
+   tensors are scattered, each piece going straight into its destination.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _compat, collectives
+from .flatten import is_flat
+from .plan import ModelLoadPlan, OptimizerLoadPlan, Prepared, TensorMeta
+from .scatter import Metas, Need, PackedNeeds, scatter_from_rank0
+from .tree import leaves, rebuild, where
+
+
+def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
+    """Rank 0's dict with each tensor replaced by a :class:`TensorMeta`."""
+    fulls: list[torch.Tensor] = []
+    problems: list[str] = []
+
+    def meta(leaf: Any, path: tuple) -> Any:
+        if isinstance(leaf, DTensor):
+            problems.append(f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)")
+            return None
+        if isinstance(leaf, torch.Tensor):
+            fulls.append(leaf)
+            return TensorMeta(tuple(leaf.shape), leaf.dtype, len(fulls) - 1)
+        return leaf
+
+    return rebuild(state_dict, meta), fulls, problems
+
+
+def manifest_metas(manifest: Any) -> list[tuple]:
+    """(shape, dtype) of every TensorMeta in a manifest, by index."""
+    found = {leaf.index: (leaf.shape, leaf.dtype) for _, leaf in leaves(manifest) if isinstance(leaf, TensorMeta)}
+    return [found[i] for i in range(len(found))]
+
+
+def optimizer_names(manifest: Any) -> list[str]:
+    """The FQN-like names in rank 0's optimizer dict, in an order every rank computes alike."""
+    if not isinstance(manifest, dict):
+        return []
+    if is_flat(manifest):
+        return [k for k in manifest if isinstance(k, str)]
+    names = [k for k in manifest.get("state", {}) if isinstance(k, str)]
+    for g in manifest.get("param_groups", []) or []:
+        if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)):
+            names += [f for f in g["params"] if isinstance(f, str)]
+    return list(dict.fromkeys(names))
+
+
+def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None], dict[int, list[Prepared]]]:
+    """What this rank needs of each of rank 0's tensors, and who uses each."""
+    needs: list[Need | None] = [None] * len(metas)
+    users: dict[int, list[Prepared]] = {}
+    for p in prepared:
+        i = p.meta.index
+        need = Need.of_layout(p.layout) if p.layout is not None and p.layout.simple else Need.whole(p.meta.shape)
+        if needs[i] is not None and needs[i] != need:
+            need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
+        needs[i] = need
+        users.setdefault(i, []).append(p)
+    return needs, users
+
+
+def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: list[torch.Tensor] | None,
+            metas: Metas, device: torch.device, everyone_needs: list | None = None) -> None:
+    """Give each Prepared this rank's piece of rank 0's tensor, as it arrives.
+
+    A piece goes straight into its destination (an existing tensor of the
+    same layout) or becomes the new tensor itself, so a rank holds its own
+    state plus one bucket in flight. ``metas``: the same on every rank, so
+    is the bucket plan. ``needs``, ``users``: as :func:`needs_for` gives
+    them. ``everyone_needs``: every rank's needs, when the caller has
+    exchanged them already.
+    """
+
+    def receive(i: int, piece: torch.Tensor) -> None:
+        whole = needs[i] == Need.whole(metas[i][0])
+        for p in users[i]:
+            mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece
+            p.receive(mine)
+
+    def target_for(i: int) -> torch.Tensor | None:
+        """Where a large piece can be received in place: its one user's destination."""
+        ps = users.get(i, [])
+        if len(ps) != 1 or ps[0].dest is None:
+            return None
+        return _compat.local_tensor(ps[0].dest)
+
+    scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs)
+
+
+class BroadcastLoad:
+    """One broadcast load of a model's and/or optimizers' state dicts.
+
+    ``parts`` maps "model" and/or "optim" to the caller's dict; only rank
+    0's are read, but every rank passes the same keys.
+    """
+
+    def __init__(self, parts: dict[str, Any]):
+        self.parts = parts
+        self.problems: list[str] = []  # rank 0's: tensors it cannot broadcast
+        self.fulls: list[torch.Tensor] = []
+        self.metas: list[tuple] = []
+        self.model_names: list[str] = []
+        self.optim_names: list[str] = []
+
+    def manifests(self) -> dict[str, Any]:
+        """Rank 0's dicts as manifests, on every rank (its tensors stay on rank 0)."""
+        manifest, problems = None, []
+        if collectives.rank() == 0:
+            manifest, self.fulls, problems = describe(self.parts)
+        manifest, problems = collectives.broadcast_object((manifest, problems))
+        if collectives.rank() == 0:
+            self.problems = problems
+        self.metas = manifest_metas(manifest)
+        model, optim = manifest.get("model"), manifest.get("optim")
+        self.model_names = [k for k in model if isinstance(k, str)] if isinstance(model, dict) else []
+        self.optim_names = optimizer_names(optim)
+        return manifest
+
+    def agree_and_deliver(self, what: str, problems: list[str], model_plan: ModelLoadPlan | None,
+                          optim_plan: OptimizerLoadPlan | None, strict: bool) -> dict[str, bool]:
+        """Raise on every rank if any rank has problems; else deliver every rank's pieces.
+
+        Returns the answers to this rank's open placeholder questions.
+        """
+        questions = optim_plan.questions if optim_plan is not None else {}
+        mine_model = model_plan.claimed if model_plan is not None else set()
+        mine_optim = set(self.optim_names) - set(optim_plan.foreign) if optim_plan is not None else set()
+        prepared = [p for plan in (model_plan, optim_plan) if plan is not None for p in plan.tensors() if p.meta is not None]
+        needs, users = needs_for(prepared, self.metas)
+        everyone = collectives.exchange({
+            "problems": problems,
+            "known": {k: v for k, v in questions.items() if v is not None},
+            "model": [i for i, k in enumerate(self.model_names) if k in mine_model],
+            "optim": [i for i, k in enumerate(self.optim_names) if k in mine_optim],
+            "needs": PackedNeeds(needs),
+        })
+        by_rank = [e["problems"] for e in everyone]
+        if strict:
+            extra = self._unowned(everyone)
+            by_rank = [p + extra for p in by_rank]
+        collectives.raise_if_any(by_rank, f"{what}: nothing was loaded")
+        answers = collectives.answer([k for k, v in questions.items() if v is None], [e["known"] for e in everyone])
+        deliver(needs, users, self.fulls if collectives.rank() == 0 else None, self.metas, _compat.collective_device(),
+                everyone_needs=[e["needs"] for e in everyone])
+        return answers
+
+    def _unowned(self, everyone: list[dict]) -> list[str]:
+        """Names in rank 0's dicts that no rank loads (problems under ``strict``)."""
+        owned_model = {i for e in everyone for i in e["model"]}
+        owned_optim = {i for e in everyone for i in e["optim"]}
+        nobody = [k for i, k in enumerate(self.model_names) if i not in owned_model]
+        nobody_optim = [k for i, k in enumerate(self.optim_names) if i not in owned_optim]
+        extra = []
+        if nobody:
+            extra.append(f"model keys that no rank has (strict=True): {nobody}")
+        if nobody_optim:
+            extra.append(f"not parameters of any rank's model (strict=True): {nobody_optim}")
+        return extra

@@ -1,0 +1,172 @@
+"""Planning an optimizer load: check everything, describe the change, change nothing.
+
+Three steps over the optimizers' param groups (:class:`TargetGroup`):
+parse the checkpoint (:mod:`optimizer_source`), list which parameters it
+holds state for, and prepare each value it holds against the parameter and
+the state the optimizer keeps (or, never stepped, would create). The result
+is an :class:`OptimizerLoadPlan` and the problems found; :mod:`optimizer`
+applies the plan once every rank has agreed there are none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _compat
+from .fqn import ModelIndex
+from .optimizer_source import Source, TargetGroup, parse, target_groups
+from .placement import DTensorLayout
+from .plan import (
+    OptimizerLoadPlan,
+    ParamLoad,
+    Prepared,
+    dtensor_problem,
+    fits,
+    from_dtensor,
+    from_full,
+    is_tensorish,
+    kind_differs,
+)
+from .templates import has_placeholders, scratch_state, unwritten_keys
+
+_STRUCTURAL = ("params", "param_names")
+
+
+def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_ok: bool = False) -> tuple[OptimizerLoadPlan, list[str]]:
+    """Check ``osd`` against the optimizers and describe the load; change nothing.
+
+    ``osd`` is nested or flat; its tensors may be :class:`TensorMeta`
+    stand-ins (broadcast loads). FQNs the model does not have are problems
+    under ``strict`` unless ``foreign_ok`` (another rank may own them; the
+    caller checks). Returns the plan and the problems found.
+    """
+    problems: list[str] = []
+    plan = OptimizerLoadPlan(optimizers=tuple(optimizers))
+    targets = target_groups(index, optimizers, problems)
+    if targets is None:
+        return plan, problems
+    source = parse(osd, index, targets, strict, problems)
+    if source is None:
+        return plan, problems
+    plan.foreign = source.foreign
+    listed, by_name = _listed(source, index)
+    plan.claimed = {f for f in listed if f in index.param_of}
+    if strict:
+        required = [f for t in targets for p, f in zip(t.group["params"], t.fqns) if p.requires_grad]
+        absent = [f for f in required if f not in listed]
+        if absent:
+            problems.append(f"missing from the checkpoint (strict=True): {absent}")
+        if plan.foreign and not foreign_ok:
+            problems.append(f"not parameters of the model (strict=True): {sorted(set(plan.foreign))}")
+    _prepare_all(plan, targets, source, listed, by_name, strict, problems)
+    return plan, problems
+
+
+def _listed(source: Source, index: ModelIndex) -> tuple[set[str], dict[str, dict]]:
+    """Canonical names of everything the checkpoint lists, and its state by canonical name."""
+    listed = {index.canonical(f) or f for s in source.groups for f in s.fqns}
+    by_name: dict[str, dict] = {}
+    for fqn, entry in source.state.items():
+        if isinstance(fqn, str) and isinstance(entry, dict):
+            canon = index.canonical(fqn)
+            if canon is not None and (canon not in by_name or fqn == canon):
+                by_name[canon] = entry
+    # State that nobody wrote into (a template's placeholders) does not list a parameter.
+    listed.update(f for f, e in by_name.items() if len(unwritten_keys(e)[0]) < len(e))
+    return listed, by_name
+
+
+class _Expectations:
+    """What each parameter's state should look like: its current state, or,
+    for an optimizer that never stepped, what a step would create (built once,
+    only when needed)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.fresh = not opt.state
+        self._scratch: dict | None | bool = False
+
+    def scratch(self) -> dict | None:
+        if self._scratch is False:
+            self._scratch = scratch_state(self.opt) if self.fresh else None
+        return self._scratch
+
+    def of(self, p) -> dict | None:
+        entry = self.opt.state.get(p)
+        if entry:
+            return entry
+        scratch = self.scratch()
+        return scratch.get(p) if scratch else None
+
+
+def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: Source, listed: set[str],
+                 by_name: dict[str, dict], strict: bool, problems: list[str]) -> None:
+    """A :class:`ParamLoad` for every parameter the checkpoint lists; group fields to set."""
+    expectations = {id(opt): _Expectations(opt) for opt in plan.optimizers}
+    for target, src in zip(targets, source.matched):
+        if src is not None:
+            plan.groups.append((target.group, {k: v for k, v in src.fields.items() if k not in _STRUCTURAL}))
+        exp = expectations[id(target.opt)]
+        for p, fqn in zip(target.group["params"], target.fqns):
+            if fqn not in listed:
+                continue  # not in the checkpoint: left as it is
+            entry = by_name.get(fqn)
+            skip, unknown = unwritten_keys(entry) if entry else (set(), False)
+            if entry and has_placeholders(entry):
+                plan.questions[fqn] = None if unknown else len(skip) < len(entry)
+            written = {k: v for k, v in (entry or {}).items() if k not in skip}
+            if not written:  # absent, or a template entry nobody filled: the parameter ends fresh
+                plan.params.append(ParamLoad(target.opt, p, fqn, None))
+                continue
+            expected = exp.of(p)
+            if expected and strict:
+                lacking = sorted(str(k) for k in expected if k not in written)
+                if lacking:
+                    problems.append(f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})")
+            prepared = {}
+            for key, value in written.items():
+                prepared[key] = _prepare(value, p, key, target.group, expected, f"state[{fqn!r}][{key!r}]", problems)
+                existing = expected.get(key) if expected else None
+                if isinstance(prepared[key], Prepared) and fits(existing, prepared[key]):
+                    prepared[key].dest = existing
+            plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
+
+
+def _target_device(p, key: str, group: dict, value) -> torch.device:
+    if key == "step" and not (group.get("capturable") or group.get("fused")):
+        return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+    return _compat.local_tensor(p).device
+
+
+def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str, problems: list[str]):
+    """Check one state value against its parameter; return what to load."""
+    exp = expected.get(key) if expected else None
+    if not is_tensorish(value):
+        if isinstance(exp, torch.Tensor):
+            problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
+        return value
+    if isinstance(value, DTensor) and not isinstance(p, DTensor):
+        problems.append(f"{where}: {dtensor_problem(value, p, 'the parameter')}")
+        return None
+    # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
+    if key != "step" and kind_differs(value.dtype, p.dtype):
+        problems.append(f"{where}: dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter")
+        return None
+    shape = tuple(value.shape)
+    allowed = {tuple(exp.shape)} if isinstance(exp, torch.Tensor) else {(), tuple(p.shape)}
+    if shape not in allowed:
+        want = " or ".join(str(a) for a in sorted(allowed))
+        problems.append(f"{where}: shape {shape}, expected {want}")
+        return None
+    if isinstance(value, DTensor) and (problem := dtensor_problem(value, p, "the parameter")):
+        problems.append(f"{where}: {problem}")
+        return None
+    device = _target_device(p, key, group, value)
+    if isinstance(value, DTensor):
+        return from_dtensor(value, p, device)
+    # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
+    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
+    return from_full(value, device, DTensorLayout.of(p).with_shape(p.shape) if sharded else None)

@@ -1,0 +1,164 @@
+"""An optimizer state dict to load, parsed against the optimizers it loads into.
+
+A checkpoint is nested (``{"state": {fqn: ...}, "param_groups": [...]}``)
+or flat (see :mod:`flatten`). Either way parsing yields the same shape: the
+checkpoint's param groups as :class:`SourceGroup`, each optimizer group's
+match among them, state by FQN, and the names the model does not have.
+Malformed input becomes problems (messages), never an exception.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .flatten import GROUPS, STATE, is_flat, unflatten
+from .fqn import ModelIndex
+from .templates import is_template_value, unwritten_keys
+
+
+@dataclass
+class TargetGroup:
+    """One param group of one of the optimizers being loaded."""
+
+    opt: torch.optim.Optimizer
+    group: dict
+    fqns: list[str]  # canonical FQN of each of ``group["params"]``
+
+
+@dataclass
+class SourceGroup:
+    """One param group of the checkpoint."""
+
+    fields: dict  # its hyperparameters (structural keys are dropped when applied)
+    fqns: list[str]
+
+
+@dataclass
+class Source:
+    groups: list[SourceGroup]  # every group the checkpoint lists
+    matched: list[SourceGroup | None]  # the group each target group loads from
+    state: dict  # state by FQN as the checkpoint names them
+    foreign: list[str] = field(default_factory=list)  # names the model does not have
+
+
+def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[TargetGroup] | None:
+    """Every param group of ``optimizers``, in order; None if one holds a stranger."""
+    targets = []
+    for opt in optimizers:
+        for gi, g in enumerate(opt.param_groups):
+            unknown = [i for i, p in enumerate(g["params"]) if p not in index.fqn_of]
+            if unknown:
+                problems.append(f"the optimizer's param_groups[{gi}] holds parameters that are not the model's (positions {unknown})")
+                return None
+            targets.append(TargetGroup(opt, g, [index.fqn_of[p] for p in g["params"]]))
+    return targets
+
+
+def parse(osd: Any, index: ModelIndex, targets: list[TargetGroup], strict: bool, problems: list[str]) -> Source | None:
+    """``osd`` parsed and matched to ``targets``; None if it is not a state dict at all."""
+    if is_flat(osd) and bool(osd):
+        return _from_flat(osd, index, targets, strict, problems)
+    return _from_nested(osd, index, targets, problems)
+
+
+def _from_nested(osd: Any, index: ModelIndex, targets: list[TargetGroup], problems: list[str]) -> Source | None:
+    if not isinstance(osd, dict):
+        problems.append(f"the optimizer state dict is a {type(osd).__name__}, expected a dict")
+        return None
+    missing = [k for k in (STATE, GROUPS) if k not in osd]
+    if missing:
+        problems.append(f"the optimizer state dict has no {' or '.join(repr(k) for k in missing)} entry")
+        return None
+    state, groups = osd[STATE], osd[GROUPS]
+    if not isinstance(state, dict):
+        problems.append(f"'state' is a {type(state).__name__}, expected a dict keyed by FQN")
+        return None
+    if not isinstance(groups, (list, tuple)):
+        problems.append(f"'param_groups' is a {type(groups).__name__}, expected a list")
+        return None
+    sources = []
+    for gi, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            problems.append(f"param_groups[{gi}] has no 'params'")
+            continue
+        if not isinstance(g["params"], (list, tuple)) or not all(isinstance(f, str) for f in g["params"]):
+            problems.append(f"param_groups[{gi}]['params'] must be a list of FQNs (strings), got {g['params']!r:.80}")
+            continue
+        sources.append(SourceGroup(g, [index.canonical(f) or f for f in g["params"]]))
+    for fqn, entry in state.items():
+        if not isinstance(fqn, str):
+            problems.append(f"state key {fqn!r} is not an FQN; optimizer state must be keyed by parameter names")
+        elif not isinstance(entry, dict):
+            problems.append(f"state[{fqn!r}] is a {type(entry).__name__}, expected a dict of state values")
+    foreign = [f for s in sources for f in s.fqns if f not in index.param_of]
+    foreign += [f for f in state if isinstance(f, str) and f not in index.param_of]
+    matched = [sources[j] if j is not None else None for j in _match_groups(targets, sources)]
+    return Source(sources, matched, state, foreign)
+
+
+def _match_groups(targets: list[TargetGroup], sources: list[SourceGroup]) -> list[int | None]:
+    """For each target group, the index of its source group (or None)."""
+    if len(targets) == len(sources) and all(set(t.fqns) == set(s.fqns) for t, s in zip(targets, sources)):
+        return list(range(len(targets)))
+    owner: dict[str, int] = {}
+    for j, s in enumerate(sources):
+        for f in s.fqns:
+            owner.setdefault(f, j)
+    matches: list[int | None] = []
+    for t in targets:
+        votes = Counter(owner[f] for f in t.fqns if f in owner)
+        matches.append(min(votes, key=lambda j: (-votes[j], j)) if votes else None)
+    # Groups without parameters have nothing to match by: they pair up in order.
+    empty_t = [i for i, t in enumerate(targets) if not t.fqns]
+    empty_s = [j for j, s in enumerate(sources) if not s.fqns]
+    for i, j in zip(empty_t, empty_s):
+        matches[i] = j
+    return matches
+
+
+def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict: bool, problems: list[str]) -> Source:
+    """Source groups aligned with the target's groups, rebuilt from a flat dict."""
+    state, fields, unknown = unflatten(osd, set(index.param_of))
+
+    def listed(f: str) -> bool:
+        entry = state.get(f)
+        if entry and len(unwritten_keys(entry)[0]) < len(entry):
+            return True
+        # Group fields count unless they are still the template's own objects
+        # (DCP replaces every value it loads; some it copies even when not).
+        values = list(fields.get(f, {}).values())
+        return bool(values) and not any(is_template_value(v) for v in values)
+
+    aligned: list[SourceGroup | None] = []
+    for t in targets:
+        present = [f for f in t.fqns if listed(f)]
+        if not present:
+            aligned.append(None)
+            continue
+        chosen = next((fields[f] for f in present if f in fields), {})
+        for f in present:
+            other = fields.get(f)
+            if other is not None and other is not chosen and _differs(other, chosen):
+                differing = sorted(k for k in set(other) | set(chosen) if _differs(other.get(k), chosen.get(k)))
+                if strict:
+                    problems.append(f"param_groups fields of {f!r} differ from {present[0]!r} in the same group: {differing}")
+                break
+        aligned.append(SourceGroup(chosen, present))
+    return Source([s for s in aligned if s is not None], aligned, state, unknown)
+
+
+def _differs(a, b) -> bool:
+    if a is b:
+        return False
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
+    try:
+        return bool(a != b)
+    except Exception:
+        return True

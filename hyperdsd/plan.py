@@ -1,0 +1,199 @@
+"""Load plans: the types a planned load is made of, and the checks and
+moves every planned tensor goes through, for models and optimizers alike.
+
+A load is planned before anything changes: each tensor to load becomes a
+:class:`Prepared` that says where it goes (a DTensor layout or a plain
+tensor, a device) and where its data comes from (a local piece, a DTensor to
+redistribute, or, in a broadcast load, a :class:`TensorMeta` whose data rank
+0 sends once every rank has agreed). Applying a plan then only
+redistributes, copies and adopts (the functions at the end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._compat import local_tensor
+from .placement import DTensorLayout
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Stands in for a tensor only rank 0 holds (broadcast loads)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    index: int
+
+
+@dataclass
+class Prepared:
+    """One tensor as it will be loaded on this rank."""
+
+    layout: DTensorLayout | None  # DTensor layout of the result; None: a plain tensor
+    device: torch.device
+    local: torch.Tensor | None = None  # this rank's piece (None until a broadcast delivers it)
+    meta: TensorMeta | None = None
+    redistribute: DTensor | None = None  # a DTensor to move to ``layout`` first
+    dest: torch.Tensor | None = None  # an existing tensor of the same layout to copy into
+    owned: bool = False  # ``local`` is ours to keep as the new tensor, no copy needed
+
+    @property
+    def local_shape(self) -> tuple:
+        if self.local is not None:
+            return tuple(self.local.shape)
+        if self.layout is None:
+            return tuple(self.meta.shape)
+        return tuple(s.stop - s.start for s in self.layout.local_slices())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype if self.local is not None else self.meta.dtype
+
+    def receive(self, piece: torch.Tensor) -> None:
+        """Take a delivered piece (a view into a transfer buffer)."""
+        if self.dest is not None:
+            target = local_tensor(self.dest)
+            if not same_memory(target, piece):  # received in place already
+                target.copy_(piece)
+            self.local = target
+        else:
+            self.local = piece.to(self.device, copy=True)
+            self.owned = True
+
+
+@dataclass
+class ModelLoadPlan:
+    values: dict[str, Any] = field(default_factory=dict)  # raw key -> Prepared or object
+    on_meta: set[str] = field(default_factory=set)  # raw keys whose target lives on meta
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    claimed: set[str] = field(default_factory=set)
+
+    def tensors(self) -> list[Prepared]:
+        return [v for v in self.values.values() if isinstance(v, Prepared)]
+
+
+@dataclass
+class ParamLoad:
+    opt: torch.optim.Optimizer
+    param: torch.Tensor
+    fqn: str
+    entry: dict | None  # None: the parameter ends without state
+
+
+@dataclass
+class OptimizerLoadPlan:
+    params: list[ParamLoad] = field(default_factory=list)
+    groups: list[tuple[dict, dict]] = field(default_factory=list)  # (the optimizer's group, fields to set)
+    optimizers: tuple = ()
+    claimed: set[str] = field(default_factory=set)  # source FQNs this rank loads
+    # Was the template entry of each FQN loaded into? None: this rank cannot tell.
+    questions: dict[str, bool | None] = field(default_factory=dict)
+    foreign: list[str] = field(default_factory=list)  # source FQNs this rank does not know
+
+    def settle(self, answers: dict[str, bool]) -> None:
+        """Drop the entries other ranks say nobody loaded (they stay fresh)."""
+        for load in self.params:
+            if self.questions.get(load.fqn, True) is None and not answers.get(load.fqn, True):
+                load.entry = None
+
+    def tensors(self) -> list[Prepared]:
+        return [v for load in self.params for v in (load.entry or {}).values() if isinstance(v, Prepared)]
+
+
+# -- checks ----------------------------------------------------------------
+
+def is_tensorish(value: Any) -> bool:
+    """A tensor, or the stand-in for one that rank 0 holds."""
+    return isinstance(value, (torch.Tensor, TensorMeta))
+
+
+def kind_differs(dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
+    """Loading keeps the value's dtype, but not of another kind: no integers into floating point."""
+    return target_dtype.is_floating_point and not (dtype.is_floating_point or dtype.is_complex)
+
+
+def dtensor_problem(value: DTensor, target: torch.Tensor, whose: str) -> str:
+    """Why a DTensor ``value`` cannot load into ``target`` ("" if it can); ``whose`` names the target."""
+    if not isinstance(target, DTensor):
+        return f"a DTensor, but {whose} is not; load it with full_state_dict=True or through DCP"
+    if value.device_mesh != target.device_mesh:
+        return f"on mesh {value.device_mesh}, {whose} is on {target.device_mesh}"
+    return ""
+
+
+def from_dtensor(value: DTensor, target: torch.Tensor, device: torch.device) -> Prepared:
+    """A checked DTensor ``value`` for ``target``: kept as it is laid out where
+    that matches ``target``'s placements (or it is not ``target``'s shape),
+    else redistributed to ``target``'s layout when the plan is applied."""
+    if tuple(value.placements) == tuple(target.placements) or value.shape != target.shape:
+        return Prepared(DTensorLayout.of(value), device, local=local_tensor(value))
+    return Prepared(DTensorLayout.of(target), device, redistribute=value)
+
+
+def from_full(value: torch.Tensor | TensorMeta, device: torch.device, layout: DTensorLayout | None) -> Prepared:
+    """A checked full ``value``: this rank's piece of ``layout`` (None: the value as it is)."""
+    if isinstance(value, TensorMeta):
+        return Prepared(layout, device, meta=value)
+    return Prepared(layout, device, local=layout.local_from_full(value) if layout is not None else value)
+
+
+# -- applying --------------------------------------------------------------
+
+def redistribute(prepared: Iterable[Prepared]) -> None:
+    """Move every DTensor that needs it to its planned layout (collectives, in plan order)."""
+    for p in prepared:
+        if p.redistribute is not None:
+            moved = p.redistribute.redistribute(p.layout.mesh, p.layout.placements)
+            p.local = local_tensor(moved)
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same view of the same storage (copying is a no-op)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
+def fits(existing: Any, prepared: Prepared) -> bool:
+    """Whether ``prepared`` can be copied into ``existing`` in place (same layout, shape and dtype)."""
+    if not isinstance(existing, torch.Tensor):
+        return False
+    if isinstance(existing, DTensor) != (prepared.layout is not None):
+        return False
+    if prepared.layout is not None:
+        if (existing.device_mesh, tuple(existing.placements), existing.shape) != (
+            prepared.layout.mesh,
+            prepared.layout.placements,
+            prepared.layout.shape,
+        ):
+            return False
+        existing = local_tensor(existing)
+    return tuple(existing.shape) == prepared.local_shape and existing.dtype == prepared.dtype
+
+
+def copy_into(existing: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+    """``existing`` with ``prepared``'s data written into it."""
+    local = local_tensor(existing)
+    if not same_memory(local, prepared.local):  # a DCP template filled in place needs no copy
+        local.copy_(prepared.local)
+    return existing
+
+
+def materialize(prepared: Prepared) -> torch.Tensor:
+    """A new tensor (DTensor where planned) holding ``prepared``'s data on its device."""
+    if prepared.owned and prepared.local.device == prepared.device:
+        local = prepared.local  # delivered for us alone: adopt it
+    else:
+        local = torch.empty_like(prepared.local, device=prepared.device)
+        local.copy_(prepared.local)
+    return prepared.layout.wrap(local) if prepared.layout is not None else local

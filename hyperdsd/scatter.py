@@ -1,0 +1,215 @@
+"""Pieces of tensors only rank 0 holds, delivered to the ranks that need them.
+
+Every rank knows each tensor's shape and dtype (a manifest) and what region
+of it each rank needs (:class:`Need`, exchanged as :class:`PackedNeeds`).
+:class:`Scatterer` then moves the pieces from rank 0: a large tensor that
+every rank needs an equal run of whole rows of moves in one scatter, straight
+into each rank's destination; the rest travel packed in bounded byte
+buckets, one scatter per bucket. The bucket plan is computed alike on every
+rank from what every rank knows, so no rank waits on a collective another
+does not issue.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import BUCKET_BYTES, DIRECT_BYTES, active, aligned, as_bytes, exchange, from_bytes, rank
+from .placement import DTensorLayout
+
+# (shape, dtype) of each of rank 0's tensors, in manifest order
+Metas = Sequence[tuple[torch.Size, torch.dtype]]
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a rank needs of a full tensor: a region (slices as (start, stop))."""
+
+    region: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def whole(cls, shape) -> "Need":
+        return cls(tuple((0, n) for n in shape))
+
+    @classmethod
+    def of_layout(cls, layout: DTensorLayout) -> "Need":
+        return cls(tuple((s.start, s.stop) for s in layout.local_slices()))
+
+    def shape(self) -> list[int]:
+        return [b - a for a, b in self.region]
+
+    def numel(self) -> int:
+        return math.prod(b - a for a, b in self.region)
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        return full[tuple(slice(a, b) for a, b in self.region)] if self.region else full
+
+
+class PackedNeeds(Sequence):
+    """One rank's needs as sent to the others: each distinct region once,
+    then an index per tensor. Thousands of same-shaped tensors cost a few
+    bytes each on the wire and in every rank's memory, not an object each."""
+
+    def __init__(self, needs: Sequence[Need | None]):
+        table: dict[Need, int] = {}
+        index = array("i")
+        for need in needs:
+            index.append(-1 if need is None else table.setdefault(need, len(table)))
+        self.table = list(table)
+        self.index = index
+
+    def __getitem__(self, i):  # type: ignore[override]
+        j = self.index[i]
+        return None if j < 0 else self.table[j]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+class Scatterer:
+    """Every rank's needs of rank 0's tensors, delivered one collective per bucket.
+
+    Build it alike on every rank (``fulls`` only on rank 0) and call
+    :meth:`run`. With ``on_piece``, each piece is handed over as a view into
+    the bucket as it arrives (copy what you keep), so a rank holds its own
+    state plus one bucket; without it, pieces are returned. ``target_for``
+    names where a large piece may be received in place.
+    """
+
+    def __init__(
+        self,
+        metas: Metas,
+        fulls: Sequence[torch.Tensor] | None,
+        everyone: Sequence[Sequence[Need | None]],
+        device: torch.device,
+        bucket_bytes: int | None = None,
+        on_piece: Callable[[int, torch.Tensor], None] | None = None,
+        target_for: Callable[[int], torch.Tensor | None] | None = None,
+    ):
+        self.metas = metas
+        self.fulls = fulls
+        self.everyone = everyone
+        self.device = device
+        self.limit = bucket_bytes or BUCKET_BYTES
+        self.on_piece = on_piece
+        self.target_for = target_for
+        self.world = dist.get_world_size() if active() else 1
+        self.me = rank()
+        self.out: list[torch.Tensor | None] = [None] * len(metas)
+
+    def run(self) -> list[torch.Tensor | None]:
+        direct = [i for i in range(len(self.metas)) if self.world > 1 and self._direct(i)]
+        for i in direct:
+            self._scatter_one(i)
+        bucket: list[int] = []
+        sizes = [0] * self.world
+        skip = set(direct)
+        for i in range(len(self.metas)):
+            if i in skip:
+                continue
+            grow = [self._piece_bytes(i, r) for r in range(self.world)]
+            if bucket and max(s + g for s, g in zip(sizes, grow)) > self.limit:
+                self._scatter_bucket(bucket)
+                bucket, sizes = [], [0] * self.world
+            bucket.append(i)
+            sizes = [s + g for s, g in zip(sizes, grow)]
+        if bucket:
+            self._scatter_bucket(bucket)
+        return self.out
+
+    def _piece_bytes(self, i: int, r: int) -> int:
+        need = self.everyone[r][i]
+        return 0 if need is None else aligned(need.numel() * self.metas[i][1].itemsize)
+
+    def _direct(self, i: int) -> bool:
+        """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
+        shape, dtype = self.metas[i]
+        sizes = set()
+        for needs in self.everyone:
+            need = needs[i]
+            if need is None or not need.region or any(need.region[d] != (0, shape[d]) for d in range(1, len(shape))):
+                return False
+            sizes.add(need.numel())
+        return len(sizes) == 1 and sizes.pop() * dtype.itemsize >= DIRECT_BYTES
+
+    def _deliver(self, i: int, piece: torch.Tensor, *, view: bool) -> None:
+        if self.on_piece is not None:
+            self.on_piece(i, piece)
+        else:
+            self.out[i] = piece.clone() if view else piece
+
+    def _scatter_one(self, i: int) -> None:
+        """One large tensor: rank 0's rows go straight into each rank's destination."""
+        need = self.everyone[self.me][i]
+        shape, dtype = need.shape(), self.metas[i][1]
+        target = self.target_for(i) if self.target_for is not None else None
+        usable = target is not None and target.is_contiguous() and list(target.shape) == shape and target.dtype == dtype
+        recv = target if usable else torch.empty(shape, dtype=dtype, device=self.device)
+        sends = None
+        if self.me == 0:
+            sends = [self.everyone[r][i].cut(self.fulls[i]).to(self.device) for r in range(self.world)]
+        dist.scatter(recv, sends, src=0)
+        self._deliver(i, recv, view=False)
+
+    def _scatter_bucket(self, bucket: list[int]) -> None:
+        plans = [self._bucket_plan(bucket, r) for r in range(self.world)]  # per rank: [(item, offset, nbytes)]
+        width = max(total for _, total in plans)
+        if width == 0:
+            return
+        recv = torch.empty(width, dtype=torch.uint8, device=self.device)
+        if self.me == 0:
+            sends = []
+            for r in range(self.world):
+                buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
+                for i, off, nbytes in plans[r][0]:
+                    piece = self.everyone[r][i].cut(self.fulls[i])
+                    buf[off : off + nbytes] = as_bytes(piece.to(self.device))
+                sends.append(buf)
+            if self.world > 1:
+                dist.scatter(recv, sends, src=0)
+            else:
+                recv = sends[0]
+        else:
+            dist.scatter(recv, None, src=0)
+        for i, off, nbytes in plans[self.me][0]:
+            piece = from_bytes(recv[off : off + nbytes], self.metas[i][1], self.everyone[self.me][i].shape())
+            self._deliver(i, piece, view=True)
+
+    def _bucket_plan(self, bucket: list[int], r: int) -> tuple[list[tuple[int, int, int]], int]:
+        """Where each piece rank ``r`` needs sits in its buffer, and the buffer's size."""
+        off, parts = 0, []
+        for i in bucket:
+            need = self.everyone[r][i]
+            if need is None:
+                continue
+            nbytes = need.numel() * self.metas[i][1].itemsize
+            parts.append((i, off, nbytes))
+            off += aligned(nbytes)
+        return parts, off
+
+
+def scatter_from_rank0(
+    metas: Metas,
+    fulls: Sequence[torch.Tensor] | None,
+    needs: Sequence[Need | None],
+    device: torch.device,
+    bucket_bytes: int | None = None,
+    on_piece: Callable[[int, torch.Tensor], None] | None = None,
+    target_for: Callable[[int], torch.Tensor | None] | None = None,
+    everyone_needs: Sequence[Sequence[Need | None]] | None = None,
+) -> list[torch.Tensor | None]:
+    """Deliver to every rank the regions it needs of tensors only rank 0 holds.
+
+    ``metas`` are known everywhere; ``fulls`` only on rank 0; ``needs`` are
+    this rank's. Every rank learns every rank's needs (one all-gather of
+    small objects, unless the caller already exchanged them:
+    ``everyone_needs``), then :class:`Scatterer` moves the pieces.
+    """
+    everyone = everyone_needs if everyone_needs is not None else exchange(PackedNeeds(needs))
+    return Scatterer(metas, fulls, everyone, device, bucket_bytes, on_piece, target_for).run()
