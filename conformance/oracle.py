@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from hyperdsd import tree
+
 
 class CheckFailure(AssertionError):
     """A clause does not hold; the message says where and how."""
@@ -31,16 +33,8 @@ def check(condition: bool, message: str) -> None:
 
 
 def clone_tree(obj: Any) -> Any:
-    """A deep copy of a state dict that keeps DTensors DTensors."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone_tree(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(clone_tree(v) for v in obj)
-    return obj
+    """A deep copy of a state dict's containers and tensors (DTensors stay DTensors)."""
+    return tree.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
 
 
 def snapshot(setup) -> dict:

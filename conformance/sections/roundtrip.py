@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hyperdsd import tree
+
 from .. import flows
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
@@ -128,20 +130,12 @@ def _full(v):
     return v.full_tensor() if isinstance(v, DTensor) else v
 
 
-def _cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu().clone()
-    if isinstance(tree, dict):
-        return {k: _cpu(v) for k, v in tree.items()}
-    return tree
+def _cpu(state):
+    return tree.rebuild(state, lambda leaf, _path: leaf.detach().cpu().clone() if isinstance(leaf, torch.Tensor) else leaf)
 
 
-def _tensors(tree, path=""):
-    if isinstance(tree, torch.Tensor):
-        yield path, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _tensors(v, f"{path}[{k!r}]")
+def _tensors(state):
+    return ((tree.where(path), leaf) for path, leaf in tree.leaves(state) if isinstance(leaf, torch.Tensor))
 
 
 def cases():
