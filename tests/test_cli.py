@@ -218,3 +218,12 @@ def test_torchrun_hang_ends_the_run_with_stacks_and_a_partial_report(tmp_path):
     assert statuses == {ADAMW: "failed"}, statuses  # the run stops at the hung case, a hang of the implementation
     assert "in get_optimizer_state_dict" in data["cases"][0]["message"], data["cases"][0]["message"]
     assert lingering(mark) == []
+
+
+def test_exitfirst_stops_after_the_first_failure(tmp_path):
+    report = tmp_path / "x.json"
+    proc, mark = run_cli(["--impl", "faulty_impl:raises", "-k", ADAMW, "-k", SGD, "-x", "--json", str(report)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads(report.read_text())
+    assert [c["id"] for c in data["cases"]] == [ADAMW] and data["cases"][0]["status"] == "failed"
+    assert lingering(mark) == []
