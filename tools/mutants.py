@@ -1,0 +1,334 @@
+"""The mutants ``tools/mutate.py`` applies to hyperdsd: small, realistic bugs.
+
+Each is one textual edit of one module: ``target`` must occur exactly once
+in ``hyperdsd/{file}`` (``tests/test_mutants.py`` checks that it still
+does), ``replacement`` takes its place, ``bug`` says what the edit models.
+``hints`` are ``-k`` patterns of the cases most likely to kill it, run
+before anything else so that most mutants die within seconds.
+
+Targets are kept to a line or two, so that when the sources move a broken
+target is found by the test and fixed by hand in a minute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # under hyperdsd/
+    target: str
+    replacement: str
+    bug: str
+    hints: tuple[str, ...] = ()
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- get: purity and aliasing ---------------------------------------------
+    Mutant(
+        "get-steps-fresh-optimizer", "optimizer.py",
+        "        template = template_state(opt) if not opt.state else {}\n",
+        "        template = {}\n"
+        "        if not opt.state:  # initialise state as torch's get does: zero grads, a step at lr 0\n"
+        "            lrs = [g['lr'] for g in opt.param_groups]\n"
+        "            for g in opt.param_groups:\n"
+        "                g['lr'] = 0.0\n"
+        "                for p in g['params']:\n"
+        "                    if p.grad is None:\n"
+        "                        p.grad = torch.zeros_like(p)\n"
+        "            opt.step()\n"
+        "            for g, lr in zip(opt.param_groups, lrs):\n"
+        "                g['lr'] = lr\n"
+        "            opt.zero_grad(set_to_none=True)\n",
+        "get initialises a never-stepped optimizer's real state (a zero-gradient step) instead of a template on a copy",
+        ("OPT-PURE-1[single-adamw-sharded-fresh]",),
+    ),
+    Mutant(
+        "get-template-on-real-params", "templates.py",
+        '        groups.append({**group, "params": [stand_ins[p] for p in group["params"]]})',
+        "        groups.append(group)",
+        "the template's scratch optimizer is built over the real parameters (their gradients step them)",
+        ("OPT-PURE-1[single-adamw-sharded-grads]",),
+    ),
+    Mutant(
+        "get-aliases-state-entries", "optimizer.py",
+        "                    state[index.fqn_of[p]] = dict(entry)",
+        "                    state[index.fqn_of[p]] = entry",
+        "get returns the optimizer's own per-parameter state dicts (changing the result changes the optimizer)",
+        ("OPT-PURE-2[single-adamw-sharded]",),
+    ),
+    Mutant(
+        "get-sorts-group-params", "optimizer.py",
+        '            groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns})',
+        '            groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": sorted(fqns)})',
+        "param_groups list FQNs sorted by name, not in the optimizer's parameter order",
+        ("OPT-KEYS-1[single-adamw-sharded]",),
+    ),
+    Mutant(
+        "get-drops-frozen-state", "optimizer.py",
+        "                entry = stored.get(p) or template.get(p)",
+        "                entry = (stored.get(p) or template.get(p)) if p.requires_grad else None",
+        "get leaves out the optimizer state of parameters frozen after training",
+        ("OPT-PART-3[single-sharded]",),
+    ),
+    # -- keys -----------------------------------------------------------------
+    Mutant(
+        "prefix-left-compile", "fqn.py",
+        '        hidden.add("_orig_mod")',
+        "        pass",
+        "torch.compile's _orig_mod. segment is left in FQNs",
+        ("OPT-KEYS-2[single-sharded-compile]",),
+    ),
+    Mutant(
+        "prefix-left-missing-keys", "model.py",
+        "    plan.missing = [c for c in raw_of if c not in matched and c not in frozen]",
+        "    plan.missing = [raw_of[c] for c in raw_of if c not in matched and c not in frozen]",
+        "set_model_state_dict reports missing keys with the wrapper's prefix (raw state-dict keys)",
+        ("MODEL-2[ddp-sharded-nonstrict]",),
+    ),
+    Mutant(
+        "ignore-frozen-ignored", "model.py",
+        "    if ignore_frozen:\n",
+        "    if False:\n",
+        "ignore_frozen_params has no effect on get_model_state_dict",
+        ("OPT-PART-3[single-sharded]",),
+    ),
+    # -- set: in place, dtypes, DTensors -----------------------------------------
+    Mutant(
+        "set-replaces-state-tensors", "optimizer.py",
+        "                new[key] = copy_into(existing, value) if fits(existing, value) else materialize(value)",
+        "                new[key] = materialize(value)",
+        "set replaces existing state tensors instead of copying into them",
+        ("OPT-DT-4[single-adamw-sharded]",),
+    ),
+    Mutant(
+        "state-cast-to-param-dtype", "optimizer_plan.py",
+        "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
+        '    if isinstance(value, torch.Tensor) and key != "step":\n'
+        "        value = value.to(p.dtype)  # state follows its parameter's dtype\n"
+        "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
+        "state is cast to the parameter's dtype on set (fp32 moments of bf16 parameters become bf16)",
+        ("OPT-DT-3[single-adamw-sharded]",),
+    ),
+    Mutant(
+        "fits-ignores-dtype", "plan.py",
+        "    return tuple(existing.shape) == prepared.local_shape and existing.dtype == prepared.dtype",
+        "    return tuple(existing.shape) == prepared.local_shape",
+        "set copies into an existing state tensor of another dtype (the loaded state takes the old dtype)",
+        ("OPT-DT-3[single-adamw-sharded]",),
+    ),
+    Mutant(
+        "plain-tensors-after-set", "plan.py",
+        "    return prepared.layout.wrap(local) if prepared.layout is not None else local",
+        "    return local",
+        "new state (and meta-initialised parameters) become plain local tensors instead of DTensors",
+        ("OPT-DT-3[fsdp4-adamw-full]",),
+    ),
+    # -- validation and agreement -------------------------------------------------
+    Mutant(
+        "validation-skipped-on-rank-1", "optimizer_plan.py",
+        "    if shape not in allowed:",
+        "    if shape not in allowed and not (torch.distributed.is_initialized() and torch.distributed.get_rank() == 1):",
+        "the shape check is skipped on one rank (rank 1)",
+        ("OPT-ATOM-4[fsdp2-sharded]",),
+    ),
+    Mutant(
+        "problems-raised-locally", "collectives.py",
+        "    if flags[0]:\n        raise_if_any(exchange(problems), what)",
+        "    if problems:\n        raise StateDictError(_format(what, {rank(): problems}))",
+        "only the rank that found a problem raises; the others load",
+        ("OPT-ATOM-4[fsdp2-sharded]",),
+    ),
+    Mutant(
+        "strict-foreign-fqn-accepted", "optimizer_plan.py",
+        "        if plan.foreign and not foreign_ok:",
+        "        if False:",
+        "strict=True accepts FQNs the model does not have",
+        ("OPT-ATOM-1[single-sharded-unknown_fqn]",),
+    ),
+    Mutant(
+        "strict-lazy-counts-as-missing", "optimizer_plan.py",
+        "        absent = [f for f in required if f not in listed]",
+        "        absent = [f for f in required if f not in listed or f not in by_name]",
+        "strict=True rejects parameters that are listed without state (lazy state counts as missing)",
+        ("OPT-PART-2[single-sharded]",),
+    ),
+    Mutant(
+        "strict-false-ignored-for-optimizer", "api.py",
+        '                self.index, self.optims, parts["optim"], strict=self.opts.strict, foreign_ok=foreign_ok',
+        '                self.index, self.optims, parts["optim"], strict=True, foreign_ok=foreign_ok',
+        "strict=False is not honoured by set_optimizer_state_dict",
+        ("OPT-PART-1[single-sharded-nonstrict]",),
+    ),
+    Mutant(
+        "bcast-check-wrong-error-type", "options.py",
+        '        raise StateDictError("options.broadcast_from_rank0=True requires full_state_dict=True")',
+        '        raise RuntimeError("options.broadcast_from_rank0=True requires full_state_dict=True")',
+        "contradictory options raise an error that is not a ValueError",
+        ("OPT-ATOM-3[single-optim]",),
+    ),
+    Mutant(
+        "flat-unknown-keys-dropped", "flatten.py",
+        "        if split is None:\n            unknown.append(key)\n",
+        "        if split is None:\n",
+        "flat keys that match no FQN of the model are silently dropped",
+        ("OPT-ATOM-1[single-flat-unknown_fqn]",),
+    ),
+    Mutant(
+        "bcast-strict-unowned-ignored", "broadcast.py",
+        "            by_rank = [p + extra for p in by_rank]",
+        "            pass",
+        "broadcast loads with strict=True accept keys that no rank loads",
+        ("MODEL-2[fsdp4-bcast-strict]",),
+    ),
+    # -- groups ---------------------------------------------------------------------
+    Mutant(
+        "empty-groups-misordered", "optimizer_source.py",
+        "    for i, j in zip(empty_t, empty_s):",
+        "    for i, j in zip(empty_t, reversed(empty_s)):",
+        "groups without parameters are paired with the checkpoint's in reverse order",
+        ("OPT-EMPTY-1[pp2xfsdp2-adamw-bcast]",),
+    ),
+    Mutant(
+        "flat-drops-initial-lr", "flatten.py",
+        '        fields = [(k, v) for k, v in group.items() if k != "params"]',
+        '        fields = [(k, v) for k, v in group.items() if k not in ("params", "initial_lr")]',
+        "the flat layout drops one group field (initial_lr)",
+        ("OPT-SCHED-1[single-adamw-flat]",),
+    ),
+    Mutant(
+        "full-cpu-drops-empty-groups", "distribute.py",
+        '    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"]) or (not g["params"] and rooted)]',
+        '    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"])]',
+        "full_cpu with pipeline stages drops groups without parameters",
+        ("OPT-EMPTY-1[pp2-adamw-full_cpu]",),
+    ),
+    Mutant(
+        "flat-template-fields-untracked", "api.py",
+        "                templates.track_template_fields(nested, anchor)",
+        "                pass",
+        "a flat template's own group fields count as loaded (a DCP load that did not cover them lists them)",
+        ("OPT-PART-1[pp2xfsdp2-dcp-strict]",),
+    ),
+    # -- placeholders ---------------------------------------------------------------
+    Mutant(
+        "placeholders-loaded-as-state", "optimizer_plan.py",
+        "            written = {k: v for k, v in (entry or {}).items() if k not in skip}",
+        "            written = dict(entry or {})",
+        "a placeholder nobody wrote into is loaded as real state",
+        ("OPT-RT-4[hsdp2x2-adamw-dcp]",),
+    ),
+    Mutant(
+        "placeholder-version-ignored", "templates.py",
+        "    return entry is not None and entry[0]() is value and _compat.version_of(value) == entry[1]",
+        "    return entry is not None and entry[0]() is value",
+        "a placeholder DCP wrote into still counts as unwritten (the loaded state is dropped)",
+        ("OPT-RT-1[single-adamw-dcp]",),
+    ),
+    Mutant(
+        "empty-shard-placeholders-written", "templates.py",
+        "    if empty and (len(unwritten) < len(entry) or unknown):",
+        "    if empty:",
+        "empty shards of an unwritten template entry count as written (the rank loads empty state)",
+        ("OPT-RESHARD-2[fsdp2_to_fsdp4-adamw-dcp-subset]",),
+    ),
+    Mutant(
+        "empty-shard-decides-alone", "plan.py",
+        "            if self.questions.get(load.fqn, True) is None and not answers.get(load.fqn, True):",
+        "            if False:",
+        "a rank holding an empty shard of a template entry ignores what the other ranks say about it",
+        ("OPT-RESHARD-2[fsdp2_to_fsdp4-sgd-dcp-lazy]",),
+    ),
+    Mutant(
+        "step-placeholder-not-zeroed", "templates.py",
+        '                    value.zero_()  # a placeholder that is saved as is means "never stepped"',
+        "                    pass",
+        "a never-stepped optimizer's template says step 1, as after the scratch step",
+        ("OPT-RT-1[fsdp4-adamw-full-step0]",),
+    ),
+    # -- shards, gathers, broadcasts ------------------------------------------------------
+    Mutant(
+        "shard-size-rounded-down", "placement.py",
+        "    size = -(-length // parts) if length else 0",
+        "    size = length // parts if length else 0",
+        "uneven shards are sized with floor division (torch.chunk rounds up)",
+        ("OPT-RT-1[fsdp3-adamw-full]",),
+    ),
+    Mutant(
+        "empty-shard-offset-off-by-one", "placement.py",
+        "    start = min(index * size, length)",
+        "    start = min(index * size, length - 1)",
+        "the offset of a trailing empty shard is off by one (it gets the last row)",
+        ("OPT-RT-1[fsdp4-adamw-full]",),
+    ),
+    Mutant(
+        "slices-wrong-mesh-coordinate", "placement.py",
+        "self.mesh.size(mesh_dim), coordinate[mesh_dim])",
+        "self.mesh.size(mesh_dim), coordinate[0])",
+        "on a 2-D mesh a rank's shard is cut by its coordinate on the first mesh dim",
+        ("OPT-RT-1[hsdp2x2-adamw-full]",),
+    ),
+    Mutant(
+        "gather-piece-rows-rounded-down", "gather.py",
+        "        rows = -(-shape[item.shard_dim] // n) if shape[item.shard_dim] else 0",
+        "        rows = shape[item.shard_dim] // n",
+        "gather buckets size uneven pieces with floor division (pieces overlap)",
+        ("OPT-RT-1[fsdp3-adamw-full]",),
+    ),
+    Mutant(
+        "gather-shard-on-mesh-dim-0", "gather.py",
+        "            found = (i, p.dim)",
+        "            found = (0, p.dim)",
+        "gathers assume the shard mesh dim is the first (wrong group under HSDP)",
+        ("OPT-RT-1[hsdp2x2-adamw-full_cpu]",),
+    ),
+    Mutant(
+        "full-cpu-model-on-every-rank", "distribute.py",
+        "    rank0_only = cpu and collectives.active()\n    kept, roots = full_entries(sd,",
+        "    rank0_only = False  # every rank keeps what it gathered\n    kept, roots = full_entries(sd,",
+        "full_state_dict + cpu_offload gives every rank the model's full dict, not rank 0 alone",
+        ("MODEL-1[fsdp2-full_cpu]",),
+    ),
+    Mutant(
+        "full-cpu-stages-not-collected", "distribute.py",
+        "    if rank0_only and collectives.active() and not collectives.same_everywhere(keys):",
+        "    if False:",
+        "full_cpu assumes every rank holds the same keys (rank 0 misses other pipeline stages)",
+        ("OPT-RT-3[pp2-adamw-full_cpu]",),
+    ),
+    Mutant(
+        "full-cpu-stage-groups-dropped", "distribute.py",
+        '            mine["param_groups"].extend(part["param_groups"])',
+        "            pass",
+        "full_cpu with pipeline stages: rank 0 receives the other stages' state but not their param groups",
+        ("OPT-RT-1[pp2-adamw-full_cpu]",),
+    ),
+    Mutant(
+        "bcast-piece-cut-twice", "broadcast.py",
+        "            mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece",
+        "            mine = p.layout.local_from_full(piece) if p.layout is not None else piece",
+        "a broadcast piece that is already this rank's region is cut again",
+        ("OPT-RT-1[fsdp2-adamw-bcast]",),
+    ),
+    # -- model -----------------------------------------------------------------------
+    Mutant(
+        "model-extra-state-dropped", "model.py",
+        "            plan.values[raw] = value  # extra state: whatever the module accepts",
+        "            pass",
+        "set_model_state_dict drops extra state",
+        ("MODEL-1[single-sharded]",),
+    ),
+    Mutant(
+        "model-meta-not-assigned", "model.py",
+        "        if raw in plan.on_meta:",
+        "        if False:",
+        "parameters on the meta device are copied into (a no-op) instead of assigned",
+        ("MODEL-4[fsdp2-full]",),
+    ),
+)
+
+
+def by_name() -> dict[str, Mutant]:
+    return {m.name: m for m in MUTANTS}
