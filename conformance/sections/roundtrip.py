@@ -21,9 +21,14 @@ OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 BEFORE, AFTER = 1, 1
 
 
-def rt_1(c, layout, opt, mode):
-    """Resume in a fresh setup; K more steps must match the uninterrupted run bitwise."""
-    a, b = flows.resume(c, lambda seed: Setup(c, layout, opt, seed=seed), mode, before=BEFORE, after=AFTER)
+def rt_1(c, layout, opt, mode, before=BEFORE):
+    """Resume in a fresh setup; K more steps must match the uninterrupted run bitwise.
+
+    ``before=0``: the checkpoint is taken before the first step (as training
+    scripts save at step 0), so it holds whatever get gives for an optimizer
+    that never stepped; resuming from it must be like starting afresh.
+    """
+    a, b = flows.resume(c, lambda seed: Setup(c, layout, opt, seed=seed), mode, before=before, after=AFTER)
     fail_if(diff_snapshots(snapshot(a), snapshot(b)), f"{mode}: after resuming, the run differs from the uninterrupted one")
 
 
@@ -147,6 +152,10 @@ def cases():
         for opt in ("adamw", "adagrad"):
             for mode in flows.MODES:
                 yield make_case("OPT-RT-4", layout, rt_4, opt=opt, mode=mode)
+    for layout in ("single", "fsdp4", "pp2xfsdp2"):
+        for opt in ("adamw", "adagrad"):
+            for mode in flows.MODES:
+                yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode, variant="step0", before=0)
     for mode in flows.MODES:  # optional: FSDP over tensor parallelism (strided shards)
         yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
     for layout in LAYOUTS:
