@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import hyperdsd
 from hyperdsd import collectives
 from hyperdsd.gather import Gatherer
-from hyperdsd.scatter import Need, scatter_from_rank0
+from hyperdsd.scatter import Need, scatter_from_root
 from hyperdsd.placement import DTensorLayout
 
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
@@ -56,7 +55,7 @@ def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
     if big:
         needs.append(Need.of_layout(layouts[3]))
     metas = [(tuple(f.shape), f.dtype) for f in fulls]
-    pieces = scatter_from_rank0(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
+    pieces = scatter_from_root(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
     for i, need in enumerate(needs):
         if need is None:
             assert pieces[i] is None
@@ -79,10 +78,11 @@ def agree(ctx, bad_rank: int = 1):
 
 def _setup(ctx, layout, seed, impl):
     from conformance.adapters import load_adapter
+    from conformance.context import CaseContext
     from conformance.layouts import Setup
     from conformance.models import ModelConfig
 
-    c = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, mesh=ctx.mesh, iut=load_adapter(impl))
+    c = CaseContext(ctx, None, 0, load_adapter(impl), "")
     # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.
     return Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(tie=False), trainable=lambda f: not f.startswith(("aux", "frozen")))
 
