@@ -82,6 +82,14 @@ def incompatible_keys(missing: list[str], unexpected: list[str]):
     return _IncompatibleKeys(missing, unexpected)
 
 
+def root_mesh(mesh):
+    # The mesh a slice (``mesh["dp"]``) or an FSDP-concatenated mesh was cut
+    # from; it tells a model on a slice of a world mesh (one SPMD job) from a
+    # model on a mesh built over part of the world. DeviceMesh keeps it private.
+    get = getattr(mesh, "_get_root_mesh", None)
+    return get() if get is not None else mesh
+
+
 def collective_device() -> torch.device:
     """Where buffers for the default group's collectives must live."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":

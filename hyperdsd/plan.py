@@ -23,7 +23,7 @@ from .placement import DTensorLayout
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Stands in for a tensor only rank 0 holds (broadcast loads)."""
+    """Stands in for a tensor only the root holds (broadcast loads)."""
 
     shape: tuple
     dtype: torch.dtype
@@ -109,7 +109,7 @@ class OptimizerLoadPlan:
 # -- checks ----------------------------------------------------------------
 
 def is_tensorish(value: Any) -> bool:
-    """A tensor, or the stand-in for one that rank 0 holds."""
+    """A tensor, or the stand-in for one that the root holds."""
     return isinstance(value, (torch.Tensor, TensorMeta))
 
 
