@@ -126,12 +126,10 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
                 lacking = sorted(str(k) for k in expected if k not in written)
                 if lacking:
                     problems.append(f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})")
-            prepared = {}
-            for key, value in written.items():
-                prepared[key] = _prepare(value, p, key, target.group, expected, f"state[{fqn!r}][{key!r}]", problems)
-                existing = expected.get(key) if expected else None
-                if isinstance(prepared[key], Prepared) and fits(existing, prepared[key]):
-                    prepared[key].dest = existing
+            prepared = {
+                key: _prepare(value, p, key, target.group, expected.get(key) if expected else None, f"state[{fqn!r}][{key!r}]", problems)
+                for key, value in written.items()
+            }
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
 
 
@@ -141,9 +139,26 @@ def _target_device(p, key: str, group: dict, value) -> torch.device:
     return _compat.local_tensor(p).device
 
 
-def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str, problems: list[str]):
-    """Check one state value against its parameter; return what to load."""
-    exp = expected.get(key) if expected else None
+def _prepare(value, p, key: str, group: dict, exp, where: str, problems: list[str]):
+    """Check one state value against its parameter and ``exp``, what the
+    optimizer keeps (or would create) under ``key``; return what to load.
+
+    Nested values (dicts, lists and tuples, as custom optimizers keep) are
+    checked leaf by leaf against the same place in ``exp``.
+    """
+    if type(value) is dict:
+        mine = exp if isinstance(exp, dict) else {}
+        return {k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        mine = exp if isinstance(exp, (list, tuple)) and len(exp) == len(value) else [None] * len(value)
+        return type(value)(_prepare(v, p, key, group, e, f"{where}[{i}]", problems) for i, (v, e) in enumerate(zip(value, mine)))
+    prepared = _prepare_leaf(value, p, key, group, exp, where, problems)
+    if isinstance(prepared, Prepared) and fits(exp, prepared):
+        prepared.dest = exp  # loaded in place into the state tensor it replaces
+    return prepared
+
+
+def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: list[str]):
     if not is_tensorish(value):
         if isinstance(exp, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import local_tensor
 from .placement import DTensorLayout
+from .tree import is_container, leaves
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,15 @@ class OptimizerLoadPlan:
                 load.entry = None
 
     def tensors(self) -> list[Prepared]:
-        return [v for load in self.params for v in (load.entry or {}).values() if isinstance(v, Prepared)]
+        """Every planned tensor, nested state (dicts and lists of tensors) included."""
+        out = []
+        for load in self.params:
+            for v in (load.entry or {}).values():
+                if isinstance(v, Prepared):
+                    out.append(v)
+                elif is_container(v):
+                    out += [leaf for _, leaf in leaves(v) if isinstance(leaf, Prepared)]
+        return out
 
 
 # -- checks ----------------------------------------------------------------
