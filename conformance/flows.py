@@ -17,6 +17,10 @@
              nested ``param_groups.N`` keys of different stages would collide
              in one checkpoint, which is why the flat layout exists.
 
+A setup whose model spans part of the world (OPT-MESH-2) keeps everything
+to its own ranks: its first rank is the root of ``full_cpu``, ``bcast`` and
+``file``, DCP runs in its process group, its files are its own.
+
 Where a clause is about optimizer state, the model goes the *reference* way
 (the model's own ``state_dict``, copied by the suite), so that a deviation of
 the implementation's model functions fails the MODEL clauses only; MODEL
@@ -80,6 +84,11 @@ class Saved:
     model_ref: Any = None  # the model's own state_dict, copied (model="reference")
 
 
+def _path(c, setup, name: str) -> str:
+    """A checkpoint path of the setup's own (models on parts of the world save apart)."""
+    return c.path(name if setup.group_size == c.world_size else f"{name}-ranks{setup.ranks[0]}-{setup.ranks[-1]}")
+
+
 def _effective(mode: str, setup) -> str:
     return "flat_dcp" if mode == "dcp" and setup.layout.pp > 1 else mode
 
@@ -93,15 +102,16 @@ def save(c, setup, mode: str, *, model: str | None = "reference", optim: bool = 
     osd = iut.get_optimizer_state_dict(setup.model, optimizers_arg(setup), options=opts) if optim else None
     saved = Saved(mode, model_ref=clone_tree(setup.module.state_dict()) if model == "reference" else None)
     if mode in ("dcp", "flat_dcp"):
-        saved.path = c.path(f"dcp-{mode}")
+        saved.path = _path(c, setup, f"dcp-{mode}")
         with c.under_test("dcp.save of the state dicts get returned"):
-            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=saved.path)
+            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=saved.path,
+                     process_group=setup.group)
     elif mode in _FILES:
-        saved.path = c.path("full.pt")
-        if c.rank == 0:
+        saved.path = _path(c, setup, "full.pt")
+        if setup.is_root:
             with c.under_test("torch.save of the full state dicts get returned"):
                 torch.save({"model": msd, "optim": osd}, saved.path)
-        c.barrier()  # the file is complete before any rank reads it
+        setup.barrier()  # the file is complete before any rank reads it
     else:
         saved.model, saved.optim = clone_tree(msd), clone_tree(osd)
     return saved
@@ -115,12 +125,12 @@ def load_reference_model(setup, state: dict, strict: bool = True) -> None:
 
 def save_reference_model(c, setup, name: str = "model-ref") -> None:
     """The model's own state dict through DCP, for a load on another layout."""
-    dcp.save({"model": setup.module.state_dict()}, checkpoint_id=c.path(name))
+    dcp.save({"model": setup.module.state_dict()}, checkpoint_id=_path(c, setup, name), process_group=setup.group)
 
 
 def load_reference_model_from(c, setup, name: str = "model-ref") -> None:
     state = setup.module.state_dict()
-    dcp.load({"model": state}, checkpoint_id=c.path(name))
+    dcp.load({"model": state}, checkpoint_id=_path(c, setup, name), process_group=setup.group)
     with torch.no_grad():
         setup.module.load_state_dict(state)
 
@@ -141,22 +151,24 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
         if iut_model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
             with c.under_test("dcp.load into the template get returned"):
-                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                         process_group=setup.group)
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)
             with c.under_test("dcp.load into the template get returned"):
-                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=partial))
+                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=partial),
+                         process_group=setup.group)
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys
     if saved.mode == "bcast":
-        data = read_full(saved.path) if c.rank == 0 else {"model": {}, "optim": {}}
+        data = read_full(saved.path) if setup.is_root else {"model": {}, "optim": {}}
         msd, osd = data["model"], data["optim"]
     elif saved.mode == "file":
         data = read_full(saved.path)
         msd, osd = data["model"], data["optim"]
     elif saved.mode == "full_cpu":
-        msd, osd = (clone_tree(saved.model), clone_tree(saved.optim)) if c.rank == 0 else ({}, {})
+        msd, osd = (clone_tree(saved.model), clone_tree(saved.optim)) if setup.is_root else ({}, {})
     else:
         # A copy, so that an implementation that consumes its input cannot
         # change what a later load of the same checkpoint sees.
@@ -168,20 +180,26 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
     return keys
 
 
-def resume(c, make, mode: str, *, before: int = 1, after: int = 1, strict: bool = True):
+def resume(c, make, mode: str, *, before: int = 1, after: int = 1, strict: bool = True, on_saving=None, on_loaded=None):
     """The scenario most clauses share: train, save in ``mode``, train on;
     load into a fresh setup and train as long.
 
     ``make(seed)`` builds a setup; seed 1 differs from seed 0 in values and
     hyperparameters, so that they can only come from the checkpoint.
-    Returns (uninterrupted, resumed).
+    ``on_saving(a)`` and ``on_loaded(b)``, when given, look at the setups
+    just before the save and just after the load (what a clause checks
+    beyond the resumed run). Returns (uninterrupted, resumed).
     """
     a = make(0)
     a.train(before)
+    if on_saving is not None:
+        on_saving(a)
     saved = save(c, a, mode)
     a.train(after)
     b = make(1)
     b.set_steps_done(before)
     load(c, b, saved, strict=strict)
+    if on_loaded is not None:
+        on_loaded(b)
     b.train(after)
     return a, b

@@ -83,7 +83,8 @@ def load_phase(c, src, dst, opt, kind, subset=False):
     fail_if(problems, f"after resharding {src} -> {dst}, training differs from the uninterrupted run")
 
 
-def _case(clause, src, dst, opt, kind, subset=False) -> Case:
+def reshard_case(clause, src, dst, opt, kind, subset=False) -> Case:
+    """Save on ``src``, load on ``dst`` (two phases), then train on like the uninterrupted run."""
     a, b = parse_layout(src), parse_layout(dst)
     params = {"src": src, "dst": dst, "opt": opt, "kind": kind, "subset": subset}
     return Case(
@@ -93,7 +94,7 @@ def _case(clause, src, dst, opt, kind, subset=False) -> Case:
         phases=(Phase(a.world_size, save_phase, params), Phase(b.world_size, load_phase, params)),
         deadline_s=90,
         rtol=RTOL,
-        meshes=(a.mesh, b.mesh),
+        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
         mode=kind,
     )
 
@@ -113,8 +114,8 @@ PAIRS = (
 def cases():
     for src, dst in PAIRS:
         for opt in ("adamw", "sgd"):
-            yield _case("OPT-RESHARD-1", src, dst, opt, "dcp")
+            yield reshard_case("OPT-RESHARD-1", src, dst, opt, "dcp")
     for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("single", "hsdp2x2")):
-        yield _case("OPT-RESHARD-2", src, dst, "adamw", "dcp", subset=True)
+        yield reshard_case("OPT-RESHARD-2", src, dst, "adamw", "dcp", subset=True)
     for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "hsdp2x2"), ("single", "fsdp3"), ("fsdp4", "pp2xfsdp2"), ("pp2xfsdp2", "fsdp4"), ("hsdp2x2", "single")):
-        yield _case("OPT-RESHARD-3", src, dst, "adamw", "bcast")
+        yield reshard_case("OPT-RESHARD-3", src, dst, "adamw", "bcast")
