@@ -93,9 +93,9 @@ def answer(open_questions, known_by_rank: list[dict[str, bool]]) -> dict[str, bo
 
 
 def raise_if_any(problems_by_rank: list[list[str]], what: str, group: Group | None = None) -> None:
-    """Raise if any rank has problems; ``problems_by_rank`` is by group rank."""
+    """Raise if any rank has problems; ``problems_by_rank`` is by rank of ``group`` (default: the world)."""
     if any(problems_by_rank):
-        ranks = (group or world()).ranks
+        ranks = group.ranks if group is not None else range(len(problems_by_rank))
         raise StateDictError(_format(what, {ranks[i]: p for i, p in enumerate(problems_by_rank) if p}))
 
 
