@@ -45,12 +45,18 @@ def check_get(c, s, mode: str) -> None:
     osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, mode))
     params = dict(s.named_parameters())
     held = by_param(osd, params)
+    stateful = {fqn for fqn, entry in snapshot(s)["state"].items() if entry}
+    if mode in _ROOT_ONLY:
+        # The root holds every rank's state (pipeline stages too), the others nothing.
+        everyone = {f for part in _everyone(s, sorted(stateful)) for f in part}
+        stateful = everyone if s.is_root else set()
+    problems = [f"get[{fqn!r}]: absent on rank {c.rank}, which should hold it" for fqn in sorted(stateful - set(held))]
     if mode in _FULL:
-        problems = _not_full(held, _shapes(s, params), cpu=mode in _ROOT_ONLY)
-        if mode in _ROOT_ONLY and not s.is_root:
-            problems = [f"full_cpu on rank {c.rank}: {len(held)} state entries, expected none off the root"] if held else []
+        problems += _not_full(held, _shapes(s, params), cpu=mode in _ROOT_ONLY)
+        if mode in _ROOT_ONLY and not s.is_root and held:
+            problems.append(f"full_cpu on rank {c.rank}: {len(held)} state entries, expected none off the root (rank {s.root})")
     else:
-        problems = layout_problems(held, params, "get", local=False)
+        problems += layout_problems(held, params, "get", local=False)
     problems += _differ_across_ranks(s, held)
     fail_if(problems, f"{mode}: what get returns is not laid out as OPT-STATE-1 says")
 
