@@ -139,6 +139,12 @@ def forget_device_meshes() -> None:
     clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_plans is not None:
         clear_plans()
+    # The C++ dispatch fast path keeps a sharding cache of its own, in front
+    # of the Python one: a hit hands back an output spec on a mesh of the old
+    # generation ("Could not resolve the process group registered under ...").
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
 
 
 def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
