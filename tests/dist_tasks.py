@@ -152,3 +152,27 @@ def combined_broadcast(ctx):
     diffs = diff_snapshots(snapshot(a), snapshot(b))
     assert not diffs, "\n".join(diffs[:10])
     return True
+
+
+def group_rule(ctx):
+    """The group of a model's collectives: the world unless its meshes were built over part of it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperdsd import group
+
+    def on(mesh):
+        return [distribute_tensor(torch.ones(4), mesh, [Replicate()] * mesh.ndim, src_data_rank=None)]
+
+    world_2d = ctx.mesh("2x2")
+    halves = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]
+    columns = [DeviceMesh("cpu", [[0], [1]]), DeviceMesh("cpu", [[2], [3]])]  # 2-D meshes over a half: no 1-D group
+    mine = ctx.rank // 2
+    assert group.of_params(on(world_2d["shard"])) == group.world()  # a slice of a world mesh is the world's
+    half = group.of_params(on(halves[mine]))
+    assert half.ranks == (2 * mine, 2 * mine + 1) and half.root == 2 * mine and half.pg is halves[mine].get_group()
+    made = group.of_params(on(columns[mine]))
+    assert made.ranks == half.ranks and group.of_params(on(columns[mine])).pg is made.pg  # made once, then kept
+    # Collectives stay inside the half: each half agrees and gathers on its own.
+    assert collectives.exchange(ctx.rank, made) == list(half.ranks)
+    assert collectives.broadcast_object(f"from {ctx.rank}", half) == f"from {half.root}"
+    return collectives.send_to_root(ctx.rank, half)

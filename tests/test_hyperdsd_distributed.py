@@ -36,6 +36,11 @@ def test_scatter_delivers_each_rank_only_its_pieces(pools, world_size, big):
     assert all(run(pools, world_size, "scatter", bucket_bytes=48, big=big))
 
 
+def test_a_model_on_part_of_the_world_keeps_its_collectives_there(pools):
+    values = run(pools, 4, "group_rule")
+    assert values == [[0, 1], None, [2, 3], None]
+
+
 def test_agreement_raises_on_every_rank(pools):
     assert run(pools, 4, "agree", bad_rank=1) == ["raised"] * 4
 

@@ -327,6 +327,28 @@ def test_flatten_and_unflatten_with_dotted_and_nested_keys():
     assert fields == {"a.b": {"lr": 0.1}, "a.bc": {"lr": 0.1}} and unknown == ["state.zz.q"]
 
 
+def test_lists_in_nested_state_round_trip_through_the_flat_layout():
+    t0, t1, t2 = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    entry = {"pre": {"traces": [t0, t1], "0": 5, "rows": [[t2]], "none": []}, "kind": "matrix", "pair": (1, 2)}
+    flat = flat_format.flatten({"state": {"a.b": entry}, "param_groups": [{"params": ["a.b"], "lr": 0.1}]})
+    assert {"state.a.b.pre.traces[0]", "state.a.b.pre.traces[1]", "state.a.b.pre.0", "state.a.b.pre.rows[0][0]"} <= set(flat)
+    assert flat["state.a.b.pre.none"] == [] and flat["state.a.b.pair"] == (1, 2)
+    state, _, unknown = flat_format.unflatten(flat, {"a.b"})
+    back = state["a.b"]
+    assert unknown == [] and back["pre"]["traces"][0] is t0 and back["pre"]["traces"][1] is t1 and back["pre"]["rows"][0][0] is t2
+    # a dict key that is a number stays a dict key; list items come back as a list, in order
+    assert back["pre"]["0"] == 5 and isinstance(back["pre"]["traces"], list) and back["kind"] == "matrix"
+
+
+def test_nested_placeholders_follow_their_entry():
+    from hyperdsd.templates import mark_placeholder, unwritten_keys
+
+    entry = {"step": mark_placeholder(torch.zeros(())), "pre": {"traces": [mark_placeholder(torch.zeros(2))]}, "count": 0, "kind": "x"}
+    assert unwritten_keys(entry) == ({"step", "pre", "count", "kind"}, False)  # nobody wrote: all of it is absent
+    entry["pre"]["traces"][0].copy_(torch.ones(2))  # DCP loaded the nested tensor, not the step
+    assert unwritten_keys(entry) == ({"step"}, False)
+
+
 def test_flat_keys_match_torchs_layout():
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_get
 
