@@ -1,5 +1,10 @@
 """Layouts: how a model is laid out over ranks, and a training setup on one rank.
 
+Layouts are data: each family is one :class:`LayoutKind` entry in
+:data:`KINDS` (its name pattern, meshes, how it places and shards a model,
+its data parallelism, the clauses it serves), and a name such as ``fsdp4``
+or ``fsdp4+ep2x2`` parses into a :class:`Layout` of one of them.
+
 A :class:`Setup` is what a case trains and hands to the implementation under
 test: the model (wrapped as the layout wraps it), its optimizers, and a
 deterministic training loop, so that two setups built alike and trained
@@ -53,13 +58,9 @@ class Layout:
         return tuple(spec for spec, _ in self.meshes)
 
     @property
-    def sharded(self) -> bool:
-        return self.kind.shard is not _unsharded
-
-    @property
     def spans(self) -> list[tuple[int, ...]]:
         """The ranks of each model (one model over the world, unless the kind places several)."""
-        sizes = self.args if self.kind.place is _parts else (self.world_size,)
+        sizes = self.args if self.kind.parts else (self.world_size,)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [tuple(range(start, start + n)) for start, n in zip(starts, sizes)]
 
@@ -76,8 +77,10 @@ class LayoutKind:
     model spans; ``shard(setup)`` lays the built model out (the adapter's
     own ``shard`` for what FSDP would shard); ``dp(setup)`` is the rank's
     (data-parallel rank, degree); ``model(cfg, setup)`` adjusts the model
-    config; ``serves`` lists the clauses whose sections take their layouts
-    from here (:func:`serving`), with the layouts they run on.
+    config; ``parts``: the numbers in the name are the sizes of disjoint
+    parts of the world, one model each; ``serves`` lists the clauses whose
+    sections take their layouts from here (:func:`serving`), with the
+    layouts they run on.
     """
 
     name: str
@@ -88,6 +91,7 @@ class LayoutKind:
     dp: Callable[["Setup"], tuple[int, int]]
     model: Callable[[ModelConfig, "Setup"], ModelConfig] = lambda cfg, setup: cfg
     wrap: Callable[[nn.Module], nn.Module] = lambda module: module
+    parts: bool = False
     serves: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
@@ -228,10 +232,6 @@ def _ddp(module: nn.Module) -> nn.Module:
     return nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
 
 
-def _n(text: str) -> int:
-    return int(text)
-
-
 KINDS: tuple[LayoutKind, ...] = (
     LayoutKind("single", r"single", lambda: (1, (("1", ("shard",)),), 1), _no_mesh, _unsharded, _no_dp),
     LayoutKind("ddp", r"ddp", lambda: (2, (("2", ("shard",)),), 1), _world_mesh, _unsharded, _world_dp, wrap=_ddp),
@@ -263,7 +263,7 @@ KINDS: tuple[LayoutKind, ...] = (
     # mesh (colocated trainers: an actor on ranks 0-1, a critic on 2-3).
     LayoutKind(
         "halves", r"halves(\d+)\+(\d+)", lambda a, b: (a + b, ((f"{a}+{b}", ("shard",)),), 1),
-        _parts, _fsdp, _part_dp, model=_second_model_differs,
+        _parts, _fsdp, _part_dp, model=_second_model_differs, parts=True,
         serves=(("OPT-MESH-2", ("halves2+2",)),),
     ),
 )
@@ -273,7 +273,7 @@ def parse_layout(name: str) -> Layout:
     for kind in KINDS:
         match = re.fullmatch(kind.pattern, name)
         if match:
-            numbers = tuple(_n(g) for g in match.groups())
+            numbers = tuple(int(g) for g in match.groups())
             world_size, meshes, pp = kind.make(*numbers)
             return Layout(name, kind, world_size, meshes, pp, numbers)
     raise ValueError(f"unknown layout {name!r}")

@@ -58,7 +58,7 @@ def check_get(c, s, mode: str) -> None:
     else:
         problems += layout_problems(held, params, "get", local=False)
     problems += _differ_across_ranks(s, held)
-    fail_if(problems, f"{mode}: what get returns is not laid out as OPT-STATE-1 says")
+    fail_if(problems, f"{mode}: what get returns is not laid out as {c.clause} says")
 
 
 def by_param(osd: dict, params: dict) -> dict:
