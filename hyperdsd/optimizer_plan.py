@@ -31,6 +31,7 @@ from .plan import (
     kind_differs,
 )
 from .templates import has_placeholders, scratch_state, unwritten_keys
+from .tree import is_container
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -146,6 +147,9 @@ def _prepare(value, p, key: str, group: dict, exp, where: str, problems: list[st
     Nested values (dicts, lists and tuples, as custom optimizers keep) are
     checked leaf by leaf against the same place in ``exp``.
     """
+    if is_container(value) and isinstance(exp, torch.Tensor):
+        problems.append(f"{where}: a {type(value).__name__}, expected a tensor like the optimizer's")
+        return None
     if type(value) is dict:
         mine = exp if isinstance(exp, dict) else {}
         return {k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems) for k, v in value.items()}
