@@ -12,7 +12,10 @@
              Pipeline stages take from it what is theirs (``strict=False``).
 ``flat``     ``flatten_optimizer_state_dict``, in memory.
 ``dcp``      default options through ``torch.distributed.checkpoint``; the
-             target's own get provides the load template, as users do. On
+             target's own get provides the load template, as users do, and
+             ``dcp.load`` runs with the implementation's documented load
+             planner (``Adapter.dcp_load_planner``), or DCP's default
+             planner where it names none: nothing relaxed. On
              pipeline layouts (MPMD) the optimizer goes in the flat layout:
              nested ``param_groups.N`` keys of different stages would collide
              in one checkpoint, which is why the flat layout exists.
@@ -125,7 +128,13 @@ def load_reference_model_from(c, setup, name: str = "model-ref") -> None:
         setup.module.load_state_dict(state)
 
 
-def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, model: bool = True, optim: bool = True, options: dict | None = None):
+def dcp_planner(iut):
+    """The implementation's documented DCP load planner (SPEC §2), or DCP's default."""
+    factory = iut.dcp_load_planner
+    return factory() if factory is not None else DefaultLoadPlanner()
+
+
+def load(c, setup, saved: Saved, *, strict: bool = True, model: bool = True, optim: bool = True, options: dict | None = None):
     """Load ``saved`` into ``setup``; returns the model's (missing, unexpected) keys or None."""
     iut = c.iut
     if saved.mode == "file" and setup.layout.pp > 1:
@@ -141,12 +150,12 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
         if iut_model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
             with c.under_test("dcp.load into the template get returned"):
-                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=dcp_planner(iut))
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)
             with c.under_test("dcp.load into the template get returned"):
-                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=partial))
+                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=dcp_planner(iut))
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys
     if saved.mode == "bcast":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 
@@ -171,7 +172,9 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
         raise
     except NotImplementedError as exc:
         raise NotApplicable(f"{what}: the implementation does not support this ({exc})") from None
-    except Exception as exc:  # noqa: BLE001 - any error type is acceptable, silence is not
+    # DCP raises CheckpointException (a BaseException) on every rank, carrying
+    # each failing rank's error in its message.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error type is acceptable, silence is not
         text = str(exc)
         missing = [n for n in names if n not in text]
         if missing:
