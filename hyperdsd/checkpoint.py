@@ -213,7 +213,11 @@ def _one_error(checkpoint_id, exc: CheckpointException) -> StateDictError:
     for rank, (error, _trace) in sorted(exc.failures.items()):
         text = str(error) if isinstance(error, StateDictError) else f"{type(error).__name__}: {error}"
         by_text.setdefault(text, []).append(rank)
-    lines = [f"{text} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" for text, ranks in by_text.items()]
-    planning = exc.args and exc.args[0] == "plan"
+    planning = bool(exc.args) and exc.args[0] == "plan"
     outcome = "nothing was changed" if planning else "the model and optimizers may be partly loaded"
-    return StateDictError(f"checkpoint {checkpoint_id!s} cannot be loaded ({outcome}):\n  " + "\n  ".join(lines))
+    lines = [f"checkpoint {checkpoint_id!s} cannot be loaded ({outcome}):"]
+    for text, ranks in by_text.items():
+        first, *rest = text.splitlines()
+        lines.append(f"  on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {first}")
+        lines += [f"    {line.strip()}" for line in rest]
+    return StateDictError("\n".join(lines))
