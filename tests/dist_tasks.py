@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from types import SimpleNamespace
 
@@ -82,7 +83,8 @@ def _setup(ctx, layout, seed, impl):
     from conformance.layouts import Setup
     from conformance.models import ModelConfig
 
-    c = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, mesh=ctx.mesh, iut=load_adapter(impl))
+    c = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, mesh=ctx.mesh, iut=load_adapter(impl), rank_ctx=ctx,
+                        after_iut=lambda model, what: contextlib.nullcontext())
     # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.
     return Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(tie=False), trainable=lambda f: not f.startswith(("aux", "frozen")))
 
