@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--junit", help="write a JUnit XML report here")
     p.add_argument("--report", metavar="DIR", help="write report.json, junit.xml, report.html and report.md (the certificate) here")
     p.add_argument("--list", action="store_true", help="print the manifest of selected cases and exit")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop after the first case that fails or errors (not under torchrun)")
     p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
     p.add_argument("--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)")
     p.add_argument("--device", default="cpu", help="device every rank computes on: cpu (default), cuda, or another torch device type")
@@ -195,6 +196,9 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     from .runner import Runner
 
     executor = _executor(args)
+    if args.exitfirst and executor.launcher == "torchrun":
+        executor.close()
+        raise UsageError("-x/--exitfirst is not supported under torchrun: every rank must run the same cases")
     reporter = executor.reporter
     world_sizes = sorted({w for c in cases for w in c.world_sizes})
     if executor.launcher == "torchrun":
@@ -230,7 +234,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     # SIGTERM ends the run like Ctrl-C: ranks stopped, partial report written.
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        runner.run(cases, on_result if reporter else None)
+        runner.run(cases, on_result if reporter else None, exitfirst=args.exitfirst)
     except KeyboardInterrupt:
         executor.kill()
         if reporter:

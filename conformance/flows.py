@@ -28,7 +28,7 @@ cases send the model through the implementation (``model="iut"``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,9 +36,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from .adapters import MODES
-from .oracle import clone_tree
+from .oracle import clone_tree, diff_snapshots, snapshot
 
-__all__ = ["MODES", "Saved", "get_options", "load", "resume", "save", "set_options"]
+__all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options"]
 
 _GET = {
     "sharded": {},
@@ -81,6 +81,12 @@ class Saved:
     optim: Any = None
     path: str = ""
     model_ref: Any = None  # the model's own state_dict, copied (model="reference")
+
+
+def carries_empty_groups(mode: str, setup) -> bool:
+    """Whether ``mode`` can carry a group without parameters: the flat layout
+    has no FQN for it (OPT-EMPTY-2), and pipelines go through DCP flat."""
+    return _effective(mode, setup) not in ("flat", "flat_dcp")
 
 
 def _effective(mode: str, setup) -> str:
@@ -177,20 +183,98 @@ def load(c, setup, saved: Saved, *, strict: bool = True, model: bool = True, opt
     return keys
 
 
-def resume(c, make, mode: str, *, before: int = 1, after: int = 1, strict: bool = True):
-    """The scenario most clauses share: train, save in ``mode``, train on;
-    load into a fresh setup and train as long.
+@dataclass(frozen=True)
+class Recipe:
+    """How to build a setup, as data: what runs of it are cached under on a rank.
 
-    ``make(seed)`` builds a setup; seed 1 differs from seed 0 in values and
-    hyperparameters, so that they can only come from the checkpoint.
-    Returns (uninterrupted, resumed).
+    ``options`` are Setup's keyword arguments as (name, value) pairs; values
+    are hashable (configs are frozen dataclasses, functions compare by
+    identity). A recipe built with another seed differs in values and in
+    hyperparameters (groups scaled by seed), so that they can only come from
+    a checkpoint.
     """
-    a = make(0)
-    a.train(before)
-    saved = save(c, a, mode)
-    a.train(after)
-    b = make(1)
+
+    layout: str
+    optimizer: str = "adamw"
+    options: tuple = ()
+
+    def build(self, c, seed: int):
+        from .layouts import Setup
+        from .models import GroupSpec
+
+        kwargs = dict(self.options)
+        groups = kwargs.pop("groups", None)
+        groups = replace(groups, scale=groups.scale * GroupSpec.for_seed(seed).scale) if groups is not None else None
+        return Setup(c, self.layout, self.optimizer, seed=seed, groups=groups, **kwargs)
+
+
+def recipe(layout: str, optimizer: str = "adamw", **options) -> Recipe:
+    return Recipe(layout, optimizer, tuple(sorted(options.items())))
+
+
+@dataclass
+class Resumed:
+    source: Any  # the setup that was saved, as it was at the save
+    expected: dict  # snapshot of the uninterrupted run, ``before + after`` steps
+    resumed: Any  # the setup loaded from the checkpoint and trained ``after`` steps
+
+
+_CACHED_SOURCES = 48  # setups kept per rank; the least recently used goes first
+
+
+def _cached(c, key, make):
+    """``make()`` once per world: runs depend only on seeds and steps.
+
+    Ranks agree whether to use what they keep (one all-reduce of a flag):
+    building runs collectives, so every rank builds or none does, even where
+    a rank's key differs from another's (pipeline stages) or a rank dropped
+    its copy.
+    """
+    cache = c.rank_ctx.cache
+    if _all_ranks(key in cache):
+        cache[key] = cache.pop(key)  # most recently used last
+        return cache[key]
+    value = cache[key] = make()
+    sources = [k for k in cache if isinstance(k, tuple) and k[:1] == ("resume-source",)]
+    for old in sources[:-_CACHED_SOURCES]:
+        del cache[old]
+    return value
+
+
+def _all_ranks(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict: bool = True) -> Resumed:
+    """The scenario most clauses share: train, save in ``mode``; load into a
+    fresh setup and train on; compare with the run that was not interrupted.
+
+    The uninterrupted run and the trained source are the same for every mode,
+    so a rank builds them once and keeps them (the comparison is against a
+    run no implementation touched, as SPEC §2's oracle says). A source that
+    a get changed is not kept: purity is judged by OPT-PURE, not here.
+    """
+
+    def trained(steps: int):
+        setup = how.build(c, 0)
+        setup.train(steps)
+        return setup
+
+    source_key = ("resume-source", how, before)
+    source = _cached(c, source_key, lambda: trained(before))
+    before_save = snapshot(source)
+    saved = save(c, source, mode)
+    if diff_snapshots(before_save, snapshot(source)):
+        c.rank_ctx.cache.pop(source_key, None)
+    expected = _cached(c, ("resume-expected", how, before + after), lambda: snapshot(trained(before + after)))
+    b = how.build(c, 1)
     b.set_steps_done(before)
     load(c, b, saved, strict=strict)
     b.train(after)
-    return a, b
+    return Resumed(source, expected, b)

@@ -14,6 +14,8 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from hyperdsd import tree
+
 
 class CheckFailure(AssertionError):
     """A clause does not hold; the message says where and how."""
@@ -32,16 +34,8 @@ def check(condition: bool, message: str) -> None:
 
 
 def clone_tree(obj: Any) -> Any:
-    """A deep copy of a state dict that keeps DTensors DTensors."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone_tree(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(clone_tree(v) for v in obj)
-    return obj
+    """A deep copy of a state dict's containers and tensors (DTensors stay DTensors)."""
+    return tree.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
 
 
 def snapshot(setup) -> dict:
@@ -117,6 +111,12 @@ def diff_values(expected: Any, actual: Any, where: str, rtol: float = 0.0) -> li
     if expected != actual:
         return [f"{where}: {actual!r}, expected {expected!r}"]
     return []
+
+
+def without_empty_groups(snap: dict) -> dict:
+    """A snapshot whose groups without parameters keep only their place: where
+    a mode cannot carry them, the target's own values stand (OPT-EMPTY-2)."""
+    return {**snap, "groups": [g if g["params"] else {"params": []} for g in snap["groups"]]}
 
 
 def diff_snapshots(expected: dict, actual: dict, rtol: float = 0.0, parts=("params", "state", "groups")) -> list[str]:

@@ -150,7 +150,9 @@ class Runner:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def run(self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    def run(self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None,
+            exitfirst: bool = False) -> list[CaseResult]:
+        """Run ``cases`` in order; with ``exitfirst``, stop after the first unexpected verdict."""
         results = []
         for case in cases:
             result = self.run_case(case)
@@ -158,4 +160,6 @@ class Runner:
                 results.append(result)
                 if on_result is not None:
                     on_result(result)
+                if exitfirst and result.unexpected:
+                    break
         return results

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -80,11 +78,11 @@ def agree(ctx, bad_rank: int = 1):
 
 def _setup(ctx, layout, seed, impl):
     from conformance.adapters import load_adapter
+    from conformance.context import CaseContext
     from conformance.layouts import Setup
     from conformance.models import ModelConfig
 
-    c = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, mesh=ctx.mesh, iut=load_adapter(impl), rank_ctx=ctx,
-                        after_iut=lambda model, what: contextlib.nullcontext())
+    c = CaseContext(ctx, None, 0, load_adapter(impl), "")
     # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.
     return Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(tie=False), trainable=lambda f: not f.startswith(("aux", "frozen")))
 

@@ -26,6 +26,7 @@ import argparse
 import os
 import statistics
 
+from tools import bench_tasks
 from tools.bench_tasks import MODES, SIZES
 
 FLOORED = ("set", "flat_set", "full_get", "bcast_set")
@@ -53,7 +54,7 @@ def main() -> None:
     print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10} {'hyperdsd/floor':>15} {'reps':>5}")
     with PoolSet(gloo_timeout_s=600) as pools:
         for size, mode, mesh in runs:
-            outcome = pools.run(4, Task("tools.bench_tasks:time_mode", {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget}), 3600)
+            outcome = pools.run(4, Task(bench_tasks.time_mode, {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget}), 3600)
             if outcome.status != "passed":
                 print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}")
                 continue
@@ -76,7 +77,7 @@ def main() -> None:
             for mode in ("full_get", "bcast_set"):
                 for impl in ("torch", "hyperdsd"):
                     with PoolSet(gloo_timeout_s=600) as pools:
-                        outcome = pools.run(4, Task("tools.bench_tasks:memory", {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
+                        outcome = pools.run(4, Task(bench_tasks.memory, {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
                     if outcome.status != "passed":
                         print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}")
                         continue

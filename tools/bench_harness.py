@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import statistics
 import tempfile
@@ -83,15 +84,17 @@ def spawn_per_test(n: int, world_size: int) -> list[float]:
 def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]:
     from hyperdsd.testing import PoolSet, Task
 
+    # This module runs as __main__; the ranks import it under its own name.
+    task = importlib.import_module("tools.bench_harness").fsdp_get_set
     with PoolSet() as pools:
         start = time.perf_counter()
         pools.pool(world_size)
         startup = time.perf_counter() - start
-        pools.run(world_size, Task("tools.bench_harness:fsdp_get_set", {"variant": 99}))  # warm imports
+        pools.run(world_size, Task(task, {"variant": 99}))  # warm imports
         walls, overheads = [], []
         for i in range(n):
             start = time.perf_counter()
-            outcome = pools.run(world_size, Task("tools.bench_harness:fsdp_get_set", {"variant": i}))
+            outcome = pools.run(world_size, Task(task, {"variant": i}))
             wall = time.perf_counter() - start
             assert outcome.status == "passed", outcome.describe()
             walls.append(wall)
