@@ -13,7 +13,6 @@ import os
 import pickle
 import shutil
 import tempfile
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -27,13 +26,11 @@ LAZY = "layers.0.router.weight"
 
 
 def _c(ctx):
-    """What conformance's Setup needs of a case context, for hyperdsd's own tests."""
+    """A case context for conformance's Setup, driving hyperdsd."""
     from conformance.adapters import load_adapter
+    from conformance.context import CaseContext
 
-    return SimpleNamespace(
-        rank=ctx.rank, world_size=ctx.world_size, mesh=ctx.mesh, rank_ctx=ctx, iut=load_adapter("hyperdsd"),
-        after_iut=lambda model, what: contextlib.nullcontext(),
-    )
+    return CaseContext(ctx, None, 0, load_adapter("hyperdsd"), "")
 
 
 def _setup(ctx, layout: str, seed: int, **kw):
