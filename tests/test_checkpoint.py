@@ -19,22 +19,14 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 import hyperdsd
 from hyperdsd import StateDictError, checkpoint
 from hyperdsd.checkpoint_plan import Entry, judge, optimizer_entries, optimizer_roots
-from hyperdsd.testing import PoolSet, Task
+import checkpoint_tasks
+from helpers import run_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-@pytest.fixture(scope="module")
-def pools():
-    ps = PoolSet()
-    yield ps
-    ps.kill()
-
-
 def run(pools, world_size, fn, **kwargs):
-    outcome = pools.run(world_size, Task(f"checkpoint_tasks:{fn}", kwargs), 120)
-    assert outcome.status == "passed", outcome.describe() + "\n" + "\n".join(r.traceback for r in outcome.results)
-    return outcome.values
+    return run_task(pools, world_size, getattr(checkpoint_tasks, fn), **kwargs)
 
 
 # -- on ranks --------------------------------------------------------------
