@@ -121,6 +121,15 @@ def _parts(setup: "Setup") -> None:
     setup.ranks, setup.mesh, setup.meshes = spans[setup.part], meshes[setup.part], meshes
 
 
+def model_group(c, layout: str):
+    """The process group of this rank's model on ``layout`` (None: the whole world)."""
+    lay = parse_layout(layout)
+    if not lay.kind.parts:
+        return None
+    spans = lay.spans
+    return submeshes(c, spans)[next(i for i, span in enumerate(spans) if c.rank in span)].get_group()
+
+
 def submeshes(c, spans: list[tuple[int, ...]]) -> list:
     """A 1-D mesh over each span of ranks, built once per world on every rank
     alike (a mesh over part of the world is still made by all of it)."""
@@ -358,7 +367,7 @@ class Setup:
     @property
     def group(self):
         """The process group of the model's ranks (None: the whole world)."""
-        return None if len(self.ranks) == self.c.world_size else self.mesh.get_group()
+        return model_group(self.c, self.layout.name)
 
     @property
     def group_size(self) -> int:

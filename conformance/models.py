@@ -8,7 +8,8 @@ breaks state-dict code in one particular way is a *feature* a case turns on
 only where its clause names it (SPEC §2, isolation): a tied weight
 (``tie``), a parameter that never gets a gradient (``lazy``: no optimizer
 state), a frozen parameter (``frozen``), an adapter the checkpoint lacks
-(``adapter``); empty groups, custom group fields and schedulers are set up
+(``adapter``), a router in every block that never gets a gradient
+(``router``: lazy state in the middle of the model); empty groups, custom group fields and schedulers are set up
 by the cases that need them. Layouts that place parts of a model on meshes
 of their own use a mixture of experts (``experts``): a router and a stacked
 expert weight ``[experts, dim, dim]``.
@@ -40,6 +41,10 @@ class ModelConfig:
     lazy_aux: bool = False
     frozen: bool = False  # a module with requires_grad=False from the start
     adapter: bool = False  # an extra trainable module, as fine-tuning adds
+    # Each block has a router run under no_grad (hard routing, as MoE gates):
+    # in the middle of the model, in groups with parameters that do step,
+    # it never gets a gradient and so never gets optimizer state.
+    router: bool = False
     experts: int = 0  # a mixture of that many experts after the layers (0: none)
 
     def everything(self, pipeline: bool = False) -> "ModelConfig":
@@ -65,9 +70,16 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.fc1 = nn.Linear(cfg.dim, cfg.hidden)
         self.fc2 = nn.Linear(cfg.hidden, cfg.dim)
+        # Fewer rows than ranks: its shards are uneven, some empty.
+        self.router = nn.Linear(cfg.dim, cfg.aux_out) if cfg.router else None
 
     def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+        out = self.fc2(torch.relu(self.fc1(self.norm(x))))
+        if self.router is not None:
+            with torch.no_grad():  # a hard routing decision: no gradient reaches the router
+                gate = torch.softmax(self.router(x), dim=-1).amax(dim=-1, keepdim=True)
+            out = out * gate
+        return x + out
 
     # Extra state travels through the model state dict like any other entry.
     def get_extra_state(self):
@@ -214,6 +226,7 @@ class GroupSpec:
     empty_at: tuple[int, ...] = ()
     scale: float = 1.0
     extra: tuple[tuple[str, object], ...] = ()  # extra fields on every group
+    router_group: bool = False  # the routers (ModelConfig.router) in a group of their own, second
 
     @classmethod
     def for_seed(cls, seed: int, **kw) -> "GroupSpec":
@@ -227,11 +240,14 @@ def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec =
     if not spec.split:
         groups = [{"params": [p for _, p in named_params], "lr": 1e-2 * spec.scale, **extra}]
     else:
-        roles: dict[str, list] = {"embed": [], "decay": [], "no_decay": []}
+        roles: dict[str, list] = {"embed": [], "router": [], "decay": [], "no_decay": []}
         for name, p in named_params:
-            role = "embed" if "embedding" in name else ("decay" if p.dim() >= 2 else "no_decay")
+            if spec.router_group and ".router." in name:
+                role = "router"
+            else:
+                role = "embed" if "embedding" in name else ("decay" if p.dim() >= 2 else "no_decay")
             roles[role].append(p)
-        settings = {"embed": (5e-3, 0.01), "decay": (1e-2, 0.1), "no_decay": (2e-2, 0.001)}
+        settings = {"embed": (5e-3, 0.01), "router": (3e-2, 0.05), "decay": (1e-2, 0.1), "no_decay": (2e-2, 0.001)}
         groups = [
             {"params": ps, "lr": settings[r][0] * spec.scale, "weight_decay": settings[r][1] * spec.scale, **extra}
             for r, ps in roles.items()

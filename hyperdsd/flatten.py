@@ -66,7 +66,7 @@ def _flatten_into(out: dict, prefix: str, value: Any) -> None:
         out[prefix] = value
 
 
-def _split(rest: str, fqns) -> tuple[str, str] | None:
+def split_fqn(rest: str, fqns) -> tuple[str, str] | None:
     """``rest`` = ``{fqn}.{tail}`` for exactly one FQN of the model."""
     head, _, tail = rest.rpartition(".")
     if head in fqns:  # the common case: a plain state key or group field
@@ -94,7 +94,7 @@ def unflatten(flat: dict, fqns) -> tuple[dict[str, dict], dict[str, dict], list[
             unknown.append(repr(key))
             continue
         head, _, rest = key.partition(".")
-        split = _split(rest, fqns) if head in (STATE, GROUPS) else None
+        split = split_fqn(rest, fqns) if head in (STATE, GROUPS) else None
         if split is None:
             unknown.append(key)
             continue

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat
 from .fqn import ModelIndex
-from .optimizer_source import Source, TargetGroup, parse, target_groups
+from .optimizer_source import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .placement import DTensorLayout
 from .plan import (
     OptimizerLoadPlan,
@@ -62,6 +62,7 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
             problems.append(f"missing from the checkpoint (strict=True): {absent}")
         if plan.foreign and not foreign_ok:
             problems.append(f"not parameters of the model (strict=True): {sorted(set(plan.foreign))}")
+        problems += unpaired_groups(targets, source)
     _prepare_all(plan, targets, source, listed, by_name, strict, problems)
     return plan, problems
 

@@ -3,20 +3,12 @@ scatters, agreement, and interoperability with torch's implementation."""
 
 import pytest
 
-from hyperdsd.testing import PoolSet, Task
-
-
-@pytest.fixture(scope="module")
-def pools():
-    ps = PoolSet()
-    yield ps
-    ps.kill()
+import dist_tasks
+from helpers import run_task
 
 
 def run(pools, world_size, fn, **kwargs):
-    outcome = pools.run(world_size, Task(f"dist_tasks:{fn}", kwargs), 120)
-    assert outcome.status == "passed", outcome.describe() + "\n" + "\n".join(r.traceback for r in outcome.results)
-    return outcome.values
+    return run_task(pools, world_size, getattr(dist_tasks, fn), **kwargs)
 
 
 @pytest.mark.parametrize("mesh, root", [("4", False), ("4", True), ("2x2", False), ("2x2", True)])

@@ -313,6 +313,39 @@ def test_empty_groups_survive(name, flat):
     step(b, ob)
 
 
+@parameterized.expand([
+    ("extra_empty", (), (1,), "the checkpoint's param_groups[1] (empty, name 'empty0') matches no group"),
+    ("missing_empty", (1,), (), "the optimizer's param_groups[1] (empty, name 'empty0') has no group"),
+])
+def test_strict_counts_empty_groups_and_non_strict_merges(name, target_empty, source_empty, needle):
+    a, oa = make(0, empty_at=source_empty)
+    step(a, oa)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    b, ob = make(1, empty_at=target_empty)
+    step(b, ob)
+    before = view(ob)
+    with pytest.raises(StateDictError) as err:
+        hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert needle in str(err.value) and "empty groups counted" in str(err.value)
+    assert same(before, view(ob))
+    hyperdsd.set_optimizer_state_dict(b, ob, osd, options=StateDictOptions(strict=False))
+    assert len(ob.param_groups) == 2 + len(target_empty)  # the optimizer's own groups, merged
+    assert [g["lr"] for g in ob.param_groups if g["params"]] == [0.01, 0.02]
+
+
+def test_strict_refuses_a_merged_group_naming_both():
+    a, oa = make(0)
+    step(a, oa)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    last = osd["param_groups"].pop()
+    osd["param_groups"][0]["params"] += last["params"]
+    b, ob = make(1)
+    before = view(ob)
+    with pytest.raises(StateDictError, match=r"param_groups\[0\] \(.*\) holds the parameters of the optimizer's groups \[0, 1\]"):
+        hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert same(before, view(ob))
+
+
 # -- the flat layout -------------------------------------------------------------
 
 def test_flatten_and_unflatten_with_dotted_and_nested_keys():

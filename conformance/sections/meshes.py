@@ -19,7 +19,7 @@ from .. import flows
 from ..layouts import Setup, parse_layout, serving
 from ..oracle import diff_snapshots, fail_if, snapshot
 from ..registry import make_case
-from .reshard import reshard_case
+from .reshard import resharded_case
 from .state import check_get, check_loaded
 
 OPT = "adamw"
@@ -37,12 +37,9 @@ def resume_checked(c, layout: str, mode: str):
     """Resume ``layout``'s model in ``mode``: what get returns and what set
     loads keep each tensor's own mesh and placements; the run continues
     bitwise like the uninterrupted one."""
-    a, b = flows.resume(
-        c, lambda seed: Setup(c, layout, OPT, seed=seed), mode,
-        on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded,
-    )
-    fail_if(diff_snapshots(snapshot(a), snapshot(b)), f"{mode}: after resuming on {layout}, the run differs from the uninterrupted one")
-    return b
+    r = flows.resume(c, flows.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming on {layout}, the run differs from the uninterrupted one")
+    return r.resumed
 
 
 def mesh_1(c, layout, mode):
@@ -81,7 +78,7 @@ def cases():
         for mode in flows.MODES:
             yield make_case("OPT-MESH-1", layout, mesh_1, opt=OPT, mode=mode)
     for src, dst in RESHARD:
-        yield reshard_case("OPT-MESH-1", src, dst, OPT, "dcp")
+        yield resharded_case("OPT-MESH-1", src, dst, OPT, "dcp")
     for layout in serving("OPT-MESH-2"):
         for mode in flows.MODES:
             yield make_case("OPT-MESH-2", layout, mesh_2, opt=OPT, mode=mode, deadline_s=DEADLINE_S)

@@ -11,10 +11,9 @@ from hyperdsd import tree
 
 from .. import flows
 from ..flows import get_options, optimizers_arg
-from ..layouts import Setup
 from ..oracle import diff_snapshots, fail_if, layout_problems, snapshot
 from ..registry import make_case
-from .reshard import reshard_case
+from .reshard import resharded_case
 from .roundtrip import LAYOUTS
 
 OPT = "custom"
@@ -25,11 +24,8 @@ _ROOT_ONLY = ("full_cpu", "bcast", "file")  # ... onto the root only, on the CPU
 def state_1(c, layout, mode):
     """Resume with the custom optimizer; what get returns is laid out as the
     clause says, and so is what set loads."""
-    a, b = flows.resume(
-        c, lambda seed: Setup(c, layout, OPT, seed=seed), mode,
-        on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded,
-    )
-    fail_if(diff_snapshots(snapshot(a), snapshot(b)), f"{mode}: after resuming, the custom optimizer's run differs from the uninterrupted one")
+    r = flows.resume(c, flows.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming, the custom optimizer's run differs from the uninterrupted one")
 
 
 def check_loaded(s) -> None:
@@ -148,4 +144,4 @@ def cases():
         for mode in flows.MODES if layout in EVERY_MODE else SOME_MODES:
             yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
     for src, dst in (("fsdp4", "fsdp3"), ("hsdp2x2", "fsdp2"), ("pp2xfsdp2", "pp2")):
-        yield reshard_case("OPT-STATE-1", src, dst, OPT, "dcp")
+        yield resharded_case("OPT-STATE-1", src, dst, OPT, "dcp")
