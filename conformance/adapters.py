@@ -10,8 +10,10 @@
   object with the four functions.
 
 An adapter may rename functions, build its own options, shard models its own
-way (default: ``fully_shard``), claim optional profiles and declare the modes
-it supports (default: all of them).
+way (default: ``fully_shard``), claim optional profiles, declare the modes
+it supports (default: all of them) and name its DCP load path (a load
+planner factory; a module names it as ``DCP_LOAD_PLANNER``; default: none,
+DCP's default planner).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Adapter:
     modes: frozenset[str] = frozenset(MODES)
     # How --impl names it: the ranks load the adapter again by this name.
     spec: str = ""
+    # The documented DCP load path (SPEC §2): called with no arguments, it
+    # returns the load planner the ``dcp`` mode passes to ``dcp.load``. None:
+    # DCP's default planner, nothing relaxed.
+    dcp_load_planner: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.profiles) - set(PROFILES)
@@ -98,6 +104,7 @@ def from_module(obj: Any, name: str, version: str | None = None, profiles=()) ->
         version=version or _version_of(obj),
         options=options_cls,
         profiles=frozenset(getattr(obj, "CONFORMANCE_PROFILES", profiles)),
+        dcp_load_planner=getattr(obj, "DCP_LOAD_PLANNER", None),
         **{f: getattr(obj, f) for f in FUNCTIONS},
     )
 

@@ -12,10 +12,17 @@
              Pipeline stages take from it what is theirs (``strict=False``).
 ``flat``     ``flatten_optimizer_state_dict``, in memory.
 ``dcp``      default options through ``torch.distributed.checkpoint``; the
-             target's own get provides the load template, as users do. On
+             target's own get provides the load template, as users do, and
+             ``dcp.load`` runs with the implementation's documented load
+             planner (``Adapter.dcp_load_planner``), or DCP's default
+             planner where it names none: nothing relaxed. On
              pipeline layouts (MPMD) the optimizer goes in the flat layout:
              nested ``param_groups.N`` keys of different stages would collide
              in one checkpoint, which is why the flat layout exists.
+
+A setup whose model spans part of the world (OPT-MESH-2) keeps everything
+to its own ranks: its first rank is the root of ``full_cpu``, ``bcast`` and
+``file``, DCP runs in its process group, its files are its own.
 
 Where a clause is about optimizer state, the model goes the *reference* way
 (the model's own ``state_dict``, copied by the suite), so that a deviation of
@@ -25,7 +32,7 @@ cases send the model through the implementation (``model="iut"``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,9 +40,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from .adapters import MODES
-from .oracle import clone_tree
+from .oracle import clone_tree, diff_snapshots, snapshot
 
-__all__ = ["MODES", "Saved", "get_options", "load", "resume", "save", "set_options"]
+__all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options"]
 
 _GET = {
     "sharded": {},
@@ -80,6 +87,17 @@ class Saved:
     model_ref: Any = None  # the model's own state_dict, copied (model="reference")
 
 
+def _path(c, setup, name: str) -> str:
+    """A checkpoint path of the setup's own (models on parts of the world save apart)."""
+    return c.path(name if setup.group_size == c.world_size else f"{name}-ranks{setup.ranks[0]}-{setup.ranks[-1]}")
+
+
+def carries_empty_groups(mode: str, setup) -> bool:
+    """Whether ``mode`` can carry a group without parameters: the flat layout
+    has no FQN for it (OPT-EMPTY-2), and pipelines go through DCP flat."""
+    return _effective(mode, setup) not in ("flat", "flat_dcp")
+
+
 def _effective(mode: str, setup) -> str:
     return "flat_dcp" if mode == "dcp" and setup.layout.pp > 1 else mode
 
@@ -93,15 +111,16 @@ def save(c, setup, mode: str, *, model: str | None = "reference", optim: bool = 
     osd = iut.get_optimizer_state_dict(setup.model, optimizers_arg(setup), options=opts) if optim else None
     saved = Saved(mode, model_ref=clone_tree(setup.module.state_dict()) if model == "reference" else None)
     if mode in ("dcp", "flat_dcp"):
-        saved.path = c.path(f"dcp-{mode}")
+        saved.path = _path(c, setup, f"dcp-{mode}")
         with c.under_test("dcp.save of the state dicts get returned"):
-            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=saved.path)
+            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=saved.path,
+                     process_group=setup.group)
     elif mode in _FILES:
-        saved.path = c.path("full.pt")
-        if c.rank == 0:
+        saved.path = _path(c, setup, "full.pt")
+        if setup.is_root:
             with c.under_test("torch.save of the full state dicts get returned"):
                 torch.save({"model": msd, "optim": osd}, saved.path)
-        c.barrier()  # the file is complete before any rank reads it
+        setup.barrier()  # the file is complete before any rank reads it
     else:
         saved.model, saved.optim = clone_tree(msd), clone_tree(osd)
     return saved
@@ -115,17 +134,23 @@ def load_reference_model(setup, state: dict, strict: bool = True) -> None:
 
 def save_reference_model(c, setup, name: str = "model-ref") -> None:
     """The model's own state dict through DCP, for a load on another layout."""
-    dcp.save({"model": setup.module.state_dict()}, checkpoint_id=c.path(name))
+    dcp.save({"model": setup.module.state_dict()}, checkpoint_id=_path(c, setup, name), process_group=setup.group)
 
 
 def load_reference_model_from(c, setup, name: str = "model-ref") -> None:
     state = setup.module.state_dict()
-    dcp.load({"model": state}, checkpoint_id=c.path(name))
+    dcp.load({"model": state}, checkpoint_id=_path(c, setup, name), process_group=setup.group)
     with torch.no_grad():
         setup.module.load_state_dict(state)
 
 
-def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, model: bool = True, optim: bool = True, options: dict | None = None):
+def dcp_planner(iut):
+    """The implementation's documented DCP load planner (SPEC §2), or DCP's default."""
+    factory = iut.dcp_load_planner
+    return factory() if factory is not None else DefaultLoadPlanner()
+
+
+def load(c, setup, saved: Saved, *, strict: bool = True, model: bool = True, optim: bool = True, options: dict | None = None):
     """Load ``saved`` into ``setup``; returns the model's (missing, unexpected) keys or None."""
     iut = c.iut
     if saved.mode == "file" and setup.layout.pp > 1:
@@ -141,22 +166,22 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
         if iut_model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
             with c.under_test("dcp.load into the template get returned"):
-                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=dcp_planner(iut), process_group=setup.group)
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)
             with c.under_test("dcp.load into the template get returned"):
-                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=DefaultLoadPlanner(allow_partial_load=partial))
+                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=dcp_planner(iut), process_group=setup.group)
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys
     if saved.mode == "bcast":
-        data = read_full(saved.path) if c.rank == 0 else {"model": {}, "optim": {}}
+        data = read_full(saved.path) if setup.is_root else {"model": {}, "optim": {}}
         msd, osd = data["model"], data["optim"]
     elif saved.mode == "file":
         data = read_full(saved.path)
         msd, osd = data["model"], data["optim"]
     elif saved.mode == "full_cpu":
-        msd, osd = (clone_tree(saved.model), clone_tree(saved.optim)) if c.rank == 0 else ({}, {})
+        msd, osd = (clone_tree(saved.model), clone_tree(saved.optim)) if setup.is_root else ({}, {})
     else:
         # A copy, so that an implementation that consumes its input cannot
         # change what a later load of the same checkpoint sees.
@@ -168,20 +193,109 @@ def load(c, setup, saved: Saved, *, strict: bool = True, partial: bool = True, m
     return keys
 
 
-def resume(c, make, mode: str, *, before: int = 1, after: int = 1, strict: bool = True):
-    """The scenario most clauses share: train, save in ``mode``, train on;
-    load into a fresh setup and train as long.
+@dataclass(frozen=True)
+class Recipe:
+    """How to build a setup, as data: what runs of it are cached under on a rank.
 
-    ``make(seed)`` builds a setup; seed 1 differs from seed 0 in values and
-    hyperparameters, so that they can only come from the checkpoint.
-    Returns (uninterrupted, resumed).
+    ``options`` are Setup's keyword arguments as (name, value) pairs; values
+    are hashable (configs are frozen dataclasses, functions compare by
+    identity). A recipe built with another seed differs in values and in
+    hyperparameters (groups scaled by seed), so that they can only come from
+    a checkpoint.
     """
-    a = make(0)
-    a.train(before)
-    saved = save(c, a, mode)
-    a.train(after)
-    b = make(1)
+
+    layout: str
+    optimizer: str = "adamw"
+    options: tuple = ()
+
+    def build(self, c, seed: int):
+        from .layouts import Setup
+        from .models import GroupSpec
+
+        kwargs = dict(self.options)
+        groups = kwargs.pop("groups", None)
+        groups = replace(groups, scale=groups.scale * GroupSpec.for_seed(seed).scale) if groups is not None else None
+        return Setup(c, self.layout, self.optimizer, seed=seed, groups=groups, **kwargs)
+
+
+def recipe(layout: str, optimizer: str = "adamw", **options) -> Recipe:
+    return Recipe(layout, optimizer, tuple(sorted(options.items())))
+
+
+@dataclass
+class Resumed:
+    source: Any  # the setup that was saved, as it was at the save
+    expected: dict  # snapshot of the uninterrupted run, ``before + after`` steps
+    resumed: Any  # the setup loaded from the checkpoint and trained ``after`` steps
+
+
+_CACHED_SOURCES = 48  # setups kept per rank; the least recently used goes first
+
+
+def _cached(c, key, make, group=None):
+    """``make()`` once per world: runs depend only on seeds and steps.
+
+    The model's ranks (``group``; None: the world) agree whether to use what
+    they keep (one all-reduce of a flag): building runs collectives, so every
+    rank builds or none does, even where a rank's key differs from another's
+    (pipeline stages) or a rank dropped its copy.
+    """
+    cache = c.rank_ctx.cache
+    if _all_ranks(key in cache, group):
+        cache[key] = cache.pop(key)  # most recently used last
+        return cache[key]
+    value = cache[key] = make()
+    sources = [k for k in cache if isinstance(k, tuple) and k[:1] == ("resume-source",)]
+    for old in sources[:-_CACHED_SOURCES]:
+        del cache[old]
+    return value
+
+
+def _all_ranks(flag: bool, group=None) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict: bool = True,
+           on_saving=None, on_loaded=None) -> Resumed:
+    """The scenario most clauses share: train, save in ``mode``; load into a
+    fresh setup and train on; compare with the run that was not interrupted.
+
+    The uninterrupted run and the trained source are the same for every mode,
+    so a rank builds them once and keeps them (the comparison is against a
+    run no implementation touched, as SPEC §2's oracle says). A source that
+    a get changed is not kept: purity is judged by OPT-PURE, not here.
+    ``on_saving(source)`` and ``on_loaded(resumed)``, when given, look at
+    the setups just before the save and just after the load (what a clause
+    checks beyond the resumed run).
+    """
+    from .layouts import model_group
+
+    group = model_group(c, how.layout)
+
+    def trained(steps: int):
+        setup = how.build(c, 0)
+        setup.train(steps)
+        return setup
+
+    source_key = ("resume-source", how, before)
+    source = _cached(c, source_key, lambda: trained(before), group)
+    before_save = snapshot(source)
+    if on_saving is not None:
+        on_saving(source)
+    saved = save(c, source, mode)
+    if diff_snapshots(before_save, snapshot(source)):
+        c.rank_ctx.cache.pop(source_key, None)
+    expected = _cached(c, ("resume-expected", how, before + after), lambda: snapshot(trained(before + after)), group)
+    b = how.build(c, 1)
     b.set_steps_done(before)
     load(c, b, saved, strict=strict)
+    if on_loaded is not None:
+        on_loaded(b)
     b.train(after)
-    return a, b
+    return Resumed(source, expected, b)

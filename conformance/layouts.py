@@ -1,5 +1,10 @@
 """Layouts: how a model is laid out over ranks, and a training setup on one rank.
 
+Layouts are data: each family is one :class:`LayoutKind` entry in
+:data:`KINDS` (its name pattern, meshes, how it places and shards a model,
+its data parallelism, the clauses it serves), and a name such as ``fsdp4``
+or ``fsdp4+ep2x2`` parses into a :class:`Layout` of one of them.
+
 A :class:`Setup` is what a case trains and hands to the implementation under
 test: the model (wrapped as the layout wraps it), its optimizers, and a
 deterministic training loop, so that two setups built alike and trained
@@ -9,7 +14,8 @@ alike end bitwise equal.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,36 +35,262 @@ def canonical(name: str) -> str:
 
 @dataclass(frozen=True)
 class Layout:
+    """A named layout: its world, the meshes it builds, how it lays a model out."""
+
     name: str
-    kind: str  # single | ddp | fsdp | hsdp | pp | ppfsdp | tp
+    kind: "LayoutKind" = field(repr=False)
     world_size: int
-    mesh: str  # the mesh as a string, e.g. "4" or "2x2"
-    dim_names: tuple[str, ...]
+    meshes: tuple[tuple[str, tuple[str, ...]], ...]  # (shape, dim names) of each mesh, e.g. ("2x2", ("ep", "dp"))
     pp: int = 1
+    args: tuple[int, ...] = ()  # the numbers in the name
 
     @property
-    def sharded(self) -> bool:
-        return self.kind in ("fsdp", "hsdp", "ppfsdp", "tp")
+    def mesh(self) -> str:
+        """The main mesh (the one dense layers are sharded on), as a string."""
+        return self.meshes[0][0]
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return self.meshes[0][1]
+
+    @property
+    def mesh_specs(self) -> tuple[str, ...]:
+        return tuple(spec for spec, _ in self.meshes)
+
+    @property
+    def spans(self) -> list[tuple[int, ...]]:
+        """The ranks of each model (one model over the world, unless the kind places several)."""
+        sizes = self.args if self.kind.parts else (self.world_size,)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [tuple(range(start, start + n)) for start, n in zip(starts, sizes)]
 
 
-_PATTERNS = [
-    (r"single", lambda: ("single", 1, "1", ("shard",), 1)),
-    (r"ddp", lambda: ("ddp", 2, "2", ("shard",), 1)),
-    (r"fsdp(\d+)", lambda n: ("fsdp", int(n), n, ("shard",), 1)),
-    (r"hsdp(\d+)x(\d+)", lambda r, s: ("hsdp", int(r) * int(s), f"{r}x{s}", ("replicate", "shard"), 1)),
-    (r"pp(\d+)", lambda p: ("pp", int(p), p, ("pp",), int(p))),
-    (r"pp(\d+)xfsdp(\d+)", lambda p, s: ("ppfsdp", int(p) * int(s), f"{p}x{s}", ("pp", "shard"), int(p))),
-    (r"fsdp(\d+)xtp(\d+)", lambda d, t: ("tp", int(d) * int(t), f"{d}x{t}", ("shard", "tp"), 1)),
-]
+@dataclass(frozen=True)
+class LayoutKind:
+    """One family of layouts, as data: adding a layout is one entry in
+    :data:`KINDS` plus, where no existing one fits, its sharding function.
+
+    ``pattern`` matches names (its groups are the numbers in them);
+    ``make(*numbers)`` gives (world size, meshes, pipeline stages);
+    ``place(setup)`` builds this rank's meshes (every rank builds every mesh
+    alike: creating one is a collective) and says which ranks the rank's
+    model spans; ``shard(setup)`` lays the built model out (the adapter's
+    own ``shard`` for what FSDP would shard); ``dp(setup)`` is the rank's
+    (data-parallel rank, degree); ``model(cfg, setup)`` adjusts the model
+    config; ``parts``: the numbers in the name are the sizes of disjoint
+    parts of the world, one model each; ``serves`` lists the clauses whose
+    sections take their layouts from here (:func:`serving`), with the
+    layouts they run on.
+    """
+
+    name: str
+    pattern: str
+    make: Callable[..., tuple[int, tuple, int]]
+    place: Callable[["Setup"], None]
+    shard: Callable[["Setup"], None]
+    dp: Callable[["Setup"], tuple[int, int]]
+    model: Callable[[ModelConfig, "Setup"], ModelConfig] = lambda cfg, setup: cfg
+    wrap: Callable[[nn.Module], nn.Module] = lambda module: module
+    parts: bool = False
+    serves: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+# -- how each kind builds its meshes ---------------------------------------
+
+def _no_mesh(setup: "Setup") -> None:
+    setup.mesh = None
+
+
+def _world_mesh(setup: "Setup") -> None:
+    """The layout's meshes over the whole world; the first is the model's."""
+    meshes = [setup.c.mesh(spec, dims) for spec, dims in setup.layout.meshes]
+    setup.mesh, setup.meshes = meshes[0], meshes
+
+
+def _stages(setup: "Setup") -> None:
+    _world_mesh(setup)
+    setup.stage = setup.mesh.get_coordinate()[0]
+
+
+def _parts(setup: "Setup") -> None:
+    """Disjoint parts of the world (as many as the name has numbers), each
+    with its own 1-D mesh; the rank's model lives on its own part's."""
+    spans = setup.layout.spans
+    meshes = submeshes(setup.c, spans)
+    setup.part = next(i for i, span in enumerate(spans) if setup.c.rank in span)
+    setup.ranks, setup.mesh, setup.meshes = spans[setup.part], meshes[setup.part], meshes
+
+
+def model_group(c, layout: str):
+    """The process group of this rank's model on ``layout`` (None: the whole world)."""
+    lay = parse_layout(layout)
+    if not lay.kind.parts:
+        return None
+    spans = lay.spans
+    return submeshes(c, spans)[next(i for i, span in enumerate(spans) if c.rank in span)].get_group()
+
+
+def submeshes(c, spans: list[tuple[int, ...]]) -> list:
+    """A 1-D mesh over each span of ranks, built once per world on every rank
+    alike (a mesh over part of the world is still made by all of it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = ("submeshes", tuple(spans))
+    if key not in c.rank_ctx.cache:
+        device = c.rank_ctx.device_type
+        c.rank_ctx.cache[key] = [DeviceMesh(device, list(span), mesh_dim_names=("shard",)) for span in spans]
+    return c.rank_ctx.cache[key]
+
+
+# -- how each kind shards a model ------------------------------------------
+
+def _unsharded(setup: "Setup") -> None:
+    pass
+
+
+def _blocks_and_root(setup: "Setup", mesh) -> None:
+    shard = setup.c.iut.shard
+    for block in setup.module.layers.values():
+        shard(block, mesh=mesh)
+    shard(setup.module, mesh=mesh)
+
+
+def _fsdp(setup: "Setup") -> None:
+    _blocks_and_root(setup, setup.mesh)
+
+
+def _fsdp_on_shard_dim(setup: "Setup") -> None:
+    _blocks_and_root(setup, setup.mesh["shard"])
+
+
+def _tp_then_fsdp(setup: "Setup") -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in setup.module.layers.values():
+        parallelize_module(block, setup.mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    _fsdp_on_shard_dim(setup)
+
+
+def _dense_children(setup: "Setup", *, skip: tuple[str, ...]) -> None:
+    """Every module but the experts' own fully sharded over the world, each on
+    its own (the root is not: it would take over the parameters the layout
+    placed itself)."""
+    shard, mesh, module = setup.c.iut.shard, setup.mesh, setup.module
+    for block in module.layers.values():
+        shard(block, mesh=mesh)
+    for name in ("tok", "norm", "head", "aux"):
+        shard(getattr(module, name), mesh=mesh)
+    for name in ("router", "experts"):
+        if name not in skip:
+            shard(getattr(module.moe, name), mesh=mesh)
+
+
+def _experts_on_ep_mesh(setup: "Setup") -> None:
+    """Experts over ``ep`` (whole experts per rank), each expert's rows over
+    ``dp``: a 2-D DTensor on the ``ep x dp`` mesh; the rest as FSDP lays it."""
+    from torch.distributed.tensor import Shard
+
+    _place(setup.module.moe.experts, setup.meshes[1], [Shard(0), Shard(1)])
+    _dense_children(setup, skip=("experts",))
+
+
+def _router_replicated(setup: "Setup") -> None:
+    """The router replicated on a sub-mesh (the ``rep`` slice of the second
+    mesh), as tensor-parallel layers keep their norms; the rest as FSDP lays it."""
+    from torch.distributed.tensor import Replicate
+
+    _place(setup.module.moe.router, setup.meshes[1]["rep"], [Replicate()])
+    _dense_children(setup, skip=("router",))
+
+
+def _place(module: nn.Module, mesh, placements) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, placements, src_data_rank=None))
+
+
+def _experts(cfg: ModelConfig, setup: "Setup") -> ModelConfig:
+    return replace(cfg, experts=4)
+
+
+def _second_model_differs(cfg: ModelConfig, setup: "Setup") -> ModelConfig:
+    """Each sub-world's model is another model (as an actor and a critic are)."""
+    return replace(cfg, n_layers=cfg.n_layers + setup.part)
+
+
+# -- data parallelism -------------------------------------------------------
+
+def _no_dp(setup: "Setup") -> tuple[int, int]:
+    return 0, 1
+
+
+def _world_dp(setup: "Setup") -> tuple[int, int]:
+    return setup.c.rank, setup.c.world_size
+
+
+def _shard_dim_dp(setup: "Setup") -> tuple[int, int]:
+    return setup.mesh.get_local_rank("shard"), setup.mesh["shard"].size()
+
+
+def _part_dp(setup: "Setup") -> tuple[int, int]:
+    return setup.ranks.index(setup.c.rank), len(setup.ranks)
+
+
+def _ddp(module: nn.Module) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+
+
+KINDS: tuple[LayoutKind, ...] = (
+    LayoutKind("single", r"single", lambda: (1, (("1", ("shard",)),), 1), _no_mesh, _unsharded, _no_dp),
+    LayoutKind("ddp", r"ddp", lambda: (2, (("2", ("shard",)),), 1), _world_mesh, _unsharded, _world_dp, wrap=_ddp),
+    LayoutKind("fsdp", r"fsdp(\d+)", lambda n: (n, ((f"{n}", ("shard",)),), 1), _world_mesh, _fsdp, _world_dp),
+    LayoutKind("hsdp", r"hsdp(\d+)x(\d+)", lambda r, s: (r * s, ((f"{r}x{s}", ("replicate", "shard")),), 1), _world_mesh, _fsdp, _world_dp),
+    LayoutKind("pp", r"pp(\d+)", lambda p: (p, ((f"{p}", ("pp",)),), p), _stages, _unsharded, _no_dp),
+    LayoutKind("ppfsdp", r"pp(\d+)xfsdp(\d+)", lambda p, s: (p * s, ((f"{p}x{s}", ("pp", "shard")),), p), _stages, _fsdp_on_shard_dim, _shard_dim_dp),
+    LayoutKind("tp", r"fsdp(\d+)xtp(\d+)", lambda d, t: (d * t, ((f"{d}x{t}", ("shard", "tp")),), 1), _world_mesh, _tp_then_fsdp, _shard_dim_dp),
+    # A mixture of experts: dense layers sharded over the world, the experts
+    # on an ``ep x dp`` mesh of their own (OPT-MESH-1).
+    LayoutKind(
+        "ep", r"fsdp(\d+)\+ep(\d+)x(\d+)", lambda n, e, d: (n, ((f"{n}", ("shard",)), (f"{e}x{d}", ("ep", "dp"))), 1),
+        _world_mesh, _experts_on_ep_mesh, _world_dp, model=_experts,
+        serves=(("OPT-MESH-1", ("fsdp4+ep2x2",)),),
+    ),
+    # ... with an expert-parallel degree of 1: the stacked experts FSDP-sharded on dim 0.
+    LayoutKind(
+        "ep1", r"fsdp(\d+)\+ep1", lambda n: (n, ((f"{n}", ("shard",)),), 1),
+        _world_mesh, lambda setup: _dense_children(setup, skip=()), _world_dp, model=_experts,
+        serves=(("OPT-MESH-1", ("fsdp4+ep1",)),),
+    ),
+    # ... with the router replicated on sub-meshes of ``rep`` ranks.
+    LayoutKind(
+        "rep", r"fsdp(\d+)\+rep(\d+)", lambda n, r: (n, ((f"{n}", ("shard",)), (f"{n // r}x{r}", ("group", "rep"))), 1),
+        _world_mesh, _router_replicated, _world_dp, model=_experts,
+        serves=(("OPT-MESH-1", ("fsdp4+rep2",)),),
+    ),
+    # Models on disjoint parts of the world, each fully sharded on its own
+    # mesh (colocated trainers: an actor on ranks 0-1, a critic on 2-3).
+    LayoutKind(
+        "halves", r"halves(\d+)\+(\d+)", lambda a, b: (a + b, ((f"{a}+{b}", ("shard",)),), 1),
+        _parts, _fsdp, _part_dp, model=_second_model_differs, parts=True,
+        serves=(("OPT-MESH-2", ("halves2+2",)),),
+    ),
+)
 
 
 def parse_layout(name: str) -> Layout:
-    for pattern, make in _PATTERNS:
-        match = re.fullmatch(pattern, name)
+    for kind in KINDS:
+        match = re.fullmatch(kind.pattern, name)
         if match:
-            kind, ws, mesh, dims, pp = make(*match.groups())
-            return Layout(name, kind, ws, mesh, dims, pp)
+            numbers = tuple(int(g) for g in match.groups())
+            world_size, meshes, pp = kind.make(*numbers)
+            return Layout(name, kind, world_size, meshes, pp, numbers)
     raise ValueError(f"unknown layout {name!r}")
+
+
+def serving(clause: str) -> tuple[str, ...]:
+    """The layouts whose kinds say they serve ``clause``."""
+    return tuple(name for kind in KINDS for c, names in kind.serves if c == clause for name in names)
 
 
 class Setup:
@@ -85,14 +317,19 @@ class Setup:
         lay = self.layout
         if lay.world_size != c.world_size:
             raise ValueError(f"layout {lay.name} needs {lay.world_size} ranks, the world has {c.world_size}")
-        self.cfg = cfg or ModelConfig()
+        # Where this rank's model lives; the layout's kind fills these in.
+        self.mesh = None
+        self.meshes: list = []
+        self.stage = 0  # pipeline stage
+        self.part = 0  # which of several models on parts of the world
+        self.ranks: tuple[int, ...] = tuple(range(c.world_size))  # the ranks the model spans
+        lay.kind.place(self)
+        self.cfg = lay.kind.model(cfg or ModelConfig(), self)
         if self.cfg.tie and lay.pp > 1:
             raise ValueError(f"layout {lay.name}: a tied model cannot be split into pipeline stages")
         groups = groups or GroupSpec.for_seed(seed)
         self.optimizer_name = optimizer
         self.steps_done = 0
-        self.mesh = c.mesh(lay.mesh, lay.dim_names) if lay.kind != "single" else None
-        self.stage = self.mesh.get_coordinate()[0] if lay.pp > 1 else 0
 
         torch.manual_seed(seed)
         if meta:
@@ -109,10 +346,8 @@ class Setup:
         if not meta and self.device.type != "cpu":
             module.to(self.device)  # built on the CPU for the same values on every device
         self.module = module
-        self._shard()
-        model: nn.Module = module
-        if lay.kind == "ddp":
-            model = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+        lay.kind.shard(self)
+        model: nn.Module = lay.kind.wrap(module)
         if "compile" in wrappers:
             model = torch.compile(model, backend="eager")
         self.model = model  # what the implementation under test is given
@@ -129,24 +364,28 @@ class Setup:
         self._pipeline = None
 
     # -- structure -------------------------------------------------------
-    def _shard(self) -> None:
-        lay = self.layout
-        if not lay.sharded:
-            return
-        shard_mesh = self.mesh["shard"] if lay.kind in ("ppfsdp", "tp") else self.mesh
-        if lay.kind == "tp":
-            self._apply_tp()
-        shard = self.c.iut.shard
-        for block in self.module.layers.values():
-            shard(block, mesh=shard_mesh)
-        shard(self.module, mesh=shard_mesh)
+    @property
+    def group(self):
+        """The process group of the model's ranks (None: the whole world)."""
+        return model_group(self.c, self.layout.name)
 
-    def _apply_tp(self) -> None:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    @property
+    def group_size(self) -> int:
+        return len(self.ranks)
 
-        tp_mesh = self.mesh["tp"]
-        for block in self.module.layers.values():
-            parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    @property
+    def root(self) -> int:
+        """The rank that holds full state dicts (full_cpu) and broadcasts them: the model's first."""
+        return self.ranks[0]
+
+    @property
+    def is_root(self) -> bool:
+        return self.c.rank == self.root
+
+    def barrier(self) -> None:
+        """Wait for the model's ranks (and only them)."""
+        if dist.is_initialized() and self.group_size > 1:
+            dist.barrier(group=self.group)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Canonical FQN and parameter, tied parameters once, in registration order."""
@@ -165,12 +404,7 @@ class Setup:
     @property
     def dp(self) -> tuple[int, int]:
         """(data-parallel rank, data-parallel degree) of this rank."""
-        lay = self.layout
-        if lay.kind in ("single", "pp"):
-            return 0, 1
-        if lay.kind in ("ppfsdp", "tp"):
-            return self.mesh.get_local_rank("shard"), self.mesh["shard"].size()
-        return self.c.rank, self.c.world_size
+        return self.layout.kind.dp(self)
 
     # -- training --------------------------------------------------------
     def train(self, steps: int = 1) -> None:

@@ -8,8 +8,11 @@ breaks state-dict code in one particular way is a *feature* a case turns on
 only where its clause names it (SPEC §2, isolation): a tied weight
 (``tie``), a parameter that never gets a gradient (``lazy``: no optimizer
 state), a frozen parameter (``frozen``), an adapter the checkpoint lacks
-(``adapter``); empty groups, custom group fields and schedulers are set up
-by the cases that need them.
+(``adapter``), a router in every block that never gets a gradient
+(``router``: lazy state in the middle of the model); empty groups, custom group fields and schedulers are set up
+by the cases that need them. Layouts that place parts of a model on meshes
+of their own use a mixture of experts (``experts``): a router and a stacked
+expert weight ``[experts, dim, dim]``.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,11 @@ class ModelConfig:
     lazy_aux: bool = False
     frozen: bool = False  # a module with requires_grad=False from the start
     adapter: bool = False  # an extra trainable module, as fine-tuning adds
+    # Each block has a router run under no_grad (hard routing, as MoE gates):
+    # in the middle of the model, in groups with parameters that do step,
+    # it never gets a gradient and so never gets optimizer state.
+    router: bool = False
+    experts: int = 0  # a mixture of that many experts after the layers (0: none)
 
     def everything(self, pipeline: bool = False) -> "ModelConfig":
         """Every feature at once (pipeline stages cannot tie across stages)."""
@@ -60,9 +70,16 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.fc1 = nn.Linear(cfg.dim, cfg.hidden)
         self.fc2 = nn.Linear(cfg.hidden, cfg.dim)
+        # Fewer rows than ranks: its shards are uneven, some empty.
+        self.router = nn.Linear(cfg.dim, cfg.aux_out) if cfg.router else None
 
     def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+        out = self.fc2(torch.relu(self.fc1(self.norm(x))))
+        if self.router is not None:
+            with torch.no_grad():  # a hard routing decision: no gradient reaches the router
+                gate = torch.softmax(self.router(x), dim=-1).amax(dim=-1, keepdim=True)
+            out = out * gate
+        return x + out
 
     # Extra state travels through the model state dict like any other entry.
     def get_extra_state(self):
@@ -72,12 +89,71 @@ class Block(nn.Module):
         self.index = int(state["index"])
 
 
+class _DataParallelWeight(torch.autograd.Function):
+    """A weight a layout distributed itself (a DTensor that no FSDP manages):
+    gathered whole for the forward; its gradient averaged over every rank of
+    the world (each computed it on its own rows of the batch), as FSDP and
+    DDP average theirs, then cut to this rank's piece. Deterministic: one
+    all-reduce leaves the same sum on every rank."""
+
+    @staticmethod
+    def forward(ctx, weight: DTensor) -> torch.Tensor:
+        ctx.mesh, ctx.placements = weight.device_mesh, weight.placements
+        return weight.full_tensor()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        grad = grad / dist.get_world_size()
+        return distribute_tensor(grad, ctx.mesh, ctx.placements, src_data_rank=None)
+
+
+def whole(weight: torch.Tensor) -> torch.Tensor:
+    """The weight a forward computes with (FSDP hands over plain tensors; see above for the rest)."""
+    return _DataParallelWeight.apply(weight) if isinstance(weight, DTensor) else weight
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cfg.experts, cfg.dim) * 0.3)
+
+    def forward(self, x):
+        return torch.softmax(x @ whole(self.weight).T, dim=-1)
+
+
+class Experts(nn.Module):
+    """Every expert's weight in one stacked tensor, as grouped-GEMM MoE layers keep them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cfg.experts, cfg.dim, cfg.dim) * 0.3)
+
+    def forward(self, x, gates):
+        # Every token through every expert, weighted by its gates: the same
+        # numbers whichever rank holds which expert.
+        out = torch.einsum("...d,edk->...ek", x, whole(self.weight))
+        return (gates.unsqueeze(-1) * out).sum(-2)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        return x + self.experts(x, self.router(x))
+
+
 class ToyModel(nn.Module):
     def __init__(self, cfg: ModelConfig = ModelConfig()):
         super().__init__()
         self.cfg = cfg
         self.tok = Embed(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.moe = MoE(cfg) if cfg.experts else None
         self.frozen = nn.Linear(cfg.dim, cfg.dim) if cfg.frozen else None
         if self.frozen is not None:
             self.frozen.requires_grad_(False)
@@ -94,6 +170,8 @@ class ToyModel(nn.Module):
         h = self.tok(x) if self.tok is not None else x
         for layer in self.layers.values():
             h = layer(h)
+        if self.moe is not None:
+            h = self.moe(h)
         if self.head is None:
             return h
         if self.frozen is not None:
@@ -148,6 +226,7 @@ class GroupSpec:
     empty_at: tuple[int, ...] = ()
     scale: float = 1.0
     extra: tuple[tuple[str, object], ...] = ()  # extra fields on every group
+    router_group: bool = False  # the routers (ModelConfig.router) in a group of their own, second
 
     @classmethod
     def for_seed(cls, seed: int, **kw) -> "GroupSpec":
@@ -161,11 +240,14 @@ def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec =
     if not spec.split:
         groups = [{"params": [p for _, p in named_params], "lr": 1e-2 * spec.scale, **extra}]
     else:
-        roles: dict[str, list] = {"embed": [], "decay": [], "no_decay": []}
+        roles: dict[str, list] = {"embed": [], "router": [], "decay": [], "no_decay": []}
         for name, p in named_params:
-            role = "embed" if "embedding" in name else ("decay" if p.dim() >= 2 else "no_decay")
+            if spec.router_group and ".router." in name:
+                role = "router"
+            else:
+                role = "embed" if "embedding" in name else ("decay" if p.dim() >= 2 else "no_decay")
             roles[role].append(p)
-        settings = {"embed": (5e-3, 0.01), "decay": (1e-2, 0.1), "no_decay": (2e-2, 0.001)}
+        settings = {"embed": (5e-3, 0.01), "router": (3e-2, 0.05), "decay": (1e-2, 0.1), "no_decay": (2e-2, 0.001)}
         groups = [
             {"params": ps, "lr": settings[r][0] * spec.scale, "weight_decay": settings[r][1] * spec.scale, **extra}
             for r, ps in roles.items()
@@ -199,10 +281,18 @@ def _adagrad(groups):
     return torch.optim.Adagrad(groups, lr=1e-2, initial_accumulator_value=0.1)
 
 
+def _preconditioned(groups):
+    from .custom_optim import Preconditioned
+
+    return Preconditioned(groups, lr=1e-2, beta=0.9, beta2=0.99)
+
+
 OPTIMIZERS = {
     "adamw": _adamw,
     "adam_amsgrad": _adam_amsgrad,
     "sgd": _sgd,
     "sgd_plain": _sgd_plain,
     "adagrad": _adagrad,
+    # Per-parameter state beyond tensors shaped like the parameter (OPT-STATE-1).
+    "custom": _preconditioned,
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from hyperdsd import tree
@@ -112,6 +113,12 @@ def diff_values(expected: Any, actual: Any, where: str, rtol: float = 0.0) -> li
     return []
 
 
+def without_empty_groups(snap: dict) -> dict:
+    """A snapshot whose groups without parameters keep only their place: where
+    a mode cannot carry them, the target's own values stand (OPT-EMPTY-2)."""
+    return {**snap, "groups": [g if g["params"] else {"params": []} for g in snap["groups"]]}
+
+
 def diff_snapshots(expected: dict, actual: dict, rtol: float = 0.0, parts=("params", "state", "groups")) -> list[str]:
     out: list[str] = []
     for part in parts:
@@ -126,15 +133,41 @@ def full_snapshot(setup) -> dict:
     Collective: every rank of the setup's meshes must call it.
     """
 
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
+    def full(leaf, _path):
+        return leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
 
     snap = snapshot(setup)
-    return {
-        "params": {k: full(v) for k, v in snap["params"].items()},
-        "state": {k: {kk: full(vv) if isinstance(vv, torch.Tensor) else vv for kk, vv in e.items()} for k, e in snap["state"].items()},
-        "groups": snap["groups"],
-    }
+    return {"params": tree.rebuild(snap["params"], full), "state": tree.rebuild(snap["state"], full), "groups": snap["groups"]}
+
+
+def layout_problems(state: dict, params: dict, where: str, *, local: bool) -> list[str]:
+    """Where state tensors shaped like a DTensor parameter (nested ones
+    included) are not laid out like it: a DTensor of the parameter's global
+    shape, mesh and placements, and with ``local``, its local shape and device.
+    0-d tensors (``step``) may be anything."""
+    problems = []
+    for fqn, entry in state.items():
+        p = params.get(fqn)
+        if not isinstance(p, DTensor):
+            continue
+        for path, v in tree.leaves(entry):
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            at = f"{where}[{fqn!r}]{tree.where(path)}"
+            if not isinstance(v, DTensor):
+                problems.append(f"{at}: a {type(v).__name__}, expected a DTensor like its parameter")
+                continue
+            if v.shape != p.shape:
+                problems.append(f"{at}: global shape {tuple(v.shape)}, the parameter's is {tuple(p.shape)}")
+            if v.device_mesh != p.device_mesh:
+                problems.append(f"{at}: mesh {v.device_mesh}, the parameter's is {p.device_mesh}")
+            if tuple(v.placements) != tuple(p.placements):
+                problems.append(f"{at}: placements {tuple(v.placements)}, the parameter's are {tuple(p.placements)}")
+            if local and v.to_local().shape != p.to_local().shape:
+                problems.append(f"{at}: local shape {tuple(v.to_local().shape)}, the parameter's is {tuple(p.to_local().shape)}")
+            if local and v.to_local().device != p.to_local().device:
+                problems.append(f"{at}: on {v.to_local().device}, the parameter on {p.to_local().device}")
+    return problems
 
 
 def optimizer_view(setup) -> dict:
@@ -165,7 +198,9 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
         raise
     except NotImplementedError as exc:
         raise NotApplicable(f"{what}: the implementation does not support this ({exc})") from None
-    except Exception as exc:  # noqa: BLE001 - any error type is acceptable, silence is not
+    # DCP raises CheckpointException (a BaseException) on every rank, carrying
+    # each failing rank's error in its message.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error type is acceptable, silence is not
         text = str(exc)
         missing = [n for n in names if n not in text]
         if missing:

@@ -25,6 +25,8 @@ SECTIONS = (
     "empty_groups",
     "scheduler",
     "dtensor",
+    "state",
+    "meshes",
     "mpmd",
     "reshard",
     "model",
@@ -102,7 +104,7 @@ def make_case(
         deadline_s=deadline_s,
         profile=profile,
         rtol=rtol,
-        meshes=(lay.mesh,),
+        meshes=lay.mesh_specs,
         mode=mode,
     )
 

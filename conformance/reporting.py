@@ -56,6 +56,17 @@ def summary_counts(results: list[CaseResult]) -> dict[str, int]:
     return {s.value: counts.get(s, 0) for s in STATUSES}
 
 
+def time_by_section(results: list[CaseResult]) -> dict[str, dict]:
+    """Seconds and cases per SPEC section (the clause without its number), slowest first."""
+    out: dict[str, dict] = {}
+    for r in results:
+        section = r.case.clause.rsplit("-", 1)[0]
+        entry = out.setdefault(section, {"seconds": 0.0, "cases": 0})
+        entry["seconds"] += r.duration_s
+        entry["cases"] += 1
+    return {k: {"seconds": round(v["seconds"], 1), "cases": v["cases"]} for k, v in sorted(out.items(), key=lambda kv: -kv[1]["seconds"])}
+
+
 def fault_counts(results: list[CaseResult]) -> dict[str, int]:
     """Faults of the ranks themselves over the run: deaths, hangs, leaks, pool restarts."""
     total: Counter = Counter()
@@ -114,6 +125,9 @@ class ConsoleReporter:
         counts = summary_counts(results)
         self.write("")
         self.write(" | ".join(f"{s}: {n}" for s, n in counts.items()) + f" | {elapsed_s:.1f} s")
+        sections = time_by_section(results)
+        if sections:
+            self.write("time by section: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['cases']})" for k, v in sections.items()))
         faults = fault_counts(results)
         if faults:
             self.write("faults: " + ", ".join(f"{n} {k}" for k, n in faults.items()))
@@ -184,6 +198,7 @@ def to_json(info: RunInfo, results: list[CaseResult], warnings: list[str], elaps
         "summary": summary_counts(results),
         "deviations": [d.to_json() for d in deviations.group(results)],
         "faults": fault_counts(results),
+        "time_by_section": time_by_section(results),
         "warnings": warnings,
     }
 

@@ -82,6 +82,14 @@ def incompatible_keys(missing: list[str], unexpected: list[str]):
     return _IncompatibleKeys(missing, unexpected)
 
 
+def root_mesh(mesh):
+    # The mesh a slice (``mesh["dp"]``) or an FSDP-concatenated mesh was cut
+    # from; it tells a model on a slice of a world mesh (one SPMD job) from a
+    # model on a mesh built over part of the world. DeviceMesh keeps it private.
+    get = getattr(mesh, "_get_root_mesh", None)
+    return get() if get is not None else mesh
+
+
 def collective_device() -> torch.device:
     """Where buffers for the default group's collectives must live."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
@@ -131,6 +139,12 @@ def forget_device_meshes() -> None:
     clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_plans is not None:
         clear_plans()
+    # The C++ dispatch fast path keeps a sharding cache of its own, in front
+    # of the Python one: a hit hands back an output spec on a mesh of the old
+    # generation ("Could not resolve the process group registered under ...").
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
 
 
 def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:

@@ -3,7 +3,9 @@
 Every ``set_*`` validates first and mutates after: all ranks take part in
 one agreement (a single all-reduce when nothing is wrong), so bad input on
 any rank raises :class:`StateDictError` on every rank before anything has
-changed. With a process group initialised, call ``set_*`` on every rank.
+changed. With a process group initialised, call ``set_*`` on every rank of
+the model's group: the whole world, or for a model whose meshes were built
+over part of it, exactly those ranks (:mod:`group`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from . import _compat, collectives, distribute, flatten as flat_format
+from . import _compat, collectives, distribute, flatten as flat_format, group as groups
 from . import model as model_state
 from . import optimizer as optim_state
 from . import optimizer_plan as optim_plan
@@ -42,7 +44,7 @@ def get_model_state_dict(model: nn.Module, *, submodules=None, options: StateDic
     with torch.no_grad():
         sd = model_state.read_state(model, index, opts.ignore_frozen_params)
         if opts.full_state_dict:
-            return distribute.full_model(sd, cpu=opts.cpu_offload)
+            return distribute.full_model(sd, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
         return distribute.offload(sd) if opts.cpu_offload else sd
 
 
@@ -59,7 +61,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *, submod
     with torch.no_grad():
         nested = optim_state.read_state(index, optims)
         if opts.full_state_dict:
-            nested = distribute.full_optimizer(nested, cpu=opts.cpu_offload)
+            nested = distribute.full_optimizer(nested, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
         elif opts.cpu_offload:
             nested = distribute.offload(nested)
         if opts.flatten_optimizer_state_dict and nested:
@@ -99,15 +101,16 @@ class _Load:
     """One load of a model and/or optimizers: plan on every rank, agree, apply.
 
     ``parts`` maps "model" and/or "optim" to the state dict to load. With
-    ``broadcast_from_rank0`` the plans are made against rank 0's manifests
+    ``broadcast_from_rank0`` the plans are made against the root's manifests
     and agreement comes with the transfers (:mod:`broadcast`); without it,
-    one all-reduce agrees.
+    one all-reduce agrees. Both run in the model's group.
     """
 
     def __init__(self, model: nn.Module, opts: StateDictOptions, parts: dict[str, Any], optimizers=()):
         self.model = model
         self.opts = opts
         self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
+        self.group = groups.of_params(self.index.fqn_of)
         self.optims = optimizer_params(optimizers) if "optim" in parts else ()
         self.parts = parts
         self.problems: list[str] = []
@@ -118,7 +121,7 @@ class _Load:
         parts = dict(self.parts)
         if "optim" in parts:
             parts["optim"] = _run_pre_hooks(self.optims, parts["optim"])
-        bcast = BroadcastLoad(parts) if self.opts.broadcast_from_rank0 and collectives.active() else None
+        bcast = BroadcastLoad(parts, self.group) if self.opts.broadcast_from_rank0 and self.group.active else None
         if bcast is not None:
             parts = bcast.manifests()
             self.problems += bcast.problems
@@ -127,7 +130,7 @@ class _Load:
             answers = bcast.agree_and_deliver(what, self.problems, self.model_plan, self.optim_plan, self.opts.strict)
         else:
             questions = self.optim_plan.questions if self.optim_plan is not None else {}
-            answers = collectives.agree(self.problems, f"{what}: nothing was loaded", questions)
+            answers = collectives.agree(self.problems, f"{what}: nothing was loaded", questions, self.group)
         self._apply(answers)
 
     def _plan(self, parts: dict[str, Any], foreign_ok: bool) -> None:

@@ -1,16 +1,20 @@
-"""Broadcast loads (``broadcast_from_rank0``): rank 0 holds full state
+"""Broadcast loads (``broadcast_from_rank0``): the root holds full state
 dicts, every rank receives only its own pieces.
+
+The root is rank 0 of the model's group (:mod:`group`): global rank 0 for a
+model over the whole world, the lowest rank of its meshes for a model on
+part of it. Only the group's ranks take part.
 
 :class:`BroadcastLoad` runs the protocol around the planning that every
 rank does alike:
 
-1. :meth:`~BroadcastLoad.manifests` - rank 0's dicts, each tensor replaced
+1. :meth:`~BroadcastLoad.manifests` - the root's dicts, each tensor replaced
    by a :class:`TensorMeta` (shape, dtype, index), broadcast in one
    collective; every rank plans its load against them.
 2. :meth:`~BroadcastLoad.agree_and_deliver` - one exchange carries each
    rank's problems, its answers about placeholders, the names it loads and
    the regions it needs; every rank raises alike if any rank found a
-   problem (or, with ``strict``, a name no rank loads); otherwise rank 0's
+   problem (or, with ``strict``, a name no rank loads); otherwise the root's
    tensors are scattered, each piece going straight into its destination.
 """
 
@@ -23,13 +27,14 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat, collectives
 from .flatten import is_flat
+from .group import Group
 from .plan import ModelLoadPlan, OptimizerLoadPlan, Prepared, TensorMeta
-from .scatter import Metas, Need, PackedNeeds, scatter_from_rank0
+from .scatter import Metas, Need, PackedNeeds, scatter_from_root
 from .tree import leaves, rebuild, where
 
 
 def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
-    """Rank 0's dict with each tensor replaced by a :class:`TensorMeta`."""
+    """The root's dict with each tensor replaced by a :class:`TensorMeta`."""
     fulls: list[torch.Tensor] = []
     problems: list[str] = []
 
@@ -52,7 +57,7 @@ def manifest_metas(manifest: Any) -> list[tuple]:
 
 
 def optimizer_names(manifest: Any) -> list[str]:
-    """The FQN-like names in rank 0's optimizer dict, in an order every rank computes alike."""
+    """The FQN-like names in the root's optimizer dict, in an order every rank computes alike."""
     if not isinstance(manifest, dict):
         return []
     if is_flat(manifest):
@@ -65,7 +70,7 @@ def optimizer_names(manifest: Any) -> list[str]:
 
 
 def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None], dict[int, list[Prepared]]]:
-    """What this rank needs of each of rank 0's tensors, and who uses each."""
+    """What this rank needs of each of the root's tensors, and who uses each."""
     needs: list[Need | None] = [None] * len(metas)
     users: dict[int, list[Prepared]] = {}
     for p in prepared:
@@ -79,8 +84,8 @@ def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None]
 
 
 def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: list[torch.Tensor] | None,
-            metas: Metas, device: torch.device, everyone_needs: list | None = None) -> None:
-    """Give each Prepared this rank's piece of rank 0's tensor, as it arrives.
+            metas: Metas, device: torch.device, everyone_needs: list | None = None, group: Group | None = None) -> None:
+    """Give each Prepared this rank's piece of the root's tensor, as it arrives.
 
     A piece goes straight into its destination (an existing tensor of the
     same layout) or becomes the new tensor itself, so a rank holds its own
@@ -103,31 +108,32 @@ def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: l
             return None
         return _compat.local_tensor(ps[0].dest)
 
-    scatter_from_rank0(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs)
+    scatter_from_root(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group)
 
 
 class BroadcastLoad:
     """One broadcast load of a model's and/or optimizers' state dicts.
 
-    ``parts`` maps "model" and/or "optim" to the caller's dict; only rank
-    0's are read, but every rank passes the same keys.
+    ``parts`` maps "model" and/or "optim" to the caller's dict; only the
+    root's are read, but every rank of ``group`` passes the same keys.
     """
 
-    def __init__(self, parts: dict[str, Any]):
+    def __init__(self, parts: dict[str, Any], group: Group):
         self.parts = parts
-        self.problems: list[str] = []  # rank 0's: tensors it cannot broadcast
+        self.group = group
+        self.problems: list[str] = []  # the root's: tensors it cannot broadcast
         self.fulls: list[torch.Tensor] = []
         self.metas: list[tuple] = []
         self.model_names: list[str] = []
         self.optim_names: list[str] = []
 
     def manifests(self) -> dict[str, Any]:
-        """Rank 0's dicts as manifests, on every rank (its tensors stay on rank 0)."""
+        """The root's dicts as manifests, on every rank (its tensors stay on the root)."""
         manifest, problems = None, []
-        if collectives.rank() == 0:
+        if self.group.is_root:
             manifest, self.fulls, problems = describe(self.parts)
-        manifest, problems = collectives.broadcast_object((manifest, problems))
-        if collectives.rank() == 0:
+        manifest, problems = collectives.broadcast_object((manifest, problems), self.group)
+        if self.group.is_root:
             self.problems = problems
         self.metas = manifest_metas(manifest)
         model, optim = manifest.get("model"), manifest.get("optim")
@@ -152,19 +158,19 @@ class BroadcastLoad:
             "model": [i for i, k in enumerate(self.model_names) if k in mine_model],
             "optim": [i for i, k in enumerate(self.optim_names) if k in mine_optim],
             "needs": PackedNeeds(needs),
-        })
+        }, self.group)
         by_rank = [e["problems"] for e in everyone]
         if strict:
             extra = self._unowned(everyone)
             by_rank = [p + extra for p in by_rank]
-        collectives.raise_if_any(by_rank, f"{what}: nothing was loaded")
+        collectives.raise_if_any(by_rank, f"{what}: nothing was loaded", self.group)
         answers = collectives.answer([k for k, v in questions.items() if v is None], [e["known"] for e in everyone])
-        deliver(needs, users, self.fulls if collectives.rank() == 0 else None, self.metas, _compat.collective_device(),
-                everyone_needs=[e["needs"] for e in everyone])
+        deliver(needs, users, self.fulls if self.group.is_root else None, self.metas, _compat.collective_device(),
+                everyone_needs=[e["needs"] for e in everyone], group=self.group)
         return answers
 
     def _unowned(self, everyone: list[dict]) -> list[str]:
-        """Names in rank 0's dicts that no rank loads (problems under ``strict``)."""
+        """Names in the root's dicts that no rank loads (problems under ``strict``)."""
         owned_model = {i for e in everyone for i in e["model"]}
         owned_optim = {i for e in everyone for i in e["optim"]}
         nobody = [k for i, k in enumerate(self.model_names) if i not in owned_model]

@@ -3,9 +3,12 @@
 * :func:`agree` - every rank learns whether any rank found a problem, so all
   raise together instead of some waiting forever in a later collective.
 * who holds what: :func:`same_everywhere`, :func:`roots_of`, and object
-  exchanges (:func:`exchange`, :func:`send_to_rank0`, :func:`broadcast_object`).
+  exchanges (:func:`exchange`, :func:`send_to_root`, :func:`broadcast_object`).
 * byte buckets: tensors packed at aligned offsets of one uint8 buffer, so
   that :mod:`gather` and :mod:`scatter` move many tensors per collective.
+
+Each collective runs in a :class:`~hyperdsd.group.Group`: the world unless
+the caller passes the model's group; "root" is that group's first rank.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.distributed as dist
 
 from . import _compat
 from .errors import StateDictError
+from .group import Group, global_rank, world
 
 _ALIGN = 16
 # Bucket size in bytes: one bucket is what a collective moves at once, and
@@ -29,48 +33,53 @@ BUCKET_BYTES = int(float(os.environ.get("HYPERDSD_BUCKET_MB", "64")) * 2**20)
 DIRECT_BYTES = 1 << 20
 
 
-def active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def active(group: Group | None = None) -> bool:
+    """Whether ``group`` (default: the world) has anyone else to talk to."""
+    return (group or world()).active
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """This rank's global rank."""
+    return global_rank()
 
 
 # -- agreement -------------------------------------------------------------
 
-def agree(problems: list[str], what: str, questions: dict[str, bool | None] | None = None) -> dict[str, bool]:
-    """Raise :class:`StateDictError` on every rank if any rank has problems.
+def agree(problems: list[str], what: str, questions: dict[str, bool | None] | None = None,
+          group: Group | None = None) -> dict[str, bool]:
+    """Raise :class:`StateDictError` on every rank of ``group`` if any has problems.
 
     One all-reduce of two flags when all is well; messages travel only when
     something is wrong. ``questions`` (name -> this rank's answer, or None
     where it cannot tell) are answered by the other ranks in the same step:
     the answer is True if any rank answered True. Returns the answers to this
-    rank's open questions.
+    rank's open questions. ``group`` defaults to the world.
     """
+    group = group or world()
     questions = questions or {}
     open_ = [k for k, v in questions.items() if v is None]
-    if not active():
+    if not group.active:
         if problems:
-            raise StateDictError(_format(what, {0: problems}))
+            raise StateDictError(_format(what, {global_rank(): problems}))
         return {k: True for k in open_}
     flags = torch.tensor([1 if problems else 0, 1 if open_ else 0], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
     answers: dict[str, bool] = {}
     if flags[1]:
-        known = exchange({k: v for k, v in questions.items() if v is not None})
+        known = exchange({k: v for k, v in questions.items() if v is not None}, group)
         answers = answer(open_, known)
     if flags[0]:
-        raise_if_any(exchange(problems), what)
+        raise_if_any(exchange(problems, group), what, group)
     return answers
 
 
-def exchange(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, on every rank (one all-gather of objects)."""
-    if not active():
+def exchange(obj: Any, group: Group | None = None) -> list[Any]:
+    """Every rank's ``obj``, on every rank of ``group``, by group rank (one all-gather of objects)."""
+    group = group or world()
+    if not group.active:
         return [obj]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
+    everyone: list[Any] = [None] * group.size
+    dist.all_gather_object(everyone, obj, group=group.pg)
     return everyone
 
 
@@ -83,9 +92,11 @@ def answer(open_questions, known_by_rank: list[dict[str, bool]]) -> dict[str, bo
     return {k: known.get(k, True) for k in open_questions}
 
 
-def raise_if_any(problems_by_rank: list[list[str]], what: str) -> None:
+def raise_if_any(problems_by_rank: list[list[str]], what: str, group: Group | None = None) -> None:
+    """Raise if any rank has problems; ``problems_by_rank`` is by rank of ``group`` (default: the world)."""
     if any(problems_by_rank):
-        raise StateDictError(_format(what, {r: p for r, p in enumerate(problems_by_rank) if p}))
+        ranks = group.ranks if group is not None else range(len(problems_by_rank))
+        raise StateDictError(_format(what, {ranks[i]: p for i, p in enumerate(problems_by_rank) if p}))
 
 
 def _format(what: str, by_rank: dict[int, list[str]]) -> str:
@@ -103,45 +114,45 @@ def _format(what: str, by_rank: dict[int, list[str]]) -> str:
 
 # -- who holds what --------------------------------------------------------
 
-def same_everywhere(keys: Sequence[str]) -> bool:
-    """Whether every rank has the same keys (one small all-gather of digests)."""
-    if not active():
+def same_everywhere(keys: Sequence[str], group: Group | None = None) -> bool:
+    """Whether every rank of ``group`` has the same keys (one small all-gather of digests)."""
+    group = group or world()
+    if not group.active:
         return True
     digest = hashlib.sha1("\0".join(keys).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    out = torch.empty(dist.get_world_size() * len(digest), dtype=torch.uint8)
-    _compat.all_gather_into(out, mine, group=None)
-    return bool((out.view(dist.get_world_size(), -1) == mine).all())
+    out = torch.empty(group.size * len(digest), dtype=torch.uint8)
+    _compat.all_gather_into(out, mine, group=group.pg)
+    return bool((out.view(group.size, -1) == mine).all())
 
 
-def roots_of(keys: Sequence[str]) -> dict[str, int]:
-    """For each key any rank holds, the lowest rank that holds it."""
-    if not active():
-        return {k: 0 for k in keys}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, list(keys))
+def roots_of(keys: Sequence[str], group: Group | None = None) -> dict[str, int]:
+    """For each key any rank of ``group`` holds, the lowest (global) rank that holds it."""
+    group = group or world()
     roots: dict[str, int] = {}
-    for r, ks in enumerate(everyone):
+    for i, ks in enumerate(exchange(list(keys), group)):
         for k in ks:
-            roots.setdefault(k, r)
+            roots.setdefault(k, group.ranks[i])
     return roots
 
 
-def send_to_rank0(obj: Any) -> list[Any] | None:
-    """Rank 0 receives every rank's ``obj`` (None from those with nothing)."""
-    if not active():
+def send_to_root(obj: Any, group: Group | None = None) -> list[Any] | None:
+    """The root of ``group`` receives every rank's ``obj`` (None from those with nothing)."""
+    group = group or world()
+    if not group.active:
         return [obj]
-    out: list[Any] | None = [None] * dist.get_world_size() if rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    out: list[Any] | None = [None] * group.size if group.is_root else None
+    dist.gather_object(obj, out, dst=group.root, group=group.pg)
     return out
 
 
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if not active():
+def broadcast_object(obj: Any, group: Group | None = None) -> Any:
+    """The root's ``obj`` on every rank of ``group``."""
+    group = group or world()
+    if not group.active:
         return obj
-    box = [obj if rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    box = [obj if group.is_root else None]
+    dist.broadcast_object_list(box, src=group.root, group=group.pg)
     return box[0]
 
 

@@ -1,11 +1,12 @@
 """Full and offloaded state dicts: which rank ends up with what on get.
 
 ``full_model`` and ``full_optimizer`` turn DTensors into full tensors,
-everywhere or, with ``cpu_offload``, only on rank 0 (the others get ``{}``).
-When ranks hold different FQNs (pipeline stages), each FQN's lowest holder
-gathers it and rank 0 receives the rest, so rank 0 ends with everything.
-``offload`` moves a sharded state dict to CPU. Loads from rank 0 are
-:mod:`broadcast`'s.
+everywhere or, with ``cpu_offload``, only on the root (the others get
+``{}``): the first rank of the model's group (:mod:`group`), global rank 0
+for a model over the whole world. When ranks hold different FQNs (pipeline
+stages), each FQN's lowest holder gathers it and the root receives the rest,
+so the root ends with everything. ``offload`` moves a sharded state dict to
+CPU. Loads from the root are :mod:`broadcast`'s.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat, collectives
 from .gather import Gatherer
+from .group import Group
 from .placement import DTensorLayout
 from .tree import leaves, rebuild
 
@@ -37,23 +39,23 @@ def offload(value: Any) -> Any:
     return rebuild(value, move)
 
 
-def full_entries(entries: dict[str, Any], *, rank0_only: bool, cpu: bool) -> tuple[dict[str, Any], dict[str, int] | None]:
-    """Gather every DTensor in ``entries`` (values: tensors, or dicts of them).
+def full_entries(entries: dict[str, Any], group: Group, *, root_only: bool, cpu: bool) -> tuple[dict[str, Any], dict[str, int] | None]:
+    """Gather every DTensor in ``entries`` (values: tensors, or containers of them).
 
-    Returns the entries this rank keeps (all of them, or with ``rank0_only``
-    those it is root of) and, when ranks hold different keys, the root of
-    each key (None when every rank holds the same keys).
+    Returns the entries this rank keeps (all of them, or with ``root_only``
+    those it is root of) and, when the ranks of ``group`` hold different
+    keys, the root of each key (None when every rank holds the same keys).
     """
     keys = list(entries)
     roots: dict[str, int] | None = None
-    if rank0_only and collectives.active() and not collectives.same_everywhere(keys):
-        roots = collectives.roots_of(keys)
+    if root_only and group.active and not collectives.same_everywhere(keys, group):
+        roots = collectives.roots_of(keys, group)
     me = collectives.rank()
 
     def root_of(key: str) -> int | None:
-        if not rank0_only:
+        if not root_only:
             return None
-        return roots[key] if roots is not None else 0
+        return roots[key] if roots is not None else group.root
 
     gatherer = Gatherer(cpu=cpu)
     for key, value in entries.items():
@@ -76,39 +78,38 @@ def full_entries(entries: dict[str, Any], *, rank0_only: bool, cpu: bool) -> tup
     return kept, roots
 
 
-def full_model(sd: dict[str, Any], *, cpu: bool) -> dict[str, Any]:
-    """The model's full state dict: on every rank, or with ``cpu`` on rank 0 only."""
-    rank0_only = cpu and collectives.active()
-    kept, roots = full_entries(sd, rank0_only=rank0_only, cpu=cpu)
-    if rank0_only and roots is not None:
-        received = collectives.send_to_rank0(kept if collectives.rank() != 0 else None)
-        if collectives.rank() != 0:
+def full_model(sd: dict[str, Any], group: Group, *, cpu: bool) -> dict[str, Any]:
+    """The model's full state dict: on every rank, or with ``cpu`` on the root only."""
+    root_only = cpu and group.active
+    kept, roots = full_entries(sd, group, root_only=root_only, cpu=cpu)
+    if root_only and roots is not None:
+        received = collectives.send_to_root(kept if not group.is_root else None, group)
+        if not group.is_root:
             return {}
         for part in received[1:]:
             kept.update(part or {})
-    return kept if not rank0_only or collectives.rank() == 0 else {}
+    return kept if not root_only or group.is_root else {}
 
 
-def full_optimizer(nested: dict, *, cpu: bool) -> dict:
-    """The optimizers' full state dict (nested): on every rank, or with ``cpu`` on rank 0 only."""
-    rank0_only = cpu and collectives.active()
+def full_optimizer(nested: dict, group: Group, *, cpu: bool) -> dict:
+    """The optimizers' full state dict (nested): on every rank, or with ``cpu`` on the root only."""
+    root_only = cpu and group.active
     state, groups = nested["state"], nested["param_groups"]
-    if not rank0_only:
-        kept, _ = full_entries(state, rank0_only=False, cpu=cpu)
+    if not root_only:
+        kept, _ = full_entries(state, group, root_only=False, cpu=cpu)
         return {"state": kept, "param_groups": groups}
     # Roots are decided over every FQN this rank knows, stateless ones included.
     names = list(dict.fromkeys([*state, *(f for g in groups for f in g["params"])]))
     entries = {name: state.get(name) for name in names}
-    kept, roots = full_entries(entries, rank0_only=True, cpu=True)
-    me = collectives.rank()
+    kept, roots = full_entries(entries, group, root_only=True, cpu=True)
     mine = {"state": {k: v for k, v in kept.items() if v is not None}, "param_groups": []}
     if roots is None:
-        mine["param_groups"] = groups if me == 0 else []
-        return mine if me == 0 else {}
+        mine["param_groups"] = groups if group.is_root else []
+        return mine if group.is_root else {}
     rooted = set(kept)
     mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"]) or (not g["params"] and rooted)]
-    received = collectives.send_to_rank0(mine if me != 0 else None)
-    if me != 0:
+    received = collectives.send_to_root(mine if not group.is_root else None, group)
+    if not group.is_root:
         return {}
     for part in received[1:]:
         if part:

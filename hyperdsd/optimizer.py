@@ -18,6 +18,7 @@ from .flatten import GROUPS, STATE
 from .fqn import ModelIndex
 from .plan import OptimizerLoadPlan, Prepared, copy_into, fits, materialize, redistribute
 from .templates import template_state
+from .tree import is_container, rebuild
 
 
 def _own(value: Any) -> Any:
@@ -27,6 +28,16 @@ def _own(value: Any) -> Any:
     if isinstance(value, list):
         return [_own(v) for v in value]
     return value
+
+
+def _entry_copy(entry: dict) -> dict:
+    """A new state entry whose containers (nested dicts and lists) are new too;
+    tensors and other leaves are the optimizer's own."""
+    return {k: rebuild(v, _same) if is_container(v) else v for k, v in entry.items()}
+
+
+def _same(leaf: Any, _path: tuple) -> Any:
+    return leaf
 
 
 def _param_fqn(index: ModelIndex, p, gi: int, pi: int) -> str:
@@ -41,9 +52,10 @@ def _param_fqn(index: ModelIndex, p, gi: int, pi: int) -> str:
 def read_state(index: ModelIndex, optimizers) -> dict:
     """``{"state": {fqn: {...}}, "param_groups": [{"params": [fqn, ...], ...}]}``.
 
-    State entries are new dicts (changing them does not reach the optimizer);
-    their tensors are the optimizer's own, as ``Optimizer.state_dict()`` gives
-    them. A never-stepped optimizer yields placeholder state (see templates).
+    State entries are new dicts, nested containers included (changing them
+    does not reach the optimizer); their tensors are the optimizer's own, as
+    ``Optimizer.state_dict()`` gives them. A never-stepped optimizer yields
+    placeholder state (see templates).
     """
     state: dict[str, dict] = {}
     groups: list[dict] = []
@@ -64,8 +76,20 @@ def read_state(index: ModelIndex, optimizers) -> dict:
             for p in group["params"]:
                 entry = stored.get(p) or template.get(p)
                 if entry:
-                    state[index.fqn_of[p]] = dict(entry)
+                    state[index.fqn_of[p]] = _entry_copy(entry)
     return {STATE: state, GROUPS: groups}
+
+
+def _loaded(value: Any, existing: Any) -> Any:
+    """The value a planned one becomes: tensors copied into the state tensor
+    they fit (planned, or ``existing``) or made new; containers rebuilt
+    around their loaded leaves; anything else copied."""
+    if isinstance(value, Prepared):
+        existing = value.dest if value.dest is not None else existing
+        return copy_into(existing, value) if fits(existing, value) else materialize(value)
+    if is_container(value):
+        return rebuild(value, lambda leaf, _path: _loaded(leaf, None))
+    return copy.deepcopy(value)
 
 
 def apply_load(plan: OptimizerLoadPlan) -> None:
@@ -76,13 +100,7 @@ def apply_load(plan: OptimizerLoadPlan) -> None:
         if load.entry is None:
             load.opt.state.pop(load.param, None)
             continue
-        new = {}
-        for key, value in load.entry.items():
-            if isinstance(value, Prepared):
-                existing = value.dest if value.dest is not None else (current or {}).get(key)
-                new[key] = copy_into(existing, value) if fits(existing, value) else materialize(value)
-            else:
-                new[key] = copy.deepcopy(value)
+        new = {key: _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}
         if current is None:
             load.opt.state[load.param] = new
         else:

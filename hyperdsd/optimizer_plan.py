@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat
 from .fqn import ModelIndex
-from .optimizer_source import Source, TargetGroup, parse, target_groups
+from .optimizer_source import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .placement import DTensorLayout
 from .plan import (
     OptimizerLoadPlan,
@@ -31,6 +31,7 @@ from .plan import (
     kind_differs,
 )
 from .templates import has_placeholders, scratch_state, unwritten_keys
+from .tree import is_container
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -61,6 +62,7 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
             problems.append(f"missing from the checkpoint (strict=True): {absent}")
         if plan.foreign and not foreign_ok:
             problems.append(f"not parameters of the model (strict=True): {sorted(set(plan.foreign))}")
+        problems += unpaired_groups(targets, source)
     _prepare_all(plan, targets, source, listed, by_name, strict, problems)
     return plan, problems
 
@@ -126,12 +128,10 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
                 lacking = sorted(str(k) for k in expected if k not in written)
                 if lacking:
                     problems.append(f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})")
-            prepared = {}
-            for key, value in written.items():
-                prepared[key] = _prepare(value, p, key, target.group, expected, f"state[{fqn!r}][{key!r}]", problems)
-                existing = expected.get(key) if expected else None
-                if isinstance(prepared[key], Prepared) and fits(existing, prepared[key]):
-                    prepared[key].dest = existing
+            prepared = {
+                key: _prepare(value, p, key, target.group, expected.get(key) if expected else None, f"state[{fqn!r}][{key!r}]", problems)
+                for key, value in written.items()
+            }
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
 
 
@@ -141,9 +141,29 @@ def _target_device(p, key: str, group: dict, value) -> torch.device:
     return _compat.local_tensor(p).device
 
 
-def _prepare(value, p, key: str, group: dict, expected: dict | None, where: str, problems: list[str]):
-    """Check one state value against its parameter; return what to load."""
-    exp = expected.get(key) if expected else None
+def _prepare(value, p, key: str, group: dict, exp, where: str, problems: list[str]):
+    """Check one state value against its parameter and ``exp``, what the
+    optimizer keeps (or would create) under ``key``; return what to load.
+
+    Nested values (dicts, lists and tuples, as custom optimizers keep) are
+    checked leaf by leaf against the same place in ``exp``.
+    """
+    if is_container(value) and isinstance(exp, torch.Tensor):
+        problems.append(f"{where}: a {type(value).__name__}, expected a tensor like the optimizer's")
+        return None
+    if type(value) is dict:
+        mine = exp if isinstance(exp, dict) else {}
+        return {k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        mine = exp if isinstance(exp, (list, tuple)) and len(exp) == len(value) else [None] * len(value)
+        return type(value)(_prepare(v, p, key, group, e, f"{where}[{i}]", problems) for i, (v, e) in enumerate(zip(value, mine)))
+    prepared = _prepare_leaf(value, p, key, group, exp, where, problems)
+    if isinstance(prepared, Prepared) and fits(exp, prepared):
+        prepared.dest = exp  # loaded in place into the state tensor it replaces
+    return prepared
+
+
+def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: list[str]):
     if not is_tensorish(value):
         if isinstance(exp, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")

@@ -43,6 +43,7 @@ class Source:
     matched: list[SourceGroup | None]  # the group each target group loads from
     state: dict  # state by FQN as the checkpoint names them
     foreign: list[str] = field(default_factory=list)  # names the model does not have
+    nested: bool = True  # False: rebuilt from a flat dict, which has no list of groups
 
 
 def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[TargetGroup] | None:
@@ -120,6 +121,56 @@ def _match_groups(targets: list[TargetGroup], sources: list[SourceGroup]) -> lis
     return matches
 
 
+def unpaired_groups(targets: list[TargetGroup], source: Source) -> list[str]:
+    """Groups of the checkpoint and of the optimizers that do not pair up one
+    to one, empty groups counted (a problem under ``strict``).
+
+    A flat dict has no list of groups (its groups follow the parameters), so
+    it has nothing to count. A dict gathered from pipeline stages holds each
+    stage's groups: groups with none of this rank's parameters belong to
+    another stage (and its empty groups cannot be told apart), and a group
+    whose parameters load with another group of the same fields is the
+    same group of another stage.
+    """
+    if not source.nested:
+        return []
+    foreign = set(source.foreign)
+    others = {id(s) for s in source.groups if s.fqns and all(f in foreign for f in s.fqns)}
+    uses = Counter(id(m) for m in source.matched if m is not None)
+    target_of = {f: i for i, t in enumerate(targets) for f in t.fqns}
+
+    def same_as_matched(s: SourceGroup) -> bool:
+        homes = {target_of.get(f) for f in s.fqns}
+        return bool(s.fqns) and None not in homes and all(
+            source.matched[i] is not None and not _differs(_group_fields(source.matched[i].fields), _group_fields(s.fields)) for i in homes
+        )
+
+    problems = []
+    for j, s in enumerate(source.groups):
+        if uses[id(s)] > 1:
+            shared = [i for i, m in enumerate(source.matched) if m is s]
+            problems.append(f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) holds the parameters of the optimizer's groups {shared}")
+        elif not uses[id(s)] and not (others and (id(s) in others or not s.fqns)) and not same_as_matched(s):
+            problems.append(f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) matches no group of the optimizer")
+    for i, (t, m) in enumerate(zip(targets, source.matched)):
+        if m is None and not (others and not t.fqns):
+            problems.append(f"the optimizer's param_groups[{i}] ({_describe(t.group, t.fqns)}) has no group in the checkpoint")
+    if not problems:
+        return []
+    counts = f"the checkpoint has {len(source.groups)} param groups, the optimizer {len(targets)} (empty groups counted, strict=True)"
+    return [f"{counts}: " + "; ".join(problems)]
+
+
+def _group_fields(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _describe(fields: dict, fqns: list[str]) -> str:
+    what = f"{len(fqns)} parameters: {fqns[:3]}{' ...' if len(fqns) > 3 else ''}" if fqns else "empty"
+    name = fields.get("name")
+    return f"{what}, name {name!r}" if isinstance(name, str) else what
+
+
 def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict: bool, problems: list[str]) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
     state, fields, unknown = unflatten(osd, set(index.param_of))
@@ -148,7 +199,7 @@ def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict:
                     problems.append(f"param_groups fields of {f!r} differ from {present[0]!r} in the same group: {differing}")
                 break
         aligned.append(SourceGroup(chosen, present))
-    return Source([s for s in aligned if s is not None], aligned, state, unknown)
+    return Source([s for s in aligned if s is not None], aligned, state, unknown, nested=False)
 
 
 def _differs(a, b) -> bool:

@@ -22,6 +22,11 @@ class StateDictOptions:
     - ``strict``: on set, missing or unexpected entries raise, naming them.
     - ``broadcast_from_rank0``: on set, only rank 0's dict is read (the others
       may pass ``{}``); every rank receives only its own shards.
+
+    "Rank 0" is the first rank of the model's process group: global rank 0
+    for a model over the whole world; for a model whose meshes were built
+    over part of the world (two models on disjoint halves), the lowest rank
+    of its meshes, and only those ranks call (see :mod:`hyperdsd.group`).
     - ``flatten_optimizer_state_dict``: one level of keys,
       ``state.{fqn}.{key}`` and ``param_groups.{fqn}.{field}``.
     - ``dsd_fqn_modifiers``: name of the method by which a module tells which

@@ -19,11 +19,12 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import local_tensor
 from .placement import DTensorLayout
+from .tree import is_container, leaves
 
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Stands in for a tensor only rank 0 holds (broadcast loads)."""
+    """Stands in for a tensor only the root holds (broadcast loads)."""
 
     shape: tuple
     dtype: torch.dtype
@@ -103,13 +104,21 @@ class OptimizerLoadPlan:
                 load.entry = None
 
     def tensors(self) -> list[Prepared]:
-        return [v for load in self.params for v in (load.entry or {}).values() if isinstance(v, Prepared)]
+        """Every planned tensor, nested state (dicts and lists of tensors) included."""
+        out = []
+        for load in self.params:
+            for v in (load.entry or {}).values():
+                if isinstance(v, Prepared):
+                    out.append(v)
+                elif is_container(v):
+                    out += [leaf for _, leaf in leaves(v) if isinstance(leaf, Prepared)]
+        return out
 
 
 # -- checks ----------------------------------------------------------------
 
 def is_tensorish(value: Any) -> bool:
-    """A tensor, or the stand-in for one that rank 0 holds."""
+    """A tensor, or the stand-in for one that the root holds."""
     return isinstance(value, (torch.Tensor, TensorMeta))
 
 

@@ -1,8 +1,9 @@
-"""Pieces of tensors only rank 0 holds, delivered to the ranks that need them.
+"""Pieces of tensors only the root holds, delivered to the ranks that need them.
 
 Every rank knows each tensor's shape and dtype (a manifest) and what region
 of it each rank needs (:class:`Need`, exchanged as :class:`PackedNeeds`).
-:class:`Scatterer` then moves the pieces from rank 0: a large tensor that
+:class:`Scatterer` then moves the pieces from the root (the first rank of
+the model's group, see :mod:`group`): a large tensor that
 every rank needs an equal run of whole rows of moves in one scatter, straight
 into each rank's destination; the rest travel packed in bounded byte
 buckets, one scatter per bucket. The bucket plan is computed alike on every
@@ -20,10 +21,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import BUCKET_BYTES, DIRECT_BYTES, active, aligned, as_bytes, exchange, from_bytes, rank
+from .collectives import BUCKET_BYTES, DIRECT_BYTES, aligned, as_bytes, exchange, from_bytes
+from .group import Group, world
 from .placement import DTensorLayout
 
-# (shape, dtype) of each of rank 0's tensors, in manifest order
+# (shape, dtype) of each of the root's tensors, in manifest order
 Metas = Sequence[tuple[torch.Size, torch.dtype]]
 
 
@@ -73,9 +75,10 @@ class PackedNeeds(Sequence):
 
 
 class Scatterer:
-    """Every rank's needs of rank 0's tensors, delivered one collective per bucket.
+    """Every rank's needs of the root's tensors, delivered one collective per bucket.
 
-    Build it alike on every rank (``fulls`` only on rank 0) and call
+    Build it alike on every rank of ``group`` (``fulls`` only on its root;
+    ``everyone``: needs by group rank) and call
     :meth:`run`. With ``on_piece``, each piece is handed over as a view into
     the bucket as it arrives (copy what you keep), so a rank holds its own
     state plus one bucket; without it, pieces are returned. ``target_for``
@@ -91,7 +94,9 @@ class Scatterer:
         bucket_bytes: int | None = None,
         on_piece: Callable[[int, torch.Tensor], None] | None = None,
         target_for: Callable[[int], torch.Tensor | None] | None = None,
+        group: Group | None = None,
     ):
+        self.group = group or world()
         self.metas = metas
         self.fulls = fulls
         self.everyone = everyone
@@ -99,8 +104,8 @@ class Scatterer:
         self.limit = bucket_bytes or BUCKET_BYTES
         self.on_piece = on_piece
         self.target_for = target_for
-        self.world = dist.get_world_size() if active() else 1
-        self.me = rank()
+        self.world = self.group.size
+        self.me = self.group.index
         self.out: list[torch.Tensor | None] = [None] * len(metas)
 
     def run(self) -> list[torch.Tensor | None]:
@@ -145,7 +150,7 @@ class Scatterer:
             self.out[i] = piece.clone() if view else piece
 
     def _scatter_one(self, i: int) -> None:
-        """One large tensor: rank 0's rows go straight into each rank's destination."""
+        """One large tensor: the root's rows go straight into each rank's destination."""
         need = self.everyone[self.me][i]
         shape, dtype = need.shape(), self.metas[i][1]
         target = self.target_for(i) if self.target_for is not None else None
@@ -154,7 +159,7 @@ class Scatterer:
         sends = None
         if self.me == 0:
             sends = [self.everyone[r][i].cut(self.fulls[i]).to(self.device) for r in range(self.world)]
-        dist.scatter(recv, sends, src=0)
+        dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
         self._deliver(i, recv, view=False)
 
     def _scatter_bucket(self, bucket: list[int]) -> None:
@@ -172,11 +177,11 @@ class Scatterer:
                     buf[off : off + nbytes] = as_bytes(piece.to(self.device))
                 sends.append(buf)
             if self.world > 1:
-                dist.scatter(recv, sends, src=0)
+                dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
             else:
                 recv = sends[0]
         else:
-            dist.scatter(recv, None, src=0)
+            dist.scatter(recv, None, src=self.group.root, group=self.group.pg)
         for i, off, nbytes in plans[self.me][0]:
             piece = from_bytes(recv[off : off + nbytes], self.metas[i][1], self.everyone[self.me][i].shape())
             self._deliver(i, piece, view=True)
@@ -194,7 +199,7 @@ class Scatterer:
         return parts, off
 
 
-def scatter_from_rank0(
+def scatter_from_root(
     metas: Metas,
     fulls: Sequence[torch.Tensor] | None,
     needs: Sequence[Need | None],
@@ -203,13 +208,15 @@ def scatter_from_rank0(
     on_piece: Callable[[int, torch.Tensor], None] | None = None,
     target_for: Callable[[int], torch.Tensor | None] | None = None,
     everyone_needs: Sequence[Sequence[Need | None]] | None = None,
+    group: Group | None = None,
 ) -> list[torch.Tensor | None]:
-    """Deliver to every rank the regions it needs of tensors only rank 0 holds.
+    """Deliver to every rank of ``group`` (default: the world) the regions it
+    needs of tensors only the group's root holds.
 
-    ``metas`` are known everywhere; ``fulls`` only on rank 0; ``needs`` are
+    ``metas`` are known everywhere; ``fulls`` only on the root; ``needs`` are
     this rank's. Every rank learns every rank's needs (one all-gather of
     small objects, unless the caller already exchanged them:
     ``everyone_needs``), then :class:`Scatterer` moves the pieces.
     """
-    everyone = everyone_needs if everyone_needs is not None else exchange(PackedNeeds(needs))
-    return Scatterer(metas, fulls, everyone, device, bucket_bytes, on_piece, target_for).run()
+    everyone = everyone_needs if everyone_needs is not None else exchange(PackedNeeds(needs), group)
+    return Scatterer(metas, fulls, everyone, device, bucket_bytes, on_piece, target_for, group).run()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from .tree import is_container, leaves
 
 # -- which objects are a template's --------------------------------------------
 #
@@ -55,8 +56,17 @@ def is_unwritten_placeholder(value: Any) -> bool:
     return entry is not None and entry[0]() is value and _compat.version_of(value) == entry[1]
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of one state value: itself, or the leaves of a nested one."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if is_container(value):
+        return [leaf for _, leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+    return []
+
+
 def has_placeholders(entry: dict) -> bool:
-    return any(id(v) in _placeholders for v in entry.values())
+    return any(id(t) in _placeholders for v in entry.values() for t in _tensors(v))
 
 
 def _track_values(values: list, anchor: torch.Tensor) -> None:
@@ -79,17 +89,30 @@ def unwritten_keys(entry: dict) -> tuple[set, bool]:
     """Keys of ``entry`` that are placeholders nobody wrote into, and whether
     that cannot be told here.
 
-    A placeholder with no elements (this rank's shard of a parameter with
-    fewer rows than ranks) cannot be written and says nothing: it follows the
-    rest of its entry. When it is all the entry has, this rank cannot tell;
+    A key is unwritten when it holds tensors (itself, or nested in dicts and
+    lists) and every one of them is a placeholder nobody wrote into. Values
+    without tensors (numbers, strings) cannot tell: they follow the rest of
+    their entry. So does a placeholder with no elements (this rank's shard of
+    a parameter with fewer rows than ranks), which cannot be written. When
+    such empty placeholders are all the entry has, this rank cannot tell;
     ranks holding a non-empty shard of the same parameter can (the caller
-    asks them, see ``collectives.agree``). Until then it counts as written.
+    asks them, see ``collectives.agree``). Until then they count as written.
     """
-    unwritten = {k for k, v in entry.items() if is_unwritten_placeholder(v)}
-    empty = {k for k in unwritten if _compat.local_tensor(entry[k]).numel() == 0}
-    unknown = bool(empty) and empty == unwritten == set(entry)
-    if empty and (len(unwritten) < len(entry) or unknown):
+    unwritten, empty, plain = set(), set(), set()
+    for k, v in entry.items():
+        tensors = _tensors(v)
+        if not tensors:
+            plain.add(k)
+        elif all(is_unwritten_placeholder(t) for t in tensors):
+            unwritten.add(k)
+            if all(_compat.local_tensor(t).numel() == 0 for t in tensors):
+                empty.add(k)
+    holding = len(entry) - len(plain)
+    unknown = bool(empty) and len(empty) == len(unwritten) == holding
+    if empty and (len(unwritten) < holding or unknown):
         unwritten -= empty
+    if unwritten and len(unwritten) == holding:
+        unwritten |= plain
     return unwritten, unknown
 
 
@@ -165,10 +188,10 @@ def template_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     state = scratch_state(opt) or {}
     for entry in state.values():
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                if key == "step":
-                    value.zero_()  # a placeholder that is saved as is means "never stepped"
-                mark_placeholder(value)
+            if key == "step" and isinstance(value, torch.Tensor):
+                value.zero_()  # a placeholder that is saved as is means "never stepped"
+            for t in _tensors(value):
+                mark_placeholder(t)
     return state
 
 

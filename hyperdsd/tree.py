@@ -13,6 +13,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 
+def is_container(obj: Any) -> bool:
+    return isinstance(obj, (dict, list, tuple))
+
+
 def leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """``(path, leaf)`` for every leaf of ``obj``, in order."""
     if isinstance(obj, dict):

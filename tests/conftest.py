@@ -1,4 +1,17 @@
-"""Test-suite-wide reporting: figures that tests record as properties."""
+"""Test-suite-wide fixtures, and figures that tests record as properties."""
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """Rank pools for one test module, killed at its end."""
+    from hyperdsd.testing import PoolSet
+
+    ps = PoolSet()
+    yield ps
+    ps.kill()
+
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import hyperdsd
 from hyperdsd import collectives
 from hyperdsd.gather import Gatherer
-from hyperdsd.scatter import Need, scatter_from_rank0
+from hyperdsd.scatter import Need, scatter_from_root
 from hyperdsd.placement import DTensorLayout
 
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
@@ -56,7 +55,7 @@ def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
     if big:
         needs.append(Need.of_layout(layouts[3]))
     metas = [(tuple(f.shape), f.dtype) for f in fulls]
-    pieces = scatter_from_rank0(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
+    pieces = scatter_from_root(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
     for i, need in enumerate(needs):
         if need is None:
             assert pieces[i] is None
@@ -79,10 +78,11 @@ def agree(ctx, bad_rank: int = 1):
 
 def _setup(ctx, layout, seed, impl):
     from conformance.adapters import load_adapter
+    from conformance.context import CaseContext
     from conformance.layouts import Setup
     from conformance.models import ModelConfig
 
-    c = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, mesh=ctx.mesh, iut=load_adapter(impl))
+    c = CaseContext(ctx, None, 0, load_adapter(impl), "")
     # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.
     return Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(tie=False), trainable=lambda f: not f.startswith(("aux", "frozen")))
 
@@ -152,3 +152,27 @@ def combined_broadcast(ctx):
     diffs = diff_snapshots(snapshot(a), snapshot(b))
     assert not diffs, "\n".join(diffs[:10])
     return True
+
+
+def group_rule(ctx):
+    """The group of a model's collectives: the world unless its meshes were built over part of it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperdsd import group
+
+    def on(mesh):
+        return [distribute_tensor(torch.ones(4), mesh, [Replicate()] * mesh.ndim, src_data_rank=None)]
+
+    world_2d = ctx.mesh("2x2")
+    halves = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]
+    columns = [DeviceMesh("cpu", [[0], [1]]), DeviceMesh("cpu", [[2], [3]])]  # 2-D meshes over a half: no 1-D group
+    mine = ctx.rank // 2
+    assert group.of_params(on(world_2d["shard"])) == group.world()  # a slice of a world mesh is the world's
+    half = group.of_params(on(halves[mine]))
+    assert half.ranks == (2 * mine, 2 * mine + 1) and half.root == 2 * mine and half.pg is halves[mine].get_group()
+    made = group.of_params(on(columns[mine]))
+    assert made.ranks == half.ranks and group.of_params(on(columns[mine])).pg is made.pg  # made once, then kept
+    # Collectives stay inside the half: each half agrees and gathers on its own.
+    assert collectives.exchange(ctx.rank, made) == list(half.ranks)
+    assert collectives.broadcast_object(f"from {ctx.rank}", half) == f"from {half.root}"
+    return collectives.send_to_root(ctx.rank, half)

@@ -89,3 +89,12 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def run_task(pools, world_size: int, fn, deadline_s: float = 120, **kwargs):
+    """Run ``fn`` on every rank of a pool; it must pass there. Returns each rank's value."""
+    from hyperdsd.testing import Task
+
+    outcome = pools.run(world_size, Task(fn, kwargs), deadline_s)
+    assert outcome.status == "passed", outcome.describe() + "\n" + "\n".join(r.traceback for r in outcome.results)
+    return outcome.values

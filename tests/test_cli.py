@@ -104,22 +104,22 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
     xfails = tmp_path / "xfails.txt"
     xfails.write_text(
         "# expected failures\n"
-        "OPT-RT-1[single-adamw-sharded]  # lazy state: torch raises on a parameter without state\n"
+        "OPT-PART-2[single-sharded]  # lazy state: torch raises on a parameter without state\n"
         "OPT-NOPE-9  # matches nothing\n"
     )
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
     proc, mark = run_cli([
-        "--impl", "torch", "-k", "OPT-RT-1[single-adamw-sharded]", "-k", "OPT-KEYS-1[single-sgd",
+        "--impl", "torch", "-k", "OPT-PART-2[single-sharded]", "-k", "OPT-KEYS-1[single-sgd",
         "--xfails", str(xfails), "--json", str(report), "--junit", str(junit),
     ])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OPT-NOPE-9" in proc.stderr and "matches no case" in proc.stderr
     data = json.loads(report.read_text())
-    assert data["spec_version"] == "1" and data["impl"]["name"] == "torch"
+    assert data["spec_version"] == "1.1" and data["impl"]["name"] == "torch"
     assert set(data) >= {"spec_version", "suite_version", "impl", "torch_version", "world_sizes", "cases", "summary"}
     assert any("OPT-NOPE-9" in w for w in data["warnings"])
     statuses = {c["id"]: c["status"] for c in data["cases"]}
-    assert statuses["OPT-RT-1[single-adamw-sharded]"] == "xfail"
+    assert statuses["OPT-PART-2[single-sharded]"] == "xfail"
     assert sum(data["summary"].values()) == len(data["cases"]) == 3
 
     suite = ET.parse(junit).getroot().find("testsuite")

@@ -3,20 +3,12 @@ scatters, agreement, and interoperability with torch's implementation."""
 
 import pytest
 
-from hyperdsd.testing import PoolSet, Task
-
-
-@pytest.fixture(scope="module")
-def pools():
-    ps = PoolSet()
-    yield ps
-    ps.kill()
+import dist_tasks
+from helpers import run_task
 
 
 def run(pools, world_size, fn, **kwargs):
-    outcome = pools.run(world_size, Task(f"dist_tasks:{fn}", kwargs), 120)
-    assert outcome.status == "passed", outcome.describe() + "\n" + "\n".join(r.traceback for r in outcome.results)
-    return outcome.values
+    return run_task(pools, world_size, getattr(dist_tasks, fn), **kwargs)
 
 
 @pytest.mark.parametrize("mesh, root", [("4", False), ("4", True), ("2x2", False), ("2x2", True)])
@@ -34,6 +26,11 @@ def test_gather_on_three_ranks_uneven(pools):
 @pytest.mark.parametrize("big", [False, True], ids=["small", "with-large"])
 def test_scatter_delivers_each_rank_only_its_pieces(pools, world_size, big):
     assert all(run(pools, world_size, "scatter", bucket_bytes=48, big=big))
+
+
+def test_a_model_on_part_of_the_world_keeps_its_collectives_there(pools):
+    values = run(pools, 4, "group_rule")
+    assert values == [[0, 1], None, [2, 3], None]
 
 
 def test_agreement_raises_on_every_rank(pools):

@@ -313,6 +313,39 @@ def test_empty_groups_survive(name, flat):
     step(b, ob)
 
 
+@parameterized.expand([
+    ("extra_empty", (), (1,), "the checkpoint's param_groups[1] (empty, name 'empty0') matches no group"),
+    ("missing_empty", (1,), (), "the optimizer's param_groups[1] (empty, name 'empty0') has no group"),
+])
+def test_strict_counts_empty_groups_and_non_strict_merges(name, target_empty, source_empty, needle):
+    a, oa = make(0, empty_at=source_empty)
+    step(a, oa)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    b, ob = make(1, empty_at=target_empty)
+    step(b, ob)
+    before = view(ob)
+    with pytest.raises(StateDictError) as err:
+        hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert needle in str(err.value) and "empty groups counted" in str(err.value)
+    assert same(before, view(ob))
+    hyperdsd.set_optimizer_state_dict(b, ob, osd, options=StateDictOptions(strict=False))
+    assert len(ob.param_groups) == 2 + len(target_empty)  # the optimizer's own groups, merged
+    assert [g["lr"] for g in ob.param_groups if g["params"]] == [0.01, 0.02]
+
+
+def test_strict_refuses_a_merged_group_naming_both():
+    a, oa = make(0)
+    step(a, oa)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    last = osd["param_groups"].pop()
+    osd["param_groups"][0]["params"] += last["params"]
+    b, ob = make(1)
+    before = view(ob)
+    with pytest.raises(StateDictError, match=r"param_groups\[0\] \(.*\) holds the parameters of the optimizer's groups \[0, 1\]"):
+        hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert same(before, view(ob))
+
+
 # -- the flat layout -------------------------------------------------------------
 
 def test_flatten_and_unflatten_with_dotted_and_nested_keys():
@@ -325,6 +358,28 @@ def test_flatten_and_unflatten_with_dotted_and_nested_keys():
     state, fields, unknown = flat_format.unflatten({**flat, "state.zz.q": 1}, {"a.b", "a.bc"})
     assert state["a.b"]["m"]["x"] is flat["state.a.b.m.x"] and state["a.bc"]["v"] is flat["state.a.bc.v"]
     assert fields == {"a.b": {"lr": 0.1}, "a.bc": {"lr": 0.1}} and unknown == ["state.zz.q"]
+
+
+def test_lists_in_nested_state_round_trip_through_the_flat_layout():
+    t0, t1, t2 = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    entry = {"pre": {"traces": [t0, t1], "0": 5, "rows": [[t2]], "none": []}, "kind": "matrix", "pair": (1, 2)}
+    flat = flat_format.flatten({"state": {"a.b": entry}, "param_groups": [{"params": ["a.b"], "lr": 0.1}]})
+    assert {"state.a.b.pre.traces[0]", "state.a.b.pre.traces[1]", "state.a.b.pre.0", "state.a.b.pre.rows[0][0]"} <= set(flat)
+    assert flat["state.a.b.pre.none"] == [] and flat["state.a.b.pair"] == (1, 2)
+    state, _, unknown = flat_format.unflatten(flat, {"a.b"})
+    back = state["a.b"]
+    assert unknown == [] and back["pre"]["traces"][0] is t0 and back["pre"]["traces"][1] is t1 and back["pre"]["rows"][0][0] is t2
+    # a dict key that is a number stays a dict key; list items come back as a list, in order
+    assert back["pre"]["0"] == 5 and isinstance(back["pre"]["traces"], list) and back["kind"] == "matrix"
+
+
+def test_nested_placeholders_follow_their_entry():
+    from hyperdsd.templates import mark_placeholder, unwritten_keys
+
+    entry = {"step": mark_placeholder(torch.zeros(())), "pre": {"traces": [mark_placeholder(torch.zeros(2))]}, "count": 0, "kind": "x"}
+    assert unwritten_keys(entry) == ({"step", "pre", "count", "kind"}, False)  # nobody wrote: all of it is absent
+    entry["pre"]["traces"][0].copy_(torch.ones(2))  # DCP loaded the nested tensor, not the step
+    assert unwritten_keys(entry) == ({"step"}, False)
 
 
 def test_flat_keys_match_torchs_layout():

@@ -15,14 +15,7 @@ import json
 import re
 from collections import Counter, defaultdict
 
-
-def signature(message: str) -> str:
-    """A failure message without the parts that differ from case to case."""
-    first = message.splitlines()[0] if message else ""
-    first = re.sub(r"^(phase \d/\d on \d ranks: )?(ranks? [\d,]+: )", "", first)
-    first = re.sub(r"'[^']*'", "'…'", first)
-    first = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", first)
-    return first[:140]
+from conformance.deviations import signature
 
 
 def _bad(case: dict) -> bool:

@@ -12,6 +12,7 @@ from hyperdsd import _compat
 from .. import flows
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup, canonical
+from ..models import GroupSpec
 from ..oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
 from ..registry import make_case
 
@@ -98,6 +99,74 @@ def atom_bad_input(c, layout, mode, kind, which):
     expect_unchanged(before, optimizer_view(b), f"{which}: the failed set changed the optimizer")
 
 
+def _fields(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _regroup(osd: dict, kind: str, b) -> list[str]:
+    """Give a nested checkpoint one group more or fewer than the target ``b``;
+    returns the names that identify the odd group (any one will do)."""
+    groups = osd["param_groups"]
+    if kind == "extra_empty_group":
+        groups.insert(1, {**_fields(groups[0]), "params": [], "name": "ghost_group"})
+        return ["param_groups[1]", "ghost_group"]
+    if kind == "missing_empty_group":  # the target has an empty group at 1, the checkpoint none
+        return ["param_groups[1]", b.optimizers[0].param_groups[1].get("name", "param_groups[1]")]
+    if kind == "extra_group":  # one parameter of the largest group moved to a group of its own
+        big = max(range(len(groups)), key=lambda j: len(groups[j]["params"]))
+        moved = groups[big]["params"].pop()
+        groups.append({**_fields(groups[big]), "params": [moved], "name": "split_off"})
+        return [f"param_groups[{len(groups) - 1}]", "split_off"]
+    if kind == "missing_group":  # the last group merged into the one before it
+        last = groups.pop()
+        groups[-1]["params"] = groups[-1]["params"] + last["params"]
+        return [f"param_groups[{len(groups) - 1}]", f"param_groups[{len(groups)}]"]
+    raise ValueError(kind)
+
+
+def _regroup_flat(osd: dict, kind: str, b) -> list[str]:
+    """The flat layout has no list of groups: its groups follow the parameters.
+    One group more: a parameter whose group fields differ from the rest of
+    its group; one fewer: no key at all for the parameters of the last group."""
+    fqn_of = b.fqn_of()
+    groups = [[fqn_of[p] for p in g["params"]] for g in b.optimizers[0].param_groups]
+    if kind == "extra_group":
+        odd = max(groups, key=len)[-1]
+        osd[f"param_groups.{odd}.lr"] = osd[f"param_groups.{odd}.lr"] * 2
+        return [odd]
+    if kind == "missing_group":
+        gone = [g for g in groups if g][-1]
+        for key in [k for k in osd if any(k.startswith((f"state.{f}.", f"param_groups.{f}.")) for f in gone)]:
+            del osd[key]
+        return gone
+    raise ValueError(kind)
+
+
+def atom_1_groups(c, layout, mode, kind):
+    """A checkpoint with more or fewer param groups than the target, empty groups
+    counted: strict set raises naming the group; nothing changes."""
+    a = Setup(c, layout, "adamw")
+    a.train(2)
+    osd = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode)))
+    target_groups = GroupSpec.for_seed(1, empty_at=(1,)) if kind == "missing_empty_group" else None
+    b = Setup(c, layout, "adamw", seed=1, groups=target_groups)
+    b.train(1)
+    names = (_regroup_flat if mode == "flat" else _regroup)(osd, kind, b)
+    before = optimizer_view(b)
+    exc = expect_error(
+        lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode, strict=True)),
+        what=f"OPT-ATOM-1: set with {kind.replace('_', ' ')} (strict=True)",
+    )
+    check(any(n in str(exc) for n in names), f"OPT-ATOM-1: the error names none of {names}: {str(exc)[:600]}")
+    expect_unchanged(before, optimizer_view(b), "OPT-ATOM-1: the failed set changed the optimizer")
+
+
+GROUP_KINDS = {
+    "sharded": ("extra_empty_group", "missing_empty_group", "extra_group", "missing_group"),
+    "flat": ("extra_group", "missing_group"),  # empty groups do not travel in the flat layout (OPT-EMPTY-2)
+}
+
+
 def atom_3(c, layout, target):
     """broadcast_from_rank0 without full_state_dict: ValueError, before any collective."""
     b = Setup(c, layout, "adamw")
@@ -155,6 +224,10 @@ def cases():
         for mode in ("sharded", "flat"):
             yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode=mode, variant="unknown_fqn", kind="unknown_fqn", which="OPT-ATOM-1")
         yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode="sharded", variant="unknown_group", kind="unknown_group", which="OPT-ATOM-1")
+    for layout in ("single", "fsdp4", "pp2"):
+        for mode, kinds in GROUP_KINDS.items():
+            for kind in kinds:
+                yield make_case("OPT-ATOM-1", layout, atom_1_groups, mode=mode, variant=kind, kind=kind)
     for layout in ("single", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("sharded", "flat", "full"):
             yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant="wrong_shape", kind="wrong_shape", which="OPT-ATOM-2")

@@ -10,36 +10,10 @@ from ..context import NotApplicable
 from ..flows import get_options, optimizers_arg
 from ..layouts import Setup
 from ..models import ModelConfig
-from ..oracle import check, diff_values, fail_if, snapshot
+from ..oracle import check, diff_values, fail_if, layout_problems, snapshot
 from ..registry import make_case
 
 SHARDED = ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
-
-
-def _dtensor_problems(state: dict, params: dict, where: str, *, local: bool) -> list[str]:
-    problems = []
-    for fqn, entry in state.items():
-        p = params.get(fqn)
-        if not isinstance(p, DTensor):
-            continue
-        for key, v in entry.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0:
-                continue
-            at = f"{where}[{fqn!r}][{key!r}]"
-            if not isinstance(v, DTensor):
-                problems.append(f"{at}: a {type(v).__name__}, expected a DTensor like its parameter")
-                continue
-            if v.shape != p.shape:
-                problems.append(f"{at}: global shape {tuple(v.shape)}, the parameter's is {tuple(p.shape)}")
-            if v.device_mesh != p.device_mesh:
-                problems.append(f"{at}: mesh {v.device_mesh}, the parameter's is {p.device_mesh}")
-            if tuple(v.placements) != tuple(p.placements):
-                problems.append(f"{at}: placements {tuple(v.placements)}, the parameter's are {tuple(p.placements)}")
-            if local and v.to_local().shape != p.to_local().shape:
-                problems.append(f"{at}: local shape {tuple(v.to_local().shape)}, the parameter's is {tuple(p.to_local().shape)}")
-            if local and v.to_local().device != p.to_local().device:
-                problems.append(f"{at}: on {v.to_local().device}, the parameter on {p.to_local().device}")
-    return problems
 
 
 def dt_1(c, layout, opt):
@@ -48,7 +22,7 @@ def dt_1(c, layout, opt):
     s.train(2)
     osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, "sharded"))
     params = dict(s.named_parameters())
-    fail_if(_dtensor_problems(osd["state"], params, "state", local=False), "sharded get did not keep DTensor state")
+    fail_if(layout_problems(osd["state"], params, "state", local=False), "sharded get did not keep DTensor state")
 
 
 def dt_2(c, layout, mode):
@@ -61,7 +35,7 @@ def dt_2(c, layout, mode):
     flows.load(c, b, saved)
     got = snapshot(b)
     params = dict(b.named_parameters())
-    problems = _dtensor_problems(got["state"], params, "state", local=True)
+    problems = layout_problems(got["state"], params, "state", local=True)
     for fqn, entry in want["state"].items():
         if "step" in entry and fqn in got["state"] and type(got["state"][fqn].get("step")) is not type(entry["step"]):
             problems.append(f"state[{fqn!r}]['step']: a {type(got['state'][fqn].get('step')).__name__}, was a {type(entry['step']).__name__}")

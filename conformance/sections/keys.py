@@ -61,9 +61,9 @@ def keys_1(c, layout, opt, mode):
 
 def keys_2(c, layout, mode, wrappers):
     """No wrapper prefix in any optimizer key; the dict loads back into a wrapped model."""
-    a, b = flows.resume(c, lambda seed: Setup(c, layout, "adamw", seed=seed, wrappers=wrappers), mode)
-    osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode))
-    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "a wrapped model does not resume like the uninterrupted run")
+    r = flows.resume(c, flows.recipe(layout, wrappers=wrappers), mode)
+    osd = c.iut.get_optimizer_state_dict(r.source.model, optimizers_arg(r.source), options=get_options(c.iut, mode))
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), "a wrapped model does not resume like the uninterrupted run")
     keys = list(osd.get("state", {})) + [f for g in osd.get("param_groups", []) for f in g.get("params", [])]
     bad = [k for k in keys if any(seg in str(k).split(".") for seg in WRAPPER_SEGMENTS)]
     fail_if(bad, f"wrapper prefixes ({'+'.join(wrappers) or layout}) appear in optimizer keys")
@@ -71,11 +71,12 @@ def keys_2(c, layout, mode, wrappers):
 
 def keys_3(c, layout, mode):
     """A tied parameter appears once in optimizer state; loading keeps the tie."""
-    a, b = flows.resume(c, lambda seed: Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(tie=True)), mode)
+    r = flows.resume(c, flows.recipe(layout, cfg=ModelConfig(tie=True)), mode)
+    a, b = r.source, r.resumed
     check(a.module.head.weight is a.module.tok.embedding.weight, "setup error: the model is not tied")
     osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode))
     check(b.module.head.weight is b.module.tok.embedding.weight, "loading untied the tied parameters")
-    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "a tied model does not resume like the uninterrupted run")
+    fail_if(diff_snapshots(r.expected, snapshot(b)), "a tied model does not resume like the uninterrupted run")
     tied = ("tok.embedding.weight", "head.weight")
     if mode == "flat":
         appear = {f for f in tied if any(k.startswith(f"state.{f}.") for k in osd)}
@@ -91,9 +92,10 @@ def keys_3(c, layout, mode):
 
 def keys_4(c, layout, mode):
     """Two optimizers over disjoint parameters: one merged dict, split back by group."""
-    a, b = flows.resume(c, lambda seed: Setup(c, layout, "adamw", seed=seed, n_optimizers=2), mode)
+    r = flows.resume(c, flows.recipe(layout, n_optimizers=2), mode)
+    a = r.source
     osd = c.iut.get_optimizer_state_dict(a.model, a.optimizers, options=get_options(c.iut, mode))
-    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "after loading into two optimizers, the run differs from the uninterrupted one")
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), "after loading into two optimizers, the run differs from the uninterrupted one")
     if mode in ("sharded", "full", "dcp") or (mode == "full_cpu" and c.rank == 0 and a.layout.pp == 1):
         stateful = {fqn for fqn, p in a.named_parameters() if any(o.state.get(p) for o in a.optimizers)}
         want_groups = sum(len(o.param_groups) for o in a.optimizers)

@@ -1,13 +1,29 @@
-"""SPEC §3 Partial state (OPT-PART)."""
+"""SPEC §3 Partial state (OPT-PART).
+
+Through DCP (the ``dcp`` mode) the load template is the target's own get,
+loaded with the implementation's documented load planner and nothing
+relaxed (SPEC §2). A template entry the checkpoint has no state for at all
+is what lazy state looks like to a load path: OPT-PART-1's new parameters
+(an adapter) and OPT-PART-5's never-stepped routers alike. A load path
+that leaves such entries out lets set decide from the param groups:
+with ``strict=False`` the new parameters stay fresh, with ``strict=True``
+set names them (the checkpoint's groups do not list them).
+"""
 
 from __future__ import annotations
+
+import os
+import pickle
+
+from torch.distributed.checkpoint import FileSystemReader
 
 from .. import flows
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
-from ..models import ModelConfig
+from ..models import GroupSpec, ModelConfig
 from ..oracle import check, diff_snapshots, diff_values, expect_error, expect_unchanged, fail_if, optimizer_view, snapshot
 from ..registry import make_case
+from . import reshard
 
 ADAPTER = ["adapter.weight", "adapter.bias"]
 
@@ -31,7 +47,7 @@ def part_1(c, layout, mode, strict):
         )
         expect_unchanged(before, optimizer_view(b), "OPT-PART-1: the failed strict load changed the optimizer")
         return
-    flows.load(c, b, saved, strict=False, partial=True)
+    flows.load(c, b, saved, strict=False)
     got = snapshot(b)
     problems = []
     for fqn in mine:
@@ -84,9 +100,89 @@ def part_3(c, layout, mode):
 
 def part_4(c, layout, mode):
     """An optimizer over a subset of the parameters round-trips."""
-    only_layers = lambda fqn: fqn.startswith("layers.")  # noqa: E731
-    a, b = flows.resume(c, lambda seed: Setup(c, layout, "adamw", seed=seed, trainable=only_layers), mode)
-    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "OPT-PART-4: an optimizer over some parameters does not resume like the uninterrupted run")
+    r = flows.resume(c, flows.recipe(layout, trainable=only_layers), mode)
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), "OPT-PART-4: an optimizer over some parameters does not resume like the uninterrupted run")
+
+
+def only_layers(fqn: str) -> bool:
+    return fqn.startswith("layers.")
+
+
+def is_router(fqn: str) -> bool:
+    return ".router." in fqn
+
+
+def router_setup(c, layout, seed: int, own_group: bool, **kw) -> Setup:
+    """A model whose routers never get a gradient, in the middle of the model:
+    in groups with parameters that step, or (``own_group``) in a group of their own."""
+    groups = GroupSpec.for_seed(seed, router_group=own_group)
+    return Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(router=True, **kw), groups=groups)
+
+
+def stateful_routers(setup) -> list[str]:
+    return [f for f, p in setup.named_parameters() if is_router(f) and any(o.state.get(p) for o in setup.optimizers)]
+
+
+def part_5(c, layout, own_group):
+    """Resume through DCP into a freshly built optimizer; the routers never had a gradient."""
+    a = router_setup(c, layout, 0, own_group)
+    a.train(2)
+    check(any(is_router(f) for f, _ in a.named_parameters()) and not stateful_routers(a), "setup error: the routers are not lazy")
+    saved = flows.save(c, a, "dcp")
+    want = snapshot(a)
+    a.train(1)
+    b = router_setup(c, layout, 1, own_group)
+    b.set_steps_done(2)
+    flows.load(c, b, saved)
+    stale = [f"state[{f!r}]: present after the load; the checkpoint has none (the router never had a gradient)" for f in stateful_routers(b)]
+    fail_if(stale + diff_snapshots(want, snapshot(b)), "OPT-PART-5: the resumed optimizer differs from the one saved")
+    b.train(1)
+    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "OPT-PART-5: training after the resume differs from the uninterrupted run")
+
+
+def drop_from_metadata(c, path: str, keys: list[str]) -> None:
+    """Rewrite a DCP checkpoint's metadata without ``keys`` (rank 0), as a
+    checkpoint with partly missing state would read."""
+    if c.rank == 0:
+        metadata = FileSystemReader(path).read_metadata()
+        absent = [k for k in keys if k not in metadata.state_dict_metadata]
+        check(not absent, f"setup error: the checkpoint has no {absent}")
+        for key in keys:
+            del metadata.state_dict_metadata[key]
+        with open(os.path.join(path, ".metadata"), "wb") as f:  # DCP's metadata file, a pickled Metadata
+            pickle.dump(metadata, f)
+    c.barrier()
+
+
+def part_6(c, layout, fqn, key):
+    """Partly missing state in a real DCP checkpoint: every rank raises naming the FQN and the key; nothing changes."""
+    a = Setup(c, layout, "adamw")
+    a.train(2)
+    saved = flows.save(c, a, "dcp", model=None)
+    drop_from_metadata(c, saved.path, [f"optim.state.{fqn}.{key}"])
+    b = Setup(c, layout, "adamw", seed=1)
+    b.set_steps_done(2)
+    before = optimizer_view(b)
+    expect_error(
+        lambda: flows.load(c, b, saved, model=False),
+        names=[fqn, key],
+        what=f"OPT-PART-6: a checkpoint without state[{fqn!r}][{key!r}]",
+    )
+    expect_unchanged(before, optimizer_view(b), "OPT-PART-6: the failed load changed the optimizer")
+
+
+PART_5_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
+# (layout, FQN, key): an even and an uneven shard (fsdp3: 3, 3, 2 rows), an
+# empty one (fsdp4: aux.weight has 3 rows), pipeline stages (flat layout).
+PART_6 = (
+    ("single", "layers.0.fc2.weight", "exp_avg_sq"),
+    ("single", "layers.1.fc1.bias", "step"),
+    ("fsdp3", "layers.0.fc2.weight", "exp_avg_sq"),
+    ("fsdp3", "layers.0.fc2.weight", "step"),
+    ("fsdp4", "aux.weight", "exp_avg_sq"),
+    ("pp2", "layers.1.fc2.weight", "exp_avg_sq"),
+    ("pp2xfsdp2", "layers.0.fc2.weight", "step"),
+)
 
 
 def cases():
@@ -103,3 +199,11 @@ def cases():
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-4", layout, part_4, mode=mode)
+    for layout in PART_5_LAYOUTS:
+        for variant, own_group in (("shared", False), ("group", True)):
+            yield make_case("OPT-PART-5", layout, part_5, mode="dcp", variant=variant, own_group=own_group)
+    for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "hsdp2x2"), ("pp2xfsdp2", "pp2")):
+        for variant in reshard.ROUTERS:
+            yield reshard.resharded_case("OPT-PART-5", src, dst, "adamw", "dcp", lazy=variant)
+    for layout, fqn, key in PART_6:
+        yield make_case("OPT-PART-6", layout, part_6, mode="dcp", variant=f"no_{key}", fqn=fqn, key=key)

@@ -64,6 +64,7 @@ def _vandalise(osd) -> None:
     """Pop, replace and clear everything in the returned containers."""
     if "state" in osd:
         for entry in list(osd["state"].values()):
+            _clear_nested(entry)
             for key in list(entry):
                 entry[key] = torch.zeros(1) if isinstance(entry[key], torch.Tensor) else -1
             entry.clear()
@@ -79,6 +80,15 @@ def _vandalise(osd) -> None:
         osd.clear()
 
 
+def _clear_nested(entry: dict) -> None:
+    """Empty the containers nested in a state entry (custom optimizers keep dicts and lists)."""
+    for value in entry.values():
+        if isinstance(value, dict):
+            _clear_nested(value)
+        if isinstance(value, (dict, list)):
+            value.clear()
+
+
 def cases():
     for layout in LAYOUTS:
         for opt in OPTS if layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2") else ("adamw",):
@@ -88,6 +98,8 @@ def cases():
     for layout in LAYOUTS:
         for mode in ("sharded", "flat"):
             yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
+    for layout in ("single", "fsdp4"):  # nested state (dicts and lists) must be copies too
+        yield make_case("OPT-PURE-2", layout, pure_2, opt="custom", mode="sharded")
     for layout in LAYOUTS:
         for mode in ("full", "full_cpu", "flat"):
             yield make_case("OPT-PURE-3", layout, pure_1, opt="adamw", mode=mode, variant="fresh", grads=False)

@@ -6,6 +6,15 @@ rank's part, gathered) as the reference; the second loads on layout B,
 trains as many steps and compares with the reference (tolerance 1e-6
 relative: reductions over other numbers of ranks round differently; the
 models are float64 so that only that rounding shows).
+
+Parameters the checkpoint has no state for (``lazy``) must stay without
+state in the never-stepped target (OPT-RESHARD-2, and OPT-PART-5's
+resharded cases). The target's optimizer is built as a resuming job builds
+it, with the same param groups as the source's: through DCP, nothing
+relaxed, a template group the checkpoint lacks cannot load. So
+OPT-RESHARD-2's source covers every parameter in its optimizer and freezes
+those outside the layers (they never get state), rather than leaving them
+out of its optimizer (which would leave a group out).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import torch.distributed as dist
 
 from .. import flows
 from ..layouts import Setup, parse_layout
-from ..models import ModelConfig
+from ..models import GroupSpec, ModelConfig
 from ..oracle import check, diff_values, fail_if, full_snapshot
 from ..registry import Case, Phase, case_id
 from ..flows import Saved
@@ -27,8 +36,21 @@ RTOL = 1e-6
 only_layers = lambda fqn: fqn.startswith("layers.")  # noqa: E731
 
 
-def _cfg(lazy: bool = False) -> ModelConfig:
-    return ModelConfig(dtype=torch.float64, lazy_aux=lazy)
+ROUTERS = ("shared", "group")  # OPT-PART-5: routers in groups with others, or in their own
+
+
+def _setup(c, layout: str, opt: str, seed: int, lazy: str | None) -> Setup:
+    cfg = ModelConfig(dtype=torch.float64, router=lazy in ROUTERS, lazy_aux=lazy == "aux")
+    return Setup(c, layout, opt, seed=seed, cfg=cfg, groups=GroupSpec.for_seed(seed, router_group=lazy == "group"))
+
+
+def _without_state(fqn: str, lazy: str | None) -> bool:
+    """Whether the checkpoint has no state for ``fqn`` (it never had a gradient)."""
+    if lazy == "subset":
+        return not only_layers(fqn)
+    if lazy == "aux":
+        return fqn.startswith("aux.")
+    return lazy in ROUTERS and ".router." in fqn
 
 
 def _mode_on(layout: str, kind: str) -> str:
@@ -37,8 +59,10 @@ def _mode_on(layout: str, kind: str) -> str:
     return "flat_dcp" if parse_layout(layout).pp > 1 else "dcp"
 
 
-def save_phase(c, src, dst, opt, kind, subset=False, lazy=False):
-    a = Setup(c, src, opt, cfg=_cfg(lazy=subset or lazy), trainable=only_layers if subset else None)
+def save_phase(c, src, dst, opt, kind, lazy=None):
+    a = _setup(c, src, opt, 0, lazy)
+    if lazy == "subset":
+        a.freeze([f for f, _ in a.named_parameters() if not only_layers(f)])
     a.train(BEFORE)
     flows.save(c, a, _mode_on(src, kind), model=None)
     flows.save_reference_model(c, a)
@@ -56,25 +80,23 @@ def _reference(c) -> dict:
     return ref
 
 
-def load_phase(c, src, dst, opt, kind, subset=False, lazy=False):
-    b = Setup(c, dst, opt, seed=1, cfg=_cfg(lazy=subset or lazy))
+def load_phase(c, src, dst, opt, kind, lazy=None):
+    b = _setup(c, dst, opt, 1, lazy)
     b.set_steps_done(BEFORE)
     saved = Saved(_mode_on(src, kind), path=c.path("full.pt") if kind == "bcast" else c.path(f"dcp-{_mode_on(src, kind)}"))
     flows.load_reference_model_from(c, b)
-    flows.load(c, b, saved, strict=not subset, model=False)
-    if subset:
-        # Parameters the checkpoint had no state for stay fresh (OPT-PURE-1 for what was not loaded).
-        stale = [f for f, p in b.named_parameters() if not only_layers(f) and b.optimizers[0].state.get(p)]
-        fail_if([f"state[{f!r}]: present after a load that had none for it" for f in stale], "what was not loaded is no longer fresh")
-        return
+    flows.load(c, b, saved, model=False)
     if lazy:
-        # The checkpoint lists aux but has no state for it: it stays fresh on
-        # every rank, those holding an empty shard of it included (checked
-        # on all ranks at once, before the collectives of the comparison).
-        stale = [f"rank {c.rank}: state[{f!r}]" for f, p in b.named_parameters() if f.startswith("aux.") and b.optimizers[0].state.get(p)]
+        # Parameters the checkpoint had no state for stay fresh (OPT-PURE-1
+        # for what was not loaded) on every rank, those holding an empty
+        # shard included: checked on all ranks at once, before the
+        # collectives of the comparison.
+        stale = [f"rank {c.rank}: state[{f!r}]" for f, p in b.named_parameters() if _without_state(f, lazy) and b.optimizers[0].state.get(p)]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, stale)
         fail_if([s for part in everyone for s in part], "state for parameters the checkpoint had none for (lazy state) after the load")
+    if lazy == "subset":
+        return
     b.train(AFTER)
     ref, got = _reference(c), full_snapshot(b)
     problems = diff_values({k: ref["params"][k] for k in got["params"] if k in ref["params"]}, got["params"], "params", RTOL)
@@ -91,17 +113,18 @@ def load_phase(c, src, dst, opt, kind, subset=False, lazy=False):
     fail_if(problems, f"after resharding {src} -> {dst}, training differs from the uninterrupted run")
 
 
-def _case(clause, src, dst, opt, kind, subset=False, lazy=False) -> Case:
+def resharded_case(clause, src, dst, opt, kind, lazy=None) -> Case:
+    """Save on ``src``, load on ``dst``; ``lazy``: None, "subset", "aux" or one of ROUTERS."""
     a, b = parse_layout(src), parse_layout(dst)
-    params = {"src": src, "dst": dst, "opt": opt, "kind": kind, "subset": subset, "lazy": lazy}
+    params = {"src": src, "dst": dst, "opt": opt, "kind": kind, "lazy": lazy}
     return Case(
-        id=case_id(clause, f"{src}_to_{dst}", opt, kind, "subset" if subset else "lazy" if lazy else None),
+        id=case_id(clause, f"{src}_to_{dst}", opt, kind, lazy),
         clause=clause,
         layout=f"{src}_to_{dst}",
         phases=(Phase(a.world_size, save_phase, params), Phase(b.world_size, load_phase, params)),
         deadline_s=90,
         rtol=RTOL,
-        meshes=(a.mesh, b.mesh),
+        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
         mode=kind,
     )
 
@@ -121,13 +144,13 @@ PAIRS = (
 def cases():
     for src, dst in PAIRS:
         for opt in ("adamw", "sgd"):
-            yield _case("OPT-RESHARD-1", src, dst, opt, "dcp")
+            yield resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp")
     for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("single", "hsdp2x2")):
-        yield _case("OPT-RESHARD-2", src, dst, "adamw", "dcp", subset=True)
+        yield resharded_case("OPT-RESHARD-2", src, dst, "adamw", "dcp", lazy="subset")
     # A parameter the checkpoint lists without state (lazy), loaded where a
     # rank holds an empty shard of it (fsdp4: aux has 3 rows). SGD keeps no
     # step, so that rank's template entry has nothing it could tell written
     # from unwritten by: it must go by the other ranks.
-    yield _case("OPT-RESHARD-2", "fsdp2", "fsdp4", "sgd", "dcp", lazy=True)
+    yield resharded_case("OPT-RESHARD-2", "fsdp2", "fsdp4", "sgd", "dcp", lazy="aux")
     for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "hsdp2x2"), ("single", "fsdp3"), ("fsdp4", "pp2xfsdp2"), ("pp2xfsdp2", "fsdp4"), ("hsdp2x2", "single")):
-        yield _case("OPT-RESHARD-3", src, dst, "adamw", "bcast")
+        yield resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast")

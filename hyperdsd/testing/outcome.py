@@ -99,8 +99,16 @@ def judge(results: list[m.RankResult], scope: str = m.WHOLE_TASK) -> tuple[Statu
     return Status.PASSED, []
 
 
+# What a rank says when its process group broke under it (a timeout or a
+# lost connection closes the group's connections for good).
+_GROUP_BROKE = re.compile(r"gloo|pair closure|Timed out waiting|Connection (?:closed|reset|refused)|NCCL|Broken pipe", re.I)
+
+
 def out_of_step(results: list[m.RankResult]) -> str:
     """Why the process groups cannot be reused after these results, or ""."""
+    broke = [r.rank for r in results if r.status.failed and _GROUP_BROKE.search(f"{r.message}\n{r.traceback}")]
+    if broke:
+        return f"the process group broke under rank(s) {','.join(map(str, broke))}"
     seen: dict[tuple[int, ...], dict[int, int]] = {}
     for r in results:
         if r.pg_sequence is None:

@@ -1,0 +1,84 @@
+"""SPEC §3 Meshes (OPT-MESH): parameters on meshes of their own, and models
+on part of the world.
+
+OPT-MESH-1 runs on the layouts that serve it (see layouts.KINDS): one
+optimizer over dense layers sharded over the world and experts on an
+``ep x dp`` mesh, FSDP-sharded experts, or a router replicated on
+sub-meshes. OPT-MESH-2 runs two models on disjoint parts of the world, one
+part at a time: while one part's ranks resume their model, the other part's
+ranks wait outside any collective, so a call that waits for ranks outside
+its model's mesh hangs there and misses the case's deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import flows
+from ..layouts import Setup, parse_layout, serving
+from ..oracle import diff_snapshots, fail_if, snapshot
+from ..registry import make_case
+from .reshard import resharded_case
+from .state import check_get, check_loaded
+
+OPT = "adamw"
+# Resharding to another ep x dp split, to plain FSDP, and from replicated
+# sub-meshes to another world size.
+RESHARD = (("fsdp4+ep2x2", "fsdp4+ep4x1"), ("fsdp4+ep2x2", "fsdp4+ep1"), ("fsdp4+rep2", "fsdp2+ep1"))
+DEADLINE_S = 30.0
+# How long the ranks of one part wait for the other's: longer than the
+# case's deadline, so that a hang is reported where it is (in the call
+# under test on the other part), not as this wait giving up.
+PART_WAIT_S = 120.0
+
+
+def resume_checked(c, layout: str, mode: str):
+    """Resume ``layout``'s model in ``mode``: what get returns and what set
+    loads keep each tensor's own mesh and placements; the run continues
+    bitwise like the uninterrupted one."""
+    r = flows.resume(c, flows.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming on {layout}, the run differs from the uninterrupted one")
+    return r.resumed
+
+
+def mesh_1(c, layout, mode):
+    """One optimizer over parameters on different meshes round-trips."""
+    resume_checked(c, layout, mode)
+
+
+def mesh_2(c, layout, mode):
+    """Each model resumes with only its own ranks calling, one part after the
+    other, the part without rank 0 first."""
+    Setup(c, layout, OPT, with_optimizer=False)  # every rank builds every part's mesh (a collective)
+    spans = parse_layout(layout).spans
+    for part in reversed(range(len(spans))):
+        done = c.path(f"part{part}-done")
+        if c.rank not in spans[part]:
+            _wait_for(done, spans[part])
+            continue
+        try:
+            resume_checked(c, layout, mode).barrier()
+        finally:
+            if c.rank == spans[part][0]:
+                open(done, "w").close()
+
+
+def _wait_for(path: str, ranks: tuple[int, ...]) -> None:
+    """Outside any collective, until the ranks of another part are done."""
+    deadline = time.monotonic() + PART_WAIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {list(ranks)} did not finish their model within {PART_WAIT_S:g} s")
+        time.sleep(0.01)
+
+
+def cases():
+    for layout in serving("OPT-MESH-1"):
+        for mode in flows.MODES:
+            yield make_case("OPT-MESH-1", layout, mesh_1, opt=OPT, mode=mode)
+    for src, dst in RESHARD:
+        yield resharded_case("OPT-MESH-1", src, dst, OPT, "dcp")
+    for layout in serving("OPT-MESH-2"):
+        for mode in flows.MODES:
+            yield make_case("OPT-MESH-2", layout, mesh_2, opt=OPT, mode=mode, deadline_s=DEADLINE_S)

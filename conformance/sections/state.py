@@ -1,0 +1,147 @@
+"""SPEC §3 State values (OPT-STATE): per-parameter state beyond tensors
+shaped like the parameter, as custom optimizers keep it (see custom_optim)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hyperdsd import tree
+
+from .. import flows
+from ..flows import get_options, optimizers_arg
+from ..oracle import diff_snapshots, fail_if, layout_problems, snapshot
+from ..registry import make_case
+from .reshard import resharded_case
+from .roundtrip import LAYOUTS
+
+OPT = "custom"
+_FULL = ("full", "full_cpu", "bcast", "file")  # modes whose get gathers full tensors
+_ROOT_ONLY = ("full_cpu", "bcast", "file")  # ... onto the root only, on the CPU
+
+
+def state_1(c, layout, mode):
+    """Resume with the custom optimizer; what get returns is laid out as the
+    clause says, and so is what set loads."""
+    r = flows.resume(c, flows.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming, the custom optimizer's run differs from the uninterrupted one")
+
+
+def check_loaded(s) -> None:
+    """After set, state shaped like a parameter is laid out like it (nested state included)."""
+    problems = layout_problems(snapshot(s)["state"], dict(s.named_parameters()), "state", local=True)
+    fail_if(problems, "after set, state tensors are not laid out like their parameters")
+
+
+def check_get(c, s, mode: str) -> None:
+    """Tensors shaped like the parameter are distributed like it (the
+    parameter's placements, or full in the full modes); 0-d tensors and
+    non-tensor values are the same on every rank that holds them."""
+    osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, mode))
+    params = dict(s.named_parameters())
+    held = by_param(osd, params)
+    stateful = {fqn for fqn, entry in snapshot(s)["state"].items() if entry}
+    if mode in _ROOT_ONLY:
+        # The root holds every rank's state (pipeline stages too), the others nothing.
+        everyone = {f for part in _everyone(s, sorted(stateful)) for f in part}
+        stateful = everyone if s.is_root else set()
+    problems = [f"get[{fqn!r}]: absent on rank {c.rank}, which should hold it" for fqn in sorted(stateful - set(held))]
+    if mode in _FULL:
+        problems += _not_full(held, _shapes(s, params), cpu=mode in _ROOT_ONLY)
+        if mode in _ROOT_ONLY and not s.is_root and held:
+            problems.append(f"full_cpu on rank {c.rank}: {len(held)} state entries, expected none off the root (rank {s.root})")
+    else:
+        problems += layout_problems(held, params, "get", local=False)
+    problems += _differ_across_ranks(s, held)
+    fail_if(problems, f"{mode}: what get returns is not laid out as {c.clause} says")
+
+
+def by_param(osd: dict, params: dict) -> dict:
+    """The state a get returned, by FQN: nested as it is, or a flat dict's
+    ``state.{fqn}...`` keys under their FQN (matched to the model's, longest first)."""
+    if "state" in osd or not osd:
+        return osd.get("state", {})
+    out: dict = {}
+    by_length = sorted(params, key=len, reverse=True)
+    for key, value in osd.items():
+        rest = key[len("state."):] if isinstance(key, str) and key.startswith("state.") else None
+        fqn = next((f for f in by_length if rest and rest.startswith(f) and rest[len(f):][:1] in (".", "[")), None)
+        if fqn is not None:
+            out.setdefault(fqn, {})[rest[len(fqn):]] = value
+    return out
+
+
+def _shapes(s, params: dict) -> dict:
+    """Every parameter's shape by FQN, those of other pipeline stages included."""
+    mine = {fqn: tuple(p.shape) for fqn, p in params.items()}
+    return {k: v for part in _everyone(s, mine) for k, v in part.items()}
+
+
+def _everyone(s, obj) -> list:
+    """``obj`` of every rank of the setup's model."""
+    if s.group_size == 1:
+        return [obj]
+    out = [None] * s.group_size
+    dist.all_gather_object(out, obj, group=s.group)
+    return out
+
+
+def _not_full(held: dict, shapes: dict, cpu: bool) -> list[str]:
+    problems = []
+    for fqn, entry in held.items():
+        shape = shapes.get(fqn)
+        for path, v in tree.leaves(entry):
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            at = f"get[{fqn!r}]{tree.where(path)}"
+            if isinstance(v, DTensor):
+                problems.append(f"{at}: a DTensor, expected a full tensor")
+            elif tuple(v.shape) != shape:
+                problems.append(f"{at}: shape {tuple(v.shape)}, expected the parameter's {shape}")
+            elif cpu and v.device.type != "cpu":
+                problems.append(f"{at}: on {v.device}, expected cpu")
+    return problems
+
+
+def _scalars(held: dict) -> dict:
+    """0-d tensors and non-tensor values, by where they are."""
+    out = {}
+    for fqn, entry in held.items():
+        for path, v in tree.leaves(entry):
+            at = f"[{fqn!r}]{tree.where(path)}"
+            if isinstance(v, DTensor):
+                continue
+            if isinstance(v, torch.Tensor):
+                if v.dim() == 0:
+                    out[at] = ("0-d tensor", str(v.dtype), v.item())
+            else:
+                out[at] = v
+    return out
+
+
+def _differ_across_ranks(s, held: dict) -> list[str]:
+    seen: dict = {}
+    for r, part in zip(s.ranks, _everyone(s, _scalars(held))):
+        for at, value in part.items():
+            seen.setdefault(at, []).append((r, value))
+    problems = []
+    for at, values in seen.items():
+        if any(v != values[0][1] for _, v in values[1:]):
+            problems.append(f"get{at}: differs across ranks: " + ", ".join(f"rank {r}: {v!r}" for r, v in values))
+    return problems
+
+
+# Every mode on the layouts that differ most in how state is laid out
+# (unsharded, uneven shards, 2-D, pipeline stages); the others in the modes
+# that take each path once (in memory, through rank 0, through DCP).
+EVERY_MODE = ("single", "fsdp3", "hsdp2x2", "pp2xfsdp2")
+SOME_MODES = ("sharded", "bcast", "dcp")
+
+
+def cases():
+    for layout in LAYOUTS:
+        for mode in flows.MODES if layout in EVERY_MODE else SOME_MODES:
+            yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
+    for src, dst in (("fsdp4", "fsdp3"), ("hsdp2x2", "fsdp2"), ("pp2xfsdp2", "pp2")):
+        yield resharded_case("OPT-STATE-1", src, dst, OPT, "dcp")

@@ -1,0 +1,177 @@
+"""A DCP load template's optimizer state, judged against a checkpoint's metadata.
+
+DCP flattens the state dict it loads into keys such as
+``optim.state.{fqn}.{key}``; each key's path (a tuple) comes from the
+planner's mappings, so FQNs, which contain dots, are never split by
+guessing. Optimizer state dicts are found in the template by their shape
+(nested, or flat; see :mod:`flatten`), wherever the user put them.
+
+Each parameter's state *entry* in the template is judged as a whole:
+
+- every key of it is in the checkpoint: it loads;
+- none of it is, and the template's entry is a placeholder (a never-stepped
+  optimizer's, see :mod:`templates`): lazy state, the parameter never had a
+  gradient; the entry is left out of the load and the parameter stays
+  without state;
+- some keys are there and others are not: corruption, a problem naming the
+  FQN and the missing keys;
+- none of a stepped optimizer's real entry is there: a problem under
+  ``strict`` (real state is required, as everything else in the template).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .flatten import GROUPS, STATE, split_fqn
+from .templates import is_template_value, is_unwritten_placeholder
+
+Path = tuple  # a DCP object path: str keys and int list indices
+
+
+def dcp_key(path: Path) -> str:
+    """The flat key DCP gives ``path``."""
+    return ".".join(map(str, path))
+
+
+@dataclass
+class Entry:
+    """One parameter's keys in one optimizer state dict of the template."""
+
+    fqn: str
+    prefix: str  # the DCP key of its state; each state key is ``prefix + "." + key``
+    fields_prefix: str = ""  # flat layout: the same for its group fields (``param_groups.{fqn}``)
+    keys: list[str] = field(default_factory=list)  # the template's DCP keys of its state
+    fields: list[str] = field(default_factory=list)  # flat layout: those of its group fields
+    placeholder: bool = False  # a never-stepped optimizer's template entry
+
+    def name(self, key: str) -> str:
+        return key[len(self.prefix) + 1 :]
+
+
+def _is_flat_optimizer(value: Mapping) -> bool:
+    prefixes = (f"{STATE}.", f"{GROUPS}.")
+    return bool(value) and all(isinstance(k, str) and k.startswith(prefixes) for k in value)
+
+
+def optimizer_roots(state_dict: Any) -> dict[Path, tuple[str, Mapping]]:
+    """The optimizer state dicts in ``state_dict`` by path: ("nested" or "flat", the dict)."""
+    roots: dict[Path, tuple[str, Mapping]] = {}
+
+    def visit(path: Path, value: Any) -> None:
+        if isinstance(value, Mapping):
+            if STATE in value and GROUPS in value:
+                roots[path] = ("nested", value)
+            elif _is_flat_optimizer(value):
+                roots[path] = ("flat", value)
+            else:
+                for k, v in value.items():
+                    visit(path + (str(k),), v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                visit(path + (i,), v)
+
+    visit((), state_dict)
+    return roots
+
+
+def _flat_fqns(flat: Mapping) -> set[str]:
+    """The FQNs a flat optimizer dict names in its group fields (``param_groups.{fqn}.{field}``)."""
+    head = f"{GROUPS}."
+    return {k[len(head) :].rpartition(".")[0] for k in flat if k.startswith(head)}
+
+
+def optimizer_entries(original: Any, flat: dict[str, Any], mappings: dict[str, Path]) -> list[Entry]:
+    """Every parameter's entry in the template's optimizer state dicts, with its DCP keys.
+
+    ``original`` is the template as the user passed it; ``flat`` and
+    ``mappings`` are DCP's flattening of it (flat key -> value, flat key -> path).
+    """
+    roots = optimizer_roots(original)
+    if not roots:
+        return []
+    fqns_of: dict[Path, set[str]] = {}
+    entries: dict[str, Entry] = {}
+    for key, path in mappings.items():
+        found = _entry_of(path, roots, fqns_of)
+        if found is None:
+            continue
+        fqn, root, is_field = found
+        prefix = dcp_key(root + (STATE, fqn))
+        entry = entries.setdefault(prefix, Entry(fqn, prefix, dcp_key(root + (GROUPS, fqn))))
+        value = flat.get(key)
+        (entry.fields if is_field else entry.keys).append(key)
+        entry.placeholder = entry.placeholder or is_unwritten_placeholder(value) or (is_field and is_template_value(value))
+    return list(entries.values())
+
+
+def _entry_of(path: Path, roots: dict[Path, tuple[str, Mapping]], fqns_of: dict[Path, set[str]]) -> tuple[str, Path, bool] | None:
+    """(FQN, root path, whether a group field) of a key's path, for the state
+    of a parameter (and, in the flat layout, its group fields); None for any other key."""
+    for i in range(len(path)):
+        if path[:i] not in roots:
+            continue
+        kind, root = roots[path[:i]]
+        rest = path[i:]
+        if kind == "nested":
+            if len(rest) >= 3 and rest[0] == STATE:
+                return str(rest[1]), path[:i], False
+            return None
+        head, _, inner = str(rest[0]).partition(".")
+        if len(rest) != 1 or head not in (STATE, GROUPS):
+            return None
+        if path[:i] not in fqns_of:
+            fqns_of[path[:i]] = _flat_fqns(root)
+        split = split_fqn(inner, fqns_of[path[:i]])
+        fqn = split[0] if split is not None else inner.rpartition(".")[0]
+        return fqn, path[:i], head == GROUPS
+    return None
+
+
+def judge(entries: list[Entry], in_checkpoint: Mapping[str, Any], *, strict: bool) -> tuple[list[str], list[str]]:
+    """(keys to leave out of the load, problems) for the template's entries."""
+    ordered = sorted(in_checkpoint)
+    drop: list[str] = []
+    problems: list[str] = []
+    for entry in entries:
+        missing = [k for k in entry.keys if k not in in_checkpoint]
+        if not missing:
+            continue
+        present = [entry.name(k) for k in entry.keys if k in in_checkpoint]
+        others = _keys_under(ordered, entry.prefix + ".") if not present else []
+        lacking = sorted(entry.name(k) for k in missing)
+        if present:
+            problems.append(f"state[{entry.fqn!r}] is incomplete: lacks {lacking}, has {sorted(present)}")
+        elif others:
+            problems.append(
+                f"state[{entry.fqn!r}] holds {sorted(entry.name(k) for k in others)[:8]}, "
+                f"not the keys this optimizer keeps ({lacking}): saved by another optimizer?"
+            )
+        elif entry.placeholder:
+            drop += entry.keys  # lazy state: the parameter never had a gradient
+            if entry.fields and not _keys_under(ordered, entry.fields_prefix + "."):
+                # Flat layout, and nothing of the parameter in the checkpoint:
+                # set decides (strict names it; otherwise it stays fresh).
+                drop += entry.fields
+        elif strict:
+            problems.append(f"state[{entry.fqn!r}] is not in the checkpoint (lacks {lacking}), but the optimizer has state for it")
+    return drop, problems
+
+
+def _keys_under(ordered: list[str], prefix: str) -> list[str]:
+    """Keys of the sorted list ``ordered`` that start with ``prefix``."""
+    i = bisect.bisect_left(ordered, prefix)
+    out = []
+    while i < len(ordered) and ordered[i].startswith(prefix):
+        out.append(ordered[i])
+        i += 1
+    return out
+
+
+def unexpected(asked: set[str], tops: set[str], in_checkpoint: Mapping[str, Any]) -> list[str]:
+    """Checkpoint keys under the top-level names ``tops`` that are not in ``asked``."""
+    heads = tuple(f"{t}." for t in tops)
+    return sorted(k for k in in_checkpoint if k not in asked and (k in tops or k.startswith(heads)))

@@ -1,0 +1,241 @@
+"""Rank-side functions for hyperdsd.checkpoint's multi-rank tests (run through the harness).
+
+The models are the conformance suite's (layouts, routers that never get a
+gradient, schedulers), driven here through hyperdsd's checkpoint API in the
+three ways users write it: the load planner, one call, and AppState.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import pickle
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+import hyperdsd
+from hyperdsd import StateDictOptions, checkpoint
+
+LAZY = "layers.0.router.weight"
+
+
+def _c(ctx):
+    """A case context for conformance's Setup, driving hyperdsd."""
+    from conformance.adapters import load_adapter
+    from conformance.context import CaseContext
+
+    return CaseContext(ctx, None, 0, load_adapter("hyperdsd"), "")
+
+
+def _setup(ctx, layout: str, seed: int, **kw):
+    from conformance.layouts import Setup
+    from conformance.models import GroupSpec, ModelConfig
+
+    cfg = ModelConfig(router=True, **kw.pop("cfg", {}))
+    groups = GroupSpec.for_seed(seed, **kw.pop("groups", {}))
+    return Setup(_c(ctx), layout, "adamw", seed=seed, cfg=cfg, groups=groups, **kw)
+
+
+def _options(setup) -> StateDictOptions:
+    # Pipeline stages write disjoint keys only in the flat layout.
+    return StateDictOptions(flatten_optimizer_state_dict=setup.layout.pp > 1)
+
+
+def _snapshot(setup):
+    from conformance.oracle import snapshot
+
+    return snapshot(setup)
+
+
+def _diff(a, b) -> list[str]:
+    from conformance.oracle import diff_snapshots
+
+    return diff_snapshots(a, b)
+
+
+@contextlib.contextmanager
+def _checkpoint_dir(ctx):
+    """A directory every rank sees, removed afterwards."""
+    box = [tempfile.mkdtemp(prefix="hyperdsd-ckpt-") if ctx.rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    try:
+        yield box[0]
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+
+
+def _save(way: str, path: str, setup, options) -> None:
+    if way == "planner":
+        msd, osd = hyperdsd.get_state_dict(setup.model, setup.optimizers[0], options=options)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    elif way == "one_call":
+        checkpoint.save(path, setup.model, setup.optimizers, options=options)
+    else:
+        dcp.save({"app": checkpoint.AppState(setup.model, setup.optimizers, options=options)}, checkpoint_id=path)
+
+
+def _load(way: str, path: str, setup, options) -> None:
+    if way == "planner":  # the flow users write, with the planner as its only change
+        msd, osd = hyperdsd.get_state_dict(setup.model, setup.optimizers[0], options=options)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path, planner=checkpoint.LoadPlanner())
+        hyperdsd.set_state_dict(setup.model, setup.optimizers[0], model_state_dict=msd, optim_state_dict=osd, options=options)
+    elif way == "one_call":
+        checkpoint.load(path, setup.model, setup.optimizers, options=options)
+    else:
+        app = checkpoint.AppState(setup.model, setup.optimizers, options=options)
+        dcp.load({"app": app}, checkpoint_id=path, planner=checkpoint.LoadPlanner())
+
+
+def _routers_with_state(setup) -> list[str]:
+    return [f for f, p in setup.named_parameters() if ".router." in f and setup.optimizers[0].state.get(p)]
+
+
+def lazy_resume(ctx, layout: str, way: str, own_group: bool = False):
+    """Routers never get a gradient: the checkpoint has no state for them; a
+    fresh optimizer resumes, they stay without state, training matches."""
+    a = _setup(ctx, layout, 0, groups={"router_group": own_group})
+    opts = _options(a)
+    with _checkpoint_dir(ctx) as path:
+        a.train(2)
+        assert not _routers_with_state(a)
+        _save(way, path, a, opts)
+        saved = _snapshot(a)
+        a.train(1)
+        b = _setup(ctx, layout, 1, groups={"router_group": own_group})
+        b.set_steps_done(2)
+        _load(way, path, b, opts)
+        assert not _routers_with_state(b), _routers_with_state(b)
+        diffs = _diff(saved, _snapshot(b))
+        assert not diffs, "\n".join(diffs[:10])
+        b.train(1)
+        diffs = _diff(_snapshot(a), _snapshot(b))
+        assert not diffs, "\n".join(diffs[:10])
+    return True
+
+
+def _drop_from_metadata(ctx, path: str, keys: list[str]) -> None:
+    if ctx.rank == 0:
+        metadata = FileSystemReader(path).read_metadata()
+        for key in keys:
+            del metadata.state_dict_metadata[key]
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def partial_state_refused(ctx, layout: str, way: str, fqn: str, key: str):
+    """A checkpoint whose metadata lacks one key of one parameter's state:
+    every rank raises naming the FQN and the key; nothing changes."""
+    a = _setup(ctx, layout, 0)
+    opts = _options(a)
+    with _checkpoint_dir(ctx) as path:
+        a.train(2)
+        _save(way, path, a, opts)
+        prefix = "app.optim" if way == "app_state" else "optim"
+        _drop_from_metadata(ctx, path, [f"{prefix}.state.{fqn}.{key}"])
+        b = _setup(ctx, layout, 1)
+        before = _snapshot(b)
+        try:
+            _load(way, path, b, opts)
+        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+            error = exc
+        else:
+            raise AssertionError("the load did not raise")
+        text = str(error)
+        assert fqn in text and key in text, text
+        diffs = _diff(before, _snapshot(b))
+        assert not diffs, "\n".join(diffs[:10])
+    return type(error).__name__, text
+
+
+def other_model_refused(ctx, layout: str, kind: str):
+    """A checkpoint of another model: every rank raises the same error; nothing changes."""
+    a = _setup(ctx, layout, 0)
+    opts = _options(a)
+    target = {
+        "more_layers": {"cfg": {"n_layers": 3}},
+        "fewer_layers": {"cfg": {"n_layers": 1}},
+        "wider": {"cfg": {"hidden": 16}},
+        "extra_group": {},
+    }[kind]
+    with _checkpoint_dir(ctx) as path:
+        if kind == "extra_group":  # the source has an empty group more than the target
+            a = _setup(ctx, layout, 0, groups={"empty_at": (1,)})
+        a.train(1)
+        checkpoint.save(path, a.model, a.optimizers, options=opts)
+        b = _setup(ctx, layout, 1, **target)
+        b.train(1)
+        before = _snapshot(b)
+        try:
+            checkpoint.load(path, b.model, b.optimizers, options=opts)
+        except hyperdsd.StateDictError as exc:
+            text = str(exc)
+        else:
+            raise AssertionError("the load did not raise")
+        diffs = _diff(before, _snapshot(b))
+        assert not diffs, "\n".join(diffs[:10])
+    return text
+
+
+class Progress:
+    """A user's Stateful: where the data loader is."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+        self.seen = torch.zeros(3)
+
+    def state_dict(self):
+        return {"step": self.step, "seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        self.seen = state["seen"].clone()
+
+
+def schedulers_and_extra(ctx, layout: str, async_save: bool = False):
+    """Schedulers and the user's Stateful objects round-trip with the model and optimizers."""
+    a = _setup(ctx, layout, 0, scheduler=True)
+    opts = _options(a)
+    progress = Progress()
+    with _checkpoint_dir(ctx) as path:
+        a.train(2)
+        progress.step, progress.seen = 2, torch.arange(3.0)
+        sched_state = copy.deepcopy(a.schedulers[0].state_dict())
+        extra = {"progress": progress, "note": {"epoch": torch.tensor(7)}}
+        result = checkpoint.save(path, a.model, a.optimizers, schedulers=a.schedulers, extra=extra, options=opts, async_save=async_save)
+        if async_save:
+            result.result()  # the background write has finished
+        saved = _snapshot(a)
+        lrs_a = []
+        for _ in range(2):
+            a.train(1)
+            lrs_a.append([g["lr"] for g in a.optimizers[0].param_groups])
+        b = _setup(ctx, layout, 1, scheduler=True)
+        b.set_steps_done(2)
+        mine, note = Progress(), {"epoch": torch.tensor(0)}
+        checkpoint.load(path, b.model, b.optimizers, schedulers=b.schedulers, extra={"progress": mine, "note": note}, options=opts)
+        assert mine.step == 2 and torch.equal(mine.seen, torch.arange(3.0)), (mine.step, mine.seen)
+        assert int(note["epoch"]) == 7
+        assert b.schedulers[0].state_dict() == sched_state, (b.schedulers[0].state_dict(), sched_state)
+        diffs = _diff(saved, _snapshot(b))
+        assert not diffs, "\n".join(diffs[:10])
+        lrs_b = []
+        for _ in range(2):
+            b.train(1)
+            lrs_b.append([g["lr"] for g in b.optimizers[0].param_groups])
+        assert lrs_a == lrs_b, (lrs_a, lrs_b)
+        diffs = _diff(_snapshot(a), _snapshot(b))
+        assert not diffs, "\n".join(diffs[:10])
+    return True
+

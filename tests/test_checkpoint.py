@@ -1,0 +1,177 @@
+"""hyperdsd.checkpoint: resuming through DCP with lazy optimizer state,
+refusing partly missing state and other models' checkpoints, and the
+one-call API with schedulers, extra Stateful objects and async saves.
+
+Multi-rank cases run on real CPU ranks through the harness
+(checkpoint_tasks); the planner's reading of a template is also tested in
+one process, where DCP needs no process group.
+"""
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+import hyperdsd
+from hyperdsd import StateDictError, checkpoint
+from hyperdsd.checkpoint_plan import Entry, judge, optimizer_entries, optimizer_roots
+import checkpoint_tasks
+from helpers import run_task
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def run(pools, world_size, fn, **kwargs):
+    return run_task(pools, world_size, getattr(checkpoint_tasks, fn), **kwargs)
+
+
+# -- on ranks --------------------------------------------------------------
+
+@pytest.mark.parametrize("layout, world_size", [("single", 1), ("fsdp2", 2), ("pp2", 2)])
+@pytest.mark.parametrize("way", ["planner", "one_call", "app_state"])
+def test_lazy_state_resumes_and_stays_absent(pools, layout, world_size, way):
+    assert run(pools, world_size, "lazy_resume", layout=layout, way=way) == [True] * world_size
+
+
+def test_a_whole_never_stepped_group_resumes_on_uneven_shards(pools):
+    assert run(pools, 3, "lazy_resume", layout="fsdp3", way="planner", own_group=True) == [True] * 3
+
+
+@pytest.mark.parametrize("layout, world_size, fqn, key", [
+    ("single", 1, "layers.0.fc2.weight", "exp_avg_sq"),
+    ("fsdp3", 3, "layers.0.fc2.weight", "step"),  # 8 rows on 3 ranks: uneven shards
+    ("pp2", 2, "layers.1.fc1.weight", "exp_avg"),  # held by one stage; every rank raises
+])
+@pytest.mark.parametrize("way", ["planner", "one_call", "app_state"])
+def test_partly_missing_state_is_refused_on_every_rank(pools, layout, world_size, fqn, key, way):
+    results = run(pools, world_size, "partial_state_refused", layout=layout, way=way, fqn=fqn, key=key)
+    assert len(results) == world_size
+    if way == "one_call":  # one error, the same on every rank
+        assert {name for name, _ in results} == {"StateDictError"}
+        assert len({text for _, text in results}) == 1
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("more_layers", "layers.2"),  # FQNs the checkpoint lacks
+    ("fewer_layers", "model.layers.1."),  # FQNs the model does not have
+    ("wider", "Size mismatch"),  # other shapes
+    ("extra_group", "param_groups.3"),  # a param group more (empty): strict
+])
+def test_another_models_checkpoint_is_refused_alike_on_every_rank(pools, kind, needle):
+    texts = run(pools, 2, "other_model_refused", layout="fsdp2", kind=kind)
+    assert len(set(texts)) == 1, texts
+    assert needle in texts[0] and "nothing was changed" in texts[0], texts[0]
+
+
+@pytest.mark.parametrize("layout, world_size", [("single", 1), ("fsdp2", 2)])
+def test_schedulers_and_extra_stateful_objects_round_trip(pools, layout, world_size):
+    assert run(pools, world_size, "schedulers_and_extra", layout=layout) == [True] * world_size
+
+
+def test_async_save_writes_a_checkpoint_that_loads(pools):
+    assert run(pools, 2, "schedulers_and_extra", layout="fsdp2", async_save=True) == [True, True]
+
+
+# -- in one process ------------------------------------------------------------
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = nn.Linear(4, 2)  # used under no_grad: never gets a gradient
+
+    def forward(self, x):
+        with torch.no_grad():
+            g = self.gate(x).softmax(-1).amax(-1, keepdim=True)
+        return self.fc(x) * g
+
+
+def _trained(seed=0, steps=2):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_a_user_key_and_a_stateful_are_found_nested_and_flat():
+    model, opt = _trained(steps=0)
+    nested = hyperdsd.get_optimizer_state_dict(model, opt)
+    flat = hyperdsd.get_optimizer_state_dict(model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=True))
+    roots = optimizer_roots({"run": {"optimizer": nested}, "stages": [flat], "model": model.state_dict()})
+    assert {path: kind for path, (kind, _) in roots.items()} == {("run", "optimizer"): "nested", ("stages", 0): "flat"}
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+def test_entries_group_each_parameters_keys_and_know_placeholders(flat):
+    model, opt = _trained(steps=0)
+    osd = hyperdsd.get_optimizer_state_dict(model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=flat))
+    planner = DefaultLoadPlanner()  # DCP's own flattening, as LoadPlanner sees it
+    planner.set_up_planner({"optim": osd})
+    entries = {e.fqn: e for e in optimizer_entries(planner.original_state_dict, planner.state_dict, planner.mappings)}
+    assert sorted(entries) == ["fc.bias", "fc.weight", "gate.bias", "gate.weight"]
+    gate = entries["gate.weight"]
+    assert gate.placeholder and gate.prefix == "optim.state.gate.weight"
+    assert sorted(gate.name(k) for k in gate.keys) == ["exp_avg", "exp_avg_sq", "step"]
+    assert bool(gate.fields) == flat  # the flat layout carries group fields per parameter
+
+
+def test_judge_drops_wholly_absent_placeholders_and_names_partial_state():
+    keys = lambda fqn, *names: [f"optim.state.{fqn}.{n}" for n in names]  # noqa: E731
+    lazy = Entry("gate.weight", "optim.state.gate.weight", keys=keys("gate.weight", "step", "exp_avg"), placeholder=True)
+    torn = Entry("fc.weight", "optim.state.fc.weight", keys=keys("fc.weight", "step", "exp_avg"), placeholder=True)
+    real = Entry("fc.bias", "optim.state.fc.bias", keys=keys("fc.bias", "step"), placeholder=False)
+    in_checkpoint = dict.fromkeys(keys("fc.weight", "exp_avg"))
+    drop, problems = judge([lazy, torn, real], in_checkpoint, strict=True)
+    assert drop == lazy.keys
+    assert any("'fc.weight'" in p and "['step']" in p for p in problems), problems
+    assert any("'fc.bias'" in p for p in problems), problems  # real state stays required
+    drop, problems = judge([real], in_checkpoint, strict=False)
+    assert (drop, problems) == ([], [])
+
+
+def test_without_the_planner_dcp_stops_on_lazy_state_and_with_it_resumes(tmp_path):
+    """The symptom users hit, and the one change that fixes it."""
+    model, opt = _trained()
+    msd, osd = hyperdsd.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    msd, osd = hyperdsd.get_state_dict(fresh, fresh_opt)
+    with pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: optim\.state\.gate\.weight\.step"):
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    assert not fresh_opt.state
+    msd, osd = hyperdsd.get_state_dict(fresh, fresh_opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), planner=checkpoint.LoadPlanner())
+    hyperdsd.set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    assert fresh_opt.state.get(fresh.gate.weight) is None
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key, value in opt.state.get(p, {}).items():
+            assert torch.equal(value, fresh_opt.state[q][key]), key
+
+
+def test_one_call_error_names_the_parameter_and_changes_nothing(tmp_path):
+    model, opt = _trained()
+    checkpoint.save(str(tmp_path), model, opt)
+    metadata = FileSystemReader(str(tmp_path)).read_metadata()
+    del metadata.state_dict_metadata["optim.state.fc.weight.exp_avg_sq"]
+    with open(os.path.join(tmp_path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(StateDictError, match=r"(?s)nothing was changed.*'fc\.weight'.*lacks \['exp_avg_sq'\]"):
+        checkpoint.load(str(tmp_path), fresh, fresh_opt)
+    assert not fresh_opt.state
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_extra_cannot_take_the_reserved_names(tmp_path):
+    model, opt = _trained(steps=0)
+    with pytest.raises(StateDictError, match="optim"):
+        checkpoint.save(str(tmp_path), model, opt, extra={"optim": {}})
