@@ -90,3 +90,27 @@ def test_two_node_agents_on_loopback_form_one_world(tmp_path):
     assert set(_statuses(reports[0]).values()) == {"passed"} and len(data["cases"]) == 4
     assert os.listdir(shared) == [], "the run's case directories are removed, the shared directory kept"
     assert lingering(mark) == []
+
+
+def test_a_rank_still_running_after_a_peer_left_releases_itself():
+    """A rank blocked on a peer that left does not always see the connection
+    drop; the watchdog closes its own after a grace period, once."""
+    import threading
+    import time
+
+    from hyperdsd.testing import world
+
+    left, released = threading.Event(), []
+    start = time.monotonic()
+    with world._Watchdog(30, lambda: None, None, peer_left=left.is_set, release=lambda: released.append(time.monotonic() - start)):
+        time.sleep(0.6)
+        assert not released  # no peer left yet
+        left.set()
+        time.sleep(world._RELEASE_AFTER_S + 2 * world._PEER_POLL_S + 0.5)
+    assert len(released) == 1 and released[0] >= 0.6 + world._RELEASE_AFTER_S, released
+
+    quick = []
+    with world._Watchdog(30, lambda: None, None, peer_left=lambda: True, release=lambda: quick.append(1)):
+        time.sleep(0.3)  # done before the grace period ends: nothing released
+    time.sleep(world._RELEASE_AFTER_S + 0.3)
+    assert not quick

@@ -93,6 +93,13 @@ class Membership:
         )
         self.generation, self.rank, self.world_size = generation, rank, world_size
 
+    def close_connections(self) -> None:
+        """Shut down this world's connections without destroying its groups:
+        safe from another thread, it makes whatever this rank is blocked on
+        in a collective fail at once."""
+        if self.joined:
+            _close_connections(self._before_join)
+
     def leave(self) -> None:
         """Destroy every process group and close its connections (no-op when there is none)."""
         import torch.distributed as dist

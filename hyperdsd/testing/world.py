@@ -35,6 +35,10 @@ from .status import RankStatus
 # waits for results until the deadline, then this long for stacks).
 _EXIT_AFTER_S = 5.0
 _POLL_S = 0.005
+_PEER_POLL_S = 0.25
+# A peer's failure releases the ranks blocked on it at once (its connections
+# close); one that is still running after this long is released by itself.
+_RELEASE_AFTER_S = 1.0
 
 
 def launched_by_torchrun() -> bool:
@@ -46,18 +50,42 @@ class WorldLost(RuntimeError):
 
 
 class _Watchdog:
-    """At the deadline, publishes where this rank is; a little later ends
-    the process: a collective that never completes cannot be interrupted."""
+    """Watches a rank's task.
 
-    def __init__(self, deadline_s: float, on_deadline: Callable[[], None], on_exit: Callable[[], None] | None):
+    When a peer failed and left while this rank still runs, it closes this
+    rank's own connections after a grace period: a rank blocked on a peer
+    that left does not always see the connection drop (a send to a peer
+    already gone can wait for gloo's whole timeout), but it sees its own.
+    At the deadline it publishes where this rank is; a little later it ends
+    the process: a collective that never completes cannot be interrupted.
+    """
+
+    def __init__(self, deadline_s: float, on_deadline: Callable[[], None], on_exit: Callable[[], None] | None,
+                 peer_left: Callable[[], bool] = lambda: False, release: Callable[[], None] = lambda: None):
         self._done = threading.Event()
         self._deadline_s = deadline_s
         self._on_deadline = on_deadline
         self._on_exit = on_exit
+        self._peer_left = peer_left
+        self._release = release
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
-        if self._done.wait(self._deadline_s):
+        end = time.monotonic() + self._deadline_s
+        noticed = None
+        while not self._done.wait(min(_PEER_POLL_S, max(0.0, end - time.monotonic()))):
+            now = time.monotonic()
+            if now >= end:
+                break
+            if noticed is None:
+                try:
+                    noticed = now if self._peer_left() else None
+                except Exception:
+                    pass
+            elif now - noticed >= _RELEASE_AFTER_S:
+                _quietly(self._release)
+                noticed = float("inf")  # once
+        else:
             return
         _quietly(self._on_deadline)
         if self._done.wait(_EXIT_AFTER_S):
@@ -158,13 +186,16 @@ class TorchrunWorld:
         start = time.monotonic()
         if self.rank < world_size:
             expiry = (lambda: self._report_hang(n, world_size, task, start, deadline_s)) if self.rank == 0 else None
-            with _Watchdog(deadline_s, lambda: self._publish_stacks(n), expiry):
+            left = self._key(n, "a-rank-left")
+            with _Watchdog(deadline_s, lambda: self._publish_stacks(n), expiry,
+                           peer_left=lambda: self._store.check([left]), release=self._membership.close_connections):
                 result = execute(self.ctx, task)
             if not _picklable(result.value):
                 result.value = None
             self._store.set(self._key(n, f"rank{self.rank}"), pickle.dumps(result))
             if result.status.failed:
                 # Peers may be blocked on this rank: leaving releases them.
+                self._store.set(self._key(n, "a-rank-left"), b"1")
                 self.ctx.reset()
                 self._membership.leave()
                 self._dirty = True
