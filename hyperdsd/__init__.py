@@ -22,7 +22,7 @@ from . import checkpoint
 from .errors import StateDictError
 from .options import StateDictOptions
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Optional conformance profiles this implementation claims (see SPEC.md §4).
 CONFORMANCE_PROFILES = ("inplace", "multi-optimizer", "tp")

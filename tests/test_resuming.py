@@ -1,5 +1,6 @@
-"""The examples of docs/RESUMING.md run as they are, in one process and on
-two ranks under torchrun, and the error the page shows is the one raised."""
+"""The examples of the README's "Resuming training" section run as they are,
+in one process and on two ranks under torchrun, and the error the section
+shows is the one raised."""
 
 import os
 import pickle
@@ -12,15 +13,24 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from helpers import ROOT
 
-PAGE = os.path.join(ROOT, "docs", "RESUMING.md")
+PAGE = os.path.join(ROOT, "README.md")
+SECTION = "## Resuming training"
 EXAMPLES = ("resume_one_call.py", "resume_planner.py", "resume_app_state.py")
 # Runs each example in a fresh namespace of one interpreter: torch is imported once.
 RUNNER = "import runpy, sys\nfor path in sys.argv[1:]:\n    runpy.run_path(path, run_name='__main__')\n"
 
 
-def blocks(lang: str) -> list[str]:
+def section() -> str:
+    """The README's resuming section: from its heading to the next one of its level."""
     with open(PAGE) as f:
-        return re.findall(rf"```{lang}\n(.*?)```", f.read(), flags=re.S)
+        text = f.read()
+    assert SECTION in text, f"{PAGE} has no {SECTION!r} section"
+    body = text.split(SECTION, 1)[1]
+    return body.split("\n## ", 1)[0]
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", section(), flags=re.S)
 
 
 def write_examples(folder) -> dict[str, str]:
