@@ -10,6 +10,7 @@ changed.
 
     python -m tools.torch_matrix                          # 2.13.0 and 2.14.1
     python -m tools.torch_matrix --versions 2.13.0 --impls hyperdsd -k OPT-RT-1
+    python -m tools.torch_matrix --reuse                  # the table again, from the reports
 
 Run from the repository root. pip takes 2.13.0 (CPU) and 2.14.1 (a CUDA
 build that runs on the CPU, about 5.5 GB in a venv) from this machine's
@@ -88,6 +89,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "out", "torch-matrix"))
     parser.add_argument("--rebuild", action="store_true", help="recreate the virtual environments")
     parser.add_argument("-k", dest="patterns", action="append", default=[], help="passed on to python -m conformance")
+    parser.add_argument("--reuse", action="store_true",
+                        help="use reports already in --out (VERSION-IMPL.json, written by an earlier run) instead of running again")
     args = parser.parse_args()
     versions = [v for v in args.versions.split(",") if v]
     impls = [i for i in args.impls.split(",") if i]
@@ -95,8 +98,15 @@ def main() -> int:
     extra = [x for p in args.patterns for x in ("-k", p)]
     results: dict[tuple[str, str], dict] = {}
     for version in versions:
-        python = _venv(version, args.rebuild)
+        python = None
         for impl in impls:
+            existing = os.path.join(args.out, f"{version}-{impl}.json")
+            if args.reuse and os.path.exists(existing):
+                with open(existing) as f:
+                    results[(version, impl)] = data = json.load(f)
+                print(f"[{version}] {impl}: {data['summary']} ({data['torch_version']}, reused {existing})", flush=True)
+                continue
+            python = python or _venv(version, args.rebuild)
             results[(version, impl)] = _run(python, version, impl, args.out, extra)
     print()
     print("\n".join(_table(results, versions, impls)))
