@@ -37,13 +37,24 @@ def mask(line: str) -> str:
     return line.strip()
 
 
+def _excerpt_tail(line: str) -> str:
+    """Of a shortened message (``head ... tail``), the tail only when it is
+    an exception's own line: a tail cut from a traceback (a source line, a
+    file path) differs between torch builds for the same cause."""
+    head, sep, tail = line.partition(" ... ")
+    if not sep:
+        return line
+    found = re.search(r"\b\w+(?:Error|Exception): .*$", tail)
+    return f"{head} ... {found.group(0)}" if found else f"{head} ..."
+
+
 def signature(message: str) -> str:
     """The cause a message names: its first line and, for a check, the kind
     of its first difference, with case-specific names and numbers masked."""
     lines = [line for line in message.splitlines() if line.strip()]
     if not lines:
         return "(no message)"
-    sig = mask(lines[0])
+    sig = mask(_excerpt_tail(lines[0]))
     if len(lines) > 1 and lines[1].startswith((" ", "\t")):
         sig += " | " + mask(lines[1])
     return sig

@@ -14,6 +14,8 @@ import json
 import sys
 from collections import Counter, defaultdict
 
+from .deviations import signature
+
 _BAD = ("failed", "error")
 _GOOD = ("passed", "xpass")
 
@@ -75,8 +77,7 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
             lines += by_clause[clause]
     else:
         lines.append("  every case has the same status in both runs")
-    old_dev = {d["signature"]: d for d in old.get("deviations", [])}
-    new_dev = {d["signature"]: d for d in new.get("deviations", [])}
+    old_dev, new_dev = _by_cause(old), _by_cause(new)
     appeared = [new_dev[s] for s in new_dev if s not in old_dev]
     gone = [old_dev[s] for s in old_dev if s not in new_dev]
     if appeared or gone:
@@ -89,6 +90,22 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
     lines.append("")
     lines.append(f"{regressed} regressed, {fixed} fixed")
     return lines, regressed > 0
+
+
+def _by_cause(report: dict) -> dict[str, dict]:
+    """A report's deviations keyed by the signature of their message as this
+    suite computes it now, so that two reports written by different suite
+    releases or torch builds pair up by cause."""
+    out: dict[str, dict] = {}
+    for d in report.get("deviations", []):
+        key = signature(d["message"]) if d.get("message") else d["signature"]
+        if key in out:
+            merged = out[key]
+            out[key] = {**merged, "count": merged["count"] + d["count"],
+                        "clauses": sorted(set(merged["clauses"]) | set(d["clauses"]))}
+        else:
+            out[key] = d
+    return out
 
 
 def main(argv: list[str]) -> int:
