@@ -93,12 +93,19 @@ def _clause_order(clause: str) -> tuple:
 
 
 def group(results: list[CaseResult], statuses=(Status.FAILED, Status.ERROR, Status.XFAIL)) -> list[Deviation]:
-    """Deviations among ``results`` of the given statuses, largest first."""
+    """Deviations among ``results`` of the given statuses, largest first.
+
+    Expected failures group by the cause their expected-failures entry
+    names (a traced cause can show several messages: a missing stage fails
+    one clause with a difference and another with a KeyError); everything
+    else by the signature of its message.
+    """
     found: dict[tuple, Deviation] = {}
     for r in results:
         if r.status not in statuses:
             continue
-        key = (r.status, signature(r.message))
+        traced = r.status == Status.XFAIL and r.xfail_reason
+        key = (r.status, f"known: {r.xfail_reason}" if traced else signature(r.message))
         found.setdefault(key, Deviation(key[1], r.status)).cases.append(r)
     return sorted(found.values(), key=lambda d: (d.status != Status.ERROR, -len(d.cases), d.signature))
 
