@@ -327,6 +327,72 @@ MUTANTS: tuple[Mutant, ...] = (
         "parameters on the meta device are copied into (a no-op) instead of assigned",
         ("MODEL-4[fsdp2-full]",),
     ),
+    # -- the model's group (group.py) -------------------------------------------------
+    Mutant(
+        "group-root-is-global-rank-0", "group.py",
+        "        return self.ranks[0]",
+        "        return 0",
+        "the root of full_cpu and broadcast loads is global rank 0 even for a model on other ranks",
+        ("OPT-MESH-2[halves2+2-adamw-full_cpu]",),
+    ),
+    Mutant(
+        "group-slices-not-rooted", "group.py",
+        "            root = _compat.root_mesh(p.device_mesh)",
+        "            root = p.device_mesh",
+        "meshes are compared as they are, not by their root: a stage sliced from a pp x dp mesh is taken for a model of its own",
+        ("OPT-RT-1[pp2xfsdp2-adamw-full_cpu]",),
+    ),
+    # -- DCP load planner (checkpoint.py, checkpoint_plan.py) ---------------------------
+    Mutant(
+        "dcp-partial-state-taken-as-lazy", "checkpoint_plan.py",
+        "        if present:\n",
+        "        if present and not entry.placeholder:\n",
+        "a never-stepped template's partly present state is taken for lazy state and left out (corruption loads as fresh)",
+        ("OPT-PART-6[single-dcp-no_exp_avg_sq]",),
+    ),
+    Mutant(
+        "dcp-coordinator-own-keys", "checkpoint.py",
+        "            asked.update(keys)",
+        "            asked.update(self.asked)",
+        "the coordinator judges unexpected checkpoint entries by its own state dict (other stages' entries look unexpected)",
+        ("OPT-RT-1[pp2-adamw-dcp]",),
+    ),
+    Mutant(
+        "dcp-unexpected-entries-ignored", "checkpoint.py",
+        "        if extra:\n",
+        "        if False:\n",
+        "strict DCP loads ignore checkpoint entries no rank asks for (a checkpoint with a param group more loads)",
+        ("OPT-ATOM-1[single-dcp-extra_empty_group]",),
+    ),
+    Mutant(
+        "dcp-planner-always-partial", "checkpoint.py",
+        "        super().__init__(allow_partial_load=not strict)",
+        "        super().__init__(allow_partial_load=True)",
+        "strict DCP loads skip template entries the checkpoint lacks (they keep the target's values)",
+        ("OPT-ATOM-1[single-dcp-missing_empty_group]",),
+    ),
+    # -- nested state (custom optimizers) -------------------------------------------------
+    Mutant(
+        "nested-containers-shared", "optimizer.py",
+        "    return {k: rebuild(v, _same) if is_container(v) else v for k, v in entry.items()}",
+        "    return dict(entry)",
+        "get copies state entries but not the dicts and lists nested in them (changing those changes the optimizer)",
+        ("OPT-PURE-2[single-custom-sharded]",),
+    ),
+    Mutant(
+        "nested-tensors-not-redistributed", "plan.py",
+        "                elif is_container(v):\n",
+        "                elif False:\n",
+        "tensors nested in state (dicts and lists) are left out of the load's redistribution",
+        ("OPT-STATE-1[fsdp4_to_fsdp3-custom-dcp]",),
+    ),
+    Mutant(
+        "nested-placeholders-unmarked", "templates.py",
+        "            for t in _tensors(value):\n                mark_placeholder(t)",
+        "            if isinstance(value, torch.Tensor):\n                mark_placeholder(value)",
+        "a never-stepped optimizer's template marks only top-level tensors as placeholders (nested ones count as real state)",
+        ("OPT-STATE-1[single-custom-dcp]",),
+    ),
 )
 
 
