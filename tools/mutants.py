@@ -210,7 +210,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "                templates.track_template_fields(nested, anchor)",
         "                pass",
         "a flat template's own group fields count as loaded (a DCP load that did not cover them lists them)",
-        ("OPT-PART-1[pp2xfsdp2-dcp-strict]",),
+        ("OPT-PART-1[pp2xfsdp2-dcp-strict_same_hparams]",),
     ),
     # -- placeholders ---------------------------------------------------------------
     Mutant(
@@ -344,11 +344,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- DCP load planner (checkpoint.py, checkpoint_plan.py) ---------------------------
     Mutant(
-        "dcp-partial-state-taken-as-lazy", "checkpoint_plan.py",
-        "        if present:\n",
-        "        if present and not entry.placeholder:\n",
-        "a never-stepped template's partly present state is taken for lazy state and left out (corruption loads as fresh)",
-        ("OPT-PART-6[single-dcp-no_exp_avg_sq]",),
+        "dcp-flat-lazy-fields-dropped", "checkpoint_plan.py",
+        "            if entry.fields and not _keys_under(ordered, entry.fields_prefix + \".\"):",
+        "            if entry.fields:",
+        "flat layout: a lazy parameter's group fields are left out of the load even where the checkpoint holds them",
+        ("OPT-PART-2[pp2xfsdp2-dcp]",),
     ),
     Mutant(
         "dcp-coordinator-own-keys", "checkpoint.py",
@@ -384,7 +384,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "                elif is_container(v):\n",
         "                elif False:\n",
         "tensors nested in state (dicts and lists) are left out of the load's redistribution",
-        ("OPT-STATE-1[fsdp4_to_fsdp3-custom-dcp]",),
+        ("OPT-STATE-1[hsdp2x2-custom-full_cpu]",),
     ),
     Mutant(
         "nested-placeholders-unmarked", "templates.py",
