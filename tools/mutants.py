@@ -391,7 +391,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "            for t in _tensors(value):\n                mark_placeholder(t)",
         "            if isinstance(value, torch.Tensor):\n                mark_placeholder(value)",
         "a never-stepped optimizer's template marks only top-level tensors as placeholders (nested ones count as real state)",
-        ("OPT-STATE-1[single-custom-dcp]",),
+        ("OPT-STATE-1[single-custom-dcp-lazy]",),
     ),
 )
 
