@@ -54,7 +54,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-aliases-state-entries", "optimizer.py",
-        "                    state[index.fqn_of[p]] = dict(entry)",
+        "                    state[index.fqn_of[p]] = _entry_copy(entry)",
         "                    state[index.fqn_of[p]] = entry",
         "get returns the optimizer's own per-parameter state dicts (changing the result changes the optimizer)",
         ("OPT-PURE-2[single-adamw-sharded]",),
@@ -98,8 +98,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- set: in place, dtypes, DTensors -----------------------------------------
     Mutant(
         "set-replaces-state-tensors", "optimizer.py",
-        "                new[key] = copy_into(existing, value) if fits(existing, value) else materialize(value)",
-        "                new[key] = materialize(value)",
+        "        return copy_into(existing, value) if fits(existing, value) else materialize(value)",
+        "        return materialize(value)",
         "set replaces existing state tensors instead of copying into them",
         ("OPT-DT-4[single-adamw-sharded]",),
     ),
@@ -136,8 +136,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "problems-raised-locally", "collectives.py",
-        "    if flags[0]:\n        raise_if_any(exchange(problems), what)",
-        "    if problems:\n        raise StateDictError(_format(what, {rank(): problems}))",
+        "    if flags[0]:\n        raise_if_any(exchange(problems, group), what, group)",
+        "    if problems:\n        raise StateDictError(_format(what, {global_rank(): problems}))",
         "only the rank that found a problem raises; the others load",
         ("OPT-ATOM-4[fsdp2-sharded]",),
     ),
@@ -210,7 +210,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "                templates.track_template_fields(nested, anchor)",
         "                pass",
         "a flat template's own group fields count as loaded (a DCP load that did not cover them lists them)",
-        ("OPT-PART-1[pp2xfsdp2-dcp-strict]",),
+        ("OPT-PART-1[pp2xfsdp2-dcp-strict_same_hparams]",),
     ),
     # -- placeholders ---------------------------------------------------------------
     Mutant(
@@ -229,7 +229,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "empty-shard-placeholders-written", "templates.py",
-        "    if empty and (len(unwritten) < len(entry) or unknown):",
+        "    if empty and (len(unwritten) < holding or unknown):",
         "    if empty:",
         "empty shards of an unwritten template entry count as written (the rank loads empty state)",
         ("OPT-RESHARD-2[fsdp2_to_fsdp4-adamw-dcp-subset]",),
@@ -239,12 +239,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if self.questions.get(load.fqn, True) is None and not answers.get(load.fqn, True):",
         "            if False:",
         "a rank holding an empty shard of a template entry ignores what the other ranks say about it",
-        ("OPT-RESHARD-2[fsdp2_to_fsdp4-sgd-dcp-lazy]",),
+        ("OPT-RESHARD-2[fsdp2_to_fsdp4-sgd-dcp-aux]",),
     ),
     Mutant(
         "step-placeholder-not-zeroed", "templates.py",
-        '                    value.zero_()  # a placeholder that is saved as is means "never stepped"',
-        "                    pass",
+        '                value.zero_()  # a placeholder that is saved as is means "never stepped"',
+        "                pass",
         "a never-stepped optimizer's template says step 1, as after the scratch step",
         ("OPT-RT-1[fsdp4-adamw-full-step0]",),
     ),
@@ -286,23 +286,23 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "full-cpu-model-on-every-rank", "distribute.py",
-        "    rank0_only = cpu and collectives.active()\n    kept, roots = full_entries(sd,",
-        "    rank0_only = False  # every rank keeps what it gathered\n    kept, roots = full_entries(sd,",
-        "full_state_dict + cpu_offload gives every rank the model's full dict, not rank 0 alone",
+        "    root_only = cpu and group.active\n    kept, roots = full_entries(sd, group,",
+        "    root_only = False  # every rank keeps what it gathered\n    kept, roots = full_entries(sd, group,",
+        "full_state_dict + cpu_offload gives every rank the model's full dict, not the root alone",
         ("MODEL-1[fsdp2-full_cpu]",),
     ),
     Mutant(
         "full-cpu-stages-not-collected", "distribute.py",
-        "    if rank0_only and collectives.active() and not collectives.same_everywhere(keys):",
+        "    if root_only and group.active and not collectives.same_everywhere(keys, group):",
         "    if False:",
-        "full_cpu assumes every rank holds the same keys (rank 0 misses other pipeline stages)",
+        "full_cpu assumes every rank holds the same keys (the root misses other pipeline stages)",
         ("OPT-RT-3[pp2-adamw-full_cpu]",),
     ),
     Mutant(
         "full-cpu-stage-groups-dropped", "distribute.py",
         '            mine["param_groups"].extend(part["param_groups"])',
         "            pass",
-        "full_cpu with pipeline stages: rank 0 receives the other stages' state but not their param groups",
+        "full_cpu with pipeline stages: the root receives the other stages' state but not their param groups",
         ("OPT-RT-1[pp2-adamw-full_cpu]",),
     ),
     Mutant(
@@ -326,6 +326,72 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         "parameters on the meta device are copied into (a no-op) instead of assigned",
         ("MODEL-4[fsdp2-full]",),
+    ),
+    # -- the model's group (group.py) -------------------------------------------------
+    Mutant(
+        "group-root-is-global-rank-0", "group.py",
+        "        return self.ranks[0]",
+        "        return 0",
+        "the root of full_cpu and broadcast loads is global rank 0 even for a model on other ranks",
+        ("OPT-MESH-2[halves2+2-adamw-full_cpu]",),
+    ),
+    Mutant(
+        "group-slices-not-rooted", "group.py",
+        "            root = _compat.root_mesh(p.device_mesh)",
+        "            root = p.device_mesh",
+        "meshes are compared as they are, not by their root: a stage sliced from a pp x dp mesh is taken for a model of its own",
+        ("OPT-RT-1[pp2xfsdp2-adamw-full_cpu]",),
+    ),
+    # -- DCP load planner (checkpoint.py, checkpoint_plan.py) ---------------------------
+    Mutant(
+        "dcp-flat-lazy-fields-dropped", "checkpoint_plan.py",
+        "            if entry.fields and not _keys_under(ordered, entry.fields_prefix + \".\"):",
+        "            if entry.fields:",
+        "flat layout: a lazy parameter's group fields are left out of the load even where the checkpoint holds them",
+        ("OPT-PART-2[pp2xfsdp2-dcp]",),
+    ),
+    Mutant(
+        "dcp-coordinator-own-keys", "checkpoint.py",
+        "            asked.update(keys)",
+        "            asked.update(self.asked)",
+        "the coordinator judges unexpected checkpoint entries by its own state dict (other stages' entries look unexpected)",
+        ("OPT-RT-1[pp2-adamw-dcp]",),
+    ),
+    Mutant(
+        "dcp-unexpected-entries-ignored", "checkpoint.py",
+        "        if extra:\n",
+        "        if False:\n",
+        "strict DCP loads ignore checkpoint entries no rank asks for (a checkpoint with a param group more loads)",
+        ("OPT-ATOM-1[single-dcp-extra_empty_group]",),
+    ),
+    Mutant(
+        "dcp-planner-always-partial", "checkpoint.py",
+        "        super().__init__(allow_partial_load=not strict)",
+        "        super().__init__(allow_partial_load=True)",
+        "strict DCP loads skip template entries the checkpoint lacks (they keep the target's values)",
+        ("OPT-ATOM-1[single-dcp-missing_empty_group]",),
+    ),
+    # -- nested state (custom optimizers) -------------------------------------------------
+    Mutant(
+        "nested-containers-shared", "optimizer.py",
+        "    return {k: rebuild(v, _same) if is_container(v) else v for k, v in entry.items()}",
+        "    return dict(entry)",
+        "get copies state entries but not the dicts and lists nested in them (changing those changes the optimizer)",
+        ("OPT-PURE-2[single-custom-sharded]",),
+    ),
+    Mutant(
+        "nested-tensors-not-redistributed", "plan.py",
+        "                elif is_container(v):\n",
+        "                elif False:\n",
+        "tensors nested in state (dicts and lists) are left out of the load's redistribution",
+        ("OPT-STATE-1[hsdp2x2-custom-full_cpu]",),
+    ),
+    Mutant(
+        "nested-placeholders-unmarked", "templates.py",
+        "            for t in _tensors(value):\n                mark_placeholder(t)",
+        "            if isinstance(value, torch.Tensor):\n                mark_placeholder(value)",
+        "a never-stepped optimizer's template marks only top-level tensors as placeholders (nested ones count as real state)",
+        ("OPT-STATE-1[single-custom-dcp-lazy]",),
     ),
 )
 

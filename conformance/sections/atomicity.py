@@ -167,6 +167,28 @@ GROUP_KINDS = {
 }
 
 
+def atom_1_dcp_groups(c, layout, kind):
+    """Through DCP (the target's get as the template, the documented load
+    planner, strict set): a checkpoint with an empty group more than the
+    target, or one fewer. The template has no key for the extra group and the
+    checkpoint none for the missing one, so only a load path that compares
+    the two can tell; nothing changes."""
+    last = (99,)  # after every other group
+    a = Setup(c, layout, "adamw", groups=GroupSpec.for_seed(0, empty_at=last) if kind == "extra_empty_group" else None)
+    a.train(2)
+    saved = flows.save(c, a, "dcp", model=None)
+    b = Setup(c, layout, "adamw", seed=1, groups=GroupSpec.for_seed(1, empty_at=last) if kind == "missing_empty_group" else None)
+    b.train(1)
+    odd = max(len(a.optimizers[0].param_groups), len(b.optimizers[0].param_groups)) - 1
+    before = optimizer_view(b)
+    expect_error(
+        lambda: flows.load(c, b, saved, model=False),
+        names=[f"param_groups.{odd}"],
+        what=f"OPT-ATOM-1: DCP load with {kind.replace('_', ' ')} (strict=True)",
+    )
+    expect_unchanged(before, optimizer_view(b), "OPT-ATOM-1: the failed load changed the optimizer")
+
+
 def atom_3(c, layout, target):
     """broadcast_from_rank0 without full_state_dict: ValueError, before any collective."""
     b = Setup(c, layout, "adamw")
@@ -228,6 +250,9 @@ def cases():
         for mode, kinds in GROUP_KINDS.items():
             for kind in kinds:
                 yield make_case("OPT-ATOM-1", layout, atom_1_groups, mode=mode, variant=kind, kind=kind)
+    for layout in ("single", "fsdp4"):  # nested through DCP (pipelines go flat, without empty groups)
+        for kind in ("extra_empty_group", "missing_empty_group"):
+            yield make_case("OPT-ATOM-1", layout, atom_1_dcp_groups, mode="dcp", variant=kind, kind=kind)
     for layout in ("single", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("sharded", "flat", "full"):
             yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant="wrong_shape", kind="wrong_shape", which="OPT-ATOM-2")

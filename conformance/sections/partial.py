@@ -28,13 +28,19 @@ from . import reshard
 ADAPTER = ["adapter.weight", "adapter.bias"]
 
 
-def part_1(c, layout, mode, strict):
-    """The target has parameters the checkpoint lacks (an adapter added for fine-tuning)."""
+def part_1(c, layout, mode, strict, same_hparams=False):
+    """The target has parameters the checkpoint lacks (an adapter added for fine-tuning).
+
+    ``same_hparams``: the target's groups have the checkpoint's hyperparameters,
+    so the new parameters' group fields in a DCP template differ in nothing
+    from what the checkpoint holds; only the load path can tell that the
+    checkpoint never listed them (a path that counts the template's own
+    fields as loaded lists them, and strict=True passes)."""
     a = Setup(c, layout, "adamw")
     a.train(2)
     saved = flows.save(c, a, mode)
     want = snapshot(a)
-    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(adapter=True))
+    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(adapter=True), groups=GroupSpec.for_seed(0) if same_hparams else None)
     b.set_steps_done(2)
     mine = [f for f in ADAPTER if f in dict(b.named_parameters())]
     if strict:
@@ -190,6 +196,8 @@ def cases():
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="nonstrict", strict=False)
             yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="strict", strict=True)
+    # Pipelines go through DCP in the flat layout, whose group fields are per parameter.
+    yield make_case("OPT-PART-1", "pp2xfsdp2", part_1, mode="dcp", variant="strict_same_hparams", strict=True, same_hparams=True)
     for layout in ("single", "ddp", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in flows.MODES:
             yield make_case("OPT-PART-2", layout, part_2, mode=mode)
