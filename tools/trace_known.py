@@ -156,9 +156,15 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report")
     parser.add_argument("--torch", required=True, help="the torch version the report is from, for the header")
+    parser.add_argument("--also", action="append", default=[], metavar="REPORT",
+                        help="a later run of some cases (-k): its cases replace or add to the report's")
     args = parser.parse_args()
     with open(args.report) as f:
         cases = json.load(f)["cases"]
+    for path in args.also:
+        with open(path) as f:
+            later = {c["id"]: c for c in json.load(f)["cases"]}
+        cases = [later.pop(c["id"], c) for c in cases] + list(later.values())
     bad = [c for c in cases if c["status"] in ("failed", "error", "xfail")]
     by_cause: dict[str, list[str]] = {}
     untraced = []
@@ -174,8 +180,9 @@ def main() -> int:
         return 1
     out = [
         f"# Expected failures of torch.distributed.checkpoint.state_dict (torch {args.torch}) on this suite,",
-        f"# from a full run (python -m conformance --impl torch --json ...): {len(bad)} failing cases, "
-        f"{len(by_cause)} causes.",
+        f"# from a full run (python -m conformance --impl torch --json ...)"
+        + (f" and {len(args.also)} run(s) of cases added since" if args.also else "")
+        + f": {len(bad)} failing cases, {len(by_cause)} causes.",
         "# Written by python -m tools.trace_known; each section is one cause, each line a case ID or prefix.",
         f"#   python -m conformance --impl torch --xfails conformance/known/torch-{'.'.join(args.torch.split('.')[:2])}.txt",
     ]
