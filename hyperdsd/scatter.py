@@ -118,13 +118,20 @@ class Scatterer:
         direct = [i for i in range(len(self.metas)) if self.world > 1 and self._direct(i)]
         for i in direct:
             self._scatter_one(i)
+        skip = set(direct)
+        rest = [i for i in range(len(self.metas)) if i not in skip]
+        # Bytes of each rank's piece of each tensor (-1: not needed), computed
+        # once per rank: the bucket plan reads them for every tensor.
+        self.nbytes = [self._piece_sizes(r) for r in range(self.world)]
+        totals = [sum(aligned(n) for n in (self.nbytes[r][i] for i in rest) if n > 0) for r in range(self.world)]
+        if max(totals, default=0) <= self.limit:  # everything fits one bucket (small tensors, however many)
+            if rest:
+                self._scatter_bucket(rest)
+            return self.out
         bucket: list[int] = []
         sizes = [0] * self.world
-        skip = set(direct)
-        for i in range(len(self.metas)):
-            if i in skip:
-                continue
-            grow = [self._piece_bytes(i, r) for r in range(self.world)]
+        for i in rest:
+            grow = [aligned(max(self.nbytes[r][i], 0)) for r in range(self.world)]
             if bucket and max(s + g for s, g in zip(sizes, grow)) > self.limit:
                 self._scatter_bucket(bucket)
                 bucket, sizes = [], [0] * self.world
@@ -134,9 +141,10 @@ class Scatterer:
             self._scatter_bucket(bucket)
         return self.out
 
-    def _piece_bytes(self, i: int, r: int) -> int:
-        need = self.everyone[r][i]
-        return 0 if need is None else aligned(need.numel() * self.metas[i][1].itemsize)
+    def _piece_sizes(self, r: int) -> list[int]:
+        """Bytes of rank ``r``'s piece of every tensor; -1 where it needs none."""
+        needs = self.everyone[r]
+        return [-1 if (need := needs[i]) is None else need.numel() * dtype.itemsize for i, (_, dtype) in enumerate(self.metas)]
 
     def _direct(self, i: int) -> bool:
         """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
@@ -204,11 +212,11 @@ class Scatterer:
     def _bucket_plan(self, bucket: list[int], r: int) -> tuple[list[tuple[int, int, int]], int]:
         """Where each piece rank ``r`` needs sits in its buffer, and the buffer's size."""
         off, parts = 0, []
+        sizes = self.nbytes[r]
         for i in bucket:
-            need = self.everyone[r][i]
-            if need is None:
+            nbytes = sizes[i]
+            if nbytes < 0:
                 continue
-            nbytes = need.numel() * self.metas[i][1].itemsize
             parts.append((i, off, nbytes))
             off += aligned(nbytes)
         return parts, off

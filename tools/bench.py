@@ -26,8 +26,9 @@ own processes, in the full and broadcast modes.
     python -m tools.bench --sizes 10k --modes get,set --no-memory --breakdown-sizes 10k
 
 ``--torch-skip SIZE:MODE,...`` leaves torch out where it takes many minutes
-per repetition (by default: full get, broadcast set and DCP on the 50k
-model, and DCP there altogether: ``--skip``); memory runs skip torch there
+per repetition (by default: full get and broadcast sets on the 50k model;
+``--skip`` leaves out DCP there and on the 268M model, and the joint
+broadcast set on the large models); memory runs skip torch there
 too, and ``--memory-torch-skip`` names more.
 
 Run from the repository root: the ranks import their work from ``tools.bench_tasks``.
@@ -42,9 +43,9 @@ import statistics
 from tools import bench_tasks
 from tools.bench_tasks import MODES
 
-FLOORED = ("set", "flat_set", "full_get", "bcast_set")
+FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both")
 MANY_KEYS = ("10k", "50k")
-RELATIVE_TO_GET = ("full_get", "bcast_set")  # targets: at most 10x hyperdsd's own sharded get
+RELATIVE_TO_GET = ("full_get", "bcast_set", "bcast_both")  # targets: at most 10x hyperdsd's own sharded get
 
 
 def _pairs(text: str) -> set[tuple[str, str]]:
@@ -58,8 +59,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget", type=float, default=90.0, help="seconds per size and mode before repetitions stop early")
     parser.add_argument("--hsdp-sizes", default="4m,17m", help="sizes also run on a 2x2 mesh (full_get, bcast_set)")
-    parser.add_argument("--skip", default="50k:dcp", help="SIZE:MODE pairs not run at all")
-    parser.add_argument("--torch-skip", default="50k:full_get,50k:bcast_set", help="SIZE:MODE pairs where torch is not run")
+    parser.add_argument("--skip", default="50k:dcp,268m:dcp,67m:bcast_both,268m:bcast_both", help="SIZE:MODE pairs not run at all")
+    parser.add_argument("--torch-skip", default="50k:full_get,50k:bcast_set,50k:bcast_both", help="SIZE:MODE pairs where torch is not run")
     parser.add_argument("--memory-sizes", default=None, help="sizes of the memory table (default: --sizes)")
     parser.add_argument("--memory-torch-skip", default="10k:full_get", help="SIZE:MODE pairs without torch in the memory table (beside --torch-skip)")
     parser.add_argument("--breakdown-sizes", default="10k,50k")

@@ -31,7 +31,10 @@ def keys_of(size: str) -> int:
     """Parameters (model keys; each also has three AdamW state values) of a size."""
     per_block, blocks, _ = SIZES[size]
     return per_block * blocks * 2
-MODES = ("get", "set", "full_get", "bcast_set", "flat_get", "flat_set", "dcp")
+# bcast_both: hyperdsd loads model and optimizer in one set_state_dict (one
+# manifest, one exchange); torch in two calls as in bcast_set (its
+# set_state_dict hangs in this mode when other ranks pass an empty model dict).
+MODES = ("get", "set", "full_get", "bcast_set", "bcast_both", "flat_get", "flat_set", "dcp")
 
 
 def _impl(name):
@@ -83,7 +86,7 @@ def _prepare(ctx, impl_name, mode, model, opt):
     if mode in ("set", "flat_set"):
         opts = _options(impl, flatten_optimizer_state_dict=(mode == "flat_set"))
         return impl.get_state_dict(model, opt, options=opts)
-    if mode == "bcast_set":
+    if mode in ("bcast_set", "bcast_both"):
         impl = _impl("hyperdsd")
         msd, osd = impl.get_state_dict(model, opt, options=_options(impl, full_state_dict=True, cpu_offload=True))
         return (msd, osd) if ctx.rank == 0 else ({}, {})
@@ -102,7 +105,11 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
         msd, osd = inputs
         opts = _options(impl, flatten_optimizer_state_dict=(mode == "flat_set"))
         impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=opts)
-    elif mode == "bcast_set":
+    elif mode == "bcast_both" and impl_name == "hyperdsd":
+        msd, osd = inputs
+        opts = _options(impl, full_state_dict=True, broadcast_from_rank0=True)
+        impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=opts)
+    elif mode in ("bcast_set", "bcast_both"):
         # Separate calls: torch's set_state_dict skips the model on ranks that pass
         # an empty model dict while rank 0 broadcasts it, and hangs.
         msd, osd = inputs
@@ -153,7 +160,7 @@ def _floor(ctx, mode: str, model, opt, buf) -> None:
         if 0 in dist.get_process_group_ranks(group):
             n = dist.get_world_size(group)
             dist.gather(buf, [torch.empty_like(buf) for _ in range(n)] if ctx.rank == 0 else None, group=group, group_dst=0)
-    elif mode == "bcast_set":
+    elif mode in ("bcast_set", "bcast_both"):
         dist.scatter(buf, [torch.empty_like(buf) for _ in range(ctx.world_size)] if ctx.rank == 0 else None, src=0)
     else:
         dist.all_reduce(flag)
@@ -166,7 +173,7 @@ def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float =
     it is not torch's op)."""
     model, opt = _build(ctx, size, mesh)
     ctx.cache["mesh"] = mesh
-    buf = _local_state(model, opt) if mode in ("full_get", "bcast_set") else None
+    buf = _local_state(model, opt) if mode in ("full_get", "bcast_set", "bcast_both") else None
     began = time.perf_counter()
     times = {"torch": [], "hyperdsd": [], "floor": []}
     orders = (("torch", "hyperdsd", "floor"), ("hyperdsd", "floor", "torch"), ("floor", "torch", "hyperdsd"))
