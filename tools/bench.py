@@ -21,7 +21,8 @@ time per key of the slowest rank, by category (cProfile shares scaled to the
 unprofiled CPU time). Then peak resident memory, per implementation in its
 own processes, in the full and broadcast modes.
 
-    python -m tools.bench                      # everything (about an hour on 2 shared cores)
+    python -m tools.bench                      # everything: hours on 2 shared cores (torch on the 10k and 50k models)
+    python -m tools.bench --reps 3 --budget 60 # fewer repetitions: still over an hour
     python -m tools.bench --sizes 4m --reps 3 --no-memory --no-breakdown
     python -m tools.bench --sizes 10k --modes get,set --no-memory --breakdown-sizes 10k
 
