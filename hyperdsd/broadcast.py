@@ -50,12 +50,6 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     return rebuild(state_dict, meta), fulls, problems
 
 
-def manifest_metas(manifest: Any) -> list[tuple]:
-    """(shape, dtype) of every TensorMeta in a manifest, by index."""
-    found = {leaf.index: (leaf.shape, leaf.dtype) for _, leaf in leaves(manifest) if isinstance(leaf, TensorMeta)}
-    return [found[i] for i in range(len(found))]
-
-
 def optimizer_names(manifest: Any) -> list[str]:
     """The FQN-like names in the root's optimizer dict, in an order every rank computes alike."""
     if not isinstance(manifest, dict):
@@ -73,9 +67,16 @@ def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None]
     """What this rank needs of each of the root's tensors, and who uses each."""
     needs: list[Need | None] = [None] * len(metas)
     users: dict[int, list[Prepared]] = {}
+    regions: dict[tuple, Need] = {}  # tensors of one layout and shape need the same region: computed once
     for p in prepared:
         i = p.meta.index
-        need = Need.of_layout(p.layout) if p.layout is not None and p.layout.simple else Need.whole(p.meta.shape)
+        if p.layout is not None and p.layout.simple:
+            key = (p.layout.mesh, p.layout.placements, tuple(p.layout.shape))
+            need = regions.get(key)
+            if need is None:
+                need = regions[key] = Need.of_layout(p.layout)
+        else:
+            need = Need.whole(p.meta.shape)
         if needs[i] is not None and needs[i] != need:
             need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
         needs[i] = need
@@ -129,13 +130,14 @@ class BroadcastLoad:
 
     def manifests(self) -> dict[str, Any]:
         """The root's dicts as manifests, on every rank (its tensors stay on the root)."""
-        manifest, problems = None, []
+        manifest, problems, metas = None, [], None
         if self.group.is_root:
             manifest, self.fulls, problems = describe(self.parts)
-        manifest, problems = collectives.broadcast_object((manifest, problems), self.group)
+            metas = [(tuple(t.shape), t.dtype) for t in self.fulls]  # sent along: no rank walks the manifest for them
+        manifest, problems, metas = collectives.broadcast_object((manifest, problems, metas), self.group)
         if self.group.is_root:
             self.problems = problems
-        self.metas = manifest_metas(manifest)
+        self.metas = metas
         model, optim = manifest.get("model"), manifest.get("optim")
         self.model_names = [k for k in model if isinstance(k, str)] if isinstance(model, dict) else []
         self.optim_names = optimizer_names(optim)

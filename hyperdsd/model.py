@@ -29,8 +29,18 @@ from .plan import (
 )
 
 
+_EXTRA_STATE = "_extra_state"  # the key suffix of a module's extra state, which is not detached
+
+
 def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -> dict[str, Any]:
-    sd = {index.canonical_key(k): v for k, v in model.state_dict().items()}
+    # As ``model.state_dict()``, whose per-tensor ``detach()`` goes through
+    # DTensor's dispatcher; the same detached DTensors made directly cost a
+    # third of that, a fifth of a sharded get on a model of small tensors.
+    raw = model.state_dict(keep_vars=True)
+    sd = {
+        index.canonical_key(k): _compat.detached(v) if isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE) else v
+        for k, v in raw.items()
+    }
     if ignore_frozen:
         for fqn in index.frozen_fqns():
             sd.pop(fqn, None)

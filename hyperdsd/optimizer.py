@@ -85,7 +85,8 @@ def _loaded(value: Any, existing: Any) -> Any:
     they fit (planned, or ``existing``) or made new; containers rebuilt
     around their loaded leaves; anything else copied."""
     if isinstance(value, Prepared):
-        existing = value.dest if value.dest is not None else existing
+        if value.dest is not None:  # planned to fit (checked when planned)
+            return copy_into(value.dest, value)
         return copy_into(existing, value) if fits(existing, value) else materialize(value)
     if is_container(value):
         return rebuild(value, lambda leaf, _path: _loaded(leaf, None))

@@ -22,7 +22,7 @@ from .placement import DTensorLayout
 from .tree import is_container, leaves
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorMeta:
     """Stands in for a tensor only the root holds (broadcast loads)."""
 
@@ -31,7 +31,7 @@ class TensorMeta:
     index: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Prepared:
     """One tensor as it will be loaded on this rank."""
 
@@ -79,7 +79,7 @@ class ModelLoadPlan:
         return [v for v in self.values.values() if isinstance(v, Prepared)]
 
 
-@dataclass
+@dataclass(slots=True)
 class ParamLoad:
     opt: torch.optim.Optimizer
     param: torch.Tensor

@@ -13,6 +13,7 @@ does not issue.
 
 from __future__ import annotations
 
+import functools
 import math
 from array import array
 from dataclasses import dataclass
@@ -46,8 +47,13 @@ class Need:
     def shape(self) -> list[int]:
         return [b - a for a, b in self.region]
 
-    def numel(self) -> int:
+    # Needs repeat (many tensors of one shape share a Need): computed once each.
+    @functools.cached_property
+    def size(self) -> int:
         return math.prod(b - a for a, b in self.region)
+
+    def numel(self) -> int:
+        return self.size
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
         return full[tuple(slice(a, b) for a, b in self.region)] if self.region else full
@@ -112,13 +118,20 @@ class Scatterer:
         direct = [i for i in range(len(self.metas)) if self.world > 1 and self._direct(i)]
         for i in direct:
             self._scatter_one(i)
+        skip = set(direct)
+        rest = [i for i in range(len(self.metas)) if i not in skip]
+        # Bytes of each rank's piece of each tensor (-1: not needed), computed
+        # once per rank: the bucket plan reads them for every tensor.
+        self.nbytes = [self._piece_sizes(r) for r in range(self.world)]
+        totals = [sum(aligned(n) for n in (self.nbytes[r][i] for i in rest) if n > 0) for r in range(self.world)]
+        if max(totals, default=0) <= self.limit:  # everything fits one bucket (small tensors, however many)
+            if rest:
+                self._scatter_bucket(rest)
+            return self.out
         bucket: list[int] = []
         sizes = [0] * self.world
-        skip = set(direct)
-        for i in range(len(self.metas)):
-            if i in skip:
-                continue
-            grow = [self._piece_bytes(i, r) for r in range(self.world)]
+        for i in rest:
+            grow = [aligned(max(self.nbytes[r][i], 0)) for r in range(self.world)]
             if bucket and max(s + g for s, g in zip(sizes, grow)) > self.limit:
                 self._scatter_bucket(bucket)
                 bucket, sizes = [], [0] * self.world
@@ -128,13 +141,16 @@ class Scatterer:
             self._scatter_bucket(bucket)
         return self.out
 
-    def _piece_bytes(self, i: int, r: int) -> int:
-        need = self.everyone[r][i]
-        return 0 if need is None else aligned(need.numel() * self.metas[i][1].itemsize)
+    def _piece_sizes(self, r: int) -> list[int]:
+        """Bytes of rank ``r``'s piece of every tensor; -1 where it needs none."""
+        needs = self.everyone[r]
+        return [-1 if (need := needs[i]) is None else need.numel() * dtype.itemsize for i, (_, dtype) in enumerate(self.metas)]
 
     def _direct(self, i: int) -> bool:
         """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
         shape, dtype = self.metas[i]
+        if math.prod(shape) * dtype.itemsize < DIRECT_BYTES:
+            return False  # no piece can be large: most tensors of a model with many parameters
         sizes = set()
         for needs in self.everyone:
             need = needs[i]
@@ -169,13 +185,7 @@ class Scatterer:
             return
         recv = torch.empty(width, dtype=torch.uint8, device=self.device)
         if self.me == 0:
-            sends = []
-            for r in range(self.world):
-                buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
-                for i, off, nbytes in plans[r][0]:
-                    piece = self.everyone[r][i].cut(self.fulls[i])
-                    buf[off : off + nbytes] = as_bytes(piece.to(self.device))
-                sends.append(buf)
+            sends = [self._pack(plans[r][0], r, width) for r in range(self.world)]
             if self.world > 1:
                 dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
             else:
@@ -186,14 +196,27 @@ class Scatterer:
             piece = from_bytes(recv[off : off + nbytes], self.metas[i][1], self.everyone[self.me][i].shape())
             self._deliver(i, piece, view=True)
 
+    def _pack(self, plan: list[tuple[int, int, int]], r: int, width: int) -> torch.Tensor:
+        """Rank ``r``'s buffer: its pieces at their offsets, zero padding between (one concatenation)."""
+        parts, end = [], 0
+        zeros = torch.zeros(aligned(1), dtype=torch.uint8, device=self.device)  # padding is shorter than this
+        for i, off, nbytes in plan:
+            if off > end:
+                parts.append(zeros[: off - end])
+            parts.append(as_bytes(self.everyone[r][i].cut(self.fulls[i]).to(self.device)))
+            end = off + nbytes
+        if width > end:
+            parts.append(torch.zeros(width - end, dtype=torch.uint8, device=self.device))
+        return torch.cat(parts) if parts else torch.zeros(width, dtype=torch.uint8, device=self.device)
+
     def _bucket_plan(self, bucket: list[int], r: int) -> tuple[list[tuple[int, int, int]], int]:
         """Where each piece rank ``r`` needs sits in its buffer, and the buffer's size."""
         off, parts = 0, []
+        sizes = self.nbytes[r]
         for i in bucket:
-            need = self.everyone[r][i]
-            if need is None:
+            nbytes = sizes[i]
+            if nbytes < 0:
                 continue
-            nbytes = need.numel() * self.metas[i][1].itemsize
             parts.append((i, off, nbytes))
             off += aligned(nbytes)
         return parts, off

@@ -66,6 +66,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def has_placeholders(entry: dict) -> bool:
+    if not _placeholders:  # no template alive in this process: the usual case, one check per entry
+        return False
     return any(id(t) in _placeholders for v in entry.values() for t in _tensors(v))
 
 
@@ -98,6 +100,8 @@ def unwritten_keys(entry: dict) -> tuple[set, bool]:
     ranks holding a non-empty shard of the same parameter can (the caller
     asks them, see ``collectives.agree``). Until then they count as written.
     """
+    if not has_placeholders(entry):
+        return set(), False  # nothing of a template's: every key counts as written
     unwritten, empty, plain = set(), set(), set()
     for k, v in entry.items():
         tensors = _tensors(v)

@@ -1,21 +1,36 @@
 """hyperdsd against torch.distributed.checkpoint.state_dict, side by side.
 
-Four CPU ranks on gloo, an FSDP2 model (fully_shard per layer) with AdamW
-state. For every mode both implementations run alternately in the same
-processes, several times; the table shows the medians (slowest rank) and the
-ratio hyperdsd / torch. Beside them, a floor measured in the same run: the
-least any implementation with hyperdsd's guarantees must do. For set and
-flat_set, torch's own op followed by one all-reduce of two flags (every
-hyperdsd set agrees across ranks so that bad input on one rank raises on all;
-torch's sharded set performs no collective and gives no such guarantee); for
-full_get, one gloo gather of every rank's state bytes into rank 0; for
-bcast_set, one gloo scatter of them from rank 0. The other modes have no
-such floor (get is local; dcp is dominated by DCP's own save and load).
-Peak resident memory is measured per implementation in its own processes, in
-the full and broadcast modes.
+Four CPU ranks on gloo, an FSDP2 model (fully_shard per block of layers)
+with AdamW state. For every mode both implementations run alternately in
+the same processes, several times; the table shows the medians (slowest
+rank) and the ratio hyperdsd / torch. Beside them, a floor measured in the
+same run: the least any implementation with hyperdsd's guarantees must do.
+For set and flat_set, torch's own op followed by one all-reduce of two flags
+(every hyperdsd set agrees across ranks so that bad input on one rank raises
+on all; torch's sharded set performs no collective and gives no such
+guarantee); for full_get, one gloo gather of every rank's state bytes into
+rank 0; for bcast_set, one gloo scatter of them from rank 0. The other modes
+have no such floor (get is local; dcp is dominated by DCP's own save and
+load). On the models with many small parameters (10k, 50k) the table adds
+hyperdsd's time per 1,000 keys (parameters; each also has three AdamW state
+values) and, for the modes whose target is relative to it, the ratio to
+hyperdsd's own sharded get.
 
-    python -m tools.bench                      # everything (about 45 minutes on 2 cores, most of it torch on the 10k model)
-    python -m tools.bench --sizes 4m --reps 3 --no-memory
+Then, unless ``--no-breakdown``, where a key's time goes: hyperdsd's CPU
+time per key of the slowest rank, by category (cProfile shares scaled to the
+unprofiled CPU time). Then peak resident memory, per implementation in its
+own processes, in the full and broadcast modes.
+
+    python -m tools.bench                      # everything: hours on 2 shared cores (torch on the 10k and 50k models)
+    python -m tools.bench --reps 3 --budget 60 # fewer repetitions: still over an hour
+    python -m tools.bench --sizes 4m --reps 3 --no-memory --no-breakdown
+    python -m tools.bench --sizes 10k --modes get,set --no-memory --breakdown-sizes 10k
+
+``--torch-skip SIZE:MODE,...`` leaves torch out where it takes many minutes
+per repetition (by default: full get and broadcast sets on the 50k model;
+``--skip`` leaves out DCP there and on the 268M model, and the joint
+broadcast set on the large models); memory runs skip torch there
+too, and ``--memory-torch-skip`` names more.
 
 Run from the repository root: the ranks import their work from ``tools.bench_tasks``.
 """
@@ -27,63 +42,136 @@ import os
 import statistics
 
 from tools import bench_tasks
-from tools.bench_tasks import MODES, SIZES
+from tools.bench_tasks import MODES
 
-FLOORED = ("set", "flat_set", "full_get", "bcast_set")
+FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both")
+MANY_KEYS = ("10k", "50k")
+RELATIVE_TO_GET = ("full_get", "bcast_set", "bcast_both")  # targets: at most 10x hyperdsd's own sharded get
+
+
+def _pairs(text: str) -> set[tuple[str, str]]:
+    return {tuple(item.split(":", 1)) for item in text.split(",") if ":" in item}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="4m,17m,67m,10k")
+    parser.add_argument("--sizes", default="4m,17m,67m,268m,10k,50k")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget", type=float, default=90.0, help="seconds per size and mode before repetitions stop early")
     parser.add_argument("--hsdp-sizes", default="4m,17m", help="sizes also run on a 2x2 mesh (full_get, bcast_set)")
+    parser.add_argument("--skip", default="50k:dcp,268m:dcp,67m:bcast_both,268m:bcast_both", help="SIZE:MODE pairs not run at all")
+    parser.add_argument("--torch-skip", default="50k:full_get,50k:bcast_set,50k:bcast_both", help="SIZE:MODE pairs where torch is not run")
+    parser.add_argument("--memory-sizes", default=None, help="sizes of the memory table (default: --sizes)")
+    parser.add_argument("--memory-torch-skip", default="10k:full_get", help="SIZE:MODE pairs without torch in the memory table (beside --torch-skip)")
+    parser.add_argument("--breakdown-sizes", default="10k,50k")
+    parser.add_argument("--breakdown-modes", default="get,set,full_get,bcast_set,flat_get,flat_set")
+    parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args()
+
+    import torch
 
     from hyperdsd.collectives import BUCKET_BYTES
     from hyperdsd.testing import PoolSet, Task
 
     sizes = [s for s in args.sizes.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
-    runs = [(s, m, "4") for s in sizes for m in modes]
+    skip, torch_skip = _pairs(args.skip), _pairs(args.torch_skip)
+    runs = [(s, m, "4") for s in sizes for m in modes if (s, m) not in skip]
     runs += [(s, m, "2x2") for s in args.hsdp_sizes.split(",") if s for m in ("full_get", "bcast_set")]
-    print(f"4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, {args.reps} repetitions per implementation, medians; "
+    print(f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, {args.reps} repetitions per implementation, medians; "
           f"hyperdsd bucket {BUCKET_BYTES / 2**20:.0f} MiB")
-    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10} {'hyperdsd/floor':>15} {'reps':>5}")
-    with PoolSet(gloo_timeout_s=600) as pools:
+    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10} {'hyperdsd/floor':>15} {'reps':>5}"
+          f" {'ms/1k keys':>11} {'x own get':>10}")
+    own_get: dict[str, float] = {}
+    with PoolSet(gloo_timeout_s=900) as pools:
         for size, mode, mesh in runs:
-            outcome = pools.run(4, Task(bench_tasks.time_mode, {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget}), 3600)
+            torch_too = (size, mode) not in torch_skip
+            task = Task(bench_tasks.time_mode, {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget, "torch_too": torch_too})
+            outcome = pools.run(4, task, 3600)
             if outcome.status != "passed":
-                print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}")
+                print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}", flush=True)
                 continue
             t = outcome.values[0]
-            a, b = statistics.median(t["torch"]), statistics.median(t["hyperdsd"])
-            if mode in FLOORED:
+            b = statistics.median(t["hyperdsd"])
+            if torch_too:
+                a = statistics.median(t["torch"])
+                theirs = f"{a:10.1f} {b:12.1f} {b / a:7.2f}"
+            else:
+                theirs = f"{'not run':>10} {b:12.1f} {'-':>7}"
+            if mode in FLOORED and t["floor"]:
                 floor = statistics.median(t["floor"])
                 floors = f"{floor:10.1f} {b / floor:15.2f}"
             else:
                 floors = f"{'-':>10} {'-':>15}"
-            print(f"{size:>5} {mesh:>4} {mode:>10} {a:10.1f} {b:12.1f} {b / a:7.2f} {floors} {len(t['torch']):5d}", flush=True)
-    if args.no_memory:
-        return
+            extra = ""
+            if size in MANY_KEYS and mesh == "4":
+                if mode == "get":
+                    own_get[size] = b
+                relative = f"{b / own_get[size]:10.1f}" if mode in RELATIVE_TO_GET and size in own_get else f"{'':>10}"
+                extra = f" {b / bench_tasks.keys_of(size) * 1000:11.1f} {relative}"
+            print(f"{size:>5} {mesh:>4} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
+        if not args.no_breakdown:
+            _breakdown(pools, [s for s in args.breakdown_sizes.split(",") if s], [m for m in args.breakdown_modes.split(",") if m])
+    if not args.no_memory:
+        memory_sizes = [s for s in (args.memory_sizes or args.sizes).split(",") if s]
+        _memory(memory_sizes, args.hsdp_sizes.split(","), torch_skip | _pairs(args.memory_torch_skip))
+
+
+def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
+    from hyperdsd.testing import Task
+
+    print("\nwhere a key's time goes: hyperdsd's CPU time per key (us), slowest rank; cProfile shares scaled to the unprofiled CPU time")
+    for size in sizes:
+        keys = bench_tasks.keys_of(size)
+        columns: dict[str, dict[str, float]] = {}
+        for mode in modes:
+            outcome = pools.run(4, Task(bench_tasks.breakdown, {"size": size, "mode": mode}), 3600)
+            if outcome.status != "passed":
+                print(f"{size} {mode}: failed: {outcome.describe()[:300]}")
+                continue
+            slowest = max(outcome.values, key=lambda v: v["cpu_s"])
+            profiled = sum(slowest["profiled"].values()) or 1.0
+            scale = slowest["cpu_s"] / profiled
+            columns[mode] = {cat: sec * scale / keys * 1e6 for cat, sec in slowest["profiled"].items()}
+            columns[mode]["total"] = slowest["cpu_s"] / keys * 1e6
+        if not columns:
+            continue
+        cats = [name for name, _ in bench_tasks.CATEGORIES] + ["other (benchmark, Python)"]
+        print(f"\n{size} ({keys} keys) {'':>28}" + "".join(f"{m:>10}" for m in columns))
+        for cat in cats + ["total"]:
+            if cat != "total" and not any(col.get(cat, 0.0) >= 0.05 for col in columns.values()):
+                continue
+            print(f"  {cat:<40}" + "".join(f"{col.get(cat, 0.0):10.1f}" for col in columns.values()), flush=True)
+
+
+def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, str]]) -> None:
+    from hyperdsd.testing import PoolSet, Task
+
     print("\npeak resident memory above the baseline during one op, MiB per rank (own processes per implementation)")
-    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)")
+    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)  KiB per key, non-root ranks")
     for size in sizes:
         for mesh in ("4", "2x2"):
-            if mesh == "2x2" and size not in args.hsdp_sizes.split(","):
+            if mesh == "2x2" and size not in hsdp_sizes:
                 continue
             for mode in ("full_get", "bcast_set"):
                 for impl in ("torch", "hyperdsd"):
-                    with PoolSet(gloo_timeout_s=600) as pools:
+                    if impl == "torch" and (size, mode) in torch_skip:
+                        print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  not run", flush=True)
+                        continue
+                    with PoolSet(gloo_timeout_s=900) as pools:
                         outcome = pools.run(4, Task(bench_tasks.memory, {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
                     if outcome.status != "passed":
-                        print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}")
+                        print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}", flush=True)
                         continue
                     peaks = " / ".join(f"{v['peak_above_base_mib']:6.1f}" for v in outcome.values)
                     own = outcome.values[1]["own_state_mib"]
-                    print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  {peaks}   ({own:.1f})", flush=True)
+                    per_key = ""
+                    if size in MANY_KEYS:
+                        worst = max(v["peak_above_base_mib"] for v in outcome.values[1:])
+                        per_key = f"  {worst * 1024 / bench_tasks.keys_of(size):6.2f}"
+                    print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  {peaks}   ({own:.1f}){per_key}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,26 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-SIZES = {  # name -> (layers, blocks of layers, width): about 4M, 17M, 67M params, and 10,000 small ones
+SIZES = {  # name -> (layers, blocks of layers, width): about 4M, 17M, 67M, 268M params; 10,000 and 50,000 small ones
     "4m": (4, 1, 1024),
     "17m": (4, 1, 2048),
     "67m": (4, 1, 4096),
-    "10k": (50, 100, 4),
+    "268m": (4, 1, 8192),
+    "10k": (50, 100, 4),  # 100 FSDP units of 50 Linear(4, 4): 10,000 parameters
+    "50k": (50, 500, 4),  # 500 units of 50: 50,000 parameters
 }
-MODES = ("get", "set", "full_get", "bcast_set", "flat_get", "flat_set", "dcp")
+# Built on the meta device and materialised after sharding: a rank never holds the whole model.
+ON_META = ("268m",)
+
+
+def keys_of(size: str) -> int:
+    """Parameters (model keys; each also has three AdamW state values) of a size."""
+    per_block, blocks, _ = SIZES[size]
+    return per_block * blocks * 2
+# bcast_both: hyperdsd loads model and optimizer in one set_state_dict (one
+# manifest, one exchange); torch in two calls as in bcast_set (its
+# set_state_dict hangs in this mode when other ranks pass an empty model dict).
+MODES = ("get", "set", "full_get", "bcast_set", "bcast_both", "flat_get", "flat_set", "dcp")
 
 
 def _impl(name):
@@ -41,11 +54,17 @@ def _build(ctx, size: str, mesh: str):
         gc.collect()
         per_block, blocks, width = SIZES[size]
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width) for _ in range(per_block)]) for _ in range(blocks)])
+        with torch.device("meta" if size in ON_META else "cpu"):
+            model = nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width) for _ in range(per_block)]) for _ in range(blocks)])
         m = ctx.mesh(mesh)
         for block in model:
             fully_shard(block, mesh=m)
         fully_shard(model, mesh=m)
+        if size in ON_META:
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, 0.01)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(2, width)).sum().backward()
         opt.step()
@@ -59,12 +78,16 @@ def _options(impl, **fields):
 
 
 def _prepare(ctx, impl_name, mode, model, opt):
-    """Inputs for a set: what the same implementation's get returns (not timed)."""
+    """Inputs for a set (not timed): what the same implementation's get
+    returns; for a broadcast load, hyperdsd's full get for both (the same
+    dicts of full CPU tensors; torch's full get takes minutes on the models
+    with many parameters)."""
     impl = _impl(impl_name)
     if mode in ("set", "flat_set"):
         opts = _options(impl, flatten_optimizer_state_dict=(mode == "flat_set"))
         return impl.get_state_dict(model, opt, options=opts)
-    if mode == "bcast_set":
+    if mode in ("bcast_set", "bcast_both"):
+        impl = _impl("hyperdsd")
         msd, osd = impl.get_state_dict(model, opt, options=_options(impl, full_state_dict=True, cpu_offload=True))
         return (msd, osd) if ctx.rank == 0 else ({}, {})
     return None
@@ -82,7 +105,11 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
         msd, osd = inputs
         opts = _options(impl, flatten_optimizer_state_dict=(mode == "flat_set"))
         impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=opts)
-    elif mode == "bcast_set":
+    elif mode == "bcast_both" and impl_name == "hyperdsd":
+        msd, osd = inputs
+        opts = _options(impl, full_state_dict=True, broadcast_from_rank0=True)
+        impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=opts)
+    elif mode in ("bcast_set", "bcast_both"):
         # Separate calls: torch's set_state_dict skips the model on ranks that pass
         # an empty model dict while rank 0 broadcasts it, and hangs.
         msd, osd = inputs
@@ -98,7 +125,11 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
         msd, osd = impl.get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=box[0])
         msd, osd = impl.get_state_dict(model, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=box[0], planner=DefaultLoadPlanner(allow_partial_load=True))
+        # What each implementation's users pass: hyperdsd's planner (required
+        # keys as DCP's default, lazy optimizer state allowed); DCP's default
+        # planner for torch, whose flow needs nothing more here.
+        planner = DefaultLoadPlanner() if impl_name == "torch" else impl.checkpoint.LoadPlanner()
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=box[0], planner=planner)
         impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
         dist.barrier()
         if ctx.rank == 0:
@@ -129,18 +160,20 @@ def _floor(ctx, mode: str, model, opt, buf) -> None:
         if 0 in dist.get_process_group_ranks(group):
             n = dist.get_world_size(group)
             dist.gather(buf, [torch.empty_like(buf) for _ in range(n)] if ctx.rank == 0 else None, group=group, group_dst=0)
-    elif mode == "bcast_set":
+    elif mode in ("bcast_set", "bcast_both"):
         dist.scatter(buf, [torch.empty_like(buf) for _ in range(ctx.world_size)] if ctx.rank == 0 else None, src=0)
     else:
         dist.all_reduce(flag)
 
 
-def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0):
+def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0, torch_too: bool = True):
     """Alternate the two implementations and the floor, ``reps`` times each,
-    or fewer once ``budget_s`` is spent (one each at least); slowest rank's ms."""
+    or fewer once ``budget_s`` is spent (one each at least); slowest rank's ms.
+    Without ``torch_too`` torch's op is not run (the floor still is, where
+    it is not torch's op)."""
     model, opt = _build(ctx, size, mesh)
     ctx.cache["mesh"] = mesh
-    buf = _local_state(model, opt) if mode in ("full_get", "bcast_set") else None
+    buf = _local_state(model, opt) if mode in ("full_get", "bcast_set", "bcast_both") else None
     began = time.perf_counter()
     times = {"torch": [], "hyperdsd": [], "floor": []}
     orders = (("torch", "hyperdsd", "floor"), ("hyperdsd", "floor", "torch"), ("floor", "torch", "hyperdsd"))
@@ -150,6 +183,8 @@ def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float =
         if r > 0 and spent.item() > budget_s:
             break
         for name in orders[r % 3]:
+            if not torch_too and (name == "torch" or (name == "floor" and mode in ("set", "flat_set"))):
+                continue
             inputs = _prepare(ctx, "torch" if name == "floor" else name, mode, model, opt)
             ctx.cache["floor_inputs"] = inputs
             dist.barrier()
@@ -204,3 +239,75 @@ def memory(ctx, impl: str, size: str, mode: str, mesh: str):
     _op(ctx, impl, mode, model, opt, inputs)
     peak = _status_kb("VmHWM")
     return {"rank": ctx.rank, "peak_above_base_mib": (peak - base) / 1024, "own_state_mib": _state_bytes(model, opt) / 2**20}
+
+
+
+# -- where a key's time goes -------------------------------------------------
+
+# Categories of the per-key breakdown, by the file (and for applying, the
+# function) a profiled function lives in. Built-in functions and torch's C
+# methods count in their caller's category.
+CATEGORIES = (
+    ("FQN index", ("hyperdsd/fqn.py",)),
+    ("module/optimizer state_dict() (torch)", ("torch/nn/modules/module.py", "torch/optim/", "torch/distributed/fsdp/", "torch/utils/hooks")),
+    ("checks (validation)", ("hyperdsd/model.py", "hyperdsd/optimizer_plan.py", "hyperdsd/optimizer_source.py", "hyperdsd/templates.py", "hyperdsd/api.py")),
+    ("plan objects (Prepared, layouts)", ("hyperdsd/plan.py", "hyperdsd/placement.py")),
+    ("reading state (get)", ("hyperdsd/optimizer.py",)),
+    ("applying (copies, new state)", ()),
+    ("DTensor dispatch and construction", ("torch/distributed/tensor/", "torch/_dynamo", "torch/_compile", "torch/_ops", "torch/_library")),
+    ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
+    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/flatten.py")),
+    ("buckets: packing, regions", ("hyperdsd/scatter.py", "hyperdsd/gather.py", "hyperdsd/distribute.py", "hyperdsd/broadcast.py", "hyperdsd/collectives.py")),
+    ("object collectives (pickle)", ("object", "pickle")),
+    ("tensor collectives (waiting included)", ("torch/distributed/", "~:wait")),
+)
+_READ = {"read_state", "_entry_copy", "_own", "_param_fqn", "_same", "offload", "_to_cpu"}
+_APPLY = {"apply_load", "_loaded", "copy_into", "materialize", "receive", "redistribute", "_run_post_hooks"}
+
+
+def _category(path: str, fn: str) -> str:
+    if fn in _APPLY:
+        return "applying (copies, new state)"
+    if fn in _READ:
+        return "reading state (get)"
+    if "object" in fn or "pickle" in path or "pickle" in fn:
+        return "object collectives (pickle)"
+    for name, marks in CATEGORIES:
+        if any(m in path for m in marks if m not in ("object", "pickle", "~:wait")):
+            return name
+    if path == "~" and fn.endswith("wait>"):
+        return "tensor collectives (waiting included)"
+    return "other (benchmark, Python)"
+
+
+def breakdown(ctx, size: str, mode: str, mesh: str = "4"):
+    """hyperdsd's CPU time for one op on this rank (unprofiled) and its
+    profiled CPU time by category (seconds), built-ins counted in their
+    caller's category."""
+    import cProfile
+    import pstats
+
+    model, opt = _build(ctx, size, mesh)
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    _op(ctx, "hyperdsd", mode, model, opt, inputs)  # warm up
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    dist.barrier()
+    start = time.process_time()
+    _op(ctx, "hyperdsd", mode, model, opt, inputs)
+    cpu = time.process_time() - start
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    dist.barrier()
+    prof = cProfile.Profile(time.process_time)  # CPU time: the machine is shared
+    prof.enable()
+    _op(ctx, "hyperdsd", mode, model, opt, inputs)
+    prof.disable()
+    by_cat: dict[str, float] = {}
+    for (path, _, fn), (_, _, tt, _, callers) in pstats.Stats(prof).stats.items():
+        if path == "~" and callers and not fn.endswith("wait>"):
+            for (cpath, _, cfn), edge in callers.items():  # a built-in: its callers' categories, by share
+                cat = _category(cpath, cfn)
+                by_cat[cat] = by_cat.get(cat, 0.0) + edge[2]
+        else:
+            cat = _category(path, fn)
+            by_cat[cat] = by_cat.get(cat, 0.0) + tt
+    return {"rank": ctx.rank, "cpu_s": cpu, "profiled": by_cat}

@@ -207,8 +207,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-template-fields-untracked", "api.py",
-        "                templates.track_template_fields(nested, anchor)",
-        "                pass",
+        "            templates.track_template_fields(nested, anchor)",
+        "            pass",
         "a flat template's own group fields count as loaded (a DCP load that did not cover them lists them)",
         ("OPT-PART-1[pp2xfsdp2-dcp-strict_same_hparams]",),
     ),
