@@ -38,3 +38,39 @@ def test_no_entry_covers_a_clause_torch_passes(path):
     for passing in PASSED_BY_TORCH:
         covered = [c.id for c in all_cases() if c.id.startswith(passing) and xfails.match(c.id)]
         assert covered == [], covered
+
+
+def _report(tmp_path, cases):
+    import json
+
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"cases": cases}))
+    return str(path)
+
+
+def _case(case_id, clause, layout, status, message=""):
+    return {"id": case_id, "clause": clause, "layout": layout, "status": status, "message": message}
+
+
+def test_trace_known_writes_a_section_per_cause_and_refuses_an_untraced_failure(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from tools import trace_known
+
+    cases = [
+        _case("OPT-DT-3[single-adamw-sharded]", "OPT-DT-3", "single", "failed", "rank 0 raised CheckFailure: dtype"),
+        _case("OPT-DT-3[single-adamw-full]", "OPT-DT-3", "single", "failed", "rank 0 raised CheckFailure: dtype"),
+        _case("OPT-DT-3[fsdp2-adamw-sharded]", "OPT-DT-3", "fsdp2", "passed"),
+        _case("OPT-KEYS-1[single-adamw-sharded]", "OPT-KEYS-1", "single", "passed"),
+    ]
+    monkeypatch.setattr(sys, "argv", ["trace_known", _report(tmp_path, cases), "--torch", "9.9.0"])
+    assert trace_known.main() == 0
+    out = capsys.readouterr().out
+    assert "## state cast to the parameter's dtype (2 cases)" in out
+    # The failing cases share a layout no passing case has: one prefix covers both, and nothing else.
+    assert "\nOPT-DT-3[single-  # state cast" in out and "OPT-DT-3[fsdp2" not in out
+
+    cases.append(_case("OPT-KEYS-1[fsdp2-adamw-sharded]", "OPT-KEYS-1", "fsdp2", "failed", "rank 1 raised ValueError: something new"))
+    monkeypatch.setattr(sys, "argv", ["trace_known", _report(tmp_path, cases), "--torch", "9.9.0"])
+    assert trace_known.main() == 1
+    assert "OPT-KEYS-1[fsdp2-adamw-sharded]" in capsys.readouterr().err
