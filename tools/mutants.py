@@ -98,9 +98,11 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- set: in place, dtypes, DTensors -----------------------------------------
     Mutant(
         "set-replaces-state-tensors", "optimizer.py",
+        "        if value.dest is not None:  # planned to fit (checked when planned)\n"
+        "            return copy_into(value.dest, value)\n"
         "        return copy_into(existing, value) if fits(existing, value) else materialize(value)",
         "        return materialize(value)",
-        "set replaces existing state tensors instead of copying into them",
+        "set replaces existing state tensors instead of copying into them (planned fits included)",
         ("OPT-DT-4[single-adamw-sharded]",),
     ),
     Mutant(
