@@ -19,12 +19,10 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from conformance.adapters import MODES
 from conformance.deviations import signature
 
 PIPELINE = ("pp2", "pp2xfsdp2")
-
-
-MODES = ("sharded", "full", "full_cpu", "bcast", "flat", "dcp", "file")
 
 
 def _mode(case_id: str) -> str:
