@@ -33,10 +33,16 @@ from .scatter import Metas, Need, PackedNeeds, scatter_from_root
 from .tree import leaves, rebuild, where
 
 
-def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
-    """The root's dict with each tensor replaced by a :class:`TensorMeta`."""
+def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[tuple], list[str]]:
+    """The root's dict with each tensor replaced by a :class:`TensorMeta`;
+    the tensors; their ``(shape, dtype)`` in index order; problems."""
     fulls: list[torch.Tensor] = []
+    metas: list[tuple] = []
     problems: list[str] = []
+    # One object per distinct shape and per distinct (shape, dtype): pickle
+    # sends a shared object once, so every rank unpickles a handful instead
+    # of one per tensor.
+    shared: dict[tuple, tuple] = {}
 
     def meta(leaf: Any, path: tuple) -> Any:
         if isinstance(leaf, DTensor):
@@ -44,10 +50,14 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
             return None
         if isinstance(leaf, torch.Tensor):
             fulls.append(leaf)
-            return TensorMeta(tuple(leaf.shape), leaf.dtype, len(fulls) - 1)
+            shape = tuple(leaf.shape)
+            shape = shared.setdefault(shape, shape)
+            pair = (shape, leaf.dtype)
+            metas.append(shared.setdefault(pair, pair))
+            return TensorMeta(shape, leaf.dtype, len(fulls) - 1)
         return leaf
 
-    return rebuild(state_dict, meta), fulls, problems
+    return rebuild(state_dict, meta), fulls, metas, problems
 
 
 def optimizer_names(manifest: Any) -> list[str]:
@@ -63,10 +73,21 @@ def optimizer_names(manifest: Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None], dict[int, list[Prepared]]]:
+# Who uses each of the root's tensors: mostly one Prepared, kept as itself;
+# a tuple only for a tensor loaded into several places. A list per tensor
+# was the largest plan object a rank held in a load of many small tensors.
+Users = list  # [None | Prepared | tuple[Prepared, ...]] by the root's tensor index
+
+
+def users_of(users: Users, i: int) -> tuple[Prepared, ...]:
+    u = users[i]
+    return () if u is None else u if type(u) is tuple else (u,)
+
+
+def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None], Users]:
     """What this rank needs of each of the root's tensors, and who uses each."""
     needs: list[Need | None] = [None] * len(metas)
-    users: dict[int, list[Prepared]] = {}
+    users: Users = [None] * len(metas)
     regions: dict[tuple, Need] = {}  # tensors of one layout and shape need the same region: computed once
     for p in prepared:
         i = p.meta.index
@@ -76,15 +97,18 @@ def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None]
             if need is None:
                 need = regions[key] = Need.of_layout(p.layout)
         else:
-            need = Need.whole(p.meta.shape)
+            key = ("whole", p.meta.shape)
+            need = regions.get(key)
+            if need is None:
+                need = regions[key] = Need.whole(p.meta.shape)
         if needs[i] is not None and needs[i] != need:
             need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
         needs[i] = need
-        users.setdefault(i, []).append(p)
+        users[i] = p if users[i] is None else users_of(users, i) + (p,)
     return needs, users
 
 
-def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: list[torch.Tensor] | None,
+def deliver(needs: list[Need | None], users: Users, fulls: list[torch.Tensor] | None,
             metas: Metas, device: torch.device, everyone_needs: list | None = None, group: Group | None = None) -> None:
     """Give each Prepared this rank's piece of the root's tensor, as it arrives.
 
@@ -98,16 +122,16 @@ def deliver(needs: list[Need | None], users: dict[int, list[Prepared]], fulls: l
 
     def receive(i: int, piece: torch.Tensor) -> None:
         whole = needs[i] == Need.whole(metas[i][0])
-        for p in users[i]:
+        for p in users_of(users, i):
             mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece
             p.receive(mine)
 
     def target_for(i: int) -> torch.Tensor | None:
         """Where a large piece can be received in place: its one user's destination."""
-        ps = users.get(i, [])
-        if len(ps) != 1 or ps[0].dest is None:
+        u = users[i]
+        if type(u) is not Prepared or u.dest is None:
             return None
-        return _compat.local_tensor(ps[0].dest)
+        return _compat.local_tensor(u.dest)
 
     scatter_from_root(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group)
 
@@ -132,8 +156,7 @@ class BroadcastLoad:
         """The root's dicts as manifests, on every rank (its tensors stay on the root)."""
         manifest, problems, metas = None, [], None
         if self.group.is_root:
-            manifest, self.fulls, problems = describe(self.parts)
-            metas = [(tuple(t.shape), t.dtype) for t in self.fulls]  # sent along: no rank walks the manifest for them
+            manifest, self.fulls, metas, problems = describe(self.parts)  # metas sent along: no rank walks the manifest for them
         manifest, problems, metas = collectives.broadcast_object((manifest, problems, metas), self.group)
         if self.group.is_root:
             self.problems = problems

@@ -9,8 +9,6 @@ so that every lookup after is a dict access.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 import torch.nn as nn
 
@@ -44,34 +42,40 @@ class ModelIndex:
         self.modifiers_attr = modifiers_attr
         self.fqn_of: dict[nn.Parameter, str] = {}  # first canonical name
         self.param_of: dict[str, nn.Parameter] = {}  # every canonical name
-        self.aliases: dict[nn.Parameter, list[str]] = {}
+        self.aliases: dict[nn.Parameter, list[str]] = {}  # every name of a parameter that has several
         self._module_paths: dict[str, tuple[nn.Module, str]] = {"": (model, "")}
-        for module, raw, canon in self._walk(model, "", ""):
+        fqn_of, aliases, param_of = self.fqn_of, self.aliases, self.param_of
+        # Depth first, parents before children, children in registration
+        # order: a tied parameter's first name is the one state_dict() lists
+        # first. An explicit stack: thousands of modules through nested
+        # generators cost more than the rest of the index.
+        stack = [(model, "", "")]
+        while stack:
+            module, raw, canon = stack.pop()
             if _compat.is_fsdp1(module):
                 raise StateDictError(
-                    f"module {raw or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1); "
+                    f"module {raw[:-1] or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1); "
                     "hyperdsd supports fully_shard (FSDP2) models"
                 )
             for name, param in _compat.own_parameters(module).items():
                 if param is None:
                     continue
                 fqn = f"{canon}{name}"
-                if param not in self.fqn_of:
-                    self.fqn_of[param] = fqn
-                    self.aliases[param] = []
-                self.aliases[param].append(fqn)
-                self.param_of[fqn] = param
-
-    def _walk(self, module: nn.Module, raw: str, canon: str) -> Iterator[tuple[nn.Module, str, str]]:
-        yield module, raw, canon
-        hidden = _hidden_children(module, self.modifiers_attr)
-        for name, child in _compat.child_modules(module).items():
-            if child is None:
+                first = fqn_of.setdefault(param, fqn)
+                if first is not fqn:  # tied: a second name
+                    aliases.setdefault(param, [first]).append(fqn)
+                param_of[fqn] = param
+            children = _compat.child_modules(module)
+            if not children:
                 continue
-            child_raw = f"{raw}{name}."
-            child_canon = canon if name in hidden else f"{canon}{name}."
-            self._module_paths[child_raw[:-1]] = (child, child_canon[:-1])
-            yield from self._walk(child, child_raw, child_canon)
+            hidden = _hidden_children(module, modifiers_attr)
+            for name, child in reversed(children.items()):
+                if child is None:
+                    continue
+                child_raw = f"{raw}{name}"
+                child_canon = canon[:-1] if name in hidden else f"{canon}{name}"
+                self._module_paths[child_raw] = (child, child_canon)
+                stack.append((child, f"{child_raw}.", f"{child_canon}." if child_canon else ""))
 
     def canonical_key(self, key: str) -> str:
         """The canonical form of a ``model.state_dict()`` key.
@@ -82,7 +86,12 @@ class ModelIndex:
         whose wrapped child was already dropped is stepped through.
         """
         path, _, leaf = key.rpartition(".")
-        return f"{self._canonical_path(path)}{leaf}" if path else leaf
+        if not path:
+            return key
+        hit = self._module_paths.get(path)
+        if hit is not None and hit[1] == path:
+            return key  # no wrapper on the way: the key is canonical already
+        return f"{self._canonical_path(path)}{leaf}"
 
     def _canonical_path(self, path: str) -> str:
         """Canonical module path with a trailing dot, memoised per path."""
@@ -110,7 +119,7 @@ class ModelIndex:
         return f"{child_canon}." if child_canon else ""
 
     def frozen_fqns(self) -> set[str]:
-        return {fqn for p, names in self.aliases.items() if not p.requires_grad for fqn in names}
+        return {fqn for fqn, p in self.param_of.items() if not p.requires_grad}
 
     def canonical(self, fqn: str) -> str | None:
         """The first canonical name of the parameter ``fqn`` names (any alias)."""

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compat
 from .fqn import ModelIndex
-from .placement import DTensorLayout
+from .placement import LayoutCache
 from .plan import (
     ModelLoadPlan,
     Prepared,
@@ -47,7 +47,7 @@ def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -
     return sd
 
 
-def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str]) -> Prepared | None:
+def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str], layouts: LayoutCache) -> Prepared | None:
     """Check one value against the model's tensor; return what to load."""
     if not is_tensorish(value):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
@@ -65,7 +65,7 @@ def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str]) 
     device = _compat.local_tensor(target).device
     if isinstance(value, DTensor):
         return from_dtensor(value, target, device)
-    return from_full(value, device, DTensorLayout.of(target) if isinstance(target, DTensor) else None)
+    return from_full(value, device, layouts.of(target) if isinstance(target, DTensor) else None)
 
 
 def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
@@ -84,6 +84,7 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
     targets = model.state_dict(keep_vars=True)
     raw_of = {index.canonical_key(k): k for k in targets}
     matched: set[str] = set()
+    layouts = LayoutCache()
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
         if canon not in raw_of:
@@ -94,7 +95,7 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
         plan.claimed.add(key)
         target = targets[raw]
         if isinstance(target, torch.Tensor):
-            prepared = _prepare(value, target, f"model[{canon!r}]", problems)
+            prepared = _prepare(value, target, f"model[{canon!r}]", problems, layouts)
             if prepared is None:
                 continue
             if target.device.type == "meta":

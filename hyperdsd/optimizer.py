@@ -33,7 +33,7 @@ def _own(value: Any) -> Any:
 def _entry_copy(entry: dict) -> dict:
     """A new state entry whose containers (nested dicts and lists) are new too;
     tensors and other leaves are the optimizer's own."""
-    return {k: rebuild(v, _same) if is_container(v) else v for k, v in entry.items()}
+    return {k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same) for k, v in entry.items()}
 
 
 def _same(leaf: Any, _path: tuple) -> Any:
@@ -63,20 +63,17 @@ def read_state(index: ModelIndex, optimizers) -> dict:
     for opt in optimizers:
         template = template_state(opt) if not opt.state else {}
         sd = opt.state_dict()  # runs the optimizer's own state-dict hooks
-        by_id: dict[Any, torch.Tensor] = {}
+        stored = sd[STATE]  # keyed by the packed ids of sd's groups: ints, cheap to hash
         for g_sd, group in zip(sd[GROUPS], opt.param_groups):
             fqns = []
             for pi, (pid, p) in enumerate(zip(g_sd["params"], group["params"])):
-                by_id[pid] = p
-                fqns.append(_param_fqn(index, p, gi, pi))
+                fqn = _param_fqn(index, p, gi, pi)
+                fqns.append(fqn)
+                entry = stored.get(pid) or (template.get(p) if template else None)
+                if entry:
+                    state[fqn] = _entry_copy(entry)
             groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns})
             gi += 1
-        stored = {by_id[k]: v for k, v in sd[STATE].items() if k in by_id}
-        for group in opt.param_groups:
-            for p in group["params"]:
-                entry = stored.get(p) or template.get(p)
-                if entry:
-                    state[index.fqn_of[p]] = _entry_copy(entry)
     return {STATE: state, GROUPS: groups}
 
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from . import _compat
 from .fqn import ModelIndex
 from .optimizer_source import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placement import DTensorLayout
+from .placement import LayoutCache
 from .plan import (
     OptimizerLoadPlan,
     ParamLoad,
@@ -108,6 +108,7 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
                  by_name: dict[str, dict], strict: bool, problems: list[str]) -> None:
     """A :class:`ParamLoad` for every parameter the checkpoint lists; group fields to set."""
     expectations = {id(opt): _Expectations(opt) for opt in plan.optimizers}
+    layouts = LayoutCache()
     for target, src in zip(targets, source.matched):
         if src is not None:
             plan.groups.append((target.group, {k: v for k, v in src.fields.items() if k not in _STRUCTURAL}))
@@ -129,7 +130,7 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
                 if lacking:
                     problems.append(f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})")
             prepared = {
-                key: _prepare(value, p, key, target.group, expected.get(key) if expected else None, f"state[{fqn!r}][{key!r}]", problems)
+                key: _prepare(value, p, key, target.group, expected.get(key) if expected else None, f"state[{fqn!r}][{key!r}]", problems, layouts)
                 for key, value in written.items()
             }
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
@@ -141,7 +142,7 @@ def _target_device(p, key: str, group: dict, value) -> torch.device:
     return _compat.local_tensor(p).device
 
 
-def _prepare(value, p, key: str, group: dict, exp, where: str, problems: list[str]):
+def _prepare(value, p, key: str, group: dict, exp, where: str, problems: list[str], layouts: LayoutCache):
     """Check one state value against its parameter and ``exp``, what the
     optimizer keeps (or would create) under ``key``; return what to load.
 
@@ -153,17 +154,17 @@ def _prepare(value, p, key: str, group: dict, exp, where: str, problems: list[st
         return None
     if type(value) is dict:
         mine = exp if isinstance(exp, dict) else {}
-        return {k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems) for k, v in value.items()}
+        return {k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems, layouts) for k, v in value.items()}
     if type(value) in (list, tuple):
         mine = exp if isinstance(exp, (list, tuple)) and len(exp) == len(value) else [None] * len(value)
-        return type(value)(_prepare(v, p, key, group, e, f"{where}[{i}]", problems) for i, (v, e) in enumerate(zip(value, mine)))
-    prepared = _prepare_leaf(value, p, key, group, exp, where, problems)
+        return type(value)(_prepare(v, p, key, group, e, f"{where}[{i}]", problems, layouts) for i, (v, e) in enumerate(zip(value, mine)))
+    prepared = _prepare_leaf(value, p, key, group, exp, where, problems, layouts)
     if isinstance(prepared, Prepared) and fits(exp, prepared):
         prepared.dest = exp  # loaded in place into the state tensor it replaces
     return prepared
 
 
-def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: list[str]):
+def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: list[str], layouts: LayoutCache):
     if not is_tensorish(value):
         if isinstance(exp, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
@@ -189,4 +190,4 @@ def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: li
         return from_dtensor(value, p, device)
     # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
     sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
-    return from_full(value, device, DTensorLayout.of(p).with_shape(p.shape) if sharded else None)
+    return from_full(value, device, layouts.of(p, contiguous=True) if sharded else None)

@@ -82,6 +82,31 @@ class DTensorLayout:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
 
 
+class LayoutCache:
+    """One :class:`DTensorLayout` per distinct layout among a plan's tensors.
+
+    A plan of tens of thousands of small tensors has a handful of distinct
+    layouts; an object (two, for state) per tensor was a fifth of what a
+    rank holds while it plans a load. Keyed by the tensor's ``id`` first
+    (the tensors outlive the plan), then by value.
+    """
+
+    def __init__(self):
+        self._by_tensor: dict[tuple[int, bool], DTensorLayout] = {}
+        self._distinct: dict[DTensorLayout, DTensorLayout] = {}
+
+    def of(self, t: DTensor, contiguous: bool = False) -> DTensorLayout:
+        """``DTensorLayout.of(t)``; with ``contiguous``, with a contiguous stride."""
+        key = (id(t), contiguous)
+        layout = self._by_tensor.get(key)
+        if layout is None:
+            layout = DTensorLayout.of(t)
+            if contiguous:
+                layout = layout.with_shape(t.shape)
+            layout = self._by_tensor[key] = self._distinct.setdefault(layout, layout)
+        return layout
+
+
 def _contiguous_stride(shape) -> tuple:
     """torch's stride for a contiguous tensor of ``shape`` (empty dims count as 1)."""
     return tuple(math.prod(max(n, 1) for n in shape[d + 1 :]) for d in range(len(shape)))

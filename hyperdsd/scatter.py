@@ -17,7 +17,7 @@ import functools
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,8 @@ class Scatterer:
         for i in direct:
             self._scatter_one(i)
         skip = set(direct)
-        rest = [i for i in range(len(self.metas)) if i not in skip]
+        # A range, not a list, when nothing went direct (tens of thousands of small tensors).
+        rest = [i for i in range(len(self.metas)) if i not in skip] if skip else range(len(self.metas))
         # Bytes of each rank's piece of each tensor (-1: not needed), computed
         # once per rank: the bucket plan reads them for every tensor.
         self.nbytes = [self._piece_sizes(r) for r in range(self.world)]
@@ -141,10 +142,10 @@ class Scatterer:
             self._scatter_bucket(bucket)
         return self.out
 
-    def _piece_sizes(self, r: int) -> list[int]:
+    def _piece_sizes(self, r: int) -> array:
         """Bytes of rank ``r``'s piece of every tensor; -1 where it needs none."""
         needs = self.everyone[r]
-        return [-1 if (need := needs[i]) is None else need.numel() * dtype.itemsize for i, (_, dtype) in enumerate(self.metas)]
+        return array("q", (-1 if (need := needs[i]) is None else need.numel() * dtype.itemsize for i, (_, dtype) in enumerate(self.metas)))
 
     def _direct(self, i: int) -> bool:
         """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
@@ -178,29 +179,32 @@ class Scatterer:
         dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
         self._deliver(i, recv, view=False)
 
-    def _scatter_bucket(self, bucket: list[int]) -> None:
-        plans = [self._bucket_plan(bucket, r) for r in range(self.world)]  # per rank: [(item, offset, nbytes)]
-        width = max(total for _, total in plans)
+    def _scatter_bucket(self, bucket: Sequence[int]) -> None:
+        # Every rank computes every buffer's width, but walks only its own
+        # pieces (the root: every rank's, one at a time, as it packs them):
+        # a list of every rank's offsets would be the largest thing a
+        # non-root rank holds during a load of many small tensors.
+        width = max(self._bucket_width(bucket, r) for r in range(self.world))
         if width == 0:
             return
         recv = torch.empty(width, dtype=torch.uint8, device=self.device)
         if self.me == 0:
-            sends = [self._pack(plans[r][0], r, width) for r in range(self.world)]
+            sends = [self._pack(bucket, r, width) for r in range(self.world)]
             if self.world > 1:
                 dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
             else:
                 recv = sends[0]
         else:
             dist.scatter(recv, None, src=self.group.root, group=self.group.pg)
-        for i, off, nbytes in plans[self.me][0]:
+        for i, off, nbytes in self._pieces(bucket, self.me):
             piece = from_bytes(recv[off : off + nbytes], self.metas[i][1], self.everyone[self.me][i].shape())
             self._deliver(i, piece, view=True)
 
-    def _pack(self, plan: list[tuple[int, int, int]], r: int, width: int) -> torch.Tensor:
+    def _pack(self, bucket: Sequence[int], r: int, width: int) -> torch.Tensor:
         """Rank ``r``'s buffer: its pieces at their offsets, zero padding between (one concatenation)."""
         parts, end = [], 0
         zeros = torch.zeros(aligned(1), dtype=torch.uint8, device=self.device)  # padding is shorter than this
-        for i, off, nbytes in plan:
+        for i, off, nbytes in self._pieces(bucket, r):
             if off > end:
                 parts.append(zeros[: off - end])
             parts.append(as_bytes(self.everyone[r][i].cut(self.fulls[i]).to(self.device)))
@@ -209,17 +213,19 @@ class Scatterer:
             parts.append(torch.zeros(width - end, dtype=torch.uint8, device=self.device))
         return torch.cat(parts) if parts else torch.zeros(width, dtype=torch.uint8, device=self.device)
 
-    def _bucket_plan(self, bucket: list[int], r: int) -> tuple[list[tuple[int, int, int]], int]:
-        """Where each piece rank ``r`` needs sits in its buffer, and the buffer's size."""
-        off, parts = 0, []
+    def _pieces(self, bucket: Sequence[int], r: int) -> Iterator[tuple[int, int, int]]:
+        """``(tensor, offset, bytes)`` of each piece rank ``r`` needs, in its buffer's order."""
+        off = 0
         sizes = self.nbytes[r]
         for i in bucket:
             nbytes = sizes[i]
-            if nbytes < 0:
-                continue
-            parts.append((i, off, nbytes))
-            off += aligned(nbytes)
-        return parts, off
+            if nbytes >= 0:
+                yield i, off, nbytes
+                off += aligned(nbytes)
+
+    def _bucket_width(self, bucket: Sequence[int], r: int) -> int:
+        sizes = self.nbytes[r]
+        return sum(aligned(n) for n in (sizes[i] for i in bucket) if n >= 0)
 
 
 def scatter_from_root(

@@ -54,8 +54,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-aliases-state-entries", "optimizer.py",
-        "                    state[index.fqn_of[p]] = _entry_copy(entry)",
-        "                    state[index.fqn_of[p]] = entry",
+        "                    state[fqn] = _entry_copy(entry)",
+        "                    state[fqn] = entry",
         "get returns the optimizer's own per-parameter state dicts (changing the result changes the optimizer)",
         ("OPT-PURE-2[single-adamw-sharded]",),
     ),
@@ -68,8 +68,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-drops-frozen-state", "optimizer.py",
-        "                entry = stored.get(p) or template.get(p)",
-        "                entry = (stored.get(p) or template.get(p)) if p.requires_grad else None",
+        "                entry = stored.get(pid) or (template.get(p) if template else None)",
+        "                entry = (stored.get(pid) or (template.get(p) if template else None)) if p.requires_grad else None",
         "get leaves out the optimizer state of parameters frozen after training",
         ("OPT-PART-3[single-sharded]",),
     ),
@@ -376,7 +376,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- nested state (custom optimizers) -------------------------------------------------
     Mutant(
         "nested-containers-shared", "optimizer.py",
-        "    return {k: rebuild(v, _same) if is_container(v) else v for k, v in entry.items()}",
+        "    return {k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same) for k, v in entry.items()}",
         "    return dict(entry)",
         "get copies state entries but not the dicts and lists nested in them (changing those changes the optimizer)",
         ("OPT-PURE-2[single-custom-sharded]",),
