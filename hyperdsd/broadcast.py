@@ -84,10 +84,12 @@ def users_of(users: Users, i: int) -> tuple[Prepared, ...]:
     return () if u is None else u if type(u) is tuple else (u,)
 
 
-def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None], Users]:
-    """What this rank needs of each of the root's tensors, and who uses each."""
+def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None], Users, set[int]]:
+    """What this rank needs of each of the root's tensors, who uses each, and
+    which arrive whole for users that cut their own region from them."""
     needs: list[Need | None] = [None] * len(metas)
     users: Users = [None] * len(metas)
+    cut: set[int] = set()
     regions: dict[tuple, Need] = {}  # tensors of one layout and shape need the same region: computed once
     for p in prepared:
         i = p.meta.index
@@ -101,30 +103,35 @@ def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None]
             need = regions.get(key)
             if need is None:
                 need = regions[key] = Need.whole(p.meta.shape)
+            if p.layout is not None:
+                cut.add(i)  # a layout DTensor cuts itself (strided shards)
         if needs[i] is not None and needs[i] != need:
             need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
+            cut.add(i)
         needs[i] = need
         users[i] = p if users[i] is None else users_of(users, i) + (p,)
-    return needs, users
+    return needs, users, cut
 
 
-def deliver(needs: list[Need | None], users: Users, fulls: list[torch.Tensor] | None,
+def deliver(needs: list[Need | None], users: Users, cut: set[int], fulls: list[torch.Tensor] | None,
             metas: Metas, device: torch.device, everyone_needs: list | None = None, group: Group | None = None) -> None:
     """Give each Prepared this rank's piece of the root's tensor, as it arrives.
 
     A piece goes straight into its destination (an existing tensor of the
     same layout) or becomes the new tensor itself, so a rank holds its own
     state plus one bucket in flight. ``metas``: the same on every rank, so
-    is the bucket plan. ``needs``, ``users``: as :func:`needs_for` gives
-    them. ``everyone_needs``: every rank's needs, when the caller has
+    is the bucket plan. ``needs``, ``users``, ``cut``: as :func:`needs_for`
+    gives them. ``everyone_needs``: every rank's needs, when the caller has
     exchanged them already.
     """
 
     def receive(i: int, piece: torch.Tensor) -> None:
-        whole = needs[i] == Need.whole(metas[i][0])
+        u = users[i]
+        if type(u) is Prepared and i not in cut:
+            u.receive(piece)  # the region this one user needs
+            return
         for p in users_of(users, i):
-            mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece
-            p.receive(mine)
+            p.receive(p.layout.local_from_full(piece) if p.layout is not None and i in cut else piece)
 
     def target_for(i: int) -> torch.Tensor | None:
         """Where a large piece can be received in place: its one user's destination."""
@@ -176,7 +183,7 @@ class BroadcastLoad:
         mine_model = model_plan.claimed if model_plan is not None else set()
         mine_optim = set(self.optim_names) - set(optim_plan.foreign) if optim_plan is not None else set()
         prepared = [p for plan in (model_plan, optim_plan) if plan is not None for p in plan.tensors() if p.meta is not None]
-        needs, users = needs_for(prepared, self.metas)
+        needs, users, cut = needs_for(prepared, self.metas)
         everyone = collectives.exchange({
             "problems": problems,
             "known": {k: v for k, v in questions.items() if v is not None},
@@ -190,7 +197,7 @@ class BroadcastLoad:
             by_rank = [p + extra for p in by_rank]
         collectives.raise_if_any(by_rank, f"{what}: nothing was loaded", self.group)
         answers = collectives.answer([k for k, v in questions.items() if v is None], [e["known"] for e in everyone])
-        deliver(needs, users, self.fulls if self.group.is_root else None, self.metas, _compat.collective_device(),
+        deliver(needs, users, cut, self.fulls if self.group.is_root else None, self.metas, _compat.collective_device(),
                 everyone_needs=[e["needs"] for e in everyone], group=self.group)
         return answers
 

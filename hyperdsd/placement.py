@@ -9,6 +9,7 @@ back to DTensor's own collectives.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -66,8 +67,17 @@ class DTensorLayout:
                 region[d] = slice(base + start, base + stop)
         return tuple(region)
 
-    def local_slices(self) -> tuple[slice, ...]:
+    # This rank's region, computed once per layout (plans share layouts: LayoutCache).
+    @functools.cached_property
+    def _local_region(self) -> tuple[slice, ...]:
         return self.slices_for(self.mesh.get_coordinate())
+
+    def local_slices(self) -> tuple[slice, ...]:
+        return self._local_region
+
+    @functools.cached_property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self._local_region)
 
     def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``full``: a view for Shard/Replicate layouts;

@@ -22,9 +22,13 @@ from .placement import DTensorLayout
 from .tree import is_container, leaves
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TensorMeta:
-    """Stands in for a tensor only the root holds (broadcast loads)."""
+    """Stands in for a tensor only the root holds (broadcast loads).
+
+    Not frozen: a frozen dataclass with slots unpickles through a Python
+    ``__setstate__``, which every rank ran for every tensor of the manifest.
+    """
 
     shape: tuple
     dtype: torch.dtype
@@ -49,7 +53,7 @@ class Prepared:
             return tuple(self.local.shape)
         if self.layout is None:
             return tuple(self.meta.shape)
-        return tuple(s.stop - s.start for s in self.layout.local_slices())
+        return self.layout.local_shape
 
     @property
     def dtype(self) -> torch.dtype:

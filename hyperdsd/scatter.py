@@ -17,7 +17,7 @@ import functools
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,15 @@ from .collectives import BUCKET_BYTES, DIRECT_BYTES, aligned, as_bytes, exchange
 from .group import Group, world
 from .placement import DTensorLayout
 
+# Tensors up to this size are packed together with the others of their shape
+# (stacked: a copy of the group on the root while it packs).
+_STACKED_BYTES = 64 << 10
+
 # (shape, dtype) of each of the root's tensors, in manifest order
 Metas = Sequence[tuple[torch.Size, torch.dtype]]
+# Tensors whose pieces are packed one after the other, and the bytes of
+# each one's piece on every rank (-1: the rank needs none)
+Run = tuple[list[int], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,11 @@ class Need:
     def numel(self) -> int:
         return self.size
 
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.region)
+
     def cut(self, full: torch.Tensor) -> torch.Tensor:
-        return full[tuple(slice(a, b) for a, b in self.region)] if self.region else full
+        return full[self.slices()] if self.region else full
 
 
 class PackedNeeds(Sequence):
@@ -121,31 +131,58 @@ class Scatterer:
         skip = set(direct)
         # A range, not a list, when nothing went direct (tens of thousands of small tensors).
         rest = [i for i in range(len(self.metas)) if i not in skip] if skip else range(len(self.metas))
-        # Bytes of each rank's piece of each tensor (-1: not needed), computed
-        # once per rank: the bucket plan reads them for every tensor.
-        self.nbytes = [self._piece_sizes(r) for r in range(self.world)]
-        totals = [sum(aligned(n) for n in (self.nbytes[r][i] for i in rest) if n > 0) for r in range(self.world)]
-        if max(totals, default=0) <= self.limit:  # everything fits one bucket (small tensors, however many)
-            if rest:
-                self._scatter_bucket(rest)
-            return self.out
-        bucket: list[int] = []
-        sizes = [0] * self.world
-        for i in rest:
-            grow = [aligned(max(self.nbytes[r][i], 0)) for r in range(self.world)]
-            if bucket and max(s + g for s, g in zip(sizes, grow)) > self.limit:
-                self._scatter_bucket(bucket)
-                bucket, sizes = [], [0] * self.world
-            bucket.append(i)
-            sizes = [s + g for s, g in zip(sizes, grow)]
+        bucket: list[Run] = []
+        used = [0] * self.world
+        for members, sizes in self._runs(rest):
+            steps = [aligned(n) if n > 0 else 0 for n in sizes]
+            while members:
+                # As many of the run's tensors as fit what the bucket has left
+                # on every rank; one at least in an empty bucket.
+                room = min(((self.limit - u) // step for u, step in zip(used, steps) if step), default=len(members))
+                take = min(len(members), room) if room > 0 or bucket else 1
+                if take <= 0:
+                    self._scatter_bucket(bucket)
+                    bucket, used = [], [0] * self.world
+                    continue
+                bucket.append((members if take == len(members) else members[:take], sizes))
+                used = [u + take * step for u, step in zip(used, steps)]
+                members = members[take:] if take < len(members) else []
         if bucket:
             self._scatter_bucket(bucket)
         return self.out
 
-    def _piece_sizes(self, r: int) -> array:
-        """Bytes of rank ``r``'s piece of every tensor; -1 where it needs none."""
-        needs = self.everyone[r]
-        return array("q", (-1 if (need := needs[i]) is None else need.numel() * dtype.itemsize for i, (_, dtype) in enumerate(self.metas)))
+    def _runs(self, indices: Sequence[int]) -> list[Run]:
+        """The tensors in the order their pieces are packed, as runs cut alike.
+
+        Small tensors of one shape and dtype of which every rank needs the
+        same region form a run: the root cuts it for each rank in one
+        operation, and the bucket plan is made per run. Any other tensor is
+        a run of its own. Every rank computes the same runs: from the same
+        metas and needs, by value, in index order.
+        """
+        packed = all(isinstance(e, PackedNeeds) for e in self.everyone)
+        indexes = [e.index for e in self.everyone] if packed else []
+        runs: dict[Any, list[int]] = {}
+        for i in indices:
+            shape, dtype = self.metas[i]
+            if math.prod(shape) * dtype.itemsize > _STACKED_BYTES:
+                key: Any = ("alone", i)
+            else:
+                # Never by object identity: the root's own needs may be other
+                # objects than the copies the other ranks received.
+                key = (shape, dtype, tuple([ix[i] for ix in indexes]) if packed else tuple([e[i] for e in self.everyone]))
+            members = runs.get(key)
+            if members is None:
+                runs[key] = [i]
+            else:
+                members.append(i)
+        result = []
+        for members in runs.values():
+            first = members[0]
+            itemsize = self.metas[first][1].itemsize
+            sizes = tuple(-1 if (need := e[first]) is None else need.numel() * itemsize for e in self.everyone)
+            result.append((members, sizes))
+        return result
 
     def _direct(self, i: int) -> bool:
         """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
@@ -179,53 +216,64 @@ class Scatterer:
         dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
         self._deliver(i, recv, view=False)
 
-    def _scatter_bucket(self, bucket: Sequence[int]) -> None:
-        # Every rank computes every buffer's width, but walks only its own
-        # pieces (the root: every rank's, one at a time, as it packs them):
-        # a list of every rank's offsets would be the largest thing a
-        # non-root rank holds during a load of many small tensors.
-        width = max(self._bucket_width(bucket, r) for r in range(self.world))
+    def _scatter_bucket(self, bucket: list[Run]) -> None:
+        width = max(sum(len(m) * aligned(sizes[r]) for m, sizes in bucket if sizes[r] > 0) for r in range(self.world))
         if width == 0:
             return
         recv = torch.empty(width, dtype=torch.uint8, device=self.device)
         if self.me == 0:
-            sends = [self._pack(bucket, r, width) for r in range(self.world)]
+            sends = self._pack(bucket, width)
             if self.world > 1:
                 dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
             else:
                 recv = sends[0]
         else:
             dist.scatter(recv, None, src=self.group.root, group=self.group.pg)
-        for i, off, nbytes in self._pieces(bucket, self.me):
-            piece = from_bytes(recv[off : off + nbytes], self.metas[i][1], self.everyone[self.me][i].shape())
-            self._deliver(i, piece, view=True)
-
-    def _pack(self, bucket: Sequence[int], r: int, width: int) -> torch.Tensor:
-        """Rank ``r``'s buffer: its pieces at their offsets, zero padding between (one concatenation)."""
-        parts, end = [], 0
-        zeros = torch.zeros(aligned(1), dtype=torch.uint8, device=self.device)  # padding is shorter than this
-        for i, off, nbytes in self._pieces(bucket, r):
-            if off > end:
-                parts.append(zeros[: off - end])
-            parts.append(as_bytes(self.everyone[r][i].cut(self.fulls[i]).to(self.device)))
-            end = off + nbytes
-        if width > end:
-            parts.append(torch.zeros(width - end, dtype=torch.uint8, device=self.device))
-        return torch.cat(parts) if parts else torch.zeros(width, dtype=torch.uint8, device=self.device)
-
-    def _pieces(self, bucket: Sequence[int], r: int) -> Iterator[tuple[int, int, int]]:
-        """``(tensor, offset, bytes)`` of each piece rank ``r`` needs, in its buffer's order."""
         off = 0
-        sizes = self.nbytes[r]
-        for i in bucket:
-            nbytes = sizes[i]
-            if nbytes >= 0:
-                yield i, off, nbytes
-                off += aligned(nbytes)
+        for members, sizes in bucket:
+            n = sizes[self.me]
+            if n < 0:
+                continue
+            step, shape = aligned(n), self.everyone[self.me][members[0]].shape()
+            for i in members:
+                self._deliver(i, from_bytes(recv[off : off + n], self.metas[i][1], shape), view=True)
+                off += step
 
-    def _bucket_width(self, bucket: Sequence[int], r: int) -> int:
-        sizes = self.nbytes[r]
-        return sum(aligned(n) for n in (sizes[i] for i in bucket) if n >= 0)
+    def _pack(self, bucket: list[Run], width: int) -> list[torch.Tensor]:
+        """Every rank's buffer: its pieces at their offsets, zeros between.
+
+        A run of small tensors is stacked once and each rank's region cut
+        from the stack in one operation: packing tensor by tensor (a cut, a
+        view and a copy per tensor and rank) was most of a broadcast load of
+        a model with many small parameters, all of it on the root.
+        """
+        sends = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        offsets = [0] * self.world
+        for members, sizes in bucket:
+            first, k = members[0], len(members)
+            stacked = None
+            for r, n in enumerate(sizes):
+                if n < 0:
+                    continue
+                step = aligned(n)
+                if n > 0:
+                    need = self.everyone[r][first]
+                    dest = sends[r][offsets[r] : offsets[r] + k * step].view(k, step)[:, :n]
+                    if k == 1:
+                        dest.copy_(as_bytes(need.cut(self.fulls[first])).view(1, n))
+                    else:
+                        if stacked is None:
+                            stacked = _stack([self.fulls[i] for i in members])
+                        dest.copy_(as_bytes(stacked[(slice(None),) + need.slices()]).view(k, n))
+                offsets[r] += k * step
+        return sends
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    try:
+        return torch.stack(tensors)
+    except RuntimeError:  # on several devices: stacked where they can all be read
+        return torch.stack([t.cpu() for t in tensors])
 
 
 def scatter_from_root(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -62,6 +64,35 @@ def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
         else:
             assert torch.equal(pieces[i], need.cut(fulls[i])), f"piece {i} differs on rank {ctx.rank}"
     return True
+
+
+def scatter_many(ctx, bucket_bytes: int = 1 << 20):
+    """Many small tensors of a few shapes and dtypes, interleaved with tensors
+    packed alone (large, empty), regions that differ by rank (uneven shards:
+    empty pieces), and tensors some ranks do not need: what the root packs a
+    group at a time."""
+    m = ctx.mesh(str(ctx.world_size))
+    kinds = [((4, 4), torch.float32, "shard"), ((5,), torch.float32, "shard"), ((), torch.int64, "whole"),
+             ((3, 2), torch.float64, "odd"), ((130, 130), torch.float32, "shard"), ((0, 3), torch.float32, "shard")]
+    fulls, needs = [], []
+    for i in range(240):
+        shape, dtype, how = kinds[i % 5] if i % 37 else kinds[4 + (i // 37) % 2]
+        full = (torch.arange(math.prod(shape), dtype=torch.float64) + 1000 * i).reshape(shape).to(dtype)
+        fulls.append(full)
+        if how == "shard":
+            needs.append(Need.of_layout(DTensorLayout(m, (Shard(0),), full.shape, full.stride())))
+        elif how == "whole":
+            needs.append(Need.whole(shape))
+        else:
+            needs.append(Need.whole(shape) if ctx.rank % 2 else None)
+    metas = [(tuple(f.shape), f.dtype) for f in fulls]
+    pieces = scatter_from_root(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
+    for i, need in enumerate(needs):
+        if need is None:
+            assert pieces[i] is None, f"rank {ctx.rank} got tensor {i}, which it does not need"
+        else:
+            assert pieces[i].dtype == fulls[i].dtype and torch.equal(pieces[i], need.cut(fulls[i])), f"piece {i} differs on rank {ctx.rank}"
+    return len(fulls)
 
 
 def agree(ctx, bad_rank: int = 1):

@@ -28,6 +28,12 @@ def test_scatter_delivers_each_rank_only_its_pieces(pools, world_size, big):
     assert all(run(pools, world_size, "scatter", bucket_bytes=48, big=big))
 
 
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096])
+def test_scatter_packs_small_tensors_by_group(pools, bucket_bytes):
+    """One bucket, and many (a group split across buckets)."""
+    assert run(pools, 4, "scatter_many", bucket_bytes=bucket_bytes) == [240] * 4
+
+
 def test_a_model_on_part_of_the_world_keeps_its_collectives_there(pools):
     values = run(pools, 4, "group_rule")
     assert values == [[0, 1], None, [2, 3], None]
