@@ -309,8 +309,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "bcast-piece-cut-twice", "broadcast.py",
-        "            mine = p.layout.local_from_full(piece) if p.layout is not None and whole else piece",
-        "            mine = p.layout.local_from_full(piece) if p.layout is not None else piece",
+        "            u.receive(piece)  # the region this one user needs",
+        "            u.receive(u.layout.local_from_full(piece) if u.layout is not None else piece)",
         "a broadcast piece that is already this rank's region is cut again",
         ("OPT-RT-1[fsdp2-adamw-bcast]",),
     ),
