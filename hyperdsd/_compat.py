@@ -51,6 +51,19 @@ def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | No
     return module._parameters
 
 
+def plain_state_dict(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.state_dict()`` would only repackage ``opt.state`` and
+    ``opt.param_groups`` (not overridden, no state-dict hooks registered)."""
+    # Then the state is read in place: state_dict()'s packing (a dict by
+    # integer id, a copy of every group) is a tenth of a get on a model of
+    # small tensors. Registration of the hooks is public, the registry not.
+    return (
+        getattr(type(opt), "state_dict", None) is torch.optim.Optimizer.state_dict
+        and not getattr(opt, "_optimizer_state_dict_pre_hooks", None)
+        and not getattr(opt, "_optimizer_state_dict_post_hooks", None)
+    )
+
+
 def optimizer_load_hooks(opt: torch.optim.Optimizer) -> tuple[list[Callable], list[Callable]]:
     # Optimizer.load_state_dict replays these; loading in place means we
     # replay them ourselves (registration is public, the registry is not).

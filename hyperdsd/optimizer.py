@@ -12,7 +12,9 @@ import copy
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from . import _compat
 from .errors import StateDictError
 from .flatten import GROUPS, STATE
 from .fqn import ModelIndex
@@ -30,9 +32,14 @@ def _own(value: Any) -> Any:
     return value
 
 
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, DTensor})
+
+
 def _entry_copy(entry: dict) -> dict:
     """A new state entry whose containers (nested dicts and lists) are new too;
     tensors and other leaves are the optimizer's own."""
+    if _TENSORS.issuperset(map(type, entry.values())):
+        return dict(entry)  # tensors only (AdamW's, SGD's): one copy in C
     return {k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same) for k, v in entry.items()}
 
 
@@ -62,14 +69,17 @@ def read_state(index: ModelIndex, optimizers) -> dict:
     gi = 0
     for opt in optimizers:
         template = template_state(opt) if not opt.state else {}
-        sd = opt.state_dict()  # runs the optimizer's own state-dict hooks
-        stored = sd[STATE]  # keyed by the packed ids of sd's groups: ints, cheap to hash
-        for g_sd, group in zip(sd[GROUPS], opt.param_groups):
+        if _compat.plain_state_dict(opt):
+            sd_groups, stored = opt.param_groups, opt.state  # what state_dict() would pack, read in place
+        else:
+            sd = opt.state_dict()  # runs the optimizer's own state-dict hooks
+            sd_groups, stored = sd[GROUPS], sd[STATE]  # keyed by packed ids: ints, cheap to hash
+        for g_sd, group in zip(sd_groups, opt.param_groups):
             fqns = []
-            for pi, (pid, p) in enumerate(zip(g_sd["params"], group["params"])):
+            for pi, (key, p) in enumerate(zip(g_sd["params"], group["params"])):
                 fqn = _param_fqn(index, p, gi, pi)
                 fqns.append(fqn)
-                entry = stored.get(pid) or (template.get(p) if template else None)
+                entry = stored.get(key) or (template.get(p) if template else None)
                 if entry:
                     state[fqn] = _entry_copy(entry)
             groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns})

@@ -182,6 +182,23 @@ def test_a_fresh_optimizers_template_runs_none_of_its_hooks(_name, cls, extra):
     assert set(osd["state"]["blocks.0.fc.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
+def test_get_reads_the_state_in_place_exactly_as_state_dict_gives_it():
+    """Without state-dict hooks, get reads optimizer.state in place; with one,
+    through state_dict(). Both give the same dict, and a hook's change shows."""
+    model, opt = make()
+    step(model, opt, 2)
+    plain = hyperdsd.get_optimizer_state_dict(model, opt)
+    opt.register_state_dict_post_hook(lambda o, sd: sd)
+    hooked = hyperdsd.get_optimizer_state_dict(model, opt)
+    assert plain["param_groups"] == hooked["param_groups"]
+    assert plain["state"].keys() == hooked["state"].keys()
+    for fqn, entry in plain["state"].items():
+        assert entry.keys() == hooked["state"][fqn].keys()
+        assert all(entry[k] is hooked["state"][fqn][k] for k in entry), fqn  # the optimizer's own tensors
+    opt.register_state_dict_post_hook(lambda o, sd: sd["param_groups"][0].update(note="from a hook"))
+    assert hyperdsd.get_optimizer_state_dict(model, opt)["param_groups"][0]["note"] == "from a hook"
+
+
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
     model, opt = make()
     step(model, opt, 2)

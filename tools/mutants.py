@@ -68,8 +68,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-drops-frozen-state", "optimizer.py",
-        "                entry = stored.get(pid) or (template.get(p) if template else None)",
-        "                entry = (stored.get(pid) or (template.get(p) if template else None)) if p.requires_grad else None",
+        "                entry = stored.get(key) or (template.get(p) if template else None)",
+        "                entry = (stored.get(key) or (template.get(p) if template else None)) if p.requires_grad else None",
         "get leaves out the optimizer state of parameters frozen after training",
         ("OPT-PART-3[single-sharded]",),
     ),
