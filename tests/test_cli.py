@@ -140,6 +140,17 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
     assert lingering(mark) == []
 
 
+# `python -m conformance` as a terminal starts it: with Ctrl-C's default
+# handler. A shell without job control starts a background job (`.ci/run &`)
+# with SIGINT ignored, every child inherits that, and the run would ignore the
+# Ctrl-C this test sends.
+_WITH_CTRL_C = [
+    sys.executable, "-c",
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('conformance', run_name='__main__', alter_sys=True)",
+]
+
+
 @pytest.mark.parametrize("stage", ["while-ranks-start", "mid-run"])
 def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path, stage):
     report, out_path = tmp_path / "partial.json", tmp_path / "out.txt"
@@ -147,7 +158,7 @@ def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path, stage):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "conformance", "--impl", "torch", "-k", "OPT-RT-1[fsdp4", "--json", str(report)],
+            [*_WITH_CTRL_C, "--impl", "torch", "-k", "OPT-RT-1[fsdp4", "--json", str(report)],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
         )
     if stage == "while-ranks-start":
