@@ -17,7 +17,7 @@ import functools
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,8 @@ from .collectives import BUCKET_BYTES, DIRECT_BYTES, aligned, as_bytes, exchange
 from .group import Group, world
 from .placement import DTensorLayout
 
-# Tensors up to this size are packed together with the others of their shape
-# (stacked: a copy of the group on the root while it packs).
+# Tensors up to this size are packed in runs with the others of their shape
+# (stacked: a copy of the run on the root while it packs).
 _STACKED_BYTES = 64 << 10
 
 # (shape, dtype) of each of the root's tensors, in manifest order
