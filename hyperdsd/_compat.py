@@ -51,6 +51,36 @@ def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | No
     return module._parameters
 
 
+_FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+
+
+def module_state_hooks(module: torch.nn.Module) -> list[Callable] | None:
+    """The pre-hooks to run before reading ``module``'s own state straight
+    from its ``_parameters`` and ``_buffers``; None when ``state_dict()``
+    could give anything else (overridden, extra state, other hooks)."""
+    # ``model.state_dict()`` is a recursive call, a hook loop and a dict per
+    # module: a fifth of a sharded get on a model of small layers. Hook
+    # registries and the extra-state protocol are private to nn.Module; the
+    # only hook allowed is FSDP2's, which reshards the module's group.
+    cls = type(module)
+    if cls not in _PLAIN_MODULE_CLASSES:
+        _PLAIN_MODULE_CLASSES[cls] = (
+            cls.state_dict is torch.nn.Module.state_dict
+            and cls._save_to_state_dict is torch.nn.Module._save_to_state_dict
+            and cls.get_extra_state is torch.nn.Module.get_extra_state
+        )
+    if not _PLAIN_MODULE_CLASSES[cls] or module._state_dict_hooks:
+        return None
+    hooks = list(module._state_dict_pre_hooks.values())
+    for hook in hooks:
+        if getattr(hook, "__qualname__", None) != _FSDP_RESHARD_HOOK:
+            return None
+    return hooks
+
+
+_PLAIN_MODULE_CLASSES: dict[type, bool] = {}
+
+
 def plain_state_dict(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt.state_dict()`` would only repackage ``opt.state`` and
     ``opt.param_groups`` (not overridden, no state-dict hooks registered)."""

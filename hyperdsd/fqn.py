@@ -44,6 +44,10 @@ class ModelIndex:
         self.param_of: dict[str, nn.Parameter] = {}  # every canonical name
         self.aliases: dict[nn.Parameter, list[str]] = {}  # every name of a parameter that has several
         self._module_paths: dict[str, tuple[nn.Module, str]] = {"": (model, "")}
+        # Every module in the order state_dict() visits it (depth first, a
+        # module under two names twice), with its canonical key prefix ("" or
+        # ending in a dot).
+        self.modules: list[tuple[nn.Module, str]] = []
         fqn_of, aliases, param_of = self.fqn_of, self.aliases, self.param_of
         # Depth first, parents before children, children in registration
         # order: a tied parameter's first name is the one state_dict() lists
@@ -52,6 +56,7 @@ class ModelIndex:
         stack = [(model, "", "")]
         while stack:
             module, raw, canon = stack.pop()
+            self.modules.append((module, canon))
             if _compat.is_fsdp1(module):
                 raise StateDictError(
                     f"module {raw[:-1] or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1); "

@@ -36,14 +36,42 @@ def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -
     # As ``model.state_dict()``, whose per-tensor ``detach()`` goes through
     # DTensor's dispatcher; the same detached DTensors made directly cost a
     # third of that, a fifth of a sharded get on a model of small tensors.
-    raw = model.state_dict(keep_vars=True)
-    sd = {
-        index.canonical_key(k): _compat.detached(v) if isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE) else v
-        for k, v in raw.items()
-    }
+    sd = _read_plain(index)
+    if sd is None:
+        raw = model.state_dict(keep_vars=True)
+        sd = {
+            index.canonical_key(k): _compat.detached(v) if isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE) else v
+            for k, v in raw.items()
+        }
     if ignore_frozen:
         for fqn in index.frozen_fqns():
             sd.pop(fqn, None)
+    return sd
+
+
+def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
+    """What ``model.state_dict()`` gives, read from the modules directly,
+    keys canonical as they are made; None, before anything is read, when a
+    module's state dict could be more than its parameters and buffers."""
+    hooks = {}
+    for module, prefix in index.modules:
+        own = _compat.module_state_hooks(module)
+        if own is None:
+            return None
+        for hook in own:  # FSDP2's reshard: once per group, however many modules carry it
+            hooks.setdefault(hook, (module, prefix))
+    for hook, (module, prefix) in hooks.items():
+        hook(module, prefix, True)
+    sd = {}
+    detached = _compat.detached
+    for module, prefix in index.modules:
+        for name, param in module._parameters.items():
+            if param is not None:
+                sd[prefix + name] = detached(param)
+        skip = module._non_persistent_buffers_set
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in skip:
+                sd[prefix + name] = detached(buf)
     return sd
 
 

@@ -207,3 +207,26 @@ def group_rule(ctx):
     assert collectives.exchange(ctx.rank, made) == list(half.ranks)
     assert collectives.broadcast_object(f"from {ctx.rank}", half) == f"from {half.root}"
     return collectives.send_to_root(ctx.rank, half)
+
+
+def read_unsharded(ctx):
+    """Get on an FSDP2 model left unsharded by its forward (no reshard after
+    forward): FSDP's state-dict pre-hook reshards it first, as state_dict()
+    does, and get gives the sharded parameters under state_dict()'s keys."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)) for _ in range(3)])
+    mesh = ctx.mesh(str(ctx.world_size))
+    for block in model:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model(torch.randn(2, 4))
+    assert not any(isinstance(p, DTensor) for p in model[0][0]._parameters.values()), "the forward left it sharded"
+    got = hyperdsd.get_model_state_dict(model)
+    expected = model.state_dict()
+    assert list(got) == list(expected)
+    for key, value in got.items():
+        assert isinstance(value, DTensor) and value.placements == expected[key].placements, key
+        assert value._local_tensor.data_ptr() == expected[key]._local_tensor.data_ptr(), key
+    return len(got)

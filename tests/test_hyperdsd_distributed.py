@@ -34,6 +34,10 @@ def test_scatter_packs_small_tensors_by_group(pools, bucket_bytes):
     assert run(pools, 4, "scatter_many", bucket_bytes=bucket_bytes) == [240] * 4
 
 
+def test_get_reshards_an_unsharded_model_first(pools):
+    assert run(pools, 2, "read_unsharded") == [12, 12]
+
+
 def test_a_model_on_part_of_the_world_keeps_its_collectives_there(pools):
     values = run(pools, 4, "group_rule")
     assert values == [[0, 1], None, [2, 3], None]

@@ -199,6 +199,42 @@ def test_get_reads_the_state_in_place_exactly_as_state_dict_gives_it():
     assert hyperdsd.get_optimizer_state_dict(model, opt)["param_groups"][0]["note"] == "from a hook"
 
 
+class _Extra(nn.Linear):
+    def get_extra_state(self):
+        return {"note": 1}
+
+    def set_extra_state(self, state):
+        pass
+
+
+@parameterized.expand([("plain", None), ("pre_hook", "pre"), ("post_hook", "post"), ("extra_state", "extra")])
+def test_get_reads_the_modules_directly_exactly_as_state_dict_gives_them(_, variant):
+    """Without hooks or extra state, get reads each module's parameters and
+    buffers directly; with them, through state_dict(). Either way: the keys,
+    in state_dict()'s order, and the same memory, detached."""
+    model = Net()
+    model.shared = model.blocks["0"]  # one module under two names
+    model.blocks["1"].register_parameter("gone", None)
+    seen = []
+    if variant == "pre":
+        model.blocks["1"].register_state_dict_pre_hook(lambda m, prefix, keep_vars: seen.append(prefix))
+    elif variant == "post":
+        model.blocks["1"].register_state_dict_post_hook(lambda m, sd, prefix, meta: seen.append(prefix))
+    elif variant == "extra":
+        model.blocks["1"].fc = _Extra(4, 4)
+    expected = model.state_dict()
+    seen.clear()
+    got = hyperdsd.get_model_state_dict(model)
+    assert list(got) == list(expected)
+    assert "cache" not in got and "blocks.1.gone" not in got and "shared.fc.weight" in got
+    for key, value in got.items():
+        if key.endswith("_extra_state"):
+            assert value == expected[key]
+            continue
+        assert value.data_ptr() == expected[key].data_ptr() and not value.requires_grad, key
+    assert seen == (["blocks.1."] if variant in ("pre", "post") else [])
+
+
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
     model, opt = make()
     step(model, opt, 2)
