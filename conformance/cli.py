@@ -171,7 +171,7 @@ def _executor(args):
     gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0))
     if launched_by_torchrun():
         return TorchrunWorld(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
-    return PoolSet(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
+    return PoolSet(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",))
 
 
 def _workdir(args, executor) -> str:

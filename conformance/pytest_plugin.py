@@ -69,7 +69,7 @@ def dsd_runner(request):
     for problem in environment_problems():
         raise pytest.UsageError(problem)
     impl = request.config.getoption("--dsd-impl")
-    pools = PoolSet()
+    pools = PoolSet(preload=("conformance.runner",))
     runner = Runner(load_adapter(impl), pools, timeout=request.config.getoption("--dsd-timeout"))
     yield runner
     pools.kill()

@@ -19,6 +19,13 @@ def noop(ctx):
     return ctx.rank
 
 
+def parent_and_sum(ctx):
+    """This rank's parent process and an all-reduce of the ranks."""
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    return os.getppid(), t.item()
+
+
 def hang_in_collective(ctx, rank=1):
     if ctx.rank == rank:
         dist.all_reduce(torch.ones(1))  # nobody else joins

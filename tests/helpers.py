@@ -37,6 +37,49 @@ def marked_processes(mark: str) -> list[int]:
     return found
 
 
+_MP_HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
+def is_multiprocessing_helper(pid: int) -> bool:
+    """Whether ``pid`` is multiprocessing's fork server or resource tracker,
+    which live as long as the process that started them."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return any(name in cmdline for name in _MP_HELPERS)
+
+
+def descendant_ranks() -> list[int]:
+    """PIDs of live processes descending from this one, but for
+    multiprocessing's fork server and resource tracker: what a pool killed
+    must not leave. (Ranks forked from a fork server that started before a
+    test set its mark carry no mark in their environment.)"""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            parents[int(entry)] = (int(fields[1]), cmdline)
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, cmdline) in parents.items():
+            if ppid == parent:
+                frontier.append(pid)
+                if not any(name in cmdline for name in _MP_HELPERS):
+                    found.append(pid)
+    return found
+
+
 def wait_for(condition, limit_s: float, interval_s: float = 0.05) -> bool:
     """Poll ``condition`` until it holds or ``limit_s`` has passed; whether it held."""
     deadline = time.monotonic() + limit_s

@@ -11,7 +11,7 @@ import pytest
 
 import harness_tasks
 from hyperdsd.testing import REGIONS, PoolSet, Task, parse_mesh
-from helpers import ROOT, TESTS, marked_processes
+from helpers import ROOT, TESTS, descendant_ranks, is_multiprocessing_helper, marked_processes
 
 DEADLINE = 8.0
 MARK = uuid.uuid4().hex
@@ -23,7 +23,9 @@ def pools():
     ps = PoolSet(gloo_timeout_s=5.0, grace_s=2.0)
     yield ps
     ps.kill()
-    assert marked_processes(MARK) == [], "rank processes survived PoolSet.kill()"
+    # The fork server started with this mark lives as long as this process.
+    assert [p for p in marked_processes(MARK) if not is_multiprocessing_helper(p)] == [], "rank processes survived PoolSet.kill()"
+    assert descendant_ranks() == [], "rank processes survived PoolSet.kill()"
 
 
 def run(pools, fn, world_size=4, deadline=DEADLINE, scope="task", **kwargs):
@@ -48,6 +50,21 @@ def test_pool_is_reused_between_tasks(pools):
     outcome, _ = run(pools, "noop")
     assert outcome.values == [0, 1, 2, 3]
     assert pools.pool(4).pids == pids
+
+
+@pytest.mark.parametrize("spawn", [False, True])
+def test_ranks_are_forked_from_the_fork_server_or_spawned_when_asked(monkeypatch, spawn):
+    if spawn:
+        monkeypatch.setenv("HYPERDSD_SPAWN_RANKS", "1")
+    with PoolSet(gloo_timeout_s=5.0) as ps:
+        outcome = ps.run(2, Task(harness_tasks.parent_and_sum, {}), DEADLINE)
+        assert outcome.status == "passed", outcome.describe()
+        parents = {parent for parent, _ in outcome.values}
+        assert [total for _, total in outcome.values] == [1.0, 1.0]
+        if spawn:
+            assert parents == {os.getpid()}  # fresh interpreters, started by this process
+        else:
+            assert len(parents) == 1 and os.getpid() not in parents  # all forked by one server
 
 
 def assert_recovers(pools, old_pids):
@@ -242,15 +259,17 @@ def test_ranks_die_with_a_controller_killed_outright(when):
     try:
         if when == "after-start":
             assert proc.stdout.readline().strip() == "started"
+            assert len(marked_processes(mark)) >= 3  # the controller, its two ranks (and the fork server)
         else:
             deadline = time.monotonic() + 60
-            while len(marked_processes(mark)) < 3 and time.monotonic() < deadline:
+            while len(marked_processes(mark)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-        assert len(marked_processes(mark)) == 3
+            assert len(marked_processes(mark)) >= 2  # a rank, or the fork server importing for the ranks
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-    deadline = time.monotonic() + 10
+    # A fork server killed in its imports notices once they are done.
+    deadline = time.monotonic() + 30
     while marked_processes(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marked_processes(mark) == []

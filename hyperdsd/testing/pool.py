@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from . import messages as m
 from .context import read_region, worker_env
 from .outcome import TaskOutcome, judge, mark_released, out_of_step
 from .status import RankStatus, Status
-from .process import describe_exit, kill_tree, request_stacks, worker_command
+from .process import describe_exit, kill_tree, request_stacks, start_worker
 
 _LOG_TAIL_BYTES = 16_000
 # Strong references: a pool whose start was interrupted is referenced by
@@ -64,44 +63,16 @@ def _size(path: str) -> int:
         return 0
 
 
-class _Rank:
-    """A rank's process, with a waitable that becomes ready when it exits."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-        self.pid = proc.pid
-        try:
-            self.sentinel = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):
-            self.sentinel = None  # death is still seen as EOF on the pipe
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.proc.poll()
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def join(self, timeout: float) -> None:
-        try:
-            self.proc.wait(timeout=max(0.0, timeout))
-        except subprocess.TimeoutExpired:
-            pass
-
-    def release(self) -> None:
-        if self.sentinel is not None:
-            os.close(self.sentinel)
-            self.sentinel = None
-
-
 class WorkerPool:
     """``world_size`` rank processes sharing one gloo process group."""
 
     def __init__(self, world_size: int, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0,
-                 grace_s: float = 5.0, release_after_s: float = 0.25, device_type: str = "cpu", backend: str = "gloo"):
+                 grace_s: float = 5.0, release_after_s: float = 0.25, device_type: str = "cpu", backend: str = "gloo",
+                 preload: tuple[str, ...] = ()):
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
         self.world_size = world_size
+        self.preload = preload
         self.device_type = device_type
         self.backend = backend
         self.gloo_timeout_s = gloo_timeout_s
@@ -134,28 +105,23 @@ class WorkerPool:
         env = dict(os.environ, **worker_env(), HYPERDSD_SYS_PATH=json.dumps([os.path.abspath(p) for p in sys.path]))
         for rank in range(self.world_size):
             ours, theirs = socket.socketpair()
-            with open(self._log(rank), "ab") as log:
-                proc = subprocess.Popen(
-                    worker_command(
-                        "--fd", str(theirs.fileno()),
-                        "--rank", str(rank),
-                        "--world-size", str(self.world_size),
-                        "--workdir", self.workdir,
-                        "--parent-pid", str(os.getpid()),
-                        "--gloo-timeout", str(self.gloo_timeout_s),
-                        "--device", self.device_type,
-                        "--backend", self.backend,
-                    ),
-                    pass_fds=(theirs.fileno(),),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    # Own session: no terminal Ctrl-C, and one group to kill.
-                    start_new_session=True,
-                )
+            args = [
+                "--rank", str(rank),
+                "--world-size", str(self.world_size),
+                "--workdir", self.workdir,
+                "--parent-pid", str(os.getpid()),
+                "--gloo-timeout", str(self.gloo_timeout_s),
+                "--device", self.device_type,
+                "--backend", self.backend,
+            ]
+            try:
+                proc = start_worker(args, theirs, self._log(rank), env, self.start_timeout_s, self.preload)
+            except (OSError, EOFError) as exc:
+                ours.close()
+                theirs.close()
+                raise PoolStartError(f"rank {rank} could not be started: {type(exc).__name__}: {exc}") from exc
             theirs.close()
-            self._procs.append(_Rank(proc))
+            self._procs.append(proc)
             self._conns.append(Connection(ours.detach()))
 
     def _await_ready(self, ranks, generation: int) -> None:
@@ -388,14 +354,18 @@ class PoolSet:
     :class:`~hyperdsd.testing.executor.Executor` of spawned ranks.
 
     At most ``max_ranks`` rank processes are kept alive; the least recently
-    used pool is closed to make room.
+    used pool is closed to make room. ``preload`` names modules the ranks'
+    tasks import, imported once by the fork server (see ``process.py``; the
+    first pool of a process to start decides).
     """
 
     launcher = "pools"
     reporter = True
 
     def __init__(self, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0, grace_s: float = 5.0,
-                 release_after_s: float = 0.25, max_ranks: int = 12, device_type: str = "cpu", backend: str = "gloo"):
+                 release_after_s: float = 0.25, max_ranks: int = 12, device_type: str = "cpu", backend: str = "gloo",
+                 preload: tuple[str, ...] = ()):
+        self.preload = tuple(preload)
         self.gloo_timeout_s = gloo_timeout_s
         self.start_timeout_s = start_timeout_s
         self.grace_s = grace_s
@@ -416,7 +386,7 @@ class PoolSet:
                 self._pools.pop(oldest).close()
             pool = WorkerPool(world_size, gloo_timeout_s=self.gloo_timeout_s, start_timeout_s=self.start_timeout_s,
                               grace_s=self.grace_s, release_after_s=self.release_after_s,
-                              device_type=self.device_type, backend=self.backend)
+                              device_type=self.device_type, backend=self.backend, preload=self.preload)
             self.starts += 1
             pool.start()
         self._pools[world_size] = pool  # most recently used last

@@ -20,13 +20,14 @@ PR_SET_PDEATHSIG = 1
 STACK_SIGNAL = signal.SIGUSR1
 
 
-def isolate_worker(parent_pid: int) -> None:
-    """Detach a freshly spawned worker from the controller's terminal.
+def isolate_worker(parent_pid: int, *, forked: bool = False) -> None:
+    """Detach a freshly started worker from the controller's terminal.
 
     The worker becomes leader of its own process group so that the
     controller can kill it together with anything it started, never receives
     the terminal's Ctrl-C (the controller handles that and kills the pool),
-    and is killed by the kernel if the controller dies first.
+    and is killed by the kernel if its parent dies first: the controller, or
+    for a forked worker the fork server, which ends when the controller does.
     """
     try:
         os.setsid()
@@ -38,7 +39,14 @@ def isolate_worker(parent_pid: int) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the controller's own cleanup still applies
-    if os.getppid() != parent_pid:
+    if forked:
+        # The fork server outlives the controller only briefly: a controller
+        # still alive now means the signal was armed in time.
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+    elif os.getppid() != parent_pid:
         # The controller died before the death signal was armed.
         os._exit(1)
 
@@ -46,6 +54,151 @@ def isolate_worker(parent_pid: int) -> None:
 def worker_command(*args: str) -> list[str]:
     """The command line that starts a rank worker through this bootstrap."""
     return [sys.executable, os.path.abspath(__file__), *args]
+
+
+# -- starting workers ----------------------------------------------------------
+#
+# A rank imports seconds of CPU before its first task: torch, then
+# torch._dynamo (which optimizers and FSDP import on first use), DCP. On a
+# machine of few cores, ten ranks importing them alike are a tenth of a
+# suite run. Where the platform forks, a fork server (multiprocessing's)
+# imports them once and every rank is forked from it: a process that has
+# only imported modules, never run an op or started a thread. Elsewhere each
+# rank is a fresh interpreter started through the bootstrap above.
+
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "hyperdsd",
+    "hyperdsd.testing.worker",
+)
+
+
+class SpawnedWorker:
+    """A rank started as a fresh interpreter, with a waitable that becomes ready when it exits."""
+
+    def __init__(self, args: list[str], sock, log_path: str, env: dict[str, str]):
+        import subprocess
+
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                worker_command(*args, "--fd", str(sock.fileno())),
+                pass_fds=(sock.fileno(),),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Own session: no terminal Ctrl-C, and one group to kill.
+                start_new_session=True,
+            )
+        self.pid = self.proc.pid
+        try:
+            self.sentinel = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self.sentinel = None  # death is still seen as EOF on the pipe
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float) -> None:
+        import subprocess
+
+        try:
+            self.proc.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            pass
+
+    def release(self) -> None:
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+
+
+class ForkedWorker:
+    """A rank forked from the fork server; the same interface as :class:`SpawnedWorker`."""
+
+    def __init__(self, args: list[str], sock, log_path: str, env: dict[str, str], start_timeout_s: float,
+                 preload: tuple[str, ...] = ()):
+        import multiprocessing
+        import threading
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([*PRELOAD, *preload])  # only read when the server starts
+        self._proc = ctx.Process(target=_forked_main, args=(args, sock, log_path, env, os.getpid()),
+                                 name=f"hyperdsd-rank-{args[args.index('--rank') + 1]}")
+        # start() waits, without a deadline, for the server to fork: on its
+        # first use, until it has imported PRELOAD. Killing a server that
+        # takes longer ends that wait with an error.
+        timer = threading.Timer(start_timeout_s, _kill_fork_server)
+        timer.daemon = True
+        timer.start()
+        try:
+            self._proc.start()
+        finally:
+            timer.cancel()
+        self.pid = self._proc.pid
+        self.sentinel = self._proc.sentinel
+        self._exitcode: int | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode if self.sentinel is not None else self._exitcode
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float) -> None:
+        if self.sentinel is not None:
+            self._proc.join(max(0.0, timeout))
+
+    def release(self) -> None:
+        if self.sentinel is not None and self._proc.exitcode is not None:
+            self._exitcode = self._proc.exitcode
+            self._proc.close()
+            self.sentinel = None
+
+
+def start_worker(args: list[str], sock, log_path: str, env: dict[str, str], start_timeout_s: float,
+                 preload: tuple[str, ...] = ()):
+    """Start one rank worker: ``args`` for ``hyperdsd.testing.worker`` but
+    ``--fd``, ``sock`` the worker's end of its connection, its output
+    appended to ``log_path``. ``HYPERDSD_SPAWN_RANKS=1`` starts fresh
+    interpreters where ranks would be forked."""
+    if sys.platform == "linux" and os.environ.get("HYPERDSD_SPAWN_RANKS") != "1":
+        return ForkedWorker(args, sock, log_path, env, start_timeout_s, preload)
+    return SpawnedWorker(args, sock, log_path, env)
+
+
+def _kill_fork_server() -> None:
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # private: no public handle
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)  # the next start launches a new one
+        except ProcessLookupError:
+            pass
+
+
+def _forked_main(args: list[str], sock, log_path: str, env: dict[str, str], controller_pid: int) -> None:
+    """A forked rank's first steps: what the bootstrap and Popen do for a spawned one."""
+    isolate_worker(controller_pid, forked=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    from hyperdsd.testing import worker
+
+    worker.main([*args, "--fd", str(sock.detach())])
 
 
 def environment_problems() -> list[str]:

@@ -2,10 +2,11 @@
 until told to stop: run a task (one answer each), leave the process group,
 or join a new generation of it.
 
-Started by the controller through the bootstrap in ``process.py`` (which
-has already isolated the process and armed its death signal): a fresh
-interpreter (the spawn model, never fork), which neither re-imports the
-controller's main module nor inherits its threads.
+Started by the controller (``process.start_worker``), isolated from its
+terminal and with its death signal armed: forked from a fork server that
+has only imported modules, or a fresh interpreter through the bootstrap in
+``process.py``. Either way it neither runs the controller's main module nor
+inherits its threads.
 """
 
 from __future__ import annotations
