@@ -51,6 +51,13 @@ def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | No
     return module._parameters
 
 
+def own_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor | None], set[str]]:
+    """A module's own buffers, and the names of those not in its state dict."""
+    # As own_parameters: ``named_buffers`` goes through a generator per module,
+    # and tells nothing of persistence.
+    return module._buffers, module._non_persistent_buffers_set
+
+
 _FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
 
 

@@ -65,11 +65,11 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     sd = {}
     detached = _compat.detached
     for module, prefix in index.modules:
-        for name, param in module._parameters.items():
+        for name, param in _compat.own_parameters(module).items():
             if param is not None:
                 sd[prefix + name] = detached(param)
-        skip = module._non_persistent_buffers_set
-        for name, buf in module._buffers.items():
+        buffers, skip = _compat.own_buffers(module)
+        for name, buf in buffers.items():
             if buf is not None and name not in skip:
                 sd[prefix + name] = detached(buf)
     return sd
