@@ -125,7 +125,7 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
                 plan.params.append(ParamLoad(target.opt, p, fqn, None))
                 continue
             expected = exp.of(p)
-            if expected and strict:
+            if expected and strict and not expected.keys() <= written.keys():
                 lacking = sorted(str(k) for k in expected if k not in written)
                 if lacking:
                     problems.append(f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})")
@@ -177,9 +177,9 @@ def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: li
         problems.append(f"{where}: dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter")
         return None
     shape = tuple(value.shape)
-    allowed = {tuple(exp.shape)} if isinstance(exp, torch.Tensor) else {(), tuple(p.shape)}
+    allowed = (tuple(exp.shape),) if isinstance(exp, torch.Tensor) else ((), tuple(p.shape))
     if shape not in allowed:
-        want = " or ".join(str(a) for a in sorted(allowed))
+        want = " or ".join(str(a) for a in sorted(set(allowed)))
         problems.append(f"{where}: shape {shape}, expected {want}")
         return None
     if isinstance(value, DTensor) and (problem := dtensor_problem(value, p, "the parameter")):

@@ -103,17 +103,28 @@ class LayoutCache:
 
     def __init__(self):
         self._by_tensor: dict[tuple[int, bool], DTensorLayout] = {}
-        self._distinct: dict[DTensorLayout, DTensorLayout] = {}
+        # By the fields' tuple, not the dataclass: its hash and constructor
+        # run Python code, once per tensor; a new layout is made once per value.
+        self._distinct: dict[tuple, DTensorLayout] = {}
+        self._strides: dict[torch.Size, tuple] = {}
 
     def of(self, t: DTensor, contiguous: bool = False) -> DTensorLayout:
         """``DTensorLayout.of(t)``; with ``contiguous``, with a contiguous stride."""
         key = (id(t), contiguous)
         layout = self._by_tensor.get(key)
         if layout is None:
-            layout = DTensorLayout.of(t)
+            shape = t.shape
             if contiguous:
-                layout = layout.with_shape(t.shape)
-            layout = self._by_tensor[key] = self._distinct.setdefault(layout, layout)
+                stride = self._strides.get(shape)
+                if stride is None:
+                    stride = self._strides[shape] = _contiguous_stride(shape)
+            else:
+                stride = t.stride()
+            fields = (t.device_mesh, tuple(t.placements), shape, stride)
+            layout = self._distinct.get(fields)
+            if layout is None:
+                layout = self._distinct[fields] = DTensorLayout(*fields)
+            self._by_tensor[key] = layout
         return layout
 
 
