@@ -26,7 +26,7 @@ from . import messages as m
 from .context import read_region, worker_env
 from .outcome import TaskOutcome, judge, mark_released, out_of_step
 from .status import RankStatus, Status
-from .process import describe_exit, kill_tree, request_stacks, start_worker
+from .process import describe_exit, interrupts_deferred, kill_tree, request_stacks, start_worker
 
 _LOG_TAIL_BYTES = 16_000
 # Strong references: a pool whose start was interrupted is referenced by
@@ -115,13 +115,13 @@ class WorkerPool:
                 "--backend", self.backend,
             ]
             try:
-                proc = start_worker(args, theirs, self._log(rank), env, self.start_timeout_s, self.preload)
+                with interrupts_deferred():
+                    self._procs.append(start_worker(args, theirs, self._log(rank), env, self.start_timeout_s, self.preload))
             except (OSError, EOFError) as exc:
                 ours.close()
                 theirs.close()
                 raise PoolStartError(f"rank {rank} could not be started: {type(exc).__name__}: {exc}") from exc
             theirs.close()
-            self._procs.append(proc)
             self._conns.append(Connection(ours.detach()))
 
     def _await_ready(self, ranks, generation: int) -> None:

@@ -11,6 +11,7 @@ behind until their imports finished.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -143,6 +144,12 @@ class ForkedWorker:
             self._proc.start()
         finally:
             timer.cancel()
+            # multiprocessing's exit handler joins every child it started,
+            # without a deadline; the pool kills and reaps its ranks itself.
+            # A rank the pool never learnt of would wait for the controller
+            # while the controller waited for it; not multiprocessing's child,
+            # it dies with the fork server when the controller exits.
+            multiprocessing.process._children.discard(self._proc)  # private: no public way
         self.pid = self._proc.pid
         self.sentinel = self._proc.sentinel
         self._exitcode: int | None = None
@@ -163,6 +170,18 @@ class ForkedWorker:
             self._exitcode = self._proc.exitcode
             self._proc.close()
             self.sentinel = None
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C and SIGTERM held back (in this thread) until the block ends: a
+    rank started and not yet in its pool's list would be known to nobody."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_worker(args: list[str], sock, log_path: str, env: dict[str, str], start_timeout_s: float,
@@ -190,6 +209,16 @@ def _kill_fork_server() -> None:
 def _forked_main(args: list[str], sock, log_path: str, env: dict[str, str], controller_pid: int) -> None:
     """A forked rank's first steps: what the bootstrap and Popen do for a spawned one."""
     isolate_worker(controller_pid, forked=True)
+    # The fork server runs until every holder of the controller's "alive"
+    # pipe has exited, and hands each child a copy: a rank holding it would
+    # keep the server, whose death is the rank's own, alive after the
+    # controller's. Closed, the server ends with the controller.
+    from multiprocessing import forkserver
+
+    alive = forkserver._forkserver._forkserver_alive_fd  # private: no public handle
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
