@@ -49,9 +49,6 @@ class DTensorLayout:
     def of(cls, t: DTensor) -> "DTensorLayout":
         return cls(t.device_mesh, tuple(t.placements), t.shape, t.stride())
 
-    def with_shape(self, shape: torch.Size) -> "DTensorLayout":
-        return DTensorLayout(self.mesh, self.placements, shape, _contiguous_stride(shape))
-
     @property
     def simple(self) -> bool:
         return is_simple(self.placements)
