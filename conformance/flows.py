@@ -232,33 +232,48 @@ class Resumed:
 _CACHED_SOURCES = 48  # setups kept per rank; the least recently used goes first
 
 
-def _cached(c, key, make, group=None):
-    """``make()`` once per world: runs depend only on seeds and steps.
+def _kept_everywhere(c, keys, group=None) -> list[bool]:
+    """For each of ``keys``, whether every rank of the model (``group``;
+    None: the world) keeps it: one all-reduce for all of them. Building runs
+    collectives, so every rank builds or none does, even where a rank's key
+    differs from another's (pipeline stages) or a rank dropped its copy."""
+    import torch.distributed as dist
 
-    The model's ranks (``group``; None: the world) agree whether to use what
-    they keep (one all-reduce of a flag): building runs collectives, so every
-    rank builds or none does, even where a rank's key differs from another's
-    (pipeline stages) or a rank dropped its copy.
-    """
     cache = c.rank_ctx.cache
-    if _all_ranks(key in cache, group):
-        cache[key] = cache.pop(key)  # most recently used last
-        return cache[key]
-    value = cache[key] = make()
+    flags = [key in cache for key in keys]
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flags
+    t = torch.tensor(flags, dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(f) for f in t.tolist()]
+
+
+def _keep(c, key, value):
+    """Keep ``value`` under ``key``, most recently used last; drop the oldest sources."""
+    cache = c.rank_ctx.cache
+    cache.pop(key, None)
+    cache[key] = value
     sources = [k for k in cache if isinstance(k, tuple) and k[:1] == ("resume-source",)]
     for old in sources[:-_CACHED_SOURCES]:
         del cache[old]
     return value
 
 
-def _all_ranks(flag: bool, group=None) -> bool:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
+def _run_ahead(setup, steps: int) -> dict:
+    """The snapshot of ``setup`` after ``steps`` more steps; ``setup`` is then
+    put back as it was, through its own state dicts, so that one build
+    serves both as the source and as the uninterrupted run. A setup that
+    does not come back exactly is the suite's error, never a verdict."""
+    before, schedulers = snapshot(setup), [clone_tree(s.state_dict()) for s in setup.schedulers]
+    kept = setup.own_state()
+    setup.train(steps)
+    ahead = snapshot(setup)
+    setup.load_own_state(kept)
+    differences = diff_snapshots(before, snapshot(setup))
+    differences += [f"scheduler {i}" for i, s in enumerate(setup.schedulers) if s.state_dict() != schedulers[i]]
+    if differences:
+        raise RuntimeError("the suite could not put a trained setup back as it was:\n  " + "\n  ".join(differences[:5]))
+    return ahead
 
 
 def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict: bool = True,
@@ -268,8 +283,10 @@ def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict
 
     The uninterrupted run and the trained source are the same for every mode,
     so a rank builds them once and keeps them (the comparison is against a
-    run no implementation touched, as SPEC §2's oracle says). A source that
-    a get changed is not kept: purity is judged by OPT-PURE, not here.
+    run no implementation touched, as SPEC §2's oracle says): one build,
+    trained ``before`` steps, run ``after`` steps ahead for the uninterrupted
+    run and put back as the source (see ``_run_ahead``). A source that a get
+    changed is not kept: purity is judged by OPT-PURE, not here.
     ``on_saving(source)`` and ``on_loaded(resumed)``, when given, look at
     the setups just before the save and just after the load (what a clause
     checks beyond the resumed run).
@@ -283,15 +300,28 @@ def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict
         setup.train(steps)
         return setup
 
-    source_key = ("resume-source", how, before)
-    source = _cached(c, source_key, lambda: trained(before), group)
+    source_key, expected_key = ("resume-source", how, before), ("resume-expected", how, before + after)
+    have_source, have_expected = _kept_everywhere(c, (source_key, expected_key), group)
+    if have_source:
+        source = _keep(c, source_key, c.rank_ctx.cache[source_key])
+    else:
+        source = trained(before)
+        # A source that never stepped has FSDP and the optimizers not yet set
+        # up: running it ahead would change what get sees, so it is not.
+        if not have_expected and before > 0:
+            _keep(c, expected_key, _run_ahead(source, after))
+            have_expected = True
+        _keep(c, source_key, source)
+    if have_expected:
+        expected = _keep(c, expected_key, c.rank_ctx.cache[expected_key])
+    else:
+        expected = _keep(c, expected_key, snapshot(trained(before + after)))
     before_save = snapshot(source)
     if on_saving is not None:
         on_saving(source)
     saved = save(c, source, mode)
     if diff_snapshots(before_save, snapshot(source)):
         c.rank_ctx.cache.pop(source_key, None)
-    expected = _cached(c, ("resume-expected", how, before + after), lambda: snapshot(trained(before + after)), group)
     b = how.build(c, 1)
     b.set_steps_done(before)
     load(c, b, saved, strict=strict)

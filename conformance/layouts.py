@@ -447,3 +447,34 @@ class Setup:
     def set_steps_done(self, steps: int) -> None:
         """Line the data up with a run that already trained ``steps`` steps."""
         self.steps_done = steps
+
+    # -- the setup's own state, no implementation involved -----------------
+    def own_state(self) -> dict:
+        """A copy of everything training changes. Optimizer state is copied
+        as it is held, by parameter: torch's own Optimizer.load_state_dict
+        would turn a string in the state into a generator's text."""
+        from .oracle import clone_tree
+
+        return {
+            "model": clone_tree(self.module.state_dict()),
+            "optimizers": [
+                ({p: clone_tree(dict(st)) for p, st in o.state.items()},
+                 [{k: clone_tree(v) for k, v in g.items() if k != "params"} for g in o.param_groups])
+                for o in self.optimizers
+            ],
+            "schedulers": [clone_tree(s.state_dict()) for s in self.schedulers],
+            "steps_done": self.steps_done,
+        }
+
+    def load_own_state(self, state: dict) -> None:
+        """Put back what :meth:`own_state` copied (consumes it)."""
+        with torch.no_grad():
+            self.module.load_state_dict(state["model"])
+        for opt, (per_param, groups) in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.state.clear()
+            opt.state.update(per_param)
+            for group, fields in zip(opt.param_groups, groups, strict=True):
+                group.update(fields)
+        for sched, st in zip(self.schedulers, state["schedulers"], strict=True):
+            sched.load_state_dict(st)
+        self.steps_done = state["steps_done"]

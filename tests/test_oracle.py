@@ -1,0 +1,34 @@
+"""The suite's reference runs: the uninterrupted run a resumed one is
+compared with comes from running the source ahead and putting it back
+(conformance.flows._run_ahead); these check that this is exactly a fresh
+run, and that a setup that does not come back is the suite's error."""
+
+import pytest
+
+import oracle_tasks
+from helpers import run_task
+
+
+@pytest.mark.parametrize(
+    "layout,world_size,optimizer,scheduler",
+    [
+        ("single", 1, "custom", True),  # a string in the optimizer state, and a scheduler
+        ("fsdp2", 2, "adamw", False),
+        ("hsdp2x2", 4, "adam_amsgrad", True),
+        ("pp2", 2, "sgd", False),
+    ],
+)
+def test_running_ahead_gives_the_uninterrupted_run_and_puts_the_source_back(pools, layout, world_size, optimizer, scheduler):
+    problems = run_task(pools, world_size, oracle_tasks.run_ahead_is_the_uninterrupted_run, layout=layout, optimizer=optimizer, scheduler=scheduler)
+    assert problems == [[]] * world_size
+
+
+def test_a_source_that_does_not_come_back_is_refused(pools):
+    (message,) = run_task(pools, 1, oracle_tasks.run_ahead_refuses_a_setup_that_does_not_come_back)
+    assert message.startswith("the suite could not put a trained setup back as it was"), message
+    assert "state[" in message, message
+
+
+@pytest.mark.parametrize("layout,world_size", [("fsdp2", 2), ("hsdp2x2", 4), ("pp2xfsdp2", 4)])
+def test_parameters_are_sharded_again_after_a_step(pools, layout, world_size):
+    assert run_task(pools, world_size, oracle_tasks.sharded_between_steps, layout=layout) == [[]] * world_size
