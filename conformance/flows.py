@@ -276,32 +276,65 @@ def _run_ahead(setup, steps: int) -> dict:
     return ahead
 
 
-def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict: bool = True,
-           on_saving=None, on_loaded=None) -> Resumed:
-    """The scenario most clauses share: train, save in ``mode``; load into a
-    fresh setup and train on; compare with the run that was not interrupted.
+@dataclass
+class Kept:
+    """A trained source a rank keeps across cases, and how it was kept."""
 
-    The uninterrupted run and the trained source are the same for every mode,
-    so a rank builds them once and keeps them (the comparison is against a
-    run no implementation touched, as SPEC §2's oracle says): one build,
-    trained ``before`` steps, run ``after`` steps ahead for the uninterrupted
-    run and put back as the source (see ``_run_ahead``). A source that a get
-    changed is not kept: purity is judged by OPT-PURE, not here.
-    ``on_saving(source)`` and ``on_loaded(resumed)``, when given, look at
-    the setups just before the save and just after the load (what a clause
-    checks beyond the resumed run).
-    """
+    setup: Any
+    key: tuple
+    expected: dict | None  # the uninterrupted run, when asked for
+
+    def save(self, c, mode: str, *, first=None, **kwargs) -> Saved:
+        """``save`` from the kept setup (``first(setup)`` before it, when
+        given); a setup that the implementation changed is dropped from the
+        cache (purity is judged by OPT-PURE, not here)."""
+        before = snapshot(self.setup)
+        if first is not None:
+            first(self.setup)
+        saved = save(c, self.setup, mode, **kwargs)
+        if diff_snapshots(before, snapshot(self.setup)):
+            c.rank_ctx.cache.pop(self.key, None)
+        return saved
+
+
+def kept_run(c, how: Recipe, steps: int, *, prepare=None) -> dict:
+    """The snapshot of ``how`` built with seed 0 and trained ``steps`` steps
+    (``prepare(setup)`` first, when given: what a case did to its own setup
+    before training it), kept per rank like ``trained_source``'s runs; a
+    plain run is the very run ``trained_source`` keeps as uninterrupted."""
     from .layouts import model_group
 
-    group = model_group(c, how.layout)
+    key = ("resume-expected", how, steps) if prepare is None else ("prepared-run", how, steps, prepare)
+    (have,) = _kept_everywhere(c, (key,), model_group(c, how.layout))
+    if have:
+        return _keep(c, key, c.rank_ctx.cache[key])
+    setup = how.build(c, 0)
+    if prepare is not None:
+        prepare(setup)
+    setup.train(steps)
+    return _keep(c, key, snapshot(setup))
+
+
+def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> Kept:
+    """``how`` built with seed 0 and trained ``before`` steps, and with
+    ``after``, the snapshot of that run ``after`` steps further: the same for
+    every mode, so a rank builds them once and keeps them (they are runs no
+    implementation touched, as SPEC §2's oracle says). One build serves both:
+    trained ``before`` steps, run ``after`` steps ahead, and put back (see
+    ``_run_ahead``). A case may only save from the source (``Kept.save``)
+    and look at it: anything else would change what later cases get.
+    """
+    from .layouts import model_group
 
     def trained(steps: int):
         setup = how.build(c, 0)
         setup.train(steps)
         return setup
 
-    source_key, expected_key = ("resume-source", how, before), ("resume-expected", how, before + after)
-    have_source, have_expected = _kept_everywhere(c, (source_key, expected_key), group)
+    source_key = ("resume-source", how, before)
+    expected_key = ("resume-expected", how, before + after) if after is not None else None
+    keys = (source_key, expected_key) if expected_key else (source_key,)
+    have_source, have_expected = (_kept_everywhere(c, keys, model_group(c, how.layout)) + [True])[:2]
     if have_source:
         source = _keep(c, source_key, c.rank_ctx.cache[source_key])
     else:
@@ -312,20 +345,28 @@ def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict
             _keep(c, expected_key, _run_ahead(source, after))
             have_expected = True
         _keep(c, source_key, source)
-    if have_expected:
-        expected = _keep(c, expected_key, c.rank_ctx.cache[expected_key])
-    else:
-        expected = _keep(c, expected_key, snapshot(trained(before + after)))
-    before_save = snapshot(source)
-    if on_saving is not None:
-        on_saving(source)
-    saved = save(c, source, mode)
-    if diff_snapshots(before_save, snapshot(source)):
-        c.rank_ctx.cache.pop(source_key, None)
+    expected = None
+    if expected_key:
+        expected = _keep(c, expected_key, c.rank_ctx.cache[expected_key] if have_expected else snapshot(trained(before + after)))
+    return Kept(source, source_key, expected)
+
+
+def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict: bool = True,
+           on_saving=None, on_loaded=None) -> Resumed:
+    """The scenario most clauses share: train, save in ``mode``; load into a
+    fresh setup and train on; compare with the run that was not interrupted
+    (both kept per rank: ``trained_source``).
+
+    ``on_saving(source)`` and ``on_loaded(resumed)``, when given, look at
+    the setups just before the save and just after the load (what a clause
+    checks beyond the resumed run).
+    """
+    kept = trained_source(c, how, before, after=after)
+    saved = kept.save(c, mode, first=on_saving)
     b = how.build(c, 1)
     b.set_steps_done(before)
     load(c, b, saved, strict=strict)
     if on_loaded is not None:
         on_loaded(b)
     b.train(after)
-    return Resumed(source, expected, b)
+    return Resumed(kept.setup, kept.expected, b)

@@ -64,3 +64,32 @@ def sharded_between_steps(ctx, layout: str) -> list[str]:
     setup = _setup(ctx, layout, "adamw")
     setup.train(1)
     return [name for name, p in setup.module.named_parameters() if not isinstance(p, DTensor)]
+
+
+def a_changed_source_is_not_kept(ctx) -> list[str]:
+    """A source the save changed is built afresh for the next case; one it
+    did not change is the same object."""
+    import torch
+
+    from conformance import flows
+
+    c = _setup(ctx, "single", "adamw").c
+    how = flows.recipe("single", "adamw")
+    kept = flows.trained_source(c, how, 1, after=1)
+    kept.save(c, "sharded")
+    problems = []
+    again = flows.trained_source(c, how, 1, after=1)
+    if again.setup is not kept.setup:
+        problems.append("an unchanged source was built again")
+
+    def vandalise(setup):
+        with torch.no_grad():
+            next(iter(setup.module.parameters())).add_(1.0)
+
+    again.save(c, "sharded", first=vandalise)
+    third = flows.trained_source(c, how, 1, after=1)
+    if third.setup is again.setup:
+        problems.append("a changed source was kept")
+    if third.expected is not again.expected:
+        problems.append("the uninterrupted run was dropped with the source")
+    return problems

@@ -1,7 +1,8 @@
 """The suite's reference runs: the uninterrupted run a resumed one is
 compared with comes from running the source ahead and putting it back
 (conformance.flows._run_ahead); these check that this is exactly a fresh
-run, and that a setup that does not come back is the suite's error."""
+run, that a setup that does not come back is the suite's error, and that
+a kept source a save changed is not used again."""
 
 import pytest
 
@@ -32,3 +33,7 @@ def test_a_source_that_does_not_come_back_is_refused(pools):
 @pytest.mark.parametrize("layout,world_size", [("fsdp2", 2), ("hsdp2x2", 4), ("pp2xfsdp2", 4)])
 def test_parameters_are_sharded_again_after_a_step(pools, layout, world_size):
     assert run_task(pools, world_size, oracle_tasks.sharded_between_steps, layout=layout) == [[]] * world_size
+
+
+def test_a_source_that_a_save_changed_is_built_afresh(pools):
+    assert run_task(pools, 1, oracle_tasks.a_changed_source_is_not_kept) == [[]]

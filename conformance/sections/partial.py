@@ -36,10 +36,9 @@ def part_1(c, layout, mode, strict, same_hparams=False):
     from what the checkpoint holds; only the load path can tell that the
     checkpoint never listed them (a path that counts the template's own
     fields as loaded lists them, and strict=True passes)."""
-    a = Setup(c, layout, "adamw")
-    a.train(2)
-    saved = flows.save(c, a, mode)
-    want = snapshot(a)
+    kept = flows.trained_source(c, flows.recipe(layout), 2)
+    saved = kept.save(c, mode)
+    want = snapshot(kept.setup)
     b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(adapter=True), groups=GroupSpec.for_seed(0) if same_hparams else None)
     b.set_steps_done(2)
     mine = [f for f in ADAPTER if f in dict(b.named_parameters())]
@@ -70,11 +69,11 @@ def part_1(c, layout, mode, strict, same_hparams=False):
 
 def part_2(c, layout, mode):
     """Lazy state: parameters that never had a gradient have no state, before and after."""
-    a = Setup(c, layout, "adamw", cfg=ModelConfig(lazy_aux=True))
-    a.train(2)
+    kept = flows.trained_source(c, flows.recipe(layout, cfg=ModelConfig(lazy_aux=True)), 2)
+    a = kept.setup
     lazy = [f for f, p in a.named_parameters() if p.requires_grad and not a.optimizers[0].state.get(p)]
     check(bool(lazy) or layout.startswith("pp"), "setup error: no lazy parameter")
-    saved = flows.save(c, a, mode)
+    saved = kept.save(c, mode)
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(lazy_aux=True))
     b.set_steps_done(2)
