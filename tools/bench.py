@@ -32,7 +32,8 @@ per repetition (by default: full get and broadcast sets on the 50k model;
 broadcast set on the large models); memory runs skip torch there
 too, and ``--memory-torch-skip`` names more.
 
-Run from the repository root: the ranks import their work from ``tools.bench_tasks``.
+Run from the repository root (``python -m tools.bench`` or ``python tools/bench.py``): the
+ranks import their work from ``tools.bench_tasks``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+
+if not __package__:  # run as a script: tools is imported from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools import bench_tasks
 from tools.bench_tasks import MODES
