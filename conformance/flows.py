@@ -333,8 +333,8 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
 
     source_key = ("resume-source", how, before)
     expected_key = ("resume-expected", how, before + after) if after is not None else None
-    keys = (source_key, expected_key) if expected_key else (source_key,)
-    have_source, have_expected = (_kept_everywhere(c, keys, model_group(c, how.layout)) + [True])[:2]
+    flags = _kept_everywhere(c, (source_key, expected_key) if expected_key else (source_key,), model_group(c, how.layout))
+    have_source, have_expected = flags[0], expected_key is None or flags[1]
     if have_source:
         source = _keep(c, source_key, c.rank_ctx.cache[source_key])
     else:
