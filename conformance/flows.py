@@ -306,13 +306,16 @@ def kept_run(c, how: Recipe, steps: int, *, prepare=None) -> dict:
 
     key = ("resume-expected", how, steps) if prepare is None else ("prepared-run", how, steps, prepare)
     (have,) = _kept_everywhere(c, (key,), model_group(c, how.layout))
-    if have:
-        return _keep(c, key, c.rank_ctx.cache[key])
+    return _keep(c, key, c.rank_ctx.cache[key] if have else snapshot(_trained(c, how, steps, prepare)))
+
+
+def _trained(c, how: Recipe, steps: int, prepare=None):
+    """``how`` built with seed 0 (``prepare``d, when given) and trained ``steps`` steps."""
     setup = how.build(c, 0)
     if prepare is not None:
         prepare(setup)
     setup.train(steps)
-    return _keep(c, key, snapshot(setup))
+    return setup
 
 
 def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> Kept:
@@ -326,11 +329,6 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
     """
     from .layouts import model_group
 
-    def trained(steps: int):
-        setup = how.build(c, 0)
-        setup.train(steps)
-        return setup
-
     source_key = ("resume-source", how, before)
     expected_key = ("resume-expected", how, before + after) if after is not None else None
     flags = _kept_everywhere(c, (source_key, expected_key) if expected_key else (source_key,), model_group(c, how.layout))
@@ -338,7 +336,7 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
     if have_source:
         source = _keep(c, source_key, c.rank_ctx.cache[source_key])
     else:
-        source = trained(before)
+        source = _trained(c, how, before)
         # A source that never stepped has FSDP and the optimizers not yet set
         # up: running it ahead would change what get sees, so it is not.
         if not have_expected and before > 0:
@@ -347,7 +345,7 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
         _keep(c, source_key, source)
     expected = None
     if expected_key:
-        expected = _keep(c, expected_key, c.rank_ctx.cache[expected_key] if have_expected else snapshot(trained(before + after)))
+        expected = _keep(c, expected_key, c.rank_ctx.cache[expected_key] if have_expected else snapshot(_trained(c, how, before + after)))
     return Kept(source, source_key, expected)
 
 

@@ -6,12 +6,18 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 
 
-def _setup(ctx, layout: str, optimizer: str, seed: int = 0, scheduler: bool = False):
+def _context(ctx):
+    """A case context for conformance's Setup, driving hyperdsd."""
     from conformance.adapters import load_adapter
     from conformance.context import CaseContext
+
+    return CaseContext(ctx, None, 0, load_adapter("hyperdsd"), "")
+
+
+def _setup(ctx, layout: str, optimizer: str, seed: int = 0, scheduler: bool = False):
     from conformance.layouts import Setup
 
-    return Setup(CaseContext(ctx, None, 0, load_adapter("hyperdsd"), ""), layout, optimizer, seed=seed, scheduler=scheduler)
+    return Setup(_context(ctx), layout, optimizer, seed=seed, scheduler=scheduler)
 
 
 def run_ahead_is_the_uninterrupted_run(ctx, layout: str, optimizer: str, scheduler: bool) -> list[str]:
@@ -73,7 +79,7 @@ def a_changed_source_is_not_kept(ctx) -> list[str]:
 
     from conformance import flows
 
-    c = _setup(ctx, "single", "adamw").c
+    c = _context(ctx)
     how = flows.recipe("single", "adamw")
     kept = flows.trained_source(c, how, 1, after=1)
     kept.save(c, "sharded")
