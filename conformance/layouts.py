@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hyperdsd import _compat
+from . import _compat
 
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 

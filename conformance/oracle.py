@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from hyperdsd import tree
+from . import tree
 
 
 class CheckFailure(AssertionError):

@@ -1,15 +1,19 @@
-"""Private torch APIs live in one file, hyperdsd/_compat.py, each with its reason.
+"""Two fences, both checked by parsing the sources.
 
-A torch upgrade breaks private APIs first; keeping them in one place keeps
-the fix in one place. This test parses the sources (library, suite, tools)
-and names every use of a private torch module, name or attribute elsewhere.
+- Private torch APIs live in one file per product, hyperdsd/_compat.py and
+  conformance/_compat.py, each with its reason: a torch upgrade breaks
+  private APIs first, and keeping them in one place keeps the fix there.
+- The suite is independent of the library it judges: conformance/ uses
+  hyperdsd only through its public API and the shared harness
+  (hyperdsd.testing), so a bug in hyperdsd's helpers cannot be shared by the
+  suite that certifies it.
 """
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ALLOWED = {ROOT / "hyperdsd" / "_compat.py"}
+ALLOWED = {ROOT / "hyperdsd" / "_compat.py", ROOT / "conformance" / "_compat.py"}
 TORCH_NAMES = {"torch", "dist", "nn", "F"}  # how the sources name torch's modules
 # Private attributes of torch objects (modules, tensors, optimizers, groups).
 PRIVATE_ATTRS = {
@@ -52,7 +56,7 @@ def test_private_torch_apis_only_in_compat():
             if path in ALLOWED:
                 continue
             offenders += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in private_uses(path.read_text())]
-    assert offenders == [], "private torch APIs outside hyperdsd/_compat.py:\n" + "\n".join(offenders)
+    assert offenders == [], "private torch APIs outside the _compat modules:\n" + "\n".join(offenders)
 
 
 def test_the_fence_sees_what_it_guards():
@@ -73,3 +77,58 @@ def test_the_fence_sees_what_it_guards():
     ]
     for sample in allowed:
         assert not private_uses(sample), sample
+
+
+# -- the suite does not import the library it judges -----------------------------
+
+HYPERDSD_PUBLIC = {"testing", *__import__("hyperdsd").__all__, "__version__"}
+
+
+def hyperdsd_internals(source: str) -> list[tuple[int, str]]:
+    """Uses of hyperdsd beyond its public names and the harness (hyperdsd.testing)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "hyperdsd":
+            parts = node.module.split(".")
+            names = [parts[1]] if len(parts) > 1 else [a.name for a in node.names]
+            if any(name not in HYPERDSD_PUBLIC for name in names):
+                found.append((node.lineno, f"from {node.module} import {', '.join(a.name for a in node.names)}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "hyperdsd" and len(parts) > 1 and parts[1] not in HYPERDSD_PUBLIC:
+                    found.append((node.lineno, f"import {alias.name}"))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "hyperdsd":
+            if node.attr not in HYPERDSD_PUBLIC and not node.attr.startswith("__"):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_suite_uses_only_hyperdsds_public_api_and_harness():
+    offenders = []
+    for path in sorted((ROOT / "conformance").rglob("*.py")):
+        offenders += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in hyperdsd_internals(path.read_text())]
+    assert offenders == [], "conformance/ uses hyperdsd internals:\n" + "\n".join(offenders)
+
+
+def test_the_suite_fence_sees_what_it_guards():
+    caught = [
+        "from hyperdsd import tree",
+        "from hyperdsd.placement import DTensorLayout",
+        "import hyperdsd._compat",
+        "index = hyperdsd.fqn.ModelIndex(model)",
+        "from hyperdsd import get_state_dict, tree",
+    ]
+    for sample in caught:
+        assert hyperdsd_internals(sample), sample
+    allowed = [
+        "import hyperdsd",
+        "from hyperdsd import StateDictOptions, get_state_dict",
+        "from hyperdsd.testing import PoolSet, Task",
+        "from hyperdsd.testing.context import RankContext",
+        "options = hyperdsd.StateDictOptions(full_state_dict=True)",
+        "planner = hyperdsd.checkpoint.LoadPlanner()",
+        "from . import tree",
+    ]
+    for sample in allowed:
+        assert not hyperdsd_internals(sample), sample

@@ -19,7 +19,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import hyperdsd
-from hyperdsd.placement import DTensorLayout
+
+# Wrapper modules' segments, which never appear in a state dict's keys.
+_WRAPPER_SEGMENTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
 
 @dataclass
@@ -58,14 +60,28 @@ def _localise_state(osd: dict, flat: bool) -> dict:
     return {"state": _to_local(osd.get("state", {})), "param_groups": osd.get("param_groups", [])}
 
 
+def _params_by_name(model) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters by the names its state dict uses (wrapper segments dropped)."""
+    return {
+        ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS): p
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def _as_dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A local shard as a DTensor laid out like ``param``."""
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
 def _relayout(model, osd: dict, flat: bool) -> dict:
     """Wrap plain local shards back into DTensors laid out like their parameters."""
-    params = dict(hyperdsd.fqn.ModelIndex(model).param_of)
+    params = _params_by_name(model)
 
     def wrap(fqn, value):
         p = params.get(fqn)
         if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
-            return DTensorLayout.of(p).wrap(value)
+            return _as_dtensor_like(p, value)
         return value
 
     if flat:
@@ -90,8 +106,11 @@ def get_model_state_dict(model, config: CheckpointConfig | None = None) -> dict:
 def set_model_state_dict(model, state_dict: dict, config: CheckpointConfig | None = None):
     config = config or CheckpointConfig()
     if not config.gather:
-        params = {**dict(hyperdsd.fqn.ModelIndex(model).param_of)}
-        state_dict = {k: (DTensorLayout.of(params[k]).wrap(v) if isinstance(params.get(k), DTensor) and not isinstance(v, DTensor) else v) for k, v in state_dict.items()}
+        params = _params_by_name(model)
+        state_dict = {
+            k: _as_dtensor_like(params[k], v) if isinstance(params.get(k), DTensor) and not isinstance(v, DTensor) else v
+            for k, v in state_dict.items()
+        }
     return hyperdsd.set_model_state_dict(model, state_dict, options=config._as_options())
 
 

@@ -4,10 +4,7 @@ rank, before changing anything."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-
-from hyperdsd import _compat
 
 from .. import flows
 from ..flows import get_options, optimizers_arg, set_options
@@ -204,17 +201,12 @@ def atom_3(c, layout, target):
     else:
         msd = {canonical(k): v for k, v in clone_tree(b.module.state_dict()).items()}
         call = lambda: c.iut.set_model_state_dict(b.model, msd, options=opts)  # noqa: E731
-    seq = _collectives_issued()
+    seq = c.rank_ctx.collectives_issued()
     exc = expect_error(call, what="OPT-ATOM-3: contradictory options")
     check(isinstance(exc, ValueError), f"OPT-ATOM-3: raised {type(exc).__name__}, expected ValueError: {exc}")
-    issued = _collectives_issued() - seq
+    issued = c.rank_ctx.collectives_issued() - seq
     check(issued == 0, f"OPT-ATOM-3: {issued} collective(s) were issued before the error")
     expect_unchanged(before, optimizer_view(b), "OPT-ATOM-3: the failed set changed the optimizer")
-
-
-def _collectives_issued() -> int:
-    """Collectives this rank has issued on all its process groups so far."""
-    return sum(_compat.collectives_issued(pg) for pg in _compat.member_groups(dist.get_rank()).values())
 
 
 def atom_4(c, layout, mode):

@@ -6,9 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hyperdsd import tree
-
-from .. import flows
+from .. import flows, tree
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
 from ..meter import ReceiveMeter

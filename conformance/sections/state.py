@@ -7,9 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hyperdsd import tree
-
-from .. import flows
+from .. import flows, tree
 from ..flows import get_options, optimizers_arg
 from ..models import ModelConfig
 from ..oracle import diff_snapshots, fail_if, layout_problems, snapshot

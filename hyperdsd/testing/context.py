@@ -110,6 +110,17 @@ class RankContext:
         except Exception:
             return None  # unknown: the controller treats the groups as suspect
 
+    def collectives_issued(self) -> int:
+        """Collectives this rank has issued on all its process groups so far
+        (a check that an error came before any collective compares two reads)."""
+        import torch.distributed as dist
+
+        from .. import _compat
+
+        if not dist.is_initialized():
+            return 0
+        return sum(_compat.collectives_issued(pg) for pg in _compat.member_groups(dist.get_rank()).values())
+
 
 REGION_ATTR = "__hyperdsd_region__"
 
