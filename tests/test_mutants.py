@@ -1,5 +1,5 @@
 """The mutation list still applies to the current sources, so the measured
-score (README) cannot rot silently. No suite run here: ``python -m
+score (docs/CONFORMANCE.md, docs/MUTATION.md) cannot rot silently. No suite run here: ``python -m
 tools.mutate`` runs the campaign."""
 
 import ast

@@ -1,6 +1,6 @@
-"""The examples of the README's "Resuming training" section run as they are,
-in one process and on two ranks under torchrun, and the error the section
-shows is the one raised."""
+"""The examples of docs/RESUMING.md run as they are, in one process and on
+two ranks under torchrun, and the error the page shows is the one raised.
+The page marks the examples with a comment, so headings can change freely."""
 
 import os
 import pickle
@@ -13,20 +13,19 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from helpers import ROOT
 
-PAGE = os.path.join(ROOT, "README.md")
-SECTION = "## Resuming training"
+PAGE = os.path.join(ROOT, "docs", "RESUMING.md")
+BEGIN, END = "<!-- examples: tests/test_resuming.py", "<!-- end examples -->"
 EXAMPLES = ("resume_one_call.py", "resume_planner.py", "resume_app_state.py")
 # Runs each example in a fresh namespace of one interpreter: torch is imported once.
 RUNNER = "import runpy, sys\nfor path in sys.argv[1:]:\n    runpy.run_path(path, run_name='__main__')\n"
 
 
 def section() -> str:
-    """The README's resuming section: from its heading to the next one of its level."""
+    """The page's tested examples: from the begin marker to the end marker."""
     with open(PAGE) as f:
         text = f.read()
-    assert SECTION in text, f"{PAGE} has no {SECTION!r} section"
-    body = text.split(SECTION, 1)[1]
-    return body.split("\n## ", 1)[0]
+    assert BEGIN in text and END in text, f"{PAGE} lacks the markers {BEGIN!r} ... {END!r}"
+    return text.split(BEGIN, 1)[1].split(END, 1)[0]
 
 
 def blocks(lang: str) -> list[str]:
