@@ -15,9 +15,10 @@ import sys
 from collections import Counter, defaultdict
 
 from .deviations import signature
+from .results import Status
 
-_BAD = ("failed", "error")
-_GOOD = ("passed", "xpass")
+_BAD = (Status.FAILED, Status.ERROR)
+_GOOD = (Status.PASSED, Status.XPASS)
 
 
 def _load(path: str) -> dict:

@@ -48,6 +48,7 @@ if not __package__:  # run as a script: tools is imported from the repository ro
 
 from tools import bench_tasks
 from tools.bench_tasks import MODES
+from hyperdsd.testing import Status
 
 FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both")
 MANY_KEYS = ("10k", "50k")
@@ -95,7 +96,7 @@ def main() -> None:
             torch_too = (size, mode) not in torch_skip
             task = Task(bench_tasks.time_mode, {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget, "torch_too": torch_too})
             outcome = pools.run(4, task, 3600)
-            if outcome.status != "passed":
+            if outcome.status is not Status.PASSED:
                 print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}", flush=True)
                 continue
             t = outcome.values[0]
@@ -133,7 +134,7 @@ def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
         columns: dict[str, dict[str, float]] = {}
         for mode in modes:
             outcome = pools.run(4, Task(bench_tasks.breakdown, {"size": size, "mode": mode}), 3600)
-            if outcome.status != "passed":
+            if outcome.status is not Status.PASSED:
                 print(f"{size} {mode}: failed: {outcome.describe()[:300]}")
                 continue
             slowest = max(outcome.values, key=lambda v: v["cpu_s"])
@@ -167,7 +168,7 @@ def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, 
                         continue
                     with PoolSet(gloo_timeout_s=900) as pools:
                         outcome = pools.run(4, Task(bench_tasks.memory, {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
-                    if outcome.status != "passed":
+                    if outcome.status is not Status.PASSED:
                         print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}", flush=True)
                         continue
                     peaks = " / ".join(f"{v['peak_above_base_mib']:6.1f}" for v in outcome.values)

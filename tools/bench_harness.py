@@ -22,6 +22,8 @@ import statistics
 import tempfile
 import time
 
+from hyperdsd.testing import Status
+
 
 def fsdp_get_set(ctx, variant: int = 0):
     """The test body: FSDP2 model, one AdamW step, get and set (sharded or full)."""
@@ -96,7 +98,7 @@ def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]
             start = time.perf_counter()
             outcome = pools.run(world_size, Task(task, {"variant": i}))
             wall = time.perf_counter() - start
-            assert outcome.status == "passed", outcome.describe()
+            assert outcome.status is Status.PASSED, outcome.describe()
             walls.append(wall)
             overheads.append(wall - max(r.duration_s for r in outcome.results))
     return startup, walls, overheads

@@ -5,7 +5,7 @@ copy of ``hyperdsd`` in a temporary directory, under the package name
 ``hyperdsd_mutant``, and the suite runs against it with
 ``--impl hyperdsd_mutant``. The copy has its own name so that only the
 implementation under test is mutated: the suite's harness and oracle keep
-importing the real ``hyperdsd`` (``hyperdsd.testing``, ``hyperdsd.tree``).
+importing the real ``hyperdsd.testing``.
 
 For each mutant the suite runs in up to three stages, each with ``-x`` (stop
 at the first failing case): the mutant's hints (the cases most likely to
@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from .mutants import MUTANTS, Mutant
+from hyperdsd.testing import Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "hyperdsd_mutant"
@@ -108,7 +109,7 @@ def run_suite(parent: str, patterns: list[str] | None, report: str, log) -> Stag
         data = json.load(f)
     os.remove(report)
     for case in data["cases"]:
-        if case["status"] in ("failed", "error"):
+        if case["status"] in (Status.FAILED, Status.ERROR):
             lines = [line.strip() for line in case["message"].splitlines() if line.strip()]
             first = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
             return StageResult(case["id"], case["status"], first, len(data["cases"]))

@@ -27,6 +27,8 @@ import sys
 import time
 from collections import Counter, defaultdict
 
+from hyperdsd.testing import Status
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VERSIONS = ("2.13.0", "2.14.1")
 
@@ -72,8 +74,8 @@ def _table(results: dict[tuple[str, str], dict], versions: list[str], impls: lis
             if case["clause"] not in clauses:
                 clauses.append(case["clause"])
         for clause, counts in per.items():
-            ran = sum(counts.values()) - counts["n/a"]
-            cells[clause][col] = f"{counts['passed'] + counts['xpass']}/{ran}" if ran else "n/a"
+            ran = sum(counts.values()) - counts[Status.NOT_APPLICABLE]
+            cells[clause][col] = f"{counts[Status.PASSED] + counts[Status.XPASS]}/{ran}" if ran else "n/a"
     heads = [f"{i} {v}" for v, i in columns]
     lines = ["| clause | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for clause in clauses:

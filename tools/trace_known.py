@@ -21,6 +21,7 @@ from typing import Callable
 
 from conformance.adapters import MODES
 from conformance.deviations import signature
+from conformance.results import Status
 
 PIPELINE = ("pp2", "pp2xfsdp2")
 
@@ -163,7 +164,7 @@ def main() -> int:
         with open(path) as f:
             later = {c["id"]: c for c in json.load(f)["cases"]}
         cases = [later.pop(c["id"], c) for c in cases] + list(later.values())
-    bad = [c for c in cases if c["status"] in ("failed", "error", "xfail")]
+    bad = [c for c in cases if c["status"] in (Status.FAILED, Status.ERROR, Status.XFAIL)]
     by_cause: dict[str, list[str]] = {}
     untraced = []
     for c in bad:

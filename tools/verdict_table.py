@@ -12,6 +12,7 @@ import json
 from collections import Counter, defaultdict
 
 from conformance.deviations import signature
+from conformance.results import Status
 
 
 def main() -> None:
@@ -28,9 +29,9 @@ def main() -> None:
     print("| clause | passed | not passed (most common causes) |")
     print("|---|---|---|")
     for clause, cases in by_clause.items():
-        ran = [c for c in cases if c["status"] != "n/a"]
-        ok = sum(c["status"] in ("passed", "xpass") for c in ran)
-        causes = Counter(signature(c["message"]) for c in ran if c["status"] not in ("passed", "xpass"))
+        ran = [c for c in cases if c["status"] != Status.NOT_APPLICABLE]
+        ok = sum(c["status"] in (Status.PASSED, Status.XPASS) for c in ran)
+        causes = Counter(signature(c["message"]) for c in ran if c["status"] not in (Status.PASSED, Status.XPASS))
         text = "; ".join(f"{n}× {sig}" for sig, n in causes.most_common(args.causes))
         print(f"| {clause} | {ok}/{len(ran)} | {text} |")
 
