@@ -7,7 +7,7 @@ entry says why no public API does the job.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -101,12 +101,17 @@ def plain_state_dict(opt: torch.optim.Optimizer) -> bool:
     )
 
 
-def optimizer_load_hooks(opt: torch.optim.Optimizer) -> tuple[list[Callable], list[Callable]]:
+class LoadHooks(NamedTuple):
+    pre: list[Callable]
+    post: list[Callable]
+
+
+def optimizer_load_hooks(opt: torch.optim.Optimizer) -> LoadHooks:
     # Optimizer.load_state_dict replays these; loading in place means we
     # replay them ourselves (registration is public, the registry is not).
     pre = list(getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values())
     post = list(getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values())
-    return pre, post
+    return LoadHooks(pre, post)
 
 
 def unhooked_step(opt_class: type) -> Callable:

@@ -116,7 +116,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers, *, submodules=None,
 def _run_pre_hooks(optims, osd):
     """The optimizers' load-state-dict pre-hooks, as ``Optimizer.load_state_dict`` runs them."""
     for opt in optims:
-        for hook in _compat.optimizer_load_hooks(opt)[0]:
+        for hook in _compat.optimizer_load_hooks(opt).pre:
             result = hook(opt, osd)
             if result is not None:
                 osd = result
@@ -125,7 +125,7 @@ def _run_pre_hooks(optims, osd):
 
 def _run_post_hooks(optims) -> None:
     for opt in optims:
-        for hook in _compat.optimizer_load_hooks(opt)[1]:
+        for hook in _compat.optimizer_load_hooks(opt).post:
             hook(opt)
 
 

@@ -29,15 +29,15 @@ from . import _compat, collectives
 from .flatten import is_flat
 from .group import Group
 from .plan import ModelLoadPlan, OptimizerLoadPlan, Prepared, TensorMeta
-from .scatter import Metas, Need, PackedNeeds, scatter_from_root
+from .scatter import Metas, Need, PackedNeeds, ShapeDtype, scatter_from_root
 from .tree import leaves, rebuild, where
 
 
-def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[tuple], list[str]]:
+def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype], list[str]]:
     """The root's dict with each tensor replaced by a :class:`TensorMeta`;
     the tensors; their ``(shape, dtype)`` in index order; problems."""
     fulls: list[torch.Tensor] = []
-    metas: list[tuple] = []
+    metas: list[ShapeDtype] = []
     problems: list[str] = []
     # One object per distinct shape and per distinct (shape, dtype): pickle
     # sends a shared object once, so every rank unpickles a handful instead
@@ -52,7 +52,7 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[tuple], lis
             fulls.append(leaf)
             shape = tuple(leaf.shape)
             shape = shared.setdefault(shape, shape)
-            pair = (shape, leaf.dtype)
+            pair = ShapeDtype(shape, leaf.dtype)
             metas.append(shared.setdefault(pair, pair))
             return TensorMeta(shape, leaf.dtype, len(fulls) - 1)
         return leaf

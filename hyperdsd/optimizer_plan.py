@@ -77,7 +77,7 @@ def _listed(source: Source, index: ModelIndex) -> tuple[set[str], dict[str, dict
             if canon is not None and (canon not in by_name or fqn == canon):
                 by_name[canon] = entry
     # State that nobody wrote into (a template's placeholders) does not list a parameter.
-    listed.update(f for f, e in by_name.items() if len(unwritten_keys(e)[0]) < len(e))
+    listed.update(f for f, e in by_name.items() if len(unwritten_keys(e).keys) < len(e))
     return listed, by_name
 
 

@@ -177,7 +177,7 @@ def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict:
 
     def listed(f: str) -> bool:
         entry = state.get(f)
-        if entry and len(unwritten_keys(entry)[0]) < len(entry):
+        if entry and len(unwritten_keys(entry).keys) < len(entry):
             return True
         # Group fields count unless they are still the template's own objects
         # (DCP replaces every value it loads; some it copies even when not).

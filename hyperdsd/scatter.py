@@ -17,7 +17,7 @@ import functools
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,12 @@ from .placement import DTensorLayout
 _STACKED_BYTES = 64 << 10
 
 # (shape, dtype) of each of the root's tensors, in manifest order
-Metas = Sequence[tuple[torch.Size, torch.dtype]]
+class ShapeDtype(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+Metas = Sequence[ShapeDtype]
 # Tensors whose pieces are packed one after the other, and the bytes of
 # each one's piece on every rank (-1: the rank needs none)
 Run = tuple[list[int], tuple[int, ...]]
@@ -179,7 +184,7 @@ class Scatterer:
         result = []
         for members in runs.values():
             first = members[0]
-            itemsize = self.metas[first][1].itemsize
+            itemsize = self.metas[first].dtype.itemsize
             sizes = tuple(-1 if (need := e[first]) is None else need.numel() * itemsize for e in self.everyone)
             result.append((members, sizes))
         return result
@@ -206,7 +211,7 @@ class Scatterer:
     def _scatter_one(self, i: int) -> None:
         """One large tensor: the root's rows go straight into each rank's destination."""
         need = self.everyone[self.me][i]
-        shape, dtype = need.shape(), self.metas[i][1]
+        shape, dtype = need.shape(), self.metas[i].dtype
         target = self.target_for(i) if self.target_for is not None else None
         usable = target is not None and target.is_contiguous() and list(target.shape) == shape and target.dtype == dtype
         recv = target if usable else torch.empty(shape, dtype=dtype, device=self.device)
@@ -236,7 +241,7 @@ class Scatterer:
                 continue
             step, shape = aligned(n), self.everyone[self.me][members[0]].shape()
             for i in members:
-                self._deliver(i, from_bytes(recv[off : off + n], self.metas[i][1], shape), view=True)
+                self._deliver(i, from_bytes(recv[off : off + n], self.metas[i].dtype, shape), view=True)
                 off += step
 
     def _pack(self, bucket: list[Run], width: int) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ import copy
 import inspect
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -87,7 +87,12 @@ def is_template_value(value: Any) -> bool:
     return id(value) in _template_values and _template_values[id(value)] is value
 
 
-def unwritten_keys(entry: dict) -> tuple[set, bool]:
+class Unwritten(NamedTuple):
+    keys: set  # keys holding only placeholders nobody wrote into
+    unknown: bool  # this rank cannot tell (only empty shards of placeholders)
+
+
+def unwritten_keys(entry: dict) -> Unwritten:
     """Keys of ``entry`` that are placeholders nobody wrote into, and whether
     that cannot be told here.
 
@@ -101,7 +106,7 @@ def unwritten_keys(entry: dict) -> tuple[set, bool]:
     asks them, see ``collectives.agree``). Until then they count as written.
     """
     if not has_placeholders(entry):
-        return set(), False  # nothing of a template's: every key counts as written
+        return Unwritten(set(), False)  # nothing of a template's: every key counts as written
     unwritten, empty, plain = set(), set(), set()
     for k, v in entry.items():
         tensors = _tensors(v)
@@ -117,7 +122,7 @@ def unwritten_keys(entry: dict) -> tuple[set, bool]:
         unwritten -= empty
     if unwritten and len(unwritten) == holding:
         unwritten |= plain
-    return unwritten, unknown
+    return Unwritten(unwritten, unknown)
 
 
 # -- the scratch step --------------------------------------------------------

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import hyperdsd
 from hyperdsd import collectives
 from hyperdsd.gather import Gatherer
-from hyperdsd.scatter import Need, scatter_from_root
+from hyperdsd.scatter import Need, ShapeDtype, scatter_from_root
 from hyperdsd.placement import DTensorLayout
 
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
@@ -56,7 +56,7 @@ def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
     needs = [Need.of_layout(layouts[0]), Need.whole(fulls[1].shape), Need.of_layout(layouts[2]) if ctx.rank % 2 else None]
     if big:
         needs.append(Need.of_layout(layouts[3]))
-    metas = [(tuple(f.shape), f.dtype) for f in fulls]
+    metas = [ShapeDtype(tuple(f.shape), f.dtype) for f in fulls]
     pieces = scatter_from_root(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
     for i, need in enumerate(needs):
         if need is None:
@@ -85,7 +85,7 @@ def scatter_many(ctx, bucket_bytes: int = 1 << 20):
             needs.append(Need.whole(shape))
         else:
             needs.append(Need.whole(shape) if ctx.rank % 2 else None)
-    metas = [(tuple(f.shape), f.dtype) for f in fulls]
+    metas = [ShapeDtype(tuple(f.shape), f.dtype) for f in fulls]
     pieces = scatter_from_root(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
     for i, need in enumerate(needs):
         if need is None:
