@@ -8,6 +8,7 @@ change the optimizer, and sets that validate before they change anything.
 one-call save/load, and a ``Stateful``).
 """
 
+from . import checkpoint
 from .api import (
     get_model_state_dict,
     get_optim_state_dict,
@@ -18,7 +19,6 @@ from .api import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from . import checkpoint
 from .errors import StateDictError
 from .options import StateDictOptions
 

@@ -5,7 +5,7 @@ one agreement (a single all-reduce when nothing is wrong), so bad input on
 any rank raises :class:`StateDictError` on every rank before anything has
 changed. With a process group initialised, call ``set_*`` on every rank of
 the model's group: the whole world, or for a model whose meshes were built
-over part of it, exactly those ranks (:mod:`group`).
+over part of it, exactly those ranks (:mod:`hyperdsd.transport.group`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,19 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from . import _compat, collectives, distribute, flatten as flat_format, group as groups
-from . import model as model_state
-from . import optimizer as optim_state
-from . import optimizer_plan as optim_plan
-from . import templates
-from .broadcast import BroadcastLoad
+from . import _compat
+from .agreement import BroadcastAgreement, LocalAgreement
 from .errors import StateDictError
-from .fqn import ModelIndex, optimizer_params
 from .options import StateDictOptions, resolve_options
-from .plan import ModelLoadPlan, OptimizerLoadPlan
+from .state import flat as flat_format
+from .state import model as model_state
+from .state import optimizer as optim_state
+from .state import optimizer_load as optim_plan
+from .state import placeholders
+from .state.fqn import ModelIndex, optimizer_params
+from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan
+from .transport import consolidate
+from .transport import group as groups
 
 Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
@@ -70,8 +73,8 @@ def get_model_state_dict(model: nn.Module, *, submodules=None, options: StateDic
 def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions) -> dict[str, Any]:
     sd = model_state.read_state(model, index, opts.ignore_frozen_params)
     if opts.full_state_dict:
-        return distribute.full_model(sd, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
-    return distribute.offload(sd) if opts.cpu_offload else sd
+        return consolidate.full_model(sd, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
+    return consolidate.offload(sd) if opts.cpu_offload else sd
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *, submodules=None, options: StateDictOptions | None = None) -> dict[str, Any]:
@@ -90,14 +93,14 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *, submod
 def _optimizer_state(index: ModelIndex, optims, opts: StateDictOptions) -> dict[str, Any]:
     nested = optim_state.read_state(index, optims)
     if opts.full_state_dict:
-        nested = distribute.full_optimizer(nested, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
+        nested = consolidate.full_optimizer(nested, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
     elif opts.cpu_offload:
-        nested = distribute.offload(nested)
+        nested = consolidate.offload(nested)
     if opts.flatten_optimizer_state_dict and nested:
         nested = flat_format.flatten(nested)
-        anchor = templates.first_placeholder(nested)
+        anchor = placeholders.first_placeholder(nested)
         if anchor is not None:
-            templates.track_template_fields(nested, anchor)
+            placeholders.track_template_fields(nested, anchor)
     return nested
 
 
@@ -132,10 +135,11 @@ def _run_post_hooks(optims) -> None:
 class _Load:
     """One load of a model and/or optimizers: plan on every rank, agree, apply.
 
-    ``parts`` maps "model" and/or "optim" to the state dict to load. With
-    ``broadcast_from_rank0`` the plans are made against the root's manifests
-    and agreement comes with the transfers (:mod:`broadcast`); without it,
-    one all-reduce agrees. Both run in the model's group.
+    ``parts`` maps "model" and/or "optim" to the state dict to load. The
+    agreement (:mod:`.agreement`) says what the plans are made against and
+    how the ranks agree: with ``broadcast_from_rank0`` the root's manifests,
+    agreement coming with the transfers; without it, each rank's own dicts
+    and one all-reduce. Both run in the model's group.
     """
 
     def __init__(self, model: nn.Module, opts: StateDictOptions, parts: dict[str, Any], optimizers=()):
@@ -153,17 +157,12 @@ class _Load:
         parts = dict(self.parts)
         if "optim" in parts:
             parts["optim"] = _run_pre_hooks(self.optims, parts["optim"])
-        bcast = BroadcastLoad(parts, self.group) if self.opts.broadcast_from_rank0 and self.group.active else None
-        if bcast is not None:
-            parts = bcast.manifests()
-            self.problems += bcast.problems
-        self._plan(parts, foreign_ok=bcast is not None)
-        if bcast is not None:
-            answers = bcast.agree_and_deliver(what, self.problems, self.model_plan, self.optim_plan, self.opts.strict)
-        else:
-            questions = self.optim_plan.questions if self.optim_plan is not None else {}
-            answers = collectives.agree(self.problems, f"{what}: nothing was loaded", questions, self.group)
-        self._apply(answers)
+        broadcast = self.opts.broadcast_from_rank0 and self.group.active
+        agreement = (BroadcastAgreement if broadcast else LocalAgreement)(parts, self.group)
+        parts = agreement.manifests()
+        self.problems += agreement.problems
+        self._plan(parts, foreign_ok=agreement.foreign_ok)
+        self._apply(agreement.agree(what, self.problems, self.model_plan, self.optim_plan, self.opts.strict))
 
     def _plan(self, parts: dict[str, Any], foreign_ok: bool) -> None:
         """Check everything against this rank's model and optimizers; change nothing."""

@@ -20,16 +20,16 @@ failing rank's error; :func:`load` turns it into one :class:`StateDictError`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import api
-from .checkpoint_plan import judge, optimizer_entries, unexpected
 from .errors import StateDictError
 from .options import StateDictOptions, resolve_options
+from .state.dcp_template import judge, optimizer_entries, unexpected
 
 __all__ = ["AppState", "LoadPlanner", "load", "save"]
 

@@ -26,7 +26,7 @@ class StateDictOptions:
     "Rank 0" is the first rank of the model's process group: global rank 0
     for a model over the whole world; for a model whose meshes were built
     over part of the world (two models on disjoint halves), the lowest rank
-    of its meshes, and only those ranks call (see :mod:`hyperdsd.group`).
+    of its meshes, and only those ranks call (see :mod:`hyperdsd.transport.group`).
     - ``flatten_optimizer_state_dict``: one level of keys,
       ``state.{fqn}.{key}`` and ``param_groups.{fqn}.{field}``.
     - ``dsd_fqn_modifiers``: name of the method by which a module tells which

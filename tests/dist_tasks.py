@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import hyperdsd
-from hyperdsd import collectives
-from hyperdsd.gather import Gatherer
-from hyperdsd.scatter import Need, ShapeDtype, scatter_from_root
+from hyperdsd.transport import collectives
+from hyperdsd.transport.gather import Gatherer
+from hyperdsd.transport.scatter import Need, ShapeDtype, scatter_from_root
 from hyperdsd.placement import DTensorLayout
 
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
@@ -189,7 +189,7 @@ def group_rule(ctx):
     """The group of a model's collectives: the world unless its meshes were built over part of it."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hyperdsd import group
+    from hyperdsd.transport import group
 
     def on(mesh):
         return [distribute_tensor(torch.ones(4), mesh, [Replicate()] * mesh.ndim, src_data_rank=None)]

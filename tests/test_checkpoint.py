@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 import hyperdsd
 from hyperdsd import StateDictError, checkpoint
-from hyperdsd.checkpoint_plan import Entry, judge, optimizer_entries, optimizer_roots
+from hyperdsd.state.dcp_template import Entry, judge, optimizer_entries, optimizer_roots
 import checkpoint_tasks
 from helpers import run_task
 

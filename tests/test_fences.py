@@ -132,3 +132,31 @@ def test_the_suite_fence_sees_what_it_guards():
     ]
     for sample in allowed:
         assert not hyperdsd_internals(sample), sample
+
+
+# -- hyperdsd's layers -------------------------------------------------------------
+
+def _imported_packages(path: pathlib.Path) -> set[str]:
+    """The hyperdsd sub-packages (state, transport, ...) a module of hyperdsd/ imports from."""
+    package = path.relative_to(ROOT / "hyperdsd").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[: len(package) - (node.level - 1)])
+            parts = base + (node.module.split(".") if node.module else [])
+            names = [parts] if node.module else [parts + [a.name] for a in node.names]
+            found.update(p[0] for p in names if p)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hyperdsd."):
+            found.add(node.module.split(".")[1])
+    return found
+
+
+def test_the_state_and_transport_layers_do_not_import_each_other():
+    crossings = []
+    for layer, other in (("state", "transport"), ("transport", "state")):
+        for path in sorted((ROOT / "hyperdsd" / layer).rglob("*.py")):
+            if other in _imported_packages(path):
+                crossings.append(f"{path.relative_to(ROOT)} imports from hyperdsd.{other}")
+    assert crossings == [], "\n".join(crossings)
+    assert "state" in _imported_packages(ROOT / "hyperdsd" / "agreement.py")  # the check sees imports at all
+    assert "transport" in _imported_packages(ROOT / "hyperdsd" / "agreement.py")

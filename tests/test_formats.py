@@ -11,7 +11,7 @@ from expecttest import assert_expected_inline
 
 from conformance.oracle import CheckFailure, describe_tensor_difference, fail_if
 from conformance.registry import case_id
-from hyperdsd.collectives import raise_if_any
+from hyperdsd.transport.collectives import raise_if_any
 from hyperdsd.errors import StateDictError
 
 

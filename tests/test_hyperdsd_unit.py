@@ -11,9 +11,9 @@ from parameterized import parameterized
 
 import hyperdsd
 from hyperdsd import StateDictError, StateDictOptions
-from hyperdsd import flatten as flat_format
-from hyperdsd.fqn import ModelIndex
-from hyperdsd.templates import is_unwritten_placeholder
+from hyperdsd.state import flat as flat_format
+from hyperdsd.state.fqn import ModelIndex
+from hyperdsd.state.placeholders import is_unwritten_placeholder
 from helpers import same
 
 
@@ -427,7 +427,7 @@ def test_lists_in_nested_state_round_trip_through_the_flat_layout():
 
 
 def test_nested_placeholders_follow_their_entry():
-    from hyperdsd.templates import mark_placeholder, unwritten_keys
+    from hyperdsd.state.placeholders import mark_placeholder, unwritten_keys
 
     entry = {"step": mark_placeholder(torch.zeros(())), "pre": {"traces": [mark_placeholder(torch.zeros(2))]}, "count": 0, "kind": "x"}
     assert unwritten_keys(entry) == ({"step", "pre", "count", "kind"}, False)  # nobody wrote: all of it is absent
@@ -503,7 +503,7 @@ def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
 def test_packed_needs_send_each_distinct_region_once():
     import pickle
 
-    from hyperdsd.scatter import Need, PackedNeeds
+    from hyperdsd.transport.scatter import Need, PackedNeeds
 
     needs = [Need(((0, 2), (0, 4))), None, Need.whole((3,))] * 5000
     packed = pickle.loads(pickle.dumps(PackedNeeds(needs)))

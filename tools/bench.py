@@ -78,7 +78,7 @@ def main() -> None:
 
     import torch
 
-    from hyperdsd.collectives import BUCKET_BYTES
+    from hyperdsd.transport.collectives import BUCKET_BYTES
     from hyperdsd.testing import PoolSet, Task
 
     sizes = [s for s in args.sizes.split(",") if s]

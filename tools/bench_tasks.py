@@ -248,16 +248,16 @@ def memory(ctx, impl: str, size: str, mode: str, mesh: str):
 # function) a profiled function lives in. Built-in functions and torch's C
 # methods count in their caller's category.
 CATEGORIES = (
-    ("FQN index", ("hyperdsd/fqn.py",)),
+    ("FQN index", ("hyperdsd/state/fqn.py",)),
     ("module/optimizer state_dict() (torch)", ("torch/nn/modules/module.py", "torch/optim/", "torch/distributed/fsdp/", "torch/utils/hooks")),
-    ("checks (validation)", ("hyperdsd/model.py", "hyperdsd/optimizer_plan.py", "hyperdsd/optimizer_source.py", "hyperdsd/templates.py", "hyperdsd/api.py")),
-    ("plan objects (Prepared, layouts)", ("hyperdsd/plan.py", "hyperdsd/placement.py")),
-    ("reading state (get)", ("hyperdsd/optimizer.py",)),
+    ("checks (validation)", ("hyperdsd/state/model.py", "hyperdsd/state/optimizer_load.py", "hyperdsd/state/optimizer_input.py", "hyperdsd/state/placeholders.py", "hyperdsd/api.py")),
+    ("plan objects (Prepared, layouts)", ("hyperdsd/state/load_plan.py", "hyperdsd/placement.py")),
+    ("reading state (get)", ("hyperdsd/state/optimizer.py",)),
     ("applying (copies, new state)", ()),
     ("DTensor dispatch and construction", ("torch/distributed/tensor/", "torch/_dynamo", "torch/_compile", "torch/_ops", "torch/_library")),
     ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
-    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/flatten.py")),
-    ("buckets: packing, regions", ("hyperdsd/scatter.py", "hyperdsd/gather.py", "hyperdsd/distribute.py", "hyperdsd/broadcast.py", "hyperdsd/collectives.py")),
+    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py")),
+    ("buckets: packing, regions", ("hyperdsd/transport/", "hyperdsd/agreement.py")),
     ("object collectives (pickle)", ("object", "pickle")),
     ("tensor collectives (waiting included)", ("torch/distributed/", "~:wait")),
 )

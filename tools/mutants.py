@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    file: str  # under hyperdsd/
+    file: str  # under hyperdsd/, e.g. "state/optimizer.py"
     target: str
     replacement: str
     bug: str
@@ -28,7 +28,7 @@ class Mutant:
 MUTANTS: tuple[Mutant, ...] = (
     # -- get: purity and aliasing ---------------------------------------------
     Mutant(
-        "get-steps-fresh-optimizer", "optimizer.py",
+        "get-steps-fresh-optimizer", "state/optimizer.py",
         "        template = template_state(opt) if not opt.state else {}\n",
         "        template = {}\n"
         "        if not opt.state:  # initialise state as torch's get does: zero grads, a step at lr 0\n"
@@ -46,28 +46,28 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-PURE-1[single-adamw-sharded-fresh]",),
     ),
     Mutant(
-        "get-template-on-real-params", "templates.py",
+        "get-template-on-real-params", "state/placeholders.py",
         '        groups.append({**group, "params": [stand_ins[p] for p in group["params"]]})',
         "        groups.append(group)",
         "the template's scratch optimizer is built over the real parameters (their gradients step them)",
         ("OPT-PURE-1[single-adamw-sharded-grads]",),
     ),
     Mutant(
-        "get-aliases-state-entries", "optimizer.py",
+        "get-aliases-state-entries", "state/optimizer.py",
         "                    state[fqn] = _entry_copy(entry)",
         "                    state[fqn] = entry",
         "get returns the optimizer's own per-parameter state dicts (changing the result changes the optimizer)",
         ("OPT-PURE-2[single-adamw-sharded]",),
     ),
     Mutant(
-        "get-sorts-group-params", "optimizer.py",
+        "get-sorts-group-params", "state/optimizer.py",
         '            groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns})',
         '            groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": sorted(fqns)})',
         "param_groups list FQNs sorted by name, not in the optimizer's parameter order",
         ("OPT-KEYS-1[single-adamw-sharded]",),
     ),
     Mutant(
-        "get-drops-frozen-state", "optimizer.py",
+        "get-drops-frozen-state", "state/optimizer.py",
         "                entry = stored.get(key) or (template.get(p) if template else None)",
         "                entry = (stored.get(key) or (template.get(p) if template else None)) if p.requires_grad else None",
         "get leaves out the optimizer state of parameters frozen after training",
@@ -75,21 +75,21 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- keys -----------------------------------------------------------------
     Mutant(
-        "prefix-left-compile", "fqn.py",
+        "prefix-left-compile", "state/fqn.py",
         '        hidden.add("_orig_mod")',
         "        pass",
         "torch.compile's _orig_mod. segment is left in FQNs",
         ("OPT-KEYS-2[single-sharded-compile]",),
     ),
     Mutant(
-        "prefix-left-missing-keys", "model.py",
+        "prefix-left-missing-keys", "state/model.py",
         "    plan.missing = [c for c in raw_of if c not in matched and c not in frozen]",
         "    plan.missing = [raw_of[c] for c in raw_of if c not in matched and c not in frozen]",
         "set_model_state_dict reports missing keys with the wrapper's prefix (raw state-dict keys)",
         ("MODEL-2[ddp-sharded-nonstrict]",),
     ),
     Mutant(
-        "ignore-frozen-ignored", "model.py",
+        "ignore-frozen-ignored", "state/model.py",
         "    if ignore_frozen:\n",
         "    if False:\n",
         "ignore_frozen_params has no effect on get_model_state_dict",
@@ -97,7 +97,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- set: in place, dtypes, DTensors -----------------------------------------
     Mutant(
-        "set-replaces-state-tensors", "optimizer.py",
+        "set-replaces-state-tensors", "state/optimizer.py",
         "        if value.dest is not None:  # planned to fit (checked when planned)\n"
         "            return copy_into(value.dest, value)\n"
         "        return copy_into(existing, value) if fits(existing, value) else materialize(value)",
@@ -106,7 +106,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-DT-4[single-adamw-sharded]",),
     ),
     Mutant(
-        "state-cast-to-param-dtype", "optimizer_plan.py",
+        "state-cast-to-param-dtype", "state/optimizer_load.py",
         "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
         '    if isinstance(value, torch.Tensor) and key != "step":\n'
         "        value = value.to(p.dtype)  # state follows its parameter's dtype\n"
@@ -115,14 +115,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-DT-3[single-adamw-sharded]",),
     ),
     Mutant(
-        "fits-ignores-dtype", "plan.py",
+        "fits-ignores-dtype", "state/load_plan.py",
         "    return tuple(existing.shape) == prepared.local_shape and existing.dtype == prepared.dtype",
         "    return tuple(existing.shape) == prepared.local_shape",
         "set copies into an existing state tensor of another dtype (the loaded state takes the old dtype)",
         ("OPT-DT-3[single-adamw-sharded]",),
     ),
     Mutant(
-        "plain-tensors-after-set", "plan.py",
+        "plain-tensors-after-set", "state/load_plan.py",
         "    return prepared.layout.wrap(local) if prepared.layout is not None else local",
         "    return local",
         "new state (and meta-initialised parameters) become plain local tensors instead of DTensors",
@@ -130,28 +130,28 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- validation and agreement -------------------------------------------------
     Mutant(
-        "validation-skipped-on-rank-1", "optimizer_plan.py",
+        "validation-skipped-on-rank-1", "state/optimizer_load.py",
         "    if shape not in allowed:",
         "    if shape not in allowed and not (torch.distributed.is_initialized() and torch.distributed.get_rank() == 1):",
         "the shape check is skipped on one rank (rank 1)",
         ("OPT-ATOM-4[fsdp2-sharded]",),
     ),
     Mutant(
-        "problems-raised-locally", "collectives.py",
+        "problems-raised-locally", "transport/collectives.py",
         "    if flags[0]:\n        raise_if_any(exchange(problems, group), what, group)",
         "    if problems:\n        raise StateDictError(_format(what, {global_rank(): problems}))",
         "only the rank that found a problem raises; the others load",
         ("OPT-ATOM-4[fsdp2-sharded]",),
     ),
     Mutant(
-        "strict-foreign-fqn-accepted", "optimizer_plan.py",
+        "strict-foreign-fqn-accepted", "state/optimizer_load.py",
         "        if plan.foreign and not foreign_ok:",
         "        if False:",
         "strict=True accepts FQNs the model does not have",
         ("OPT-ATOM-1[single-sharded-unknown_fqn]",),
     ),
     Mutant(
-        "strict-lazy-counts-as-missing", "optimizer_plan.py",
+        "strict-lazy-counts-as-missing", "state/optimizer_load.py",
         "        absent = [f for f in required if f not in listed]",
         "        absent = [f for f in required if f not in listed or f not in by_name]",
         "strict=True rejects parameters that are listed without state (lazy state counts as missing)",
@@ -172,14 +172,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-ATOM-3[single-optim]",),
     ),
     Mutant(
-        "flat-unknown-keys-dropped", "flatten.py",
+        "flat-unknown-keys-dropped", "state/flat.py",
         "        if split is None:\n            unknown.append(key)\n",
         "        if split is None:\n",
         "flat keys that match no FQN of the model are silently dropped",
         ("OPT-ATOM-1[single-flat-unknown_fqn]",),
     ),
     Mutant(
-        "bcast-strict-unowned-ignored", "broadcast.py",
+        "bcast-strict-unowned-ignored", "agreement.py",
         "            by_rank = [p + extra for p in by_rank]",
         "            pass",
         "broadcast loads with strict=True accept keys that no rank loads",
@@ -187,21 +187,21 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- groups ---------------------------------------------------------------------
     Mutant(
-        "empty-groups-misordered", "optimizer_source.py",
+        "empty-groups-misordered", "state/optimizer_input.py",
         "    for i, j in zip(empty_t, empty_s):",
         "    for i, j in zip(empty_t, reversed(empty_s)):",
         "groups without parameters are paired with the checkpoint's in reverse order",
         ("OPT-EMPTY-1[pp2xfsdp2-adamw-bcast]",),
     ),
     Mutant(
-        "flat-drops-initial-lr", "flatten.py",
+        "flat-drops-initial-lr", "state/flat.py",
         '        fields = [(k, v) for k, v in group.items() if k != "params"]',
         '        fields = [(k, v) for k, v in group.items() if k not in ("params", "initial_lr")]',
         "the flat layout drops one group field (initial_lr)",
         ("OPT-SCHED-1[single-adamw-flat]",),
     ),
     Mutant(
-        "full-cpu-drops-empty-groups", "distribute.py",
+        "full-cpu-drops-empty-groups", "transport/consolidate.py",
         '    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"]) or (not g["params"] and rooted)]',
         '    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"])]',
         "full_cpu with pipeline stages drops groups without parameters",
@@ -209,42 +209,42 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-template-fields-untracked", "api.py",
-        "            templates.track_template_fields(nested, anchor)",
+        "            placeholders.track_template_fields(nested, anchor)",
         "            pass",
         "a flat template's own group fields count as loaded (a DCP load that did not cover them lists them)",
         ("OPT-PART-1[pp2xfsdp2-dcp-strict_same_hparams]",),
     ),
     # -- placeholders ---------------------------------------------------------------
     Mutant(
-        "placeholders-loaded-as-state", "optimizer_plan.py",
+        "placeholders-loaded-as-state", "state/optimizer_load.py",
         "            written = {k: v for k, v in (entry or {}).items() if k not in skip}",
         "            written = dict(entry or {})",
         "a placeholder nobody wrote into is loaded as real state",
         ("OPT-RT-4[hsdp2x2-adamw-dcp]",),
     ),
     Mutant(
-        "placeholder-version-ignored", "templates.py",
+        "placeholder-version-ignored", "state/placeholders.py",
         "    return entry is not None and entry[0]() is value and _compat.version_of(value) == entry[1]",
         "    return entry is not None and entry[0]() is value",
         "a placeholder DCP wrote into still counts as unwritten (the loaded state is dropped)",
         ("OPT-RT-1[single-adamw-dcp]",),
     ),
     Mutant(
-        "empty-shard-placeholders-written", "templates.py",
+        "empty-shard-placeholders-written", "state/placeholders.py",
         "    if empty and (len(unwritten) < holding or unknown):",
         "    if empty:",
         "empty shards of an unwritten template entry count as written (the rank loads empty state)",
         ("OPT-RESHARD-2[fsdp2_to_fsdp4-adamw-dcp-subset]",),
     ),
     Mutant(
-        "empty-shard-decides-alone", "plan.py",
+        "empty-shard-decides-alone", "state/load_plan.py",
         "            if self.questions.get(load.fqn, True) is None and not answers.get(load.fqn, True):",
         "            if False:",
         "a rank holding an empty shard of a template entry ignores what the other ranks say about it",
         ("OPT-RESHARD-2[fsdp2_to_fsdp4-sgd-dcp-aux]",),
     ),
     Mutant(
-        "step-placeholder-not-zeroed", "templates.py",
+        "step-placeholder-not-zeroed", "state/placeholders.py",
         '                value.zero_()  # a placeholder that is saved as is means "never stepped"',
         "                pass",
         "a never-stepped optimizer's template says step 1, as after the scratch step",
@@ -273,42 +273,42 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-RT-1[hsdp2x2-adamw-full]",),
     ),
     Mutant(
-        "gather-piece-rows-rounded-down", "gather.py",
+        "gather-piece-rows-rounded-down", "transport/gather.py",
         "        rows = -(-shape[item.shard_dim] // n) if shape[item.shard_dim] else 0",
         "        rows = shape[item.shard_dim] // n",
         "gather buckets size uneven pieces with floor division (pieces overlap)",
         ("OPT-RT-1[fsdp3-adamw-full]",),
     ),
     Mutant(
-        "gather-shard-on-mesh-dim-0", "gather.py",
+        "gather-shard-on-mesh-dim-0", "transport/gather.py",
         "            found = (i, p.dim)",
         "            found = (0, p.dim)",
         "gathers assume the shard mesh dim is the first (wrong group under HSDP)",
         ("OPT-RT-1[hsdp2x2-adamw-full_cpu]",),
     ),
     Mutant(
-        "full-cpu-model-on-every-rank", "distribute.py",
+        "full-cpu-model-on-every-rank", "transport/consolidate.py",
         "    root_only = cpu and group.active\n    kept, roots = full_entries(sd, group,",
         "    root_only = False  # every rank keeps what it gathered\n    kept, roots = full_entries(sd, group,",
         "full_state_dict + cpu_offload gives every rank the model's full dict, not the root alone",
         ("MODEL-1[fsdp2-full_cpu]",),
     ),
     Mutant(
-        "full-cpu-stages-not-collected", "distribute.py",
+        "full-cpu-stages-not-collected", "transport/consolidate.py",
         "    if root_only and group.active and not collectives.same_everywhere(keys, group):",
         "    if False:",
         "full_cpu assumes every rank holds the same keys (the root misses other pipeline stages)",
         ("OPT-RT-3[pp2-adamw-full_cpu]",),
     ),
     Mutant(
-        "full-cpu-stage-groups-dropped", "distribute.py",
+        "full-cpu-stage-groups-dropped", "transport/consolidate.py",
         '            mine["param_groups"].extend(part["param_groups"])',
         "            pass",
         "full_cpu with pipeline stages: the root receives the other stages' state but not their param groups",
         ("OPT-RT-1[pp2-adamw-full_cpu]",),
     ),
     Mutant(
-        "bcast-piece-cut-twice", "broadcast.py",
+        "bcast-piece-cut-twice", "transport/delivery.py",
         "            u.receive(piece)  # the region this one user needs",
         "            u.receive(u.layout.local_from_full(piece) if u.layout is not None else piece)",
         "a broadcast piece that is already this rank's region is cut again",
@@ -316,14 +316,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- model -----------------------------------------------------------------------
     Mutant(
-        "model-extra-state-dropped", "model.py",
+        "model-extra-state-dropped", "state/model.py",
         "            plan.values[raw] = value  # extra state: whatever the module accepts",
         "            pass",
         "set_model_state_dict drops extra state",
         ("MODEL-1[single-sharded]",),
     ),
     Mutant(
-        "model-meta-not-assigned", "model.py",
+        "model-meta-not-assigned", "state/model.py",
         "        if raw in plan.on_meta:",
         "        if False:",
         "parameters on the meta device are copied into (a no-op) instead of assigned",
@@ -331,14 +331,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- the model's group (group.py) -------------------------------------------------
     Mutant(
-        "group-root-is-global-rank-0", "group.py",
+        "group-root-is-global-rank-0", "transport/group.py",
         "        return self.ranks[0]",
         "        return 0",
         "the root of full_cpu and broadcast loads is global rank 0 even for a model on other ranks",
         ("OPT-MESH-2[halves2+2-adamw-full_cpu]",),
     ),
     Mutant(
-        "group-slices-not-rooted", "group.py",
+        "group-slices-not-rooted", "transport/group.py",
         "            root = _compat.root_mesh(p.device_mesh)",
         "            root = p.device_mesh",
         "meshes are compared as they are, not by their root: a stage sliced from a pp x dp mesh is taken for a model of its own",
@@ -346,7 +346,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- DCP load planner (checkpoint.py, checkpoint_plan.py) ---------------------------
     Mutant(
-        "dcp-flat-lazy-fields-dropped", "checkpoint_plan.py",
+        "dcp-flat-lazy-fields-dropped", "state/dcp_template.py",
         "            if entry.fields and not _keys_under(ordered, entry.fields_prefix + \".\"):",
         "            if entry.fields:",
         "flat layout: a lazy parameter's group fields are left out of the load even where the checkpoint holds them",
@@ -375,21 +375,21 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- nested state (custom optimizers) -------------------------------------------------
     Mutant(
-        "nested-containers-shared", "optimizer.py",
+        "nested-containers-shared", "state/optimizer.py",
         "    return {k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same) for k, v in entry.items()}",
         "    return dict(entry)",
         "get copies state entries but not the dicts and lists nested in them (changing those changes the optimizer)",
         ("OPT-PURE-2[single-custom-sharded]",),
     ),
     Mutant(
-        "nested-tensors-not-redistributed", "plan.py",
+        "nested-tensors-not-redistributed", "state/load_plan.py",
         "                elif is_container(v):\n",
         "                elif False:\n",
         "tensors nested in state (dicts and lists) are left out of the load's redistribution",
         ("OPT-STATE-1[hsdp2x2-custom-full_cpu]",),
     ),
     Mutant(
-        "nested-placeholders-unmarked", "templates.py",
+        "nested-placeholders-unmarked", "state/placeholders.py",
         "            for t in _tensors(value):\n                mark_placeholder(t)",
         "            if isinstance(value, torch.Tensor):\n                mark_placeholder(value)",
         "a never-stepped optimizer's template marks only top-level tensors as placeholders (nested ones count as real state)",

@@ -19,14 +19,13 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from . import messages as m
 from .context import read_region, worker_env
 from .outcome import TaskOutcome, judge, mark_released, out_of_step
-from .status import RankStatus, Status
 from .process import describe_exit, interrupts_deferred, kill_tree, request_stacks, start_worker
+from .status import RankStatus, Status
 
 _LOG_TAIL_BYTES = 16_000
 # Strong references: a pool whose start was interrupted is referenced by

@@ -1,7 +1,7 @@
 """Optimizer state by FQN: reading it (pure), and applying a checked load plan.
 
 Reading never steps, never touches ``optimizer.state``, ``param_groups``,
-parameters or gradients. Loading is planned first (:mod:`optimizer_plan`,
+parameters or gradients. Loading is planned first (:mod:`hyperdsd.state.optimizer_load`,
 which changes nothing); :func:`apply_load` then carries the plan out,
 copying into existing state tensors in place where their layout allows.
 """
@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat
-from .errors import StateDictError
-from .flatten import GROUPS, STATE
+from .. import _compat
+from ..errors import StateDictError
+from ..tree import is_container, rebuild
+from .flat import GROUPS, STATE
 from .fqn import ModelIndex
-from .plan import OptimizerLoadPlan, Prepared, copy_into, fits, materialize, redistribute
-from .templates import template_state
-from .tree import is_container, rebuild
+from .load_plan import OptimizerLoadPlan, Prepared, copy_into, fits, materialize, redistribute
+from .placeholders import template_state
 
 
 def _own(value: Any) -> Any:

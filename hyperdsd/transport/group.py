@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from .. import _compat
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,25 @@
-"""Broadcast loads (``broadcast_from_rank0``): the root holds full state
-dicts, every rank receives only its own pieces.
+"""How the ranks of a load agree, and how the data to load reaches them.
 
-The root is rank 0 of the model's group (:mod:`group`): global rank 0 for a
-model over the whole world, the lowest rank of its meshes for a model on
-part of it. Only the group's ranks take part.
+A load plans on every rank, agrees, then applies (:mod:`hyperdsd.api`).
+Two agreements share one interface, so the load runs the same steps either
+way:
 
-:class:`BroadcastLoad` runs the protocol around the planning that every
-rank does alike:
+- :class:`LocalAgreement`: every rank holds the dict it loads; one
+  all-reduce tells every rank whether any found a problem.
+- :class:`BroadcastAgreement` (``broadcast_from_rank0``): the root holds
+  full state dicts and every rank receives only its own pieces. The root is
+  rank 0 of the model's group (:mod:`.transport.group`): global rank 0 for
+  a model over the whole world, the lowest rank of its meshes for a model
+  on part of it. Only the group's ranks take part.
 
-1. :meth:`~BroadcastLoad.manifests` - the root's dicts, each tensor replaced
-   by a :class:`TensorMeta` (shape, dtype, index), broadcast in one
-   collective; every rank plans its load against them.
-2. :meth:`~BroadcastLoad.agree_and_deliver` - one exchange carries each
-   rank's problems, its answers about placeholders, the names it loads and
-   the regions it needs; every rank raises alike if any rank found a
-   problem (or, with ``strict``, a name no rank loads); otherwise the root's
-   tensors are scattered, each piece going straight into its destination.
+  1. :meth:`~BroadcastAgreement.manifests` - the root's dicts, each tensor
+     replaced by a :class:`TensorMeta` (shape, dtype, index), broadcast in
+     one collective; every rank plans its load against them.
+  2. :meth:`~BroadcastAgreement.agree` - one exchange carries each rank's
+     problems, its answers about placeholders, the names it loads and the
+     regions it needs; every rank raises alike if any rank found a problem
+     (or, with ``strict``, a name no rank loads); otherwise the root's
+     tensors are scattered, each piece going straight into its destination.
 """
 
 from __future__ import annotations
@@ -25,12 +29,36 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat, collectives
-from .flatten import is_flat
-from .group import Group
-from .plan import ModelLoadPlan, OptimizerLoadPlan, Prepared, TensorMeta
-from .scatter import Metas, Need, PackedNeeds, ShapeDtype, scatter_from_root
-from .tree import leaves, rebuild, where
+from . import _compat
+from .state.flat import is_flat
+from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan, TensorMeta
+from .transport import collectives
+from .transport.delivery import deliver, needs_for
+from .transport.group import Group
+from .transport.scatter import PackedNeeds, ShapeDtype
+from .tree import rebuild, where
+
+
+class LocalAgreement:
+    """Every rank loads its own dict: one all-reduce agrees, nothing is sent."""
+
+    foreign_ok = False  # every name must be this rank's own
+
+    def __init__(self, parts: dict[str, Any], group: Group):
+        self.parts = parts
+        self.group = group
+        self.problems: list[str] = []
+
+    def manifests(self) -> dict[str, Any]:
+        """What every rank plans against: its own dicts."""
+        return self.parts
+
+    def agree(self, what: str, problems: list[str], model_plan: ModelLoadPlan | None,
+              optim_plan: OptimizerLoadPlan | None, strict: bool) -> dict[str, bool]:
+        """Raise on every rank if any rank has problems; returns the answers to
+        this rank's open placeholder questions."""
+        questions = optim_plan.questions if optim_plan is not None else {}
+        return collectives.agree(problems, f"{what}: nothing was loaded", questions, self.group)
 
 
 def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype], list[str]]:
@@ -73,89 +101,21 @@ def optimizer_names(manifest: Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-# Who uses each of the root's tensors: mostly one Prepared, kept as itself;
-# a tuple only for a tensor loaded into several places. A list per tensor
-# was the largest plan object a rank held in a load of many small tensors.
-Users = list  # [None | Prepared | tuple[Prepared, ...]] by the root's tensor index
-
-
-def users_of(users: Users, i: int) -> tuple[Prepared, ...]:
-    u = users[i]
-    return () if u is None else u if type(u) is tuple else (u,)
-
-
-def needs_for(prepared: list[Prepared], metas: Metas) -> tuple[list[Need | None], Users, set[int]]:
-    """What this rank needs of each of the root's tensors, who uses each, and
-    which arrive whole for users that cut their own region from them."""
-    needs: list[Need | None] = [None] * len(metas)
-    users: Users = [None] * len(metas)
-    cut: set[int] = set()
-    regions: dict[tuple, Need] = {}  # tensors of one layout and shape need the same region: computed once
-    for p in prepared:
-        i = p.meta.index
-        if p.layout is not None and p.layout.simple:
-            key = (p.layout.mesh, p.layout.placements, tuple(p.layout.shape))
-            need = regions.get(key)
-            if need is None:
-                need = regions[key] = Need.of_layout(p.layout)
-        else:
-            key = ("whole", p.meta.shape)
-            need = regions.get(key)
-            if need is None:
-                need = regions[key] = Need.whole(p.meta.shape)
-            if p.layout is not None:
-                cut.add(i)  # a layout DTensor cuts itself (strided shards)
-        if needs[i] is not None and needs[i] != need:
-            need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
-            cut.add(i)
-        needs[i] = need
-        users[i] = p if users[i] is None else users_of(users, i) + (p,)
-    return needs, users, cut
-
-
-def deliver(needs: list[Need | None], users: Users, cut: set[int], fulls: list[torch.Tensor] | None,
-            metas: Metas, device: torch.device, everyone_needs: list | None = None, group: Group | None = None) -> None:
-    """Give each Prepared this rank's piece of the root's tensor, as it arrives.
-
-    A piece goes straight into its destination (an existing tensor of the
-    same layout) or becomes the new tensor itself, so a rank holds its own
-    state plus one bucket in flight. ``metas``: the same on every rank, so
-    is the bucket plan. ``needs``, ``users``, ``cut``: as :func:`needs_for`
-    gives them. ``everyone_needs``: every rank's needs, when the caller has
-    exchanged them already.
-    """
-
-    def receive(i: int, piece: torch.Tensor) -> None:
-        u = users[i]
-        if type(u) is Prepared and i not in cut:
-            u.receive(piece)  # the region this one user needs
-            return
-        for p in users_of(users, i):
-            p.receive(p.layout.local_from_full(piece) if p.layout is not None and i in cut else piece)
-
-    def target_for(i: int) -> torch.Tensor | None:
-        """Where a large piece can be received in place: its one user's destination."""
-        u = users[i]
-        if type(u) is not Prepared or u.dest is None:
-            return None
-        return _compat.local_tensor(u.dest)
-
-    scatter_from_root(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group)
-
-
-class BroadcastLoad:
+class BroadcastAgreement:
     """One broadcast load of a model's and/or optimizers' state dicts.
 
     ``parts`` maps "model" and/or "optim" to the caller's dict; only the
     root's are read, but every rank of ``group`` passes the same keys.
     """
 
+    foreign_ok = True  # the root's dict names what other ranks (pipeline stages) load
+
     def __init__(self, parts: dict[str, Any], group: Group):
         self.parts = parts
         self.group = group
         self.problems: list[str] = []  # the root's: tensors it cannot broadcast
         self.fulls: list[torch.Tensor] = []
-        self.metas: list[tuple] = []
+        self.metas: list[ShapeDtype] = []
         self.model_names: list[str] = []
         self.optim_names: list[str] = []
 
@@ -173,8 +133,8 @@ class BroadcastLoad:
         self.optim_names = optimizer_names(optim)
         return manifest
 
-    def agree_and_deliver(self, what: str, problems: list[str], model_plan: ModelLoadPlan | None,
-                          optim_plan: OptimizerLoadPlan | None, strict: bool) -> dict[str, bool]:
+    def agree(self, what: str, problems: list[str], model_plan: ModelLoadPlan | None,
+              optim_plan: OptimizerLoadPlan | None, strict: bool) -> dict[str, bool]:
         """Raise on every rank if any rank has problems; else deliver every rank's pieces.
 
         Returns the answers to this rank's open placeholder questions.

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import _compat
-from .errors import StateDictError
+from .. import _compat
+from ..errors import StateDictError
 
 _CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
 

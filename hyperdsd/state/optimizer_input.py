@@ -1,7 +1,7 @@
 """An optimizer state dict to load, parsed against the optimizers it loads into.
 
 A checkpoint is nested (``{"state": {fqn: ...}, "param_groups": [...]}``)
-or flat (see :mod:`flatten`). Either way parsing yields the same shape: the
+or flat (see :mod:`hyperdsd.state.flat`). Either way parsing yields the same shape: the
 checkpoint's param groups as :class:`SourceGroup`, each optimizer group's
 match among them, state by FQN, and the names the model does not have.
 Malformed input becomes problems (messages), never an exception.
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .flatten import GROUPS, STATE, is_flat, unflatten
+from .flat import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
-from .templates import is_template_value, unwritten_keys
+from .placeholders import is_template_value, unwritten_keys
 
 
 @dataclass

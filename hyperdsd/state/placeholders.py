@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _compat
-from .tree import is_container, leaves
+from .. import _compat
+from ..tree import is_container, leaves
 
 # -- which objects are a template's --------------------------------------------
 #

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from .. import _compat
+from ..placement import LayoutCache
 from .fqn import ModelIndex
-from .placement import LayoutCache
-from .plan import (
+from .load_plan import (
     ModelLoadPlan,
     Prepared,
     dtensor_problem,
@@ -27,7 +27,6 @@ from .plan import (
     redistribute,
     same_memory,
 )
-
 
 _EXTRA_STATE = "_extra_state"  # the key suffix of a module's extra state, which is not detached
 

@@ -1,10 +1,10 @@
 """Planning an optimizer load: check everything, describe the change, change nothing.
 
 Three steps over the optimizers' param groups (:class:`TargetGroup`):
-parse the checkpoint (:mod:`optimizer_source`), list which parameters it
+parse the checkpoint (:mod:`hyperdsd.state.optimizer_input`), list which parameters it
 holds state for, and prepare each value it holds against the parameter and
 the state the optimizer keeps (or, never stepped, would create). The result
-is an :class:`OptimizerLoadPlan` and the problems found; :mod:`optimizer`
+is an :class:`OptimizerLoadPlan` and the problems found; :mod:`hyperdsd.state.optimizer`
 applies the plan once every rank has agreed there are none.
 """
 
@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from .. import _compat
+from ..placement import LayoutCache
+from ..tree import is_container
 from .fqn import ModelIndex
-from .optimizer_source import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placement import LayoutCache
-from .plan import (
+from .load_plan import (
     OptimizerLoadPlan,
     ParamLoad,
     Prepared,
@@ -30,8 +30,8 @@ from .plan import (
     is_tensorish,
     kind_differs,
 )
-from .templates import has_placeholders, scratch_state, unwritten_keys
-from .tree import is_container
+from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
+from .placeholders import has_placeholders, scratch_state, unwritten_keys
 
 _STRUCTURAL = ("params", "param_names")
 

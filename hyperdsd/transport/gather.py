@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _compat
+from .. import _compat
+from ..placement import chunk_bounds
 from .collectives import BUCKET_BYTES, DIRECT_BYTES, aligned, as_bytes, from_bytes, rank
-from .placement import chunk_bounds
 
 
 @dataclass

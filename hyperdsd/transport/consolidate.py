@@ -2,11 +2,11 @@
 
 ``full_model`` and ``full_optimizer`` turn DTensors into full tensors,
 everywhere or, with ``cpu_offload``, only on the root (the others get
-``{}``): the first rank of the model's group (:mod:`group`), global rank 0
+``{}``): the first rank of the model's group (:mod:`hyperdsd.transport.group`), global rank 0
 for a model over the whole world. When ranks hold different FQNs (pipeline
 stages), each FQN's lowest holder gathers it and the root receives the rest,
 so the root ends with everything. ``offload`` moves a sharded state dict to
-CPU. Loads from the root are :mod:`broadcast`'s.
+CPU. Loads from the root are :mod:`hyperdsd.agreement`'s.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _compat, collectives
+from .. import _compat
+from ..placement import DTensorLayout
+from ..tree import leaves, rebuild
+from . import collectives
 from .gather import Gatherer
 from .group import Group
-from .placement import DTensorLayout
-from .tree import leaves, rebuild
 
 
 def _to_cpu(t: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@
 * who holds what: :func:`same_everywhere`, :func:`roots_of`, and object
   exchanges (:func:`exchange`, :func:`send_to_root`, :func:`broadcast_object`).
 * byte buckets: tensors packed at aligned offsets of one uint8 buffer, so
-  that :mod:`gather` and :mod:`scatter` move many tensors per collective.
+  that :mod:`hyperdsd.transport.gather` and :mod:`hyperdsd.transport.scatter` move many tensors per collective.
 
 Each collective runs in a :class:`~hyperdsd.group.Group`: the world unless
 the caller passes the model's group; "root" is that group's first rank.
@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat
-from .errors import StateDictError
+from .. import _compat
+from ..errors import StateDictError
 from .group import Group, global_rank, world
 
 _ALIGN = 16

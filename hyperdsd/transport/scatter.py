@@ -3,7 +3,7 @@
 Every rank knows each tensor's shape and dtype (a manifest) and what region
 of it each rank needs (:class:`Need`, exchanged as :class:`PackedNeeds`).
 :class:`Scatterer` then moves the pieces from the root (the first rank of
-the model's group, see :mod:`group`): a large tensor that
+the model's group, see :mod:`hyperdsd.transport.group`): a large tensor that
 every rank needs an equal run of whole rows of moves in one scatter, straight
 into each rank's destination; the rest travel packed in bounded byte
 buckets, one scatter per bucket. The bucket plan is computed alike on every
@@ -22,9 +22,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from ..placement import DTensorLayout
 from .collectives import BUCKET_BYTES, DIRECT_BYTES, aligned, as_bytes, exchange, from_bytes
 from .group import Group, world
-from .placement import DTensorLayout
 
 # Tensors up to this size are packed in runs with the others of their shape
 # (stacked: a copy of the run on the root while it packs).

@@ -17,9 +17,9 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._compat import local_tensor
-from .placement import DTensorLayout
-from .tree import is_container, leaves
+from .._compat import local_tensor
+from ..placement import DTensorLayout
+from ..tree import is_container, leaves
 
 
 @dataclass(slots=True)

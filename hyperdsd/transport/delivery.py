@@ -1,0 +1,101 @@
+"""Pieces of the root's tensors handed to whoever on this rank receives them.
+
+In a broadcast load every rank plans against the root's manifest; each
+planned tensor is a *receiver* (:class:`Receiver`): it knows which of the
+root's tensors it takes (``meta.index``), its layout, and where the data can
+land. :func:`needs_for` turns this rank's receivers into the regions it
+needs of each root tensor; :func:`deliver` runs the scatter
+(:mod:`.scatter`) and hands each arriving piece to its receivers, so a rank
+holds its own state plus one bucket in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from .. import _compat
+from ..placement import DTensorLayout
+from .group import Group
+from .scatter import Metas, Need, scatter_from_root
+
+
+class Receiver(Protocol):
+    """What delivery needs of a planned tensor (``hyperdsd.state.load_plan.Prepared`` is one)."""
+
+    meta: Any  # its root tensor's index and shape (``.index``, ``.shape``)
+    layout: DTensorLayout | None  # its DTensor layout, or None for a plain tensor
+    dest: torch.Tensor | None  # an existing tensor a large piece can land in, if any
+
+    def receive(self, piece: torch.Tensor) -> None: ...
+
+
+# Who uses each of the root's tensors: mostly one receiver, kept as itself;
+# a tuple only for a tensor loaded into several places. A list per tensor
+# was the largest plan object a rank held in a load of many small tensors.
+Users = list  # [None | Receiver | tuple[Receiver, ...]] by the root's tensor index
+
+
+def users_of(users: Users, i: int) -> tuple[Receiver, ...]:
+    u = users[i]
+    return () if u is None else u if type(u) is tuple else (u,)
+
+
+def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None], Users, set[int]]:
+    """What this rank needs of each of the root's tensors, who uses each, and
+    which arrive whole for users that cut their own region from them."""
+    needs: list[Need | None] = [None] * len(metas)
+    users: Users = [None] * len(metas)
+    cut: set[int] = set()
+    regions: dict[tuple, Need] = {}  # tensors of one layout and shape need the same region: computed once
+    for p in prepared:
+        i = p.meta.index
+        if p.layout is not None and p.layout.simple:
+            key = (p.layout.mesh, p.layout.placements, tuple(p.layout.shape))
+            need = regions.get(key)
+            if need is None:
+                need = regions[key] = Need.of_layout(p.layout)
+        else:
+            key = ("whole", p.meta.shape)
+            need = regions.get(key)
+            if need is None:
+                need = regions[key] = Need.whole(p.meta.shape)
+            if p.layout is not None:
+                cut.add(i)  # a layout DTensor cuts itself (strided shards)
+        if needs[i] is not None and needs[i] != need:
+            need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
+            cut.add(i)
+        needs[i] = need
+        users[i] = p if users[i] is None else users_of(users, i) + (p,)
+    return needs, users, cut
+
+
+def deliver(needs: list[Need | None], users: Users, cut: set[int], fulls: list[torch.Tensor] | None,
+            metas: Metas, device: torch.device, everyone_needs: list | None = None, group: Group | None = None) -> None:
+    """Give each receiver this rank's piece of the root's tensor, as it arrives.
+
+    A piece goes straight into its destination (an existing tensor of the
+    same layout) or becomes the new tensor itself, so a rank holds its own
+    state plus one bucket in flight. ``metas``: the same on every rank, so
+    is the bucket plan. ``needs``, ``users``, ``cut``: as :func:`needs_for`
+    gives them. ``everyone_needs``: every rank's needs, when the caller has
+    exchanged them already.
+    """
+
+    def receive(i: int, piece: torch.Tensor) -> None:
+        u = users[i]
+        if type(u) is not tuple and i not in cut:
+            u.receive(piece)  # the region this one user needs
+            return
+        for p in users_of(users, i):
+            p.receive(p.layout.local_from_full(piece) if p.layout is not None and i in cut else piece)
+
+    def target_for(i: int) -> torch.Tensor | None:
+        """Where a large piece can be received in place: its one user's destination."""
+        u = users[i]
+        if u is None or type(u) is tuple or u.dest is None:
+            return None
+        return _compat.local_tensor(u.dest)
+
+    scatter_from_root(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group)
