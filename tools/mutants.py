@@ -153,7 +153,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "strict-lazy-counts-as-missing", "state/optimizer_load.py",
         "        absent = [f for f in required if f not in listed]",
-        "        absent = [f for f in required if f not in listed or f not in by_name]",
+        "        absent = [f for f in required if f not in listed or f not in source.by_name]",
         "strict=True rejects parameters that are listed without state (lazy state counts as missing)",
         ("OPT-PART-2[single-sharded]",),
     ),

@@ -17,7 +17,7 @@ import torch
 
 from .flat import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
-from .placeholders import is_template_value, unwritten_keys
+from .placeholders import Unwritten, is_template_value, unwritten_keys
 
 
 @dataclass
@@ -44,6 +44,28 @@ class Source:
     state: dict  # state by FQN as the checkpoint names them
     foreign: list[str] = field(default_factory=list)  # names the model does not have
     nested: bool = True  # False: rebuilt from a flat dict, which has no list of groups
+    by_name: dict[str, dict] = field(default_factory=dict)  # state by canonical FQN
+    listed: set[str] = field(default_factory=set)  # canonical FQNs the checkpoint lists (in a group or with state)
+    unwritten: "UnwrittenKeys" = field(default_factory=lambda: UnwrittenKeys())
+
+
+class UnwrittenKeys:
+    """:func:`unwritten_keys` of each state entry, worked out once per entry and load."""
+
+    def __init__(self):
+        self._by_entry: dict[int, Unwritten] = {}
+
+    def __call__(self, entry: dict | None) -> Unwritten:
+        if not entry:
+            return Unwritten(set(), False)
+        found = self._by_entry.get(id(entry))
+        if found is None:
+            found = self._by_entry[id(entry)] = unwritten_keys(entry)
+        return found
+
+    def lists(self, entry: dict | None) -> bool:
+        """Whether the entry holds anything somebody wrote (a template's placeholders do not list a parameter)."""
+        return bool(entry) and len(self(entry).keys) < len(entry)
 
 
 def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[TargetGroup] | None:
@@ -61,9 +83,26 @@ def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[Ta
 
 def parse(osd: Any, index: ModelIndex, targets: list[TargetGroup], strict: bool, problems: list[str]) -> Source | None:
     """``osd`` parsed and matched to ``targets``; None if it is not a state dict at all."""
+    unwritten = UnwrittenKeys()
     if is_flat(osd) and bool(osd):
-        return _from_flat(osd, index, targets, strict, problems)
-    return _from_nested(osd, index, targets, problems)
+        source = _from_flat(osd, index, targets, strict, problems, unwritten)
+    else:
+        source = _from_nested(osd, index, targets, problems)
+    if source is not None:
+        source.unwritten = unwritten
+        _index_state(source, index)
+    return source
+
+
+def _index_state(source: Source, index: ModelIndex) -> None:
+    """The checkpoint's state by canonical name, and the canonical names of everything it lists."""
+    source.listed = {index.canonical(f) or f for s in source.groups for f in s.fqns}
+    for fqn, entry in source.state.items():
+        if isinstance(fqn, str) and isinstance(entry, dict):
+            canon = index.canonical(fqn)
+            if canon is not None and (canon not in source.by_name or fqn == canon):
+                source.by_name[canon] = entry
+    source.listed.update(f for f, e in source.by_name.items() if source.unwritten.lists(e))
 
 
 def _from_nested(osd: Any, index: ModelIndex, targets: list[TargetGroup], problems: list[str]) -> Source | None:
@@ -171,13 +210,13 @@ def _describe(fields: dict, fqns: list[str]) -> str:
     return f"{what}, name {name!r}" if isinstance(name, str) else what
 
 
-def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict: bool, problems: list[str]) -> Source:
+def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict: bool, problems: list[str],
+               unwritten: UnwrittenKeys) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
     state, fields, unknown = unflatten(osd, set(index.param_of))
 
     def listed(f: str) -> bool:
-        entry = state.get(f)
-        if entry and len(unwritten_keys(entry).keys) < len(entry):
+        if unwritten.lists(state.get(f)):
             return True
         # Group fields count unless they are still the template's own objects
         # (DCP replaces every value it loads; some it copies even when not).

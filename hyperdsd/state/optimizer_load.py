@@ -31,7 +31,7 @@ from .load_plan import (
     kind_differs,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placeholders import has_placeholders, scratch_state, unwritten_keys
+from .placeholders import has_placeholders, scratch_state
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -53,7 +53,7 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
     if source is None:
         return plan, problems
     plan.foreign = source.foreign
-    listed, by_name = _listed(source, index)
+    listed = source.listed
     plan.claimed = {f for f in listed if f in index.param_of}
     if strict:
         required = [f for t in targets for p, f in zip(t.group["params"], t.fqns) if p.requires_grad]
@@ -63,22 +63,8 @@ def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_
         if plan.foreign and not foreign_ok:
             problems.append(f"not parameters of the model (strict=True): {sorted(set(plan.foreign))}")
         problems += unpaired_groups(targets, source)
-    _prepare_all(plan, targets, source, listed, by_name, strict, problems)
+    _prepare_all(plan, targets, source, strict, problems)
     return plan, problems
-
-
-def _listed(source: Source, index: ModelIndex) -> tuple[set[str], dict[str, dict]]:
-    """Canonical names of everything the checkpoint lists, and its state by canonical name."""
-    listed = {index.canonical(f) or f for s in source.groups for f in s.fqns}
-    by_name: dict[str, dict] = {}
-    for fqn, entry in source.state.items():
-        if isinstance(fqn, str) and isinstance(entry, dict):
-            canon = index.canonical(fqn)
-            if canon is not None and (canon not in by_name or fqn == canon):
-                by_name[canon] = entry
-    # State that nobody wrote into (a template's placeholders) does not list a parameter.
-    listed.update(f for f, e in by_name.items() if len(unwritten_keys(e).keys) < len(e))
-    return listed, by_name
 
 
 class _Expectations:
@@ -104,8 +90,8 @@ class _Expectations:
         return scratch.get(p) if scratch else None
 
 
-def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: Source, listed: set[str],
-                 by_name: dict[str, dict], strict: bool, problems: list[str]) -> None:
+def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: Source, strict: bool,
+                 problems: list[str]) -> None:
     """A :class:`ParamLoad` for every parameter the checkpoint lists; group fields to set."""
     expectations = {id(opt): _Expectations(opt) for opt in plan.optimizers}
     layouts = LayoutCache()
@@ -114,10 +100,10 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
             plan.groups.append((target.group, {k: v for k, v in src.fields.items() if k not in _STRUCTURAL}))
         exp = expectations[id(target.opt)]
         for p, fqn in zip(target.group["params"], target.fqns):
-            if fqn not in listed:
+            if fqn not in source.listed:
                 continue  # not in the checkpoint: left as it is
-            entry = by_name.get(fqn)
-            skip, unknown = unwritten_keys(entry) if entry else (set(), False)
+            entry = source.by_name.get(fqn)
+            skip, unknown = source.unwritten(entry)
             if entry and has_placeholders(entry):
                 plan.questions[fqn] = None if unknown else len(skip) < len(entry)
             written = {k: v for k, v in (entry or {}).items() if k not in skip}
