@@ -157,7 +157,7 @@ class _Load:
         parts = dict(self.parts)
         if "optim" in parts:
             parts["optim"] = _run_pre_hooks(self.optims, parts["optim"])
-        broadcast = self.opts.broadcast_from_rank0 and self.group.active
+        broadcast = self.opts.broadcast_from_rank0 and self.group.has_peers
         agreement = (BroadcastAgreement if broadcast else LocalAgreement)(parts, self.group)
         parts = agreement.manifests()
         self.problems += agreement.problems

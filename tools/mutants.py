@@ -288,14 +288,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "full-cpu-model-on-every-rank", "transport/consolidate.py",
-        "    root_only = cpu and group.active\n    kept, roots = full_entries(sd, group,",
+        "    root_only = cpu and group.has_peers\n    kept, roots = full_entries(sd, group,",
         "    root_only = False  # every rank keeps what it gathered\n    kept, roots = full_entries(sd, group,",
         "full_state_dict + cpu_offload gives every rank the model's full dict, not the root alone",
         ("MODEL-1[fsdp2-full_cpu]",),
     ),
     Mutant(
         "full-cpu-stages-not-collected", "transport/consolidate.py",
-        "    if root_only and group.active and not collectives.same_everywhere(keys, group):",
+        "    if root_only and group.has_peers and not collectives.same_everywhere(keys, group):",
         "    if False:",
         "full_cpu assumes every rank holds the same keys (the root misses other pipeline stages)",
         ("OPT-RT-3[pp2-adamw-full_cpu]",),

@@ -43,7 +43,7 @@ class Prepared:
     device: torch.device
     local: torch.Tensor | None = None  # this rank's piece (None until a broadcast delivers it)
     meta: TensorMeta | None = None
-    redistribute: DTensor | None = None  # a DTensor to move to ``layout`` first
+    source_dtensor: DTensor | None = None  # a DTensor to redistribute to ``layout`` first
     dest: torch.Tensor | None = None  # an existing tensor of the same layout to copy into
     owned: bool = False  # ``local`` is ours to keep as the new tensor, no copy needed
 
@@ -146,7 +146,7 @@ def from_dtensor(value: DTensor, target: torch.Tensor, device: torch.device) -> 
     else redistributed to ``target``'s layout when the plan is applied."""
     if tuple(value.placements) == tuple(target.placements) or value.shape != target.shape:
         return Prepared(DTensorLayout.of(value), device, local=local_tensor(value))
-    return Prepared(DTensorLayout.of(target), device, redistribute=value)
+    return Prepared(DTensorLayout.of(target), device, source_dtensor=value)
 
 
 def from_full(value: torch.Tensor | TensorMeta, device: torch.device, layout: DTensorLayout | None) -> Prepared:
@@ -161,8 +161,8 @@ def from_full(value: torch.Tensor | TensorMeta, device: torch.device, layout: DT
 def redistribute(prepared: Iterable[Prepared]) -> None:
     """Move every DTensor that needs it to its planned layout (collectives, in plan order)."""
     for p in prepared:
-        if p.redistribute is not None:
-            moved = p.redistribute.redistribute(p.layout.mesh, p.layout.placements)
+        if p.source_dtensor is not None:
+            moved = p.source_dtensor.redistribute(p.layout.mesh, p.layout.placements)
             p.local = local_tensor(moved)
 
 

@@ -129,7 +129,7 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
                 plan.on_meta.add(raw)
                 if prepared.device.type == "meta":
                     prepared.device = prepared.local.device if prepared.local is not None else _compat.collective_device()
-            elif prepared.meta is not None and _compat.local_tensor(target).dtype == prepared.dtype and prepared.redistribute is None:
+            elif prepared.meta is not None and _compat.local_tensor(target).dtype == prepared.dtype and prepared.source_dtensor is None:
                 prepared.dest = target  # a broadcast piece goes straight into the model's tensor
             plan.values[raw] = prepared
         else:

@@ -98,7 +98,7 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
     for target, src in zip(targets, source.matched):
         if src is not None:
             plan.groups.append((target.group, {k: v for k, v in src.fields.items() if k not in _STRUCTURAL}))
-        exp = expectations[id(target.opt)]
+        expectation = expectations[id(target.opt)]
         for p, fqn in zip(target.group["params"], target.fqns):
             if fqn not in source.listed:
                 continue  # not in the checkpoint: left as it is
@@ -110,7 +110,7 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
             if not written:  # absent, or a template entry nobody filled: the parameter ends fresh
                 plan.params.append(ParamLoad(target.opt, p, fqn, None))
                 continue
-            expected = exp.of(p)
+            expected = expectation.of(p)
             if expected and strict and not expected.keys() <= written.keys():
                 lacking = sorted(str(k) for k in expected if k not in written)
                 if lacking:
@@ -128,31 +128,31 @@ def _target_device(p, key: str, group: dict, value) -> torch.device:
     return _compat.local_tensor(p).device
 
 
-def _prepare(value, p, key: str, group: dict, exp, where: str, problems: list[str], layouts: LayoutCache):
-    """Check one state value against its parameter and ``exp``, what the
+def _prepare(value, p, key: str, group: dict, expected, where: str, problems: list[str], layouts: LayoutCache):
+    """Check one state value against its parameter and ``expected``, what the
     optimizer keeps (or would create) under ``key``; return what to load.
 
     Nested values (dicts, lists and tuples, as custom optimizers keep) are
-    checked leaf by leaf against the same place in ``exp``.
+    checked leaf by leaf against the same place in ``expected``.
     """
-    if is_container(value) and isinstance(exp, torch.Tensor):
+    if is_container(value) and isinstance(expected, torch.Tensor):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor like the optimizer's")
         return None
     if type(value) is dict:
-        mine = exp if isinstance(exp, dict) else {}
+        mine = expected if isinstance(expected, dict) else {}
         return {k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems, layouts) for k, v in value.items()}
     if type(value) in (list, tuple):
-        mine = exp if isinstance(exp, (list, tuple)) and len(exp) == len(value) else [None] * len(value)
+        mine = expected if isinstance(expected, (list, tuple)) and len(expected) == len(value) else [None] * len(value)
         return type(value)(_prepare(v, p, key, group, e, f"{where}[{i}]", problems, layouts) for i, (v, e) in enumerate(zip(value, mine)))
-    prepared = _prepare_leaf(value, p, key, group, exp, where, problems, layouts)
-    if isinstance(prepared, Prepared) and fits(exp, prepared):
-        prepared.dest = exp  # loaded in place into the state tensor it replaces
+    prepared = _prepare_leaf(value, p, key, group, expected, where, problems, layouts)
+    if isinstance(prepared, Prepared) and fits(expected, prepared):
+        prepared.dest = expected  # loaded in place into the state tensor it replaces
     return prepared
 
 
-def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: list[str], layouts: LayoutCache):
+def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problems: list[str], layouts: LayoutCache):
     if not is_tensorish(value):
-        if isinstance(exp, torch.Tensor):
+        if isinstance(expected, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
         return value
     if isinstance(value, DTensor) and not isinstance(p, DTensor):
@@ -163,7 +163,7 @@ def _prepare_leaf(value, p, key: str, group: dict, exp, where: str, problems: li
         problems.append(f"{where}: dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter")
         return None
     shape = tuple(value.shape)
-    allowed = (tuple(exp.shape),) if isinstance(exp, torch.Tensor) else ((), tuple(p.shape))
+    allowed = (tuple(expected.shape),) if isinstance(expected, torch.Tensor) else ((), tuple(p.shape))
     if shape not in allowed:
         want = " or ".join(str(a) for a in sorted(set(allowed)))
         problems.append(f"{where}: shape {shape}, expected {want}")

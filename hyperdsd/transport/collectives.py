@@ -35,7 +35,7 @@ DIRECT_BYTES = 1 << 20
 
 def active(group: Group | None = None) -> bool:
     """Whether ``group`` (default: the world) has anyone else to talk to."""
-    return (group or world()).active
+    return (group or world()).has_peers
 
 
 def rank() -> int:
@@ -58,7 +58,7 @@ def agree(problems: list[str], what: str, questions: dict[str, bool | None] | No
     group = group or world()
     questions = questions or {}
     open_ = [k for k, v in questions.items() if v is None]
-    if not group.active:
+    if not group.has_peers:
         if problems:
             raise StateDictError(_format(what, {global_rank(): problems}))
         return {k: True for k in open_}
@@ -76,7 +76,7 @@ def agree(problems: list[str], what: str, questions: dict[str, bool | None] | No
 def exchange(obj: Any, group: Group | None = None) -> list[Any]:
     """Every rank's ``obj``, on every rank of ``group``, by group rank (one all-gather of objects)."""
     group = group or world()
-    if not group.active:
+    if not group.has_peers:
         return [obj]
     everyone: list[Any] = [None] * group.size
     dist.all_gather_object(everyone, obj, group=group.pg)
@@ -117,7 +117,7 @@ def _format(what: str, by_rank: dict[int, list[str]]) -> str:
 def same_everywhere(keys: Sequence[str], group: Group | None = None) -> bool:
     """Whether every rank of ``group`` has the same keys (one small all-gather of digests)."""
     group = group or world()
-    if not group.active:
+    if not group.has_peers:
         return True
     digest = hashlib.sha1("\0".join(keys).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
@@ -139,7 +139,7 @@ def roots_of(keys: Sequence[str], group: Group | None = None) -> dict[str, int]:
 def send_to_root(obj: Any, group: Group | None = None) -> list[Any] | None:
     """The root of ``group`` receives every rank's ``obj`` (None from those with nothing)."""
     group = group or world()
-    if not group.active:
+    if not group.has_peers:
         return [obj]
     out: list[Any] | None = [None] * group.size if group.is_root else None
     dist.gather_object(obj, out, dst=group.root, group=group.pg)
@@ -149,7 +149,7 @@ def send_to_root(obj: Any, group: Group | None = None) -> list[Any] | None:
 def broadcast_object(obj: Any, group: Group | None = None) -> Any:
     """The root's ``obj`` on every rank of ``group``."""
     group = group or world()
-    if not group.active:
+    if not group.has_peers:
         return obj
     box = [obj if group.is_root else None]
     dist.broadcast_object_list(box, src=group.root, group=group.pg)

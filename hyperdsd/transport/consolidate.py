@@ -49,7 +49,7 @@ def full_entries(entries: dict[str, Any], group: Group, *, root_only: bool, cpu:
     """
     keys = list(entries)
     roots: dict[str, int] | None = None
-    if root_only and group.active and not collectives.same_everywhere(keys, group):
+    if root_only and group.has_peers and not collectives.same_everywhere(keys, group):
         roots = collectives.roots_of(keys, group)
     me = collectives.rank()
 
@@ -81,7 +81,7 @@ def full_entries(entries: dict[str, Any], group: Group, *, root_only: bool, cpu:
 
 def full_model(sd: dict[str, Any], group: Group, *, cpu: bool) -> dict[str, Any]:
     """The model's full state dict: on every rank, or with ``cpu`` on the root only."""
-    root_only = cpu and group.active
+    root_only = cpu and group.has_peers
     kept, roots = full_entries(sd, group, root_only=root_only, cpu=cpu)
     if root_only and roots is not None:
         received = collectives.send_to_root(kept if not group.is_root else None, group)
@@ -94,7 +94,7 @@ def full_model(sd: dict[str, Any], group: Group, *, cpu: bool) -> dict[str, Any]
 
 def full_optimizer(nested: dict, group: Group, *, cpu: bool) -> dict:
     """The optimizers' full state dict (nested): on every rank, or with ``cpu`` on the root only."""
-    root_only = cpu and group.active
+    root_only = cpu and group.has_peers
     state, groups = nested["state"], nested["param_groups"]
     if not root_only:
         kept, _ = full_entries(state, group, root_only=False, cpu=cpu)

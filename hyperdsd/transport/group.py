@@ -52,8 +52,8 @@ class Group:
         return len(self.ranks)
 
     @property
-    def active(self) -> bool:
-        """Whether there is anyone to talk to."""
+    def has_peers(self) -> bool:
+        """Whether there is anyone to talk to (more than one rank)."""
         return self.size > 1
 
     @property
@@ -82,7 +82,7 @@ def world() -> Group:
 def of_params(params: Iterable[Any]) -> Group:
     """The group of a model with ``params`` (see the module docstring)."""
     everyone = world()
-    if not everyone.active:
+    if not everyone.has_peers:
         return everyone
     roots: dict[int, Any] = {}
     seen: set[int] = set()
