@@ -11,13 +11,15 @@ rank, after which a new pool (a restarted job) loads.
 import json
 import os
 
+import checkpoint_tasks
 import pytest
 import torch
-import torch.nn as nn
-
-from hyperdsd import StateDictError, checkpoint, commit
-import checkpoint_tasks
+import torch.distributed.checkpoint as dcp
 from helpers import run_task
+from torch import nn
+
+import hyperdsd
+from hyperdsd import StateDictError, checkpoint, commit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -134,11 +136,7 @@ def test_load_refuses_what_was_never_committed(tmp_path, damage, needle):
 
 
 def test_a_plain_dcp_checkpoint_is_checked_against_its_metadata(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
     model, opt = _trained()
-    import hyperdsd
-
     msd, osd = hyperdsd.get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
     fresh, fresh_opt = _trained(seed=1, steps=0)
@@ -183,7 +181,7 @@ def test_the_manager_keeps_the_last_steps_and_latest_skips_partial_ones(tmp_path
     # Only committed steps count towards keep: 60 and 30 stay, 20 goes, the partial ones are left alone.
     assert sorted(os.listdir(tmp_path)) == [".step-50.staging", "step-30", "step-40", "step-60"]
     record = json.loads((torn / commit.RECORD).read_text())
-    name = sorted(record["files"])[0]
+    name = min(record["files"])
     os.truncate(torn / name, record["files"][name] - 1)
     assert manager.latest() == 30
     fresh, fresh_opt = _trained(seed=1, steps=0)
