@@ -19,6 +19,7 @@ failing rank's error; :func:`load` turns it into one :class:`StateDictError`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -318,15 +319,12 @@ class Manager:
         """On rank 0, after a commit: remove committed steps beyond the newest ``keep``."""
         committed = [s for s in self._steps() if (self.path(s) / commit.RECORD).is_file()]
         for step in committed[self.keep:]:
-            doomed = self.root / f".step-{step}.deleting"
-            try:  # renamed first, so that a removal cut short leaves no partial step-{n}
-                os.rename(self.path(step), doomed)
-            except OSError:
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
+            # Into the trash, atomically: each rank removes its own files from there.
+            with contextlib.suppress(OSError):
+                commit.to_trash(self.path(step))
 
 
-_STEP = re.compile(r"\.?step-(\d+)(?:\.previous)?")
+_STEP = re.compile(r"\.?step-(\d+)(?:\.previous)?")  # step-{n}, and .step-{n}.previous (a commit cut short)
 
 
 # -- atomic saves, and async saves that finish -----------------------------------
@@ -405,6 +403,7 @@ def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: S
         except CheckpointException as exc:
             _clean(path)
             raise _save_error(path, exc) from None
+        _empty_trash(path)
         return None
     stager = storage_writer if isinstance(storage_writer, AsyncStager) else None
     upload = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager)
@@ -415,6 +414,7 @@ def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: S
     def finished(done: Future) -> None:
         exc = done.exception()
         if exc is None:
+            _empty_trash(path)
             fut.set_result(None)
             return
         _clean(path)
@@ -423,6 +423,11 @@ def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: S
 
     upload.add_done_callback(finished)
     return fut
+
+
+def _empty_trash(path: Path) -> None:
+    """After a committed save, on every rank: its share of deleting the replaced and pruned checkpoints."""
+    commit.empty_trash(path.parent, dist.get_rank() if dist.is_initialized() else 0, _is_coordinator())
 
 
 def _clean(path: Path) -> None:

@@ -14,7 +14,15 @@ every rank's writes have succeeded and ``.metadata`` is written:
    directory, fsynced: the staging directory is now complete;
 2. it renames the previous checkpoint ``P`` aside to ``.P.previous``;
 3. it renames ``.P.staging`` to ``P`` (the commit) and fsyncs the parent;
-4. it removes ``.P.previous``.
+4. it renames ``.P.previous`` to ``.P.trash-<id>``: garbage from now on.
+
+Every rank then removes its own data files (``__{rank}_*``) from the trash,
+in parallel and outside DCP's collectives, and the next save's coordinator
+removes what is left of it before any rank writes: deleting a checkpoint
+is as much work as writing one on some filesystems (ext4 mounted with
+``discard``), and one rank doing it alone while the others wait would
+cost a save far more than plain ``dcp.save``'s rewrite in place, whose
+truncations each rank does for its own file.
 
 Because the commit is part of ``finish``, DCP's own broadcast of the finish
 step's outcome tells every rank whether the save succeeded: a failure on
@@ -27,7 +35,7 @@ A crash at any point leaves a state that :func:`resolve` reads right:
 - between steps 2 and 3: ``P`` is absent and ``.P.previous`` holds the
   previous checkpoint, which loads; the next save renames it back first;
 - after step 3: ``P`` is the new checkpoint; the next save removes
-  ``.P.previous``.
+  ``.P.previous`` and every ``.*.trash-*`` beside it.
 
 So ``P`` is never a mix, and it is never absent while nothing else loads.
 The guarantee needs one POSIX filesystem holding ``P`` and its parent
@@ -37,10 +45,13 @@ the commit record, written last, is the commit (docs/CHECKPOINTS.md).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+import re
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +61,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 
 RECORD = ".hyperdsd-commit"
 METADATA = ".metadata"
-_STAGING, _PREVIOUS = ".staging", ".previous"
+_STAGING, _PREVIOUS, _TRASH = ".staging", ".previous", ".trash-"
 
 
 def staging_of(path: Path) -> Path:
@@ -59,6 +70,33 @@ def staging_of(path: Path) -> Path:
 
 def previous_of(path: Path) -> Path:
     return path.parent / f".{path.name}{_PREVIOUS}"
+
+
+def _is_trash(name: str) -> bool:
+    return name.startswith(".") and _TRASH in name
+
+
+def to_trash(folder: Path) -> None:
+    """Rename ``folder`` to a trash name beside it (atomic; the files go later)."""
+    os.rename(folder, folder.parent / f".{folder.name.lstrip('.')}{_TRASH}{uuid.uuid4().hex[:12]}")
+
+
+def empty_trash(parent: Path, rank: int, coordinator: bool) -> None:
+    """After a committed save, on every rank: remove this rank's data files from
+    the trash beside the checkpoint (the coordinator: the files of no rank too)."""
+    mine = f"__{rank}_"
+    try:
+        bins = [e.path for e in os.scandir(parent) if e.is_dir() and _is_trash(e.name)]
+    except OSError:
+        return
+    for folder in bins:
+        for entry in os.scandir(folder):
+            if entry.name.startswith(mine) or (coordinator and not re.match(r"__\d+_", entry.name)):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+        if coordinator:
+            with contextlib.suppress(OSError):  # not empty yet: other ranks are at it; the next save removes it
+                os.rmdir(folder)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -135,15 +173,19 @@ def resolve(path: Path) -> tuple[Path | None, str]:
 
 
 def recover(path: Path) -> None:
-    """Before a save: undo a commit cut short, and remove what earlier saves left."""
+    """Before a save, on the coordinator: undo a commit cut short, and remove what earlier saves left."""
     previous, staging = previous_of(path), staging_of(path)
     if previous.exists():
-        if path.exists():
-            shutil.rmtree(previous)
-        else:
+        if not path.exists() and check(previous) is None:
             os.rename(previous, path)
+        else:
+            shutil.rmtree(previous)
     if staging.exists():
         shutil.rmtree(staging)
+    if path.parent.is_dir():
+        for entry in os.scandir(path.parent):
+            if entry.is_dir() and _is_trash(entry.name):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def commit(path: Path, metadata: Any) -> None:
@@ -172,7 +214,9 @@ def commit(path: Path, metadata: Any) -> None:
             os.rename(previous, path)
         raise
     _fsync_dir(path.parent)
-    shutil.rmtree(previous, ignore_errors=True)
+    if had_previous:
+        with contextlib.suppress(OSError):
+            to_trash(previous)
 
 
 class CommittingWriter(StorageWriter):

@@ -99,7 +99,7 @@ def test_a_save_over_an_existing_path_loads_the_new_state_and_leaves_nothing_bes
     checkpoint.save(path, old, old_opt)
     new, new_opt = _trained(steps=3)
     checkpoint.save(path, new, new_opt)
-    assert sorted(os.listdir(tmp_path)) == ["latest"]
+    assert checkpoint_tasks.left_in(tmp_path) == ["latest"]
     assert (path / commit.RECORD).is_file()
     fresh, fresh_opt = _trained(seed=1, steps=0)
     checkpoint.load(path, fresh, fresh_opt)
@@ -158,7 +158,7 @@ def test_a_commit_cut_short_after_setting_the_previous_aside_loads_the_previous(
     assert _same(fresh, old)
     new, new_opt = _trained(steps=3)
     checkpoint.save(path, new, new_opt)  # puts the previous back first, then commits over it
-    assert sorted(os.listdir(tmp_path)) == ["latest"]
+    assert checkpoint_tasks.left_in(tmp_path) == ["latest"]
     checkpoint.load(path, fresh, fresh_opt)
     assert _same(fresh, new)
 
@@ -172,14 +172,14 @@ def test_the_manager_keeps_the_last_steps_and_latest_skips_partial_ones(tmp_path
     for step in (10, 20, 30):
         models[step] = _trained(seed=step)
         manager.save(step, *models[step])
-    assert sorted(os.listdir(tmp_path)) == ["step-20", "step-30"]
+    assert checkpoint_tasks.left_in(tmp_path) == ["step-20", "step-30"]
     # A newer step whose save did not finish, in each way it can look: never the latest.
     (tmp_path / "step-40").mkdir()  # no .metadata
     commit.staging_of(tmp_path / "step-50").mkdir()
     torn = tmp_path / "step-60"
     manager.save(60, *_trained(seed=60))
     # Only committed steps count towards keep: 60 and 30 stay, 20 goes, the partial ones are left alone.
-    assert sorted(os.listdir(tmp_path)) == [".step-50.staging", "step-30", "step-40", "step-60"]
+    assert checkpoint_tasks.left_in(tmp_path) == [".step-50.staging", "step-30", "step-40", "step-60"]
     record = json.loads((torn / commit.RECORD).read_text())
     name = min(record["files"])
     os.truncate(torn / name, record["files"][name] - 1)
@@ -200,7 +200,7 @@ def test_keep_never_deletes_the_only_committed_checkpoint(tmp_path):
     failing = checkpoint.Manager(tmp_path, keep=1, storage_writer=checkpoint_tasks.FailingWriter(str(tmp_path), "torn", [0]))
     with pytest.raises(StateDictError, match="was not saved"):
         failing.save(2, *_trained(seed=2))
-    assert sorted(os.listdir(tmp_path)) == ["step-1"]
+    assert checkpoint_tasks.left_in(tmp_path) == ["step-1"]
     assert manager.latest() == 1
     manager.save(3, *_trained(seed=3))
-    assert sorted(os.listdir(tmp_path)) == ["step-3"]
+    assert checkpoint_tasks.left_in(tmp_path) == ["step-3"]
