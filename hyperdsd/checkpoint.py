@@ -19,11 +19,13 @@ failing rank's error; :func:`load` turns it into one :class:`StateDictError`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
 import re
 import shutil
+import threading
 from collections.abc import Mapping
 from concurrent import futures
 from concurrent.futures import Future
@@ -46,7 +48,7 @@ from .checkpoint_plan import judge, optimizer_entries, unexpected
 from .errors import StateDictError
 from .options import StateDictOptions, resolve_options
 
-__all__ = ["AppState", "LoadPlanner", "Manager", "SaveFuture", "load", "save"]
+__all__ = ["AppState", "LoadPlanner", "Manager", "SaveFuture", "load", "save", "settle"]
 
 MODEL, OPTIM, SCHEDULERS = "model", "optim", "schedulers"
 _SHOWN = 10  # unexpected keys named in an error; the rest are counted
@@ -284,7 +286,8 @@ class Manager:
         return _save(self.path(step), state, async_save, self.storage_writer, after_commit=self._prune)
 
     def latest(self) -> int | None:
-        """The newest step with a committed checkpoint, or None."""
+        """The newest step with a committed checkpoint, or None (after :func:`settle`)."""
+        settle()
         return _agreed(self._latest_here)
 
     def load(self, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
@@ -379,18 +382,42 @@ class SaveFuture(Future):
 
 
 _pending: list[SaveFuture] = []
+_sweepers: list[threading.Thread] = []  # deleting this rank's files of replaced checkpoints, after a save
 _WAIT_S = 3600.0  # for an earlier async save, before the next call gives up on it
 
 
 def settle() -> None:
-    """Wait for earlier async saves; raise the error of one that failed unseen (on every rank alike)."""
+    """Wait for earlier async saves and for this rank's share of deleting the checkpoints they
+    replaced; then raise the error of an async save that failed unseen (on every rank alike).
+
+    Every :func:`save` and :func:`load` (and :class:`Manager` call) starts with it.
+    """
+    error = None
     while _pending:
         fut = _pending.pop(0)
         done, _ = futures.wait([fut], timeout=_WAIT_S)
         if not done:
             raise StateDictError(f"the async save of {fut.path} has not finished after {_WAIT_S:g} s")
-        if fut.error is not None and not fut.observed:
-            raise StateDictError(f"an earlier async save failed, and nothing has asked its future:\n{fut.error}")
+        if fut.error is not None and not fut.observed and error is None:
+            error = StateDictError(f"an earlier async save failed, and nothing has asked its future:\n{fut.error}")
+    _join_sweepers()
+    if error is not None:
+        raise error
+
+
+def _sweep(path: Path) -> None:
+    """After a committed save: this rank's share of deleting what it replaced, in the background."""
+    sweeper = threading.Thread(target=_empty_trash, args=(path,), name="hyperdsd-trash", daemon=True)
+    _sweepers.append(sweeper)
+    sweeper.start()
+
+
+def _join_sweepers() -> None:
+    while _sweepers:
+        _sweepers.pop(0).join(_WAIT_S)
+
+
+atexit.register(_join_sweepers)  # a script that ends after a save leaves no garbage beside it
 
 
 def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: StorageWriter | None,
@@ -403,7 +430,7 @@ def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: S
         except CheckpointException as exc:
             _clean(path)
             raise _save_error(path, exc) from None
-        _empty_trash(path)
+        _sweep(path)
         return None
     stager = storage_writer if isinstance(storage_writer, AsyncStager) else None
     upload = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager)
@@ -414,7 +441,7 @@ def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: S
     def finished(done: Future) -> None:
         exc = done.exception()
         if exc is None:
-            _empty_trash(path)
+            _sweep(path)
             fut.set_result(None)
             return
         _clean(path)

@@ -313,6 +313,7 @@ def _refused(ctx, layout: str, path, opts) -> str:
 def left_in(root) -> list[str]:
     """What is in ``root``, but for the emptied trash of replaced and pruned checkpoints
     (every rank has removed its files from it; the next save removes the folder)."""
+    checkpoint.settle()  # this rank's deletions have finished (other ranks: a barrier after theirs)
     def emptied(name):
         folder = os.path.join(root, name)
         return ".trash-" in name and os.path.isdir(folder) and not os.listdir(folder)
