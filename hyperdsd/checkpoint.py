@@ -12,6 +12,13 @@ to write and read them, from the least to the most that is done for you:
 - :class:`AppState`: a DCP ``Stateful`` over the model, optimizers and
   schedulers, the pattern of torch's DCP tutorial.
 
+:func:`save` commits atomically (:mod:`hyperdsd.commit`): a save that fails
+or is cut short on any rank leaves the checkpoint committed before it, and
+:func:`load` takes only committed checkpoints; plain ``dcp.save`` rewrites
+data files in place, so a failed save over a checkpoint loads as a mix of
+both. :class:`Manager` keeps the last few of a run's checkpoints as step
+directories and resumes from the newest committed one (docs/CHECKPOINTS.md).
+
 Every problem is found while DCP plans the load, before any data is read;
 DCP then raises on every rank (a ``CheckpointException`` carrying each
 failing rank's error; :func:`load` turns it into one :class:`StateDictError`).

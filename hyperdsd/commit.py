@@ -17,8 +17,8 @@ every rank's writes have succeeded and ``.metadata`` is written:
 4. it renames ``.P.previous`` to ``.P.trash-<id>``: garbage from now on.
 
 Every rank then removes its own data files (``__{rank}_*``) from the trash,
-in parallel and outside DCP's collectives, and the next save's coordinator
-removes what is left of it before any rank writes: deleting a checkpoint
+in parallel, in the background and outside DCP's collectives, and the next
+save's coordinator removes what is left of it before any rank writes: deleting a checkpoint
 is as much work as writing one on some filesystems (ext4 mounted with
 ``discard``), and one rank doing it alone while the others wait would
 cost a save far more than plain ``dcp.save``'s rewrite in place, whose
