@@ -130,10 +130,11 @@ def main() -> None:
     t = outcome.values[0]
     print(f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, {args.size} FSDP2 model with AdamW, "
           f"{len(t['sync dcp'])} repetitions, medians of the slowest rank")
-    print(f"{'':>16} {'dcp.save ms':>12} {'hyperdsd ms':>12} {'ratio':>6}")
+    print(f"{'':>16} {'dcp.save ms':>12} {'hyperdsd ms':>12} {'ratio':>6} {'paired':>7}")
     for row in ("sync", "async blocking", "async total"):
         a, b = statistics.median(t[f"{row} dcp"]), statistics.median(t[f"{row} hyperdsd"])
-        print(f"{row:>16} {a:12.1f} {b:12.1f} {b / a:6.2f}")
+        paired = statistics.median(y / x for x, y in zip(t[f"{row} dcp"], t[f"{row} hyperdsd"]))
+        print(f"{row:>16} {a:12.1f} {b:12.1f} {b / a:6.2f} {paired:7.2f}")
     crc = statistics.median(t["crc32 of one rank's file"])
     print(f"a CRC-32 of one rank's data file ({t['file MiB'][0]:.0f} MiB, read back from the page cache): {crc:.1f} ms")
 
