@@ -414,7 +414,9 @@ def settle() -> None:
 
 def _sweep(path: Path) -> None:
     """After a committed save: this rank's share of deleting what it replaced, in the background."""
-    sweeper = threading.Thread(target=_empty_trash, args=(path,), name="hyperdsd-trash", daemon=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sweeper = threading.Thread(target=commit.empty_trash, args=(path.parent, rank, rank == 0),
+                               name="hyperdsd-trash", daemon=True)
     _sweepers.append(sweeper)
     sweeper.start()
 
@@ -457,11 +459,6 @@ def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: S
 
     upload.add_done_callback(finished)
     return fut
-
-
-def _empty_trash(path: Path) -> None:
-    """After a committed save, on every rank: its share of deleting the replaced and pruned checkpoints."""
-    commit.empty_trash(path.parent, dist.get_rank() if dist.is_initialized() else 0, _is_coordinator())
 
 
 def _clean(path: Path) -> None:

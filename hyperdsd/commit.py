@@ -11,9 +11,9 @@ every rank's writes have succeeded and ``.metadata`` is written:
 
 1. it checks the data files against the metadata and writes the commit
    record ``.hyperdsd-commit`` (each data file's size) into the staging
-   directory, fsynced: the staging directory is now complete;
+   directory, fsynced;
 2. it renames the previous checkpoint ``P`` aside to ``.P.previous``;
-3. it renames ``.P.staging`` to ``P`` (the commit) and fsyncs the parent;
+3. it renames ``.P.staging`` to ``P``: the commit;
 4. it renames ``.P.previous`` to ``.P.trash-<id>``: garbage from now on.
 
 Every rank then removes its own data files (``__{rank}_*``) from the trash,
@@ -38,6 +38,9 @@ A crash at any point leaves a state that :func:`resolve` reads right:
   ``.P.previous`` and every ``.*.trash-*`` beside it.
 
 So ``P`` is never a mix, and it is never absent while nothing else loads.
+The renames are not fsynced (nor is DCP's own rename of ``.metadata``): after
+a power loss any of them may be undone, which leaves one of the states
+above. A save that returned is as durable as plain ``dcp.save``'s.
 The guarantee needs one POSIX filesystem holding ``P`` and its parent
 (``rename`` is atomic within it); object stores have no atomic rename: there
 the commit record, written last, is the commit (docs/CHECKPOINTS.md).
@@ -61,7 +64,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 
 RECORD = ".hyperdsd-commit"
 METADATA = ".metadata"
-_STAGING, _PREVIOUS, _TRASH = ".staging", ".previous", ".trash-"
+_STAGING, _PREVIOUS = ".staging", ".previous"
 
 
 def staging_of(path: Path) -> Path:
@@ -73,12 +76,12 @@ def previous_of(path: Path) -> Path:
 
 
 def _is_trash(name: str) -> bool:
-    return name.startswith(".") and _TRASH in name
+    return re.fullmatch(r"\..+\.trash-[0-9a-f]{12}", name) is not None
 
 
 def to_trash(folder: Path) -> None:
     """Rename ``folder`` to a trash name beside it (atomic; the files go later)."""
-    os.rename(folder, folder.parent / f".{folder.name.lstrip('.')}{_TRASH}{uuid.uuid4().hex[:12]}")
+    os.rename(folder, folder.parent / f".{folder.name.lstrip('.')}.trash-{uuid.uuid4().hex[:12]}")
 
 
 def empty_trash(parent: Path, rank: int, coordinator: bool) -> None:
@@ -90,21 +93,13 @@ def empty_trash(parent: Path, rank: int, coordinator: bool) -> None:
     except OSError:
         return
     for folder in bins:
-        for entry in os.scandir(folder):
-            if entry.name.startswith(mine) or (coordinator and not re.match(r"__\d+_", entry.name)):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-        if coordinator:
-            with contextlib.suppress(OSError):  # not empty yet: other ranks are at it; the next save removes it
-                os.rmdir(folder)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with contextlib.suppress(OSError):  # gone already, or a file is: another rank or save removed it
+            for entry in os.scandir(folder):
+                if entry.name.startswith(mine) or (coordinator and not re.match(r"__\d+_", entry.name)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+            if coordinator:
+                os.rmdir(folder)  # fails while other ranks are still at it: the next save removes it
 
 
 def _data_files(folder: Path) -> dict[str, int]:
@@ -197,13 +192,10 @@ def commit(path: Path, metadata: Any) -> None:
     problem = _against_metadata(staging, metadata, files)
     if problem:
         raise RuntimeError(f"the checkpoint written is incomplete: {problem}")
-    tmp = staging / f"{RECORD}.tmp"
-    with open(tmp, "w") as f:
+    with open(staging / RECORD, "w") as f:  # never read before the rename: no temporary name needed
         json.dump({"format": 1, "files": files}, f)
         f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, staging / RECORD)
-    _fsync_dir(staging)
+        os.fsync(f.fileno())  # on disk before the rename that may make it P's
     had_previous = path.exists()
     if had_previous:
         os.rename(path, previous)
@@ -213,7 +205,6 @@ def commit(path: Path, metadata: Any) -> None:
         if had_previous:
             os.rename(previous, path)
         raise
-    _fsync_dir(path.parent)
     if had_previous:
         with contextlib.suppress(OSError):
             to_trash(previous)
