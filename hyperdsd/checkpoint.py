@@ -190,7 +190,8 @@ class AppState(Stateful):
 # -- one call each -------------------------------------------------------------
 
 def save(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
-         options: StateDictOptions | None = None, async_save: bool = False, storage_writer: StorageWriter | None = None):
+         options: StateDictOptions | None = None, async_save: bool = False,
+         storage_writer: StorageWriter | None = None):
     """Save the model, optimizers, schedulers and ``extra`` as a DCP checkpoint, atomically.
 
     The checkpoint holds ``model``, ``optim`` (by FQN), ``schedulers`` (a
@@ -241,7 +242,8 @@ def load(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str,
     folder = _committed(checkpoint_id)
     state = _state(model, optimizers, schedulers, extra, opts)
     try:
-        dcp.load(state, checkpoint_id=str(folder), storage_reader=storage_reader, planner=LoadPlanner(strict=opts.strict))
+        dcp.load(state, checkpoint_id=str(folder), storage_reader=storage_reader,
+                 planner=LoadPlanner(strict=opts.strict))
     except CheckpointException as exc:
         raise _one_error(checkpoint_id, exc) from None
     _apply(state, model, optimizers, schedulers, extra, opts)

@@ -345,7 +345,8 @@ def failed_save(ctx, layout: str, fault: str, ranks, previous: bool = True, asyn
         writer = FailingWriter(path, fault, ranks)
         error = None
         try:
-            fut = checkpoint.save(path, a.model, a.optimizers, options=opts, storage_writer=writer, async_save=bool(async_save))
+            fut = checkpoint.save(path, a.model, a.optimizers, options=opts, storage_writer=writer,
+                                  async_save=bool(async_save))
             if async_save == "future":
                 fut.result()
             elif async_save == "next_call":

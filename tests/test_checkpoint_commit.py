@@ -47,7 +47,8 @@ def test_plain_dcp_save_over_a_checkpoint_that_fails_on_one_rank_loads_a_mix(poo
     (4, "metadata", [], ""),
     (4, "write", [3], "future"),
 ])
-def test_a_failed_save_raises_alike_and_the_previous_checkpoint_loads_exactly(pools, world_size, fault, ranks, async_save):
+def test_a_failed_save_raises_alike_and_the_previous_checkpoint_loads_exactly(pools, world_size, fault, ranks,
+                                                                              async_save):
     texts = run(pools, world_size, "failed_save", layout=f"fsdp{world_size}", fault=fault, ranks=ranks,
                 async_save=async_save)
     assert len(set(texts)) == 1, texts
@@ -63,10 +64,12 @@ def test_a_failed_first_save_leaves_nothing_that_loads(pools):
 @pytest.mark.parametrize("world_size, where", [
     (2, "write"), (4, "write"), (2, "before_commit"), (2, "mid_commit"), (4, "mid_commit"),
 ])
-def test_a_save_cut_short_by_sigkill_leaves_the_previous_checkpoint_for_the_restarted_job(pools, tmp_path, world_size, where):
+def test_a_save_cut_short_by_sigkill_leaves_the_previous_checkpoint_for_the_restarted_job(pools, tmp_path, world_size,
+                                                                                          where):
     from hyperdsd.testing import Task
 
-    outcome = pools.run(world_size, Task(checkpoint_tasks.crash_in_save, {"layout": f"fsdp{world_size}", "root": str(tmp_path), "where": where}), 120)
+    kwargs = {"layout": f"fsdp{world_size}", "root": str(tmp_path), "where": where}
+    outcome = pools.run(world_size, Task(checkpoint_tasks.crash_in_save, kwargs), 120)
     killed = 1 if where == "write" else 0
     assert outcome.results[killed].status.name == "DIED", outcome.describe()
     run(pools, world_size, "resume_after_crash", layout=f"fsdp{world_size}", root=str(tmp_path), where=where)
@@ -197,7 +200,8 @@ def test_keep_never_deletes_the_only_committed_checkpoint(tmp_path):
     manager = checkpoint.Manager(tmp_path, keep=1)
     first = _trained(seed=1)
     manager.save(1, *first)
-    failing = checkpoint.Manager(tmp_path, keep=1, storage_writer=checkpoint_tasks.FailingWriter(str(tmp_path), "torn", [0]))
+    writer = checkpoint_tasks.FailingWriter(str(tmp_path), "torn", [0])
+    failing = checkpoint.Manager(tmp_path, keep=1, storage_writer=writer)
     with pytest.raises(StateDictError, match="was not saved"):
         failing.save(2, *_trained(seed=2))
     assert checkpoint_tasks.left_in(tmp_path) == ["step-1"]

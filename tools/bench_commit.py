@@ -90,7 +90,8 @@ def time_saves(ctx, size: str, reps: int):
                     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
                     if way == "async":
                         times.setdefault(f"async blocking {name}", []).append(spent[0].item() * 1000)
-                    times.setdefault(f"{way} {'total ' if way == 'async' else ''}{name}", []).append(spent[1].item() * 1000)
+                    row = "async total" if way == "async" else "sync"
+                    times.setdefault(f"{row} {name}", []).append(spent[1].item() * 1000)
         dist.barrier()
         data = sorted(p for p in os.listdir(os.path.join(root, "hyperdsd")) if p.endswith(".distcp"))
         crc = []
