@@ -12,6 +12,13 @@ to write and read them, from the least to the most that is done for you:
 - :class:`AppState`: a DCP ``Stateful`` over the model, optimizers and
   schedulers, the pattern of torch's DCP tutorial.
 
+:func:`save` commits atomically (:mod:`hyperdsd.commit`): a save that fails
+or is cut short on any rank leaves the checkpoint committed before it, and
+:func:`load` takes only committed checkpoints; plain ``dcp.save`` rewrites
+data files in place, so a failed save over a checkpoint loads as a mix of
+both. :class:`Manager` keeps the last few of a run's checkpoints as step
+directories and resumes from the newest committed one (docs/CHECKPOINTS.md).
+
 Every problem is found while DCP plans the load, before any data is read;
 DCP then raises on every rank (a ``CheckpointException`` carrying each
 failing rank's error; :func:`load` turns it into one :class:`StateDictError`).
@@ -19,19 +26,36 @@ failing rank's error; :func:`load` turns it into one :class:`StateDictError`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
-from typing import Any, Mapping
+import os
+import re
+import shutil
+import threading
+from collections.abc import Mapping
+from concurrent import futures
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    FileSystemWriter,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from . import api
+from . import api, commit
 from .errors import StateDictError
 from .options import StateDictOptions, resolve_options
 from .state.dcp_template import judge, optimizer_entries, unexpected
 
-__all__ = ["AppState", "LoadPlanner", "load", "save"]
+__all__ = ["AppState", "LoadPlanner", "Manager", "SaveFuture", "load", "save", "settle"]
 
 MODEL, OPTIM, SCHEDULERS = "model", "optim", "schedulers"
 _SHOWN = 10  # unexpected keys named in an error; the rest are counted
@@ -166,27 +190,37 @@ class AppState(Stateful):
 # -- one call each -------------------------------------------------------------
 
 def save(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
-         options: StateDictOptions | None = None, async_save: bool = False):
-    """Save the model, optimizers, schedulers and ``extra`` as a DCP checkpoint.
+         options: StateDictOptions | None = None, async_save: bool = False,
+         storage_writer: StorageWriter | None = None):
+    """Save the model, optimizers, schedulers and ``extra`` as a DCP checkpoint, atomically.
 
     The checkpoint holds ``model``, ``optim`` (by FQN), ``schedulers`` (a
     list of their state dicts, if any) and each key of ``extra`` (a
     ``Stateful``'s state dict, or any value DCP saves). Pipeline stages
     pass ``StateDictOptions(flatten_optimizer_state_dict=True)``, so that
-    stages write disjoint keys. With ``async_save`` the state is staged and
-    written in the background: returns the future of ``dcp.async_save``.
+    stages write disjoint keys.
+
+    ``checkpoint_id`` is a directory path. The checkpoint is written beside
+    it and takes its place only once every rank has written it (see
+    :mod:`hyperdsd.commit`); a save that fails on any rank raises
+    :class:`StateDictError` on every rank and leaves what was committed
+    there before. ``storage_writer`` is DCP's (a ``FileSystemWriter``, or a
+    subclass, that writes where it is reset to).
+
+    With ``async_save`` the state is staged and written in the background;
+    returns a future that completes once the checkpoint is committed, or
+    holds the error. The next :func:`save` or :func:`load` waits for it and
+    raises that error if nobody has asked the future for it.
     """
+    settle()
     opts = resolve_options(options)
     _check_extra(extra)
     state = _state(model, optimizers, _as_list(schedulers), extra, opts)
-    if async_save:
-        return dcp.async_save(state, checkpoint_id=checkpoint_id)
-    dcp.save(state, checkpoint_id=checkpoint_id)
-    return None
+    return _save(_path(checkpoint_id), state, async_save, storage_writer)
 
 
 def load(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
-         options: StateDictOptions | None = None) -> None:
+         options: StateDictOptions | None = None, storage_reader: StorageReader | None = None) -> None:
     """Load what :func:`save` wrote into the model, optimizers, schedulers and ``extra``.
 
     Optimizers may be freshly built: parameters that had no state when the
@@ -195,19 +229,251 @@ def load(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str,
     optimizer state or other param groups raises :class:`StateDictError`
     on every rank alike, before anything is changed. ``options.strict=False``
     loads what matches and leaves the rest as it is.
+
+    Only a committed checkpoint loads: a directory a save did not finish
+    (a staging leftover, no ``.metadata``, data files that are missing or
+    not the size their commit or metadata says) is refused alike on every
+    rank. ``storage_reader`` is DCP's (a ``FileSystemReader`` or subclass).
     """
+    settle()
     opts = resolve_options(options)
     _check_extra(extra)
     schedulers = _as_list(schedulers)
+    folder = _committed(checkpoint_id)
     state = _state(model, optimizers, schedulers, extra, opts)
     try:
-        dcp.load(state, checkpoint_id=checkpoint_id, planner=LoadPlanner(strict=opts.strict))
+        dcp.load(state, checkpoint_id=str(folder), storage_reader=storage_reader,
+                 planner=LoadPlanner(strict=opts.strict))
     except CheckpointException as exc:
         raise _one_error(checkpoint_id, exc) from None
     _apply(state, model, optimizers, schedulers, extra, opts)
 
 
-def _one_error(checkpoint_id, exc: CheckpointException) -> StateDictError:
+class Manager:
+    """Checkpoints of a run as step directories ``root/step-{n}``, the last ``keep`` of them kept.
+
+    Each :meth:`save` commits atomically (as :func:`save`); once it is
+    committed, rank 0 removes committed steps older than the newest
+    ``keep`` ones (never the one just saved: ``keep`` is at least 1).
+    :meth:`latest` is the newest committed step, skipping steps whose save
+    did not finish; :meth:`load` resumes from it::
+
+        manager = Manager("checkpoints/run", keep=3)
+        start = manager.load(model, optimizer) if manager.latest() is not None else 0
+        for step in range(start + 1, steps + 1):
+            train_one_step()
+            if step % 100 == 0:
+                manager.save(step, model, optimizer)
+
+    ``storage_writer`` and ``storage_reader`` are DCP's, used for every
+    save and load. With a process group, call every method on every rank:
+    rank 0 looks at the directory and tells the others.
+    """
+
+    def __init__(self, root, keep: int = 3, *, options: StateDictOptions | None = None,
+                 storage_writer: StorageWriter | None = None, storage_reader: StorageReader | None = None):
+        if int(keep) < 1:
+            raise ValueError(f"keep must be at least 1 (the checkpoint just saved), not {keep}")
+        self.root = _path(root)
+        self.keep = int(keep)
+        self.options = options
+        self.storage_writer = storage_writer
+        self.storage_reader = storage_reader
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def save(self, step: int, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
+             async_save: bool = False):
+        """:func:`save` to ``root/step-{step}``; then the steps beyond the newest ``keep`` are removed."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        settle()
+        opts = resolve_options(self.options)
+        _check_extra(extra)
+        state = _state(model, optimizers, _as_list(schedulers), extra, opts)
+        return _save(self.path(step), state, async_save, self.storage_writer, after_commit=self._prune)
+
+    def latest(self) -> int | None:
+        """The newest step with a committed checkpoint, or None (after :func:`settle`)."""
+        settle()
+        return _agreed(self._latest_here)
+
+    def load(self, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
+             step: int | None = None) -> int:
+        """Load the newest committed step (or ``step``) as :func:`load` does; returns its step."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise StateDictError(f"there is no committed checkpoint under {self.root}")
+        load(self.path(step), model, optimizers, schedulers=schedulers, extra=extra, options=self.options,
+             storage_reader=self.storage_reader)
+        return step
+
+    def _steps(self) -> list[int]:
+        """Steps named in ``root`` (committed or not), newest first."""
+        if not self.root.is_dir():
+            return []
+        found = set()
+        for name in os.listdir(self.root):
+            match = _STEP.fullmatch(name)
+            if match:
+                found.add(int(match.group(1)))
+        return sorted(found, reverse=True)
+
+    def _latest_here(self) -> int | None:
+        for step in self._steps():
+            if commit.resolve(self.path(step))[0] is not None:
+                return step
+        return None
+
+    def _prune(self) -> None:
+        """On rank 0, after a commit: remove committed steps beyond the newest ``keep``."""
+        committed = [s for s in self._steps() if (self.path(s) / commit.RECORD).is_file()]
+        for step in committed[self.keep:]:
+            # Into the trash, atomically: each rank removes its own files from there.
+            with contextlib.suppress(OSError):
+                commit.to_trash(self.path(step))
+
+
+_STEP = re.compile(r"\.?step-(\d+)(?:\.previous)?")  # step-{n}, and .step-{n}.previous (a commit cut short)
+
+
+# -- atomic saves, and async saves that finish -----------------------------------
+
+def _path(checkpoint_id) -> Path:
+    return Path(os.fspath(checkpoint_id))
+
+
+def _is_coordinator() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _agreed(fn):
+    """``fn()`` on rank 0 (DCP's coordinator), its value on every rank."""
+    box = [fn() if _is_coordinator() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _committed(checkpoint_id) -> Path:
+    """The directory holding the checkpoint committed at ``checkpoint_id``; raises on every rank alike if none."""
+    def look():
+        try:
+            folder, why = commit.resolve(_path(checkpoint_id))
+        except OSError as exc:
+            folder, why = None, f"{type(exc).__name__}: {exc}"
+        return (str(folder) if folder else None), why
+
+    folder, why = _agreed(look)
+    if folder is None:
+        raise StateDictError(f"checkpoint {checkpoint_id!s} cannot be loaded (nothing was changed): {why}")
+    return Path(folder)
+
+
+class SaveFuture(Future):
+    """The future of an async save: done once the checkpoint is committed, or with the save's error."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+        self.error: BaseException | None = None
+        self.observed = False
+
+    def result(self, timeout=None):
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self.observed = True
+        return super().exception(timeout)
+
+
+_pending: list[SaveFuture] = []
+_sweepers: list[threading.Thread] = []  # deleting this rank's files of replaced checkpoints, after a save
+_WAIT_S = 3600.0  # for an earlier async save, before the next call gives up on it
+
+
+def settle() -> None:
+    """Wait for earlier async saves and for this rank's share of deleting the checkpoints they
+    replaced; then raise the error of an async save that failed unseen (on every rank alike).
+
+    Every :func:`save` and :func:`load` (and :class:`Manager` call) starts with it.
+    """
+    error = None
+    while _pending:
+        fut = _pending.pop(0)
+        done, _ = futures.wait([fut], timeout=_WAIT_S)
+        if not done:
+            raise StateDictError(f"the async save of {fut.path} has not finished after {_WAIT_S:g} s")
+        if fut.error is not None and not fut.observed and error is None:
+            error = StateDictError(f"an earlier async save failed, and nothing has asked its future:\n{fut.error}")
+    _join_sweepers()
+    if error is not None:
+        raise error
+
+
+def _sweep(path: Path) -> None:
+    """After a committed save: this rank's share of deleting what it replaced, in the background."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sweeper = threading.Thread(target=commit.empty_trash, args=(path.parent, rank, rank == 0),
+                               name="hyperdsd-trash", daemon=True)
+    _sweepers.append(sweeper)
+    sweeper.start()
+
+
+def _join_sweepers() -> None:
+    while _sweepers:
+        _sweepers.pop(0).join(_WAIT_S)
+
+
+atexit.register(_join_sweepers)  # a script that ends after a save leaves no garbage beside it
+
+
+def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: StorageWriter | None,
+          after_commit=None):
+    staging = commit.staging_of(path)
+    writer = commit.CommittingWriter(storage_writer or FileSystemWriter(str(staging)), path, after_commit)
+    if not async_save:
+        try:
+            dcp.save(state, checkpoint_id=str(staging), storage_writer=writer)
+        except CheckpointException as exc:
+            _clean(path)
+            raise _save_error(path, exc) from None
+        _sweep(path)
+        return None
+    stager = storage_writer if isinstance(storage_writer, AsyncStager) else None
+    upload = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager)
+    upload = getattr(upload, "upload_completion", upload)
+    fut = SaveFuture(path)
+    _pending.append(fut)
+
+    def finished(done: Future) -> None:
+        exc = done.exception()
+        if exc is None:
+            _sweep(path)
+            fut.set_result(None)
+            return
+        _clean(path)
+        fut.error = _save_error(path, exc) if isinstance(exc, CheckpointException) else exc
+        fut.set_exception(fut.error)
+
+    upload.add_done_callback(finished)
+    return fut
+
+
+def _clean(path: Path) -> None:
+    """After a failed save, on rank 0: remove its staging directory (every rank is past its writes)."""
+    if _is_coordinator():
+        shutil.rmtree(commit.staging_of(path), ignore_errors=True)
+
+
+def _save_error(path: Path, exc: CheckpointException) -> StateDictError:
+    return _one_error(path, exc, f"checkpoint {path} was not saved; what was committed there before is unchanged:")
+
+
+def _one_error(checkpoint_id, exc: CheckpointException, headline: str | None = None) -> StateDictError:
     """DCP's exception (the same failures on every rank) as one message."""
     by_text: dict[str, list[int]] = {}
     for rank, (error, _trace) in sorted(exc.failures.items()):
@@ -215,7 +481,7 @@ def _one_error(checkpoint_id, exc: CheckpointException) -> StateDictError:
         by_text.setdefault(text, []).append(rank)
     planning = bool(exc.args) and exc.args[0] == "plan"
     outcome = "nothing was changed" if planning else "the model and optimizers may be partly loaded"
-    lines = [f"checkpoint {checkpoint_id!s} cannot be loaded ({outcome}):"]
+    lines = [headline or f"checkpoint {checkpoint_id!s} cannot be loaded ({outcome}):"]
     for text, ranks in by_text.items():
         first, *rest = text.splitlines()
         lines.append(f"  on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {first}")

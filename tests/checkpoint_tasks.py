@@ -10,14 +10,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import pathlib
 import pickle
 import shutil
+import signal
 import tempfile
+from concurrent.futures import wait as futures_wait
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import hyperdsd
 from hyperdsd import StateDictOptions, checkpoint
@@ -239,3 +242,246 @@ def schedulers_and_extra(ctx, layout: str, async_save: bool = False):
         assert not diffs, "\n".join(diffs[:10])
     return True
 
+
+
+# -- faults during a save ------------------------------------------------------
+
+class FailingWriter(FileSystemWriter):
+    """DCP's filesystem writer, failing as told on the ranks ``ranks``.
+
+    ``write``: raises before writing anything (a full disk); ``torn``: writes
+    half of its data file, then raises; ``kill``: writes half, then the
+    process is SIGKILLed; ``metadata``: the coordinator writes a torn
+    ``.metadata``, then raises.
+    """
+
+    def __init__(self, path: str, fault: str, ranks=()):
+        super().__init__(path)
+        self.fault, self.ranks = fault, set(ranks)
+
+    def _mine(self) -> bool:
+        return (dist.get_rank() if dist.is_initialized() else 0) in self.ranks
+
+    def write_data(self, plan, planner):
+        if self.fault == "write" and self._mine():
+            raise OSError(28, "No space left on device (injected)")
+        written = super().write_data(plan, planner)
+        if self.fault in ("torn", "kill") and self._mine():
+            for result in written.value():
+                file = os.path.join(self.path, result.storage_data.relative_path)
+                os.truncate(file, os.path.getsize(file) // 2)
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(28, "No space left on device (injected, after writing half)")
+        return written
+
+    def finish(self, metadata, results):
+        if self.fault == "metadata":
+            with open(os.path.join(self.path, ".metadata"), "wb") as f:
+                f.write(b"torn")
+            raise OSError(5, "Input/output error (injected while writing .metadata)")
+        return super().finish(metadata, results)
+
+
+def _two_states(ctx, layout: str):
+    """A run trained 2 steps (its snapshot: what the first save holds), then 2 more."""
+    a = _setup(ctx, layout, 0)
+    a.train(2)
+    return a, _snapshot(a)
+
+
+def _loads_exactly(ctx, layout: str, path, expected, opts) -> None:
+    b = _setup(ctx, layout, 1)
+    checkpoint.load(path, b.model, b.optimizers, options=opts)
+    diffs = _diff(expected, _snapshot(b))
+    assert not diffs, "a mix, or not the checkpoint committed:\n" + "\n".join(diffs[:10])
+
+
+def _refused(ctx, layout: str, path, opts) -> str:
+    b = _setup(ctx, layout, 1)
+    before = _snapshot(b)
+    try:
+        checkpoint.load(path, b.model, b.optimizers, options=opts)
+    except hyperdsd.StateDictError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError(f"{path} loaded, but no save to it finished")
+    assert not _diff(before, _snapshot(b))
+    return text
+
+
+def left_in(root) -> list[str]:
+    """What is in ``root``, but for the emptied trash of replaced and pruned checkpoints
+    (every rank has removed its files from it; the next save removes the folder)."""
+    checkpoint.settle()  # this rank's deletions have finished (other ranks: a barrier after theirs)
+    def emptied(name):
+        folder = os.path.join(root, name)
+        return ".trash-" in name and os.path.isdir(folder) and not os.listdir(folder)
+    return sorted(name for name in os.listdir(root) if not emptied(name))
+
+
+def _staging_left(path: str) -> bool:
+    from hyperdsd.commit import staging_of
+
+    return staging_of(pathlib.Path(path)).exists()
+
+
+def failed_save(ctx, layout: str, fault: str, ranks, previous: bool = True, async_save: str = ""):
+    """A save over a committed checkpoint fails: every rank raises the same
+    StateDictError, and the next load returns exactly the previous checkpoint
+    (or refuses, if there was none); a save that succeeds then loads exactly.
+
+    ``async_save``: "" (a synchronous save), "future" (the failure is read
+    from the future) or "next_call" (nobody reads the future: the next load
+    raises it, once).
+    """
+    a, first = _two_states(ctx, layout)
+    opts = _options(a)
+    with _checkpoint_dir(ctx) as root:
+        path = os.path.join(root, "latest")
+        if previous:
+            checkpoint.save(path, a.model, a.optimizers, options=opts)
+        a.train(2)
+        writer = FailingWriter(path, fault, ranks)
+        error = None
+        try:
+            fut = checkpoint.save(path, a.model, a.optimizers, options=opts, storage_writer=writer,
+                                  async_save=bool(async_save))
+            if async_save == "future":
+                fut.result()
+            elif async_save == "next_call":
+                futures_wait([fut], timeout=120)
+                b = _setup(ctx, layout, 1)
+                checkpoint.load(path, b.model, b.optimizers, options=opts)
+        except hyperdsd.StateDictError as exc:
+            error = str(exc)
+        assert error is not None, "the failed save raised nothing"
+        assert f"checkpoint {path} was not saved" in error or "an earlier async save failed" in error, error
+        if dist.is_initialized():
+            dist.barrier()
+        assert not _staging_left(path), "the failed save left its staging directory"
+        if previous:
+            _loads_exactly(ctx, layout, path, first, opts)
+        else:
+            refusal = _refused(ctx, layout, path, opts)
+            assert "there is no checkpoint at" in refusal, refusal
+        checkpoint.save(path, a.model, a.optimizers, options=opts)
+        _loads_exactly(ctx, layout, path, _snapshot(a), opts)
+    return error
+
+
+def plain_dcp_mixes(ctx, layout: str):
+    """The bug hyperdsd's save fixes, as plain dcp.save has it: rank 1's write
+    fails, the old metadata stays, and the load returns a state nobody saved."""
+    a, first = _two_states(ctx, layout)
+    opts = _options(a)
+    with _checkpoint_dir(ctx) as path:
+        msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        a.train(2)
+        second = _snapshot(a)
+        msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
+        try:
+            dcp.save({"model": msd, "optim": osd}, storage_writer=FailingWriter(path, "write", [1]))
+        except dcp.CheckpointException:
+            pass
+        else:
+            raise AssertionError("the failing writer did not fail")
+        b = _setup(ctx, layout, 1)
+        checkpoint.load(path, b.model, b.optimizers, options=opts)
+        got = _snapshot(b)
+    # Each rank holds only its shards: rank 0 sees the second save, rank 1 the first.
+    return {"first": not _diff(first, got), "second": not _diff(second, got)}
+
+
+def crash_in_save(ctx, layout: str, root: str, where: str):
+    """The first job: a committed checkpoint, then a save cut short by a
+    SIGKILL: of rank 1 while it writes (``where="write"``), or of rank 0 in
+    the commit, before it renames anything (``before_commit``) or between
+    setting the previous checkpoint aside and renaming the new one in place
+    (``mid_commit``). The process dies here; :func:`resume_after_crash` is the restarted job."""
+    from hyperdsd import commit
+
+    a, _ = _two_states(ctx, layout)
+    opts = _options(a)
+    path = pathlib.Path(root) / "latest"
+    checkpoint.save(path, a.model, a.optimizers, options=opts)
+    a.train(2)
+    if where == "write":
+        writer = FailingWriter(str(path), "kill", [1])
+        checkpoint.save(path, a.model, a.optimizers, options=opts, storage_writer=writer)
+    else:
+        real = os.rename
+
+        def rename(src, dst, *args, **kwargs):
+            cut = pathlib.Path(src) == path if where == "before_commit" else pathlib.Path(dst) == path
+            if ctx.rank == 0 and cut:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst, *args, **kwargs)
+
+        commit.os.rename = rename
+        try:
+            checkpoint.save(path, a.model, a.optimizers, options=opts)
+        finally:
+            commit.os.rename = real
+    raise AssertionError("the save was not cut short")
+
+
+def resume_after_crash(ctx, layout: str, root: str, where: str):
+    """The restarted job: the load returns exactly the checkpoint committed
+    before the crash; the next save clears what the crash left and commits."""
+    from hyperdsd import commit
+
+    path = pathlib.Path(root) / "latest"
+    if ctx.rank == 0:
+        left = {"write": commit.staging_of(path), "before_commit": commit.staging_of(path),
+                "mid_commit": commit.previous_of(path)}[where]
+        assert left.exists(), f"the crash left no {left.name}: it did not cut the save where meant"
+        assert path.exists() == (where != "mid_commit"), sorted(os.listdir(root))
+    a, first = _two_states(ctx, layout)
+    opts = _options(a)
+    _loads_exactly(ctx, layout, path, first, opts)
+    a.train(2)
+    checkpoint.save(path, a.model, a.optimizers, options=opts)
+    _loads_exactly(ctx, layout, path, _snapshot(a), opts)
+    if dist.is_initialized():
+        dist.barrier()
+    assert left_in(root) == ["latest"], left_in(root)
+    return True
+
+
+def manager_on_ranks(ctx, layout: str):
+    """Manager on ranks: keeps ``keep``; a failed step is skipped; resumes the newest committed step exactly."""
+    a = _setup(ctx, layout, 0)
+    opts = _options(a)
+    with _checkpoint_dir(ctx) as root:
+        manager = checkpoint.Manager(root, keep=2, options=opts)
+        assert manager.latest() is None
+        saved = {}
+        for step in (1, 2, 3):
+            a.train(1)
+            manager.save(step, a.model, a.optimizers)
+            saved[step] = _snapshot(a)
+        a.train(1)
+        failing = checkpoint.Manager(root, keep=2, options=opts, storage_writer=FailingWriter(root, "torn", [1]))
+        try:
+            failing.save(4, a.model, a.optimizers)
+        except hyperdsd.StateDictError:
+            pass
+        else:
+            raise AssertionError("the failing step 4 raised nothing")
+        if dist.is_initialized():
+            dist.barrier()
+        assert left_in(root) == ["step-2", "step-3"], left_in(root)
+        assert manager.latest() == 3
+        b = _setup(ctx, layout, 1)
+        assert manager.load(b.model, b.optimizers) == 3
+        diffs = _diff(saved[3], _snapshot(b))
+        assert not diffs, "\n".join(diffs[:10])
+        fut = manager.save(5, a.model, a.optimizers, async_save=True)
+        fut.result()
+        assert manager.latest() == 5
+        if dist.is_initialized():
+            dist.barrier()
+        assert left_in(root) == ["step-3", "step-5"], left_in(root)
+    return True
