@@ -94,16 +94,16 @@ def _arg(args, kwargs, where):
 def payload_bytes(obj, _seen=None) -> int:
     """The bytes of tensors and raw bytes in ``obj``, through containers and
     objects' attributes: state, wherever it travels."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return len(obj)
     if obj is None or isinstance(obj, (int, float, complex, str, bool, torch.dtype, torch.Size, dist.ProcessGroup)):
         return 0
     seen = set() if _seen is None else _seen
     if id(obj) in seen:
         return 0  # shared (or cyclic): it arrived once
     seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return len(obj)
     if isinstance(obj, dict):
         return sum(payload_bytes(k, seen) + payload_bytes(v, seen) for k, v in obj.items())
     if isinstance(obj, (list, tuple, set, frozenset)):

@@ -399,9 +399,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "warm-load-keeps-step", "optimizer.py",
         "        new = {key: _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}",
-        "        new = {key: current[key] if current and key == 'step' and key in current else _loaded(value, current.get(key) if current else None)\n"
-        "               for key, value in load.entry.items()}",
-        "a load into a stepped optimizer keeps the optimizer's own step count (the rest of the state is loaded)",
+        "        new = {key: current[key] if key == 'step' and current and key in current and current[key] > 0\n"
+        "               else _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}",
+        "a load into an optimizer that has stepped keeps its own step count (the rest of its state is loaded)",
         ("OPT-RT-5[single-adamw-sharded]",),
     ),
     Mutant(
