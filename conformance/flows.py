@@ -42,7 +42,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from .adapters import MODES
 from .oracle import clone_tree, diff_snapshots, snapshot
 
-__all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options", "warm_up"]
+__all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options",
+           "warm_up"]
 
 _GET = {
     "sharded": {},

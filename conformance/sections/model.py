@@ -125,7 +125,8 @@ def model_3(c, layout):
 def share_bytes(state: dict) -> int:
     """The bytes a rank holds of a model's state dict: the local shard of
     each DTensor, each other tensor whole (what it loads into)."""
-    return sum(v.to_local().nbytes if isinstance(v, DTensor) else v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+    tensors = (v for v in state.values() if isinstance(v, torch.Tensor))
+    return sum(v.to_local().nbytes if isinstance(v, DTensor) else v.nbytes for v in tensors)
 
 
 def receive_bound(share: int, in_flight: int) -> int:

@@ -41,10 +41,12 @@ def rt_5(c, layout, opt, mode):
     state remains; K more steps match the uninterrupted run bitwise."""
     seen = {}
     r = flows.resume(c, flows.recipe(layout, opt), mode, before=BEFORE, after=AFTER, warm=WARM,
-                     on_saving=lambda a: seen.update(want=snapshot(a)), on_loaded=lambda b: seen.update(got=snapshot(b)))
+                     on_saving=lambda a: seen.update(want=snapshot(a)),
+                     on_loaded=lambda b: seen.update(got=snapshot(b)))
     fail_if(diff_snapshots(seen["want"], seen["got"]),
             f"{mode}: after loading into a stepped optimizer, it does not reproduce the source (its own state remains)")
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after a warm load, the run differs from the uninterrupted one")
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)),
+            f"{mode}: after a warm load, the run differs from the uninterrupted one")
 
 
 def rt_4(c, layout, opt, mode):
