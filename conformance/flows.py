@@ -42,7 +42,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from .adapters import MODES
 from .oracle import clone_tree, diff_snapshots, snapshot
 
-__all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options"]
+__all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options",
+           "warm_up"]
 
 _GET = {
     "sharded": {},
@@ -349,19 +350,36 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
     return Kept(source, source_key, expected)
 
 
+# Where a warm target's own data starts: batches that no run of a source trains on.
+WARM_DATA = 1000
+
+
+def warm_up(setup, steps: int) -> None:
+    """Train ``setup`` ``steps`` steps on other data than any source's: a
+    target that already has optimizer state, step counts and lazily built
+    structures of its own (FSDP's, the optimizer's), as the job that rolls
+    back after a loss spike has (SPEC OPT-RT-5). Its data position is then
+    free for the caller to line up (``set_steps_done``)."""
+    setup.set_steps_done(WARM_DATA)
+    setup.train(steps)
+
+
 def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict: bool = True,
-           on_saving=None, on_loaded=None) -> Resumed:
+           on_saving=None, on_loaded=None, warm: int = 0) -> Resumed:
     """The scenario most clauses share: train, save in ``mode``; load into a
     fresh setup and train on; compare with the run that was not interrupted
     (both kept per rank: ``trained_source``).
 
     ``on_saving(source)`` and ``on_loaded(resumed)``, when given, look at
     the setups just before the save and just after the load (what a clause
-    checks beyond the resumed run).
+    checks beyond the resumed run). ``warm``: the target trains that many
+    steps of its own first (``warm_up``), so the load goes into a stepped optimizer.
     """
     kept = trained_source(c, how, before, after=after)
     saved = kept.save(c, mode, first=on_saving)
     b = how.build(c, 1)
+    if warm:
+        warm_up(b, warm)
     b.set_steps_done(before)
     load(c, b, saved, strict=strict)
     if on_loaded is not None:

@@ -99,3 +99,52 @@ def a_changed_source_is_not_kept(ctx) -> list[str]:
     if third.expected is not again.expected:
         problems.append("the uninterrupted run was dropped with the source")
     return problems
+
+
+def warm_target_differs_everywhere(ctx, layout: str, optimizer: str) -> list[str]:
+    """A warm target (OPT-RT-5) holds values of its own wherever the
+    checkpoint has some: every state value, ``step`` included, every group
+    field a seed scales, every parameter; so a load that keeps any of them
+    shows. Moments of a parameter whose gradient is always zero (``aux``)
+    are zero in every run, so no run can tell them apart."""
+    import torch
+
+    from conformance import flows
+    from conformance.oracle import snapshot
+    from conformance.sections.roundtrip import BEFORE, WARM
+    from hyperdsd import tree
+
+    how = flows.recipe(layout, optimizer)
+    c = _context(ctx)
+    source = how.build(c, 0)
+    source.train(BEFORE)
+    target = how.build(c, 1)
+    flows.warm_up(target, WARM)
+    want, got = snapshot(source), snapshot(target)
+    problems = []
+    if not want["state"] and optimizer != "sgd_plain":
+        problems.append("the source has no state")
+    if set(want["state"]) != set(got["state"]):
+        problems.append(f"state entries: {sorted(got['state'])} vs the source's {sorted(want['state'])}")
+    for part in ("params", "state"):
+        for path, leaf in tree.leaves(want[part]):
+            mine, leaf = _local(_at(got[part], path)), _local(leaf)
+            if leaf.numel() and leaf.any() and torch.equal(leaf, mine):
+                problems.append(f"{part}{tree.where(path)}: the warm target holds the source's value")
+    for i, (g_want, g_got) in enumerate(zip(want["groups"], got["groups"], strict=True)):
+        for key in ("lr", "weight_decay"):
+            if g_want[key] == g_got[key]:
+                problems.append(f"groups[{i}][{key!r}]: the warm target holds the source's value")
+    if target.steps_done != flows.WARM_DATA + WARM:
+        problems.append(f"the warm target trained from step {target.steps_done - WARM}, not on data of its own")
+    return problems
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _at(obj, path):
+    for key in path:
+        obj = obj[key]
+    return obj

@@ -37,3 +37,13 @@ def test_parameters_are_sharded_again_after_a_step(pools, layout, world_size):
 
 def test_a_source_that_a_save_changed_is_built_afresh(pools):
     assert run_task(pools, 1, oracle_tasks.a_changed_source_is_not_kept) == [[]]
+
+
+WARM_CASES = [("single", 1, "adamw"), ("fsdp2", 2, "adagrad"), ("pp2", 2, "sgd")]
+
+
+@pytest.mark.parametrize("layout,world_size,optimizer", WARM_CASES)
+def test_a_warm_target_holds_its_own_value_wherever_the_checkpoint_has_one(pools, layout, world_size, optimizer):
+    task = oracle_tasks.warm_target_differs_everywhere
+    problems = run_task(pools, world_size, task, layout=layout, optimizer=optimizer)
+    assert problems == [[]] * world_size

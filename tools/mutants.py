@@ -395,6 +395,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "a never-stepped optimizer's template marks only top-level tensors as placeholders (nested ones count as real state)",
         ("OPT-STATE-1[single-custom-dcp-lazy]",),
     ),
+    # -- warm loads and the broadcast's bytes (SPEC 1.2) ------------------------------
+    Mutant(
+        "warm-load-keeps-step", "optimizer.py",
+        "        new = {key: _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}",
+        "        new = {key: current[key] if key == 'step' and current and key in current and current[key] > 0\n"
+        "               else _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}",
+        "a load into an optimizer that has stepped keeps its own step count (the rest of its state is loaded)",
+        ("OPT-RT-5[single-adamw-sharded]",),
+    ),
+    Mutant(
+        "dcp-partial-loaded-into-warm", "checkpoint_plan.py",
+        "        if present:\n",
+        "        if present and not entry.placeholder:\n"
+        "            drop += missing  # a stepped optimizer has the rest: load what is there\n"
+        "            continue\n"
+        "        if present:\n",
+        "DCP loads into a stepped optimizer take what the checkpoint has of a partly present entry (the target keeps "
+        "its own exp_avg_sq or step beside the checkpoint's exp_avg)",
+        ("OPT-PART-6[single-dcp-no_exp_avg_sq-warm]",),
+    ),
+    Mutant(
+        "bcast-whole-tensors", "broadcast.py",
+        "        if p.layout is not None and p.layout.simple:\n",
+        "        if False:\n",
+        "broadcast loads send every rank whole tensors, each rank cutting its own shard (as torch's do)",
+        ("MODEL-3[fsdp2-bcast]",),
+    ),
 )
 
 

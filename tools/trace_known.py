@@ -129,6 +129,16 @@ CAUSES: tuple[Cause, ...] = (
           "reporting them, and strict errors name only the missing or only the unexpected keys (through "
           "DDP, only the first)",
           lambda c, s: c["clause"] == "MODEL-2"),
+    Cause("broadcast loads send whole tensors",
+          "a broadcast load (broadcast_from_rank0) sends every rank each whole tensor (_broadcast_coalesced) and "
+          "each rank cuts its own shard from it: a non-root rank receives the whole model, not its share plus one "
+          "tensor in flight; the full copy on every rank was raised in the review of "
+          "https://github.com/pytorch/pytorch/pull/125338",
+          lambda c, s: c["clause"] == "MODEL-3" and "sent more than its shard" in s),
+    Cause("partly present state loads",
+          "in-memory loads take a parameter's state entry as it comes (Optimizer.load_state_dict): an entry "
+          "without exp_avg_sq or step loads into a stepped optimizer without an error; no upstream issue found",
+          lambda c, s: c["clause"] == "OPT-PART-6" and "no error was raised" in s),
 )
 
 

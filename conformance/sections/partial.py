@@ -159,21 +159,46 @@ def drop_from_metadata(c, path: str, keys: list[str]) -> None:
     c.barrier()
 
 
-def part_6(c, layout, fqn, key):
-    """Partly missing state in a real DCP checkpoint: every rank raises naming the FQN and the key; nothing changes."""
+def drop_from_dict(saved, fqn: str, key: str) -> None:
+    """Take ``state[fqn][key]`` out of a state dict kept in memory (nested or
+    flat), where this rank holds it (``full_cpu``: the root alone)."""
+    osd = saved.optim
+    if f"state.{fqn}.{key}" in osd:
+        del osd[f"state.{fqn}.{key}"]
+    elif fqn in osd.get("state", {}):
+        del osd["state"][fqn][key]
+
+
+# The warm targets' own steps (OPT-PART-6 holds for a stepped optimizer too).
+WARM = 1
+
+
+def part_6(c, layout, fqn, key, mode="dcp", warm=False):
+    """Partly missing state, in a real DCP checkpoint or a dict in memory,
+    loaded into a fresh or (``warm``) a stepped optimizer: every rank raises
+    naming the FQN and the key; nothing changes. A stepped optimizer has
+    every key already, so a load path that takes what is there would leave
+    the target's own values beside the checkpoint's without a word."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    saved = flows.save(c, a, "dcp", model=None)
-    drop_from_metadata(c, saved.path, [f"optim.state.{fqn}.{key}"])
+    saved = flows.save(c, a, mode, model=None)
+    if mode == "dcp":
+        drop_from_metadata(c, saved.path, [f"optim.state.{fqn}.{key}"])
+    else:
+        drop_from_dict(saved, fqn, key)
     b = Setup(c, layout, "adamw", seed=1)
+    if warm:
+        flows.warm_up(b, WARM)
     b.set_steps_done(2)
     before = optimizer_view(b)
+    target = "a stepped optimizer" if warm else "a fresh optimizer"
     expect_error(
         lambda: flows.load(c, b, saved, model=False),
         names=[fqn, key],
-        what=f"OPT-PART-6: a checkpoint without state[{fqn!r}][{key!r}]",
+        what=f"OPT-PART-6: a checkpoint without state[{fqn!r}][{key!r}], loaded into {target}",
     )
-    expect_unchanged(before, optimizer_view(b), "OPT-PART-6: the failed load changed the optimizer")
+    changed = "OPT-PART-6: the failed load changed the optimizer" + (" (a stepped one)" if warm else "")
+    expect_unchanged(before, optimizer_view(b), changed)
 
 
 PART_5_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
@@ -187,6 +212,13 @@ PART_6 = (
     ("fsdp4", "aux.weight", "exp_avg_sq"),
     ("pp2", "layers.1.fc2.weight", "exp_avg_sq"),
     ("pp2xfsdp2", "layers.0.fc2.weight", "step"),
+)
+# (layout, FQN, key, mode): the in-memory modes, into stepped optimizers.
+PART_6_MEMORY = (
+    ("single", "layers.0.fc2.weight", "exp_avg_sq", "sharded"),
+    ("fsdp3", "layers.0.fc2.weight", "step", "full"),
+    ("fsdp4", "aux.weight", "exp_avg_sq", "flat"),
+    ("hsdp2x2", "layers.1.fc1.bias", "exp_avg_sq", "full_cpu"),
 )
 
 
@@ -214,3 +246,7 @@ def cases():
             yield reshard.resharded_case("OPT-PART-5", src, dst, "adamw", "dcp", lazy=variant)
     for layout, fqn, key in PART_6:
         yield make_case("OPT-PART-6", layout, part_6, mode="dcp", variant=f"no_{key}", fqn=fqn, key=key)
+    for layout, fqn, key in PART_6:
+        yield make_case("OPT-PART-6", layout, part_6, mode="dcp", variant=f"no_{key}-warm", fqn=fqn, key=key, warm=True)
+    for layout, fqn, key, mode in PART_6_MEMORY:
+        yield make_case("OPT-PART-6", layout, part_6, mode=mode, variant=f"no_{key}-warm", fqn=fqn, key=key, warm=True)

@@ -17,6 +17,9 @@ from ..registry import make_case
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 BEFORE, AFTER = 1, 1
+# The warm target's own steps (OPT-RT-5): not the checkpoint's count, so a
+# load that keeps the target's ``step`` shows.
+WARM = 2
 
 
 def rt_1(c, layout, opt, mode, before=BEFORE):
@@ -28,6 +31,20 @@ def rt_1(c, layout, opt, mode, before=BEFORE):
     """
     r = flows.resume(c, flows.recipe(layout, opt), mode, before=before, after=AFTER)
     fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming, the run differs from the uninterrupted one")
+
+
+def rt_5(c, layout, opt, mode):
+    """A rollback: load into a target that trained first (other data, other
+    steps, other hyperparameters). Right after the load nothing of its own
+    state remains; K more steps match the uninterrupted run bitwise."""
+    seen = {}
+    r = flows.resume(c, flows.recipe(layout, opt), mode, before=BEFORE, after=AFTER, warm=WARM,
+                     on_saving=lambda a: seen.update(want=snapshot(a)),
+                     on_loaded=lambda b: seen.update(got=snapshot(b)))
+    fail_if(diff_snapshots(seen["want"], seen["got"]),
+            f"{mode}: after loading into a stepped optimizer, it does not reproduce the source (its own state remains)")
+    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)),
+            f"{mode}: after a warm load, the run differs from the uninterrupted one")
 
 
 def rt_4(c, layout, opt, mode):
@@ -147,6 +164,9 @@ def cases():
         for opt in ("adamw", "adagrad"):
             for mode in flows.MODES:
                 yield make_case("OPT-RT-4", layout, rt_4, opt=opt, mode=mode)
+    for i, layout in enumerate(LAYOUTS):  # every layout and mode; the optimizers rotate over both
+        for j, mode in enumerate(flows.MODES):
+            yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
     for layout in ("single", "fsdp4", "pp2xfsdp2"):
         for opt in ("adamw", "adagrad"):
             for mode in flows.MODES:
