@@ -397,7 +397,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- warm loads and the broadcast's bytes (SPEC 1.2) ------------------------------
     Mutant(
-        "warm-load-keeps-step", "optimizer.py",
+        "warm-load-keeps-step", "state/optimizer.py",
         "        new = {key: _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}",
         "        new = {key: current[key] if key == 'step' and current and key in current and current[key] > 0\n"
         "               else _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}",
@@ -405,7 +405,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-RT-5[single-adamw-sharded]",),
     ),
     Mutant(
-        "dcp-partial-loaded-into-warm", "checkpoint_plan.py",
+        "dcp-partial-loaded-into-warm", "state/dcp_template.py",
         "        if present:\n",
         "        if present and not entry.placeholder:\n"
         "            drop += missing  # a stepped optimizer has the rest: load what is there\n"
@@ -416,7 +416,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-PART-6[single-dcp-no_exp_avg_sq-warm]",),
     ),
     Mutant(
-        "bcast-whole-tensors", "broadcast.py",
+        "bcast-whole-tensors", "transport/delivery.py",
         "        if p.layout is not None and p.layout.simple:\n",
         "        if False:\n",
         "broadcast loads send every rank whole tensors, each rank cutting its own shard (as torch's do)",
