@@ -124,3 +124,21 @@ def test_the_consolidated_example_deviates_where_it_really_does(pools, case_id, 
     result = _run(pools, CONSOLIDATED, case_id)
     assert result.status == status, f"{case_id}: {result.status}\n{result.message}"
     assert words in result.message
+
+
+def test_rank_device_is_the_parameters_or_the_runs_for_a_meta_model():
+    import torch
+    import torch.nn as nn
+
+    from conformance import adapters
+
+    with torch.device("meta"):
+        on_meta = nn.Linear(2, 2)
+    assert adapters.rank_device(nn.Linear(2, 2)) == torch.device("cpu")
+    saved = list(adapters._RANK_DEVICE)
+    try:
+        adapters.set_rank_device(torch.device("cuda", 1))  # what --device cuda gives local rank 1
+        assert adapters.rank_device(on_meta) == torch.device("cuda", 1)
+        assert adapters.rank_device(nn.Linear(2, 2)) == torch.device("cpu")  # where its parameters are
+    finally:
+        adapters._RANK_DEVICE[:] = saved

@@ -128,6 +128,14 @@ CAUSES: tuple[Cause, ...] = (
           "reporting them, and strict errors name only the missing or only the unexpected keys (through "
           "DDP, only the first)",
           lambda c, s: c["clause"] == "MODEL-2"),
+    Cause("partial state in a full load",
+          "a full dict (the consolidated file) with part of a parameter's state (no exp_avg_sq, or no step) "
+          "loads without an error; only the DCP load path checks what the template expects",
+          lambda c, s: c["clause"] == "OPT-PART-6" and _mode(c["id"]) == "file" and "no error was raised" in s),
+    Cause("extra state objects in full modes",
+          "extra state that is an arbitrary picklable object (neither a tensor nor a container of them): "
+          "full_state_dict gathers raise ValueError 'Unexpected value type'; tensors and dicts round-trip",
+          lambda c, s: c["clause"] == "MODEL-5" and "Unexpected value type" in s),
 )
 
 
