@@ -32,7 +32,6 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,7 +67,6 @@ def not_supported(what: str) -> Unsupported:
     return Unsupported(f"the implementation does not support {what}")
 
 
-_IUT = threading.local()
 IUT_ATTR = "__conformance_in_iut__"
 
 
@@ -82,8 +80,6 @@ def iut_call():
     functions are the implementation's own (``from_module``) need not: the
     suite wraps them itself.
     """
-    _IUT.depth = getattr(_IUT, "depth", 0) + 1
-    _IUT.entered = True
     try:
         yield
     except BaseException as exc:
@@ -92,30 +88,11 @@ def iut_call():
         except (AttributeError, TypeError):
             pass
         raise
-    finally:
-        _IUT.depth -= 1
 
 
 def raised_by_iut(exc: BaseException) -> bool:
     """Whether ``exc`` left a call into the implementation (``iut_call``)."""
     return bool(getattr(exc, IUT_ATTR, False))
-
-
-def in_iut() -> bool:
-    return getattr(_IUT, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def track_iut_entry():
-    """Yields a list that holds True once ``iut_call`` was entered inside the block."""
-    outer = getattr(_IUT, "entered", False)
-    _IUT.entered = False
-    seen = [False]
-    try:
-        yield seen
-    finally:
-        seen[0] = _IUT.entered
-        _IUT.entered = outer or _IUT.entered
 
 
 # The device this rank computes on, set by the suite on each rank (--device).

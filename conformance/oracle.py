@@ -193,7 +193,6 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
     any other error raised outside the implementation is no pass either.
     """
     from hyperdsd.testing import NotApplicable
-
     from hyperdsd.testing.context import REGION_ATTR
 
     from .adapters import raised_by_iut

@@ -255,6 +255,8 @@ def write_junit(path: str, info: RunInfo, results: list[CaseResult], elapsed_s: 
     for key in ("spec_version", "suite_version", "torch_version"):
         ET.SubElement(props, "property", name=key, value=str(header[key]))
     ET.SubElement(props, "property", name="impl", value=f"{info.impl_name} {info.impl_version}")
+    ET.SubElement(props, "property", name="declaration", value=declaration_line(info.declaration))
+    ET.SubElement(props, "property", name="coverage", value=coverage_line(coverage(results)))
     for r in results:
         tc = ET.SubElement(suite, "testcase", classname=r.case.clause, name=r.case.id, time=f"{r.duration_s:.3f}")
         tprops = ET.SubElement(tc, "properties")

@@ -4,11 +4,11 @@ pass is the implementation's own (§4); extra state is MODEL-5's alone."""
 import json
 
 import pytest
+from helpers import run_cli
 
 from conformance.adapters import Adapter, AdapterError, load_adapter
 from conformance.registry import all_cases, by_id
 from conformance.runner import Runner, undeclared
-from helpers import run_cli
 from hyperdsd.testing import PoolSet
 
 CONSOLIDATED = "conformance.examples.consolidated_adapter"
@@ -142,3 +142,19 @@ def test_rank_device_is_the_parameters_or_the_runs_for_a_meta_model():
         assert adapters.rank_device(nn.Linear(2, 2)) == torch.device("cpu")  # where its parameters are
     finally:
         adapters._RANK_DEVICE[:] = saved
+
+
+def test_every_report_states_the_declaration_and_the_coverage(tmp_path):
+    proc, _ = run_cli(["--impl", CONSOLIDATED, "-k", "OPT-RT-1[single-adamw-file]", "-k", "OPT-ATOM-3[single-optim]",
+                       "--report", str(tmp_path), "--json", str(tmp_path / "run.json")])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    declared = "get full_cpu; load file; layouts none; options none"
+    assert f"declared: {declared}" in proc.stdout
+    assert "coverage: 1 of " in proc.stdout and "not exercised: OPT-KEYS-1, " in proc.stdout
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert data["declaration"]["load_modes"] == ["file"] and data["coverage"]["exercised"] == ["OPT-RT-1"]
+    md = (tmp_path / "report.md").read_text().splitlines()
+    assert md[2].startswith("**Level: not certified**")  # a filtered run certifies nothing
+    assert md[3].startswith("Coverage: 1 of ") and md[4].startswith(f"Declared: {declared}")
+    assert f"Declared: {declared}" in (tmp_path / "report.html").read_text()
+    assert declared in (tmp_path / "junit.xml").read_text()

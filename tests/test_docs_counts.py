@@ -33,7 +33,7 @@ def _count(selection: str) -> int:
 
 
 def test_the_case_counts_table_matches_the_manifest():
-    rows = re.findall(r"^\| (all|mode \w+|clause [\w-]+|runs for [\w.:]+) \| (\d+) \|$", _doc(), re.M)
+    rows = re.findall(r"^\| (all|mode \w+|clause [\w-]+|runs for [\w.:]+) \| (\d+) \|$", _doc(), re.MULTILINE)
     assert len(rows) >= 10
     wrong = {sel: (int(n), _count(sel)) for sel, n in rows if int(n) != _count(sel)}
     assert not wrong, f"docs/ADAPTERS.md counts (documented, --list): {wrong}"
