@@ -29,7 +29,8 @@ def test_list_prints_the_manifest():
     proc, _ = run_cli(["--list", "-k", "OPT-KEYS-1[fsdp4"])
     assert proc.returncode == 0
     entries = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert {e["id"] for e in entries} == {ADAMW, SGD, "OPT-KEYS-1[fsdp4-adamw-full]", "OPT-KEYS-1[fsdp4-sgd-full]"}
+    assert {e["id"] for e in entries} == {ADAMW, SGD, "OPT-KEYS-1[fsdp4-adamw-full]", "OPT-KEYS-1[fsdp4-sgd-full]",
+                                          "OPT-KEYS-1[fsdp4-adamw-full_cpu]"}
     assert all(e["clause"] == "OPT-KEYS-1" and e["world_sizes"] == [4] for e in entries)
 
 
