@@ -10,14 +10,23 @@
   object with the four functions.
 
 An adapter may rename functions, build its own options, shard models its own
-way (default: ``fully_shard``), claim optional profiles, declare the modes
-it supports (default: all of them) and name its DCP load path (a load
-planner factory; a module names it as ``DCP_LOAD_PLANNER``; default: none,
-DCP's default planner).
+way (default: ``fully_shard``), claim optional profiles, declare what the
+implementation supports (SPEC §1: the modes of its get and of its load apart,
+the layouts, the options; default: everything) and name its DCP load path (a
+load planner factory; a module names it as ``DCP_LOAD_PLANNER``; default:
+none, DCP's default planner).
+
+A pass is the implementation's own (SPEC §4). An adapter whose functions are
+not the implementation's own wraps each call into the implementation in
+``with iut_call():``; an error a clause expects counts only when it is raised
+inside it. Where the implementation lacks something a case asks for, the
+adapter refuses before calling it, with ``raise Unsupported("...")`` (or
+``NotImplementedError``): the case is not applicable, never passed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -31,10 +40,82 @@ OPTION_FIELDS = ("full_state_dict", "cpu_offload", "ignore_frozen_params", "stri
 PROFILES = ("core", "inplace", "tp", "multi-optimizer")
 # How a state dict leaves a setup and comes back (SPEC §2; see flows.py).
 MODES = ("sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp")
+# What a get returns: the modes a get can be declared in. ``bcast`` and
+# ``file`` save a ``full_cpu`` get; ``dcp`` saves a sharded one.
+GET_MODES = ("sharded", "full", "full_cpu", "flat")
+GET_OF = {"sharded": "sharded", "full": "full", "full_cpu": "full_cpu", "bcast": "full_cpu", "file": "full_cpu",
+          "flat": "flat", "dcp": "sharded"}
+# Layouts beyond data parallelism (single, ddp, fsdp, hsdp), as an IUT declares them (SPEC §1).
+LAYOUTS = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world")
+# Options an IUT may lack (SPEC §1): its own options type (what OPT-ATOM-3's
+# contradiction is made of), ``strict=False`` loads, ``ignore_frozen_params``.
+OPTIONS = ("options_type", "strict", "ignore_frozen_params")
 
 
 class AdapterError(RuntimeError):
     pass
+
+
+class Unsupported(NotImplementedError):
+    """An adapter's refusal: the implementation lacks what the case asks for
+    (a mode, a layout, an option, several optimizers). The case is not
+    applicable; raise it before calling the implementation."""
+
+
+def not_supported(what: str) -> Unsupported:
+    """``raise not_supported("several optimizers")``: a refusal naming what is lacking."""
+    return Unsupported(f"the implementation does not support {what}")
+
+
+IUT_ATTR = "__conformance_in_iut__"
+
+
+@contextlib.contextmanager
+def iut_call():
+    """The implementation's own code runs inside this block (SPEC §4).
+
+    An adapter wraps each call into the implementation with it; an exception
+    leaving the block is marked as the implementation's, and only such an
+    exception counts where a clause expects an error. Adapters whose four
+    functions are the implementation's own (``from_module``) need not: the
+    suite wraps them itself.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        try:
+            setattr(exc, IUT_ATTR, True)
+        except (AttributeError, TypeError):
+            pass
+        raise
+
+
+def raised_by_iut(exc: BaseException) -> bool:
+    """Whether ``exc`` left a call into the implementation (``iut_call``)."""
+    return bool(getattr(exc, IUT_ATTR, False))
+
+
+# The device this rank computes on, set by the suite on each rank (--device).
+_RANK_DEVICE: list = []
+
+
+def set_rank_device(device) -> None:
+    _RANK_DEVICE[:] = [device]
+
+
+def rank_device(model=None):
+    """The device a rank's tensors belong on: where ``model``'s parameters
+    live, or, for a model on the meta device (or none), the device the run
+    computes on (``--device``: ``cuda:<local rank>``, ...; the CPU by default).
+    Adapters use it to place what they gather or load."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters() if model is not None else ():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.device.type != "meta":
+            return local.device
+    return _RANK_DEVICE[0] if _RANK_DEVICE else torch.device("cpu")
 
 
 def fully_shard(module, *, mesh):
@@ -66,7 +147,19 @@ class Adapter:
     version: str = "unknown"
     shard: Callable[..., Any] = fully_shard
     profiles: frozenset[str] = field(default_factory=frozenset)
-    modes: frozenset[str] = frozenset(MODES)
+    # Declarations (SPEC §1). ``modes`` declares get and load alike (a
+    # ``bcast`` or ``file`` load implies a ``full_cpu`` get); ``get_modes``
+    # and ``load_modes`` declare them apart. After construction ``modes``
+    # holds the modes a round trip runs in: a declared get whose result a
+    # declared load reads.
+    modes: frozenset[str] | None = None
+    get_modes: frozenset[str] | None = None
+    load_modes: frozenset[str] | None = None
+    layouts: frozenset[str] = frozenset(LAYOUTS)
+    supported_options: frozenset[str] = frozenset(OPTIONS)
+    # True when the four functions are the implementation's own (from_module):
+    # the suite then wraps each call in ``iut_call`` itself.
+    functions_are_iut: bool = False
     # How --impl names it: the ranks load the adapter again by this name.
     spec: str = ""
     # The documented DCP load path (SPEC §2): called with no arguments, it
@@ -78,17 +171,70 @@ class Adapter:
         unknown = set(self.profiles) - set(PROFILES)
         if unknown:
             raise AdapterError(f"adapter {self.name!r} claims unknown profiles {sorted(unknown)}; known: {list(PROFILES)}")
-        unknown = set(self.modes) - set(MODES)
-        if unknown or not self.modes:
-            raise AdapterError(f"adapter {self.name!r} declares modes {sorted(self.modes)}; known: {list(MODES)}")
+        both = MODES if self.modes is None else self.modes
+        loads = frozenset(both if self.load_modes is None else self.load_modes)
+        gets = frozenset(GET_OF[m] for m in both if m in GET_OF) if self.get_modes is None else frozenset(self.get_modes)
+        for what, declared, known in (("modes", both, MODES), ("load modes", loads, MODES), ("get modes", gets, GET_MODES),
+                                      ("layouts", self.layouts, LAYOUTS), ("options", self.supported_options, OPTIONS)):
+            unknown = set(declared) - set(known)
+            if unknown:
+                raise AdapterError(f"adapter {self.name!r} declares {what} {sorted(unknown)}; known: {list(known)}")
+        if not gets and not loads:
+            raise AdapterError(f"adapter {self.name!r} declares no get mode and no load mode")
         self.profiles = frozenset(self.profiles)
-        self.modes = frozenset(self.modes)
+        self.get_modes, self.load_modes = gets, loads
+        self.modes = frozenset(m for m in MODES if m in loads and GET_OF[m] in gets)
+        self.layouts = frozenset(self.layouts)
+        self.supported_options = frozenset(self.supported_options)
 
     def claims(self, profile: str) -> bool:
         return profile == "core" or profile in self.profiles
 
     def supports(self, mode: str | None) -> bool:
+        """Whether a round trip in ``mode`` runs (a declared get, read by a declared load)."""
         return mode is None or mode in self.modes
+
+    def lacks(self, needs: "Needs") -> list[str]:
+        """What of ``needs`` this adapter does not declare, in words (SPEC §1)."""
+        out = []
+        if needs.get and needs.get not in self.get_modes:
+            out.append(f"get mode {needs.get!r}")
+        if needs.load and needs.load not in self.load_modes:
+            out.append(f"load mode {needs.load!r}")
+        out += [f"layout {x!r}" for x in needs.layouts if x not in self.layouts]
+        out += [f"option {x!r}" for x in needs.options if x not in self.supported_options]
+        return out
+
+    def declaration(self) -> dict:
+        """What the implementation declares, as data every report prints."""
+        return {
+            "get_modes": [m for m in GET_MODES if m in self.get_modes],
+            "load_modes": [m for m in MODES if m in self.load_modes],
+            "layouts": [x for x in LAYOUTS if x in self.layouts],
+            "options": [x for x in OPTIONS if x in self.supported_options],
+            "profiles": sorted(self.profiles),
+        }
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a case needs the implementation to declare (SPEC §1)."""
+
+    get: str | None = None  # a get mode (GET_MODES)
+    load: str | None = None  # a load mode (MODES)
+    layouts: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+
+
+def describe_declaration(decl: dict) -> str:
+    """One line: ``get full_cpu; load file; layouts: none; options: strict``."""
+    def listed(xs, everything):
+        if set(xs) == set(everything):
+            return "all"
+        return ", ".join(xs) if xs else "none"
+
+    return (f"get {listed(decl['get_modes'], GET_MODES)}; load {listed(decl['load_modes'], MODES)}; "
+            f"layouts {listed(decl['layouts'], LAYOUTS)}; options {listed(decl['options'], OPTIONS)}")
 
 
 def from_module(obj: Any, name: str, version: str | None = None, profiles=()) -> Adapter:
@@ -110,6 +256,7 @@ def from_module(obj: Any, name: str, version: str | None = None, profiles=()) ->
         options=options_cls,
         profiles=frozenset(getattr(obj, "CONFORMANCE_PROFILES", profiles)),
         dcp_load_planner=getattr(obj, "DCP_LOAD_PLANNER", None),
+        functions_are_iut=True,
         **{f: getattr(obj, f) for f in FUNCTIONS},
     )
 

@@ -3,7 +3,10 @@
 ``python -m conformance --report DIR`` writes ``report.json``,
 ``junit.xml``, a self-contained ``report.html`` (no network, one file) and
 ``report.md``. The level reached is ``core certified`` only when every core
-case of the suite ran and passed: none skipped, none expected to fail.
+case of the suite ran and passed: none skipped, none not applicable, none
+expected to fail. An implementation that declares less (SPEC §1) is
+``certified for <declaration>: N of M core clauses exercised`` when every
+core case that ran passed; every report names the clauses not exercised.
 """
 
 from __future__ import annotations
@@ -16,56 +19,73 @@ from collections import Counter, defaultdict
 from hyperdsd.testing import Status
 
 from . import spec
-from .adapters import MODES, PROFILES
+from .adapters import PROFILES
 from .registry import all_cases
-from .reporting import RunInfo, to_json, write_json, write_junit
+from .reporting import RunInfo, coverage, coverage_line, declaration_line, to_json, write_json, write_junit
 from .results import CaseResult
 
 _ORDER = (Status.ERROR, Status.FAILED, Status.XFAIL, Status.XPASS, Status.NOT_APPLICABLE, Status.PASSED)  # worst first
 
 
-def level(results: list[CaseResult], profiles: frozenset[str], modes=MODES) -> dict:
+def level(results: list[CaseResult], profiles: frozenset[str]) -> dict:
     """Which level the run reached per profile, and why not a higher one.
 
-    An implementation that declares fewer modes is certified for those modes
-    when every case of them (and every case that has no mode) passed.
+    ``reached``: every case of the profile ran and passed, none not
+    applicable. ``reached_for_declaration``: every case that ran passed, and
+    some did not apply (an implementation that declares less, SPEC §1): it is
+    certified for what it declares, with the clauses it never exercised
+    named (``coverage``). Declaring less never reads cleaner: a filtered
+    run, a failure, an error or an expected failure certifies nothing.
     """
     ran = {r.case.id: r for r in results}
-    partial_modes = set(modes) != set(MODES)
     out = {}
     for profile in PROFILES:
-        wanted = [c.id for c in all_cases() if c.profile == profile and (c.mode is None or c.mode in modes)]
+        wanted = [c.id for c in all_cases() if c.profile == profile]
         if not wanted:
             continue
         if profile != "core" and profile not in profiles:
             out[profile] = {"reached": False, "why": "not claimed"}
             continue
         missing = [cid for cid in wanted if cid not in ran]
-        bad = [cid for cid in wanted if cid in ran and ran[cid].status != Status.PASSED]
+        bad = [cid for cid in wanted if cid in ran and ran[cid].status not in (Status.PASSED, Status.NOT_APPLICABLE)]
+        na = [cid for cid in wanted if cid in ran and ran[cid].status == Status.NOT_APPLICABLE]
         if missing:
             why = f"{len(missing)} of {len(wanted)} cases did not run (a filtered run cannot certify)"
         elif bad:
             kinds = Counter(ran[cid].status.value for cid in bad)
             why = f"{len(bad)} of {len(wanted)} cases did not pass (" + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
+        elif na:
+            why = f"all {len(wanted) - len(na)} cases that ran passed; {len(na)} of {len(wanted)} were not applicable"
         else:
             why = f"all {len(wanted)} cases passed"
-        reached = not missing and not bad
-        entry = {"reached": reached and not partial_modes, "why": why}
-        if partial_modes:
-            entry["modes"] = sorted(modes, key=MODES.index)
-            entry["reached_for_modes"] = reached
-            entry["why"] += f", in the declared modes ({', '.join(entry['modes'])}; not declared: {', '.join(m for m in MODES if m not in modes)})"
+        entry = {"reached": not missing and not bad and not na, "why": why}
+        if profile == "core":
+            entry["reached_for_declaration"] = not missing and not bad and bool(na)
+            entry["coverage"] = coverage(results)
         out[profile] = entry
     return out
 
 
-def verdict(level_: dict) -> str:
+def verdict(level_: dict, declaration: dict | None = None) -> str:
+    """``core certified``; ``certified for <declaration>: N of M core clauses exercised``; or ``not certified``."""
     core = level_.get("core", {})
     if core.get("reached"):
         return "core certified"
-    if core.get("reached_for_modes"):
-        return "core certified for modes " + ", ".join(core["modes"])
+    if core.get("reached_for_declaration"):
+        cov = core["coverage"]
+        return (f"certified for {declaration_line(declaration)}: {len(cov['exercised'])} of {cov['core_clauses']} "
+                "core clauses exercised")
     return "not certified"
+
+
+def first_lines(data: dict) -> list[str]:
+    """The certificate's first screen: the verdict, then what was not exercised (SPEC §4)."""
+    cov = data.get("coverage") or data["level"].get("core", {}).get("coverage")
+    lines = [f"Level: {_verdict(data)}"]
+    if cov:
+        lines.append("Coverage: " + coverage_line(cov))
+    lines.append("Declared: " + declaration_line(data.get("declaration")))
+    return lines
 
 
 def matrix(results: list[CaseResult]) -> tuple[list[str], list[str], dict]:
@@ -86,11 +106,11 @@ def worst(counter: Counter) -> str:
 
 
 def write_report(directory: str, info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float,
-                 profiles: frozenset[str], modes=MODES) -> dict:
+                 profiles: frozenset[str]) -> dict:
     os.makedirs(directory, exist_ok=True)
     data = to_json(info, results, warnings, elapsed_s)
-    data["level"] = level(results, profiles, modes)
-    data["verdict"] = verdict(data["level"])
+    data["level"] = level(results, profiles)
+    data["verdict"] = verdict(data["level"], info.declaration)
     texts = spec.clauses()
     data["clauses"] = {c: texts.get(c, "") for c in dict.fromkeys(r.case.clause for r in results)}
     write_json(os.path.join(directory, "report.json"), data)
@@ -105,13 +125,13 @@ def write_report(directory: str, info: RunInfo, results: list[CaseResult], warni
 def _reached(entry: dict) -> str:
     if entry.get("reached"):
         return "yes"
-    if entry.get("reached_for_modes"):
-        return "yes, for the declared modes"
+    if entry.get("reached_for_declaration"):
+        return "yes, for what it declares"
     return "no"
 
 
 def _verdict(data: dict) -> str:
-    return data.get("verdict") or verdict(data["level"])
+    return data.get("verdict") or verdict(data["level"], data.get("declaration"))
 
 
 def render_markdown(data: dict, results: list[CaseResult]) -> str:
@@ -119,7 +139,7 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
     lines = [
         f"# Conformance report: {impl['name']} {impl['version']}",
         "",
-        f"**Level: {_verdict(data)}**",
+        *(f"**{line}**  " if i == 0 else f"{line}  " for i, line in enumerate(first_lines(data))),
         "",
         "| | |",
         "|---|---|",
@@ -281,6 +301,7 @@ def render_html(data: dict) -> str:
         ("started", f"{data['started']} ({data['elapsed_s']:.0f} s)"),
         ("summary", " | ".join(f"{k}: {n}" for k, n in data["summary"].items())),
     ]
+    firsts = first_lines(data)[1:]
     rows += [(f"profile {p}", f"{_reached(v)}: {v['why']}") for p, v in data["level"].items()]
     meta = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     payload = json.dumps(data).replace("</", "<\\/")
@@ -290,7 +311,8 @@ def render_html(data: dict) -> str:
 <style>{_CSS}</style></head>
 <body>
 <h1>Conformance report: {html.escape(impl['name'])} {html.escape(impl['version'])}</h1>
-<div class="level {'yes' if verdict == 'core certified' else 'no'}" id="level">Level: {verdict}</div>
+<div class="level {'yes' if verdict == 'core certified' else 'no'}" id="level">Level: {html.escape(verdict)}</div>
+{''.join(f'<p class="coverage">{html.escape(line)}</p>' for line in firsts)}
 <table class="meta">{meta}</table>
 <h2>Distinct deviations</h2>
 <p>Failing cases grouped by cause: the same error or difference, with case-specific names and numbers masked.</p>

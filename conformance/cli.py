@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 when nothing failed or errored unexpectedly, 1 otherwise, 2 for usage errors. "
                "'python -m conformance diff OLD.json NEW.json' compares two runs' JSON reports.",
     )
-    p.add_argument("--impl", default=os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL),
+    p.add_argument("--impl", default=None,
                    help="implementation under test: hyperdsd, torch, some.module or some.module:attr "
                         f"(default: $CONFORMANCE_IMPL or {DEFAULT_IMPL})")
     p.add_argument("--world-sizes", type=_int_list, help="only cases whose world sizes are all in this list, e.g. 1,2,4")
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument("--junit", help="write a JUnit XML report here")
     p.add_argument("--report", metavar="DIR", help="write report.json, junit.xml, report.html and report.md (the certificate) here")
-    p.add_argument("--list", action="store_true", help="print the manifest of selected cases and exit")
+    p.add_argument("--list", action="store_true", help="print the manifest of selected cases and exit; with --impl, whether each would run for it and why not")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop after the first case that fails or errors (not under torchrun)")
     p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
     p.add_argument("--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)")
@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    args.impl_given = args.impl is not None
+    if args.impl is None:
+        args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
     try:
         return _run(args)
     except UsageError as exc:
@@ -95,10 +98,7 @@ def _run(args) -> int:
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
     if args.list:
-        for case in cases:
-            print(json.dumps(case.manifest_entry()))
-        print(f"# {len(cases)} cases", file=sys.stderr)
-        return 0
+        return _list(args, cases)
     if not cases:
         raise UsageError("no case matches the selection (see --list)")
     from hyperdsd.testing import environment_problems
@@ -124,6 +124,31 @@ def _run(args) -> int:
         warnings += [f"{xfails.source}:{e.line}: xfail entry {e.pattern!r} matches no case" for e in xfails.unmatched()]
 
     return _run_cases(args, cases, adapter, xfails, warnings)
+
+
+def _list(args, cases) -> int:
+    """The manifest; with ``--impl`` given, whether each case would run for it and why not (SPEC §1)."""
+    adapter = None
+    if args.impl_given:
+        try:
+            adapter = load_adapter(args.impl)
+        except AdapterError as exc:
+            raise UsageError(str(exc)) from None
+        from .reporting import declaration_line
+        from .runner import undeclared
+
+        print(f"# {adapter.name} declares: {declaration_line(adapter.declaration())}", file=sys.stderr)
+    runs = 0
+    for case in cases:
+        entry = case.manifest_entry()
+        if adapter is not None:
+            why = undeclared(adapter, case)
+            entry["runs"], entry["not_applicable"] = not why, why
+            runs += not why
+        print(json.dumps(entry))
+    tail = f"; {runs} would run for {adapter.name}, {len(cases) - runs} not applicable" if adapter is not None else ""
+    print(f"# {len(cases)} cases{tail}", file=sys.stderr)
+    return 0
 
 
 def _check_device(device: str, backend: str | None) -> str:
@@ -155,7 +180,7 @@ def _report(args, adapter, info, results, warnings, elapsed, complete=True) -> N
     if args.report:
         from .certificate import write_report
 
-        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles, adapter.modes)
+        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles)
         core = data["level"].get("core", {})
         print(f"certificate: {data['verdict']} ({core.get('why', '')}); written to {args.report}")
     if args.json:
@@ -204,7 +229,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     if executor.launcher == "torchrun":
         world_sizes = [w for w in world_sizes if w <= executor.world_size]
     info = RunInfo(adapter.name, adapter.version, adapter.spec, world_sizes, sorted({m for c in cases for m in c.meshes}),
-                   launcher=executor.launcher, device=args.device, backend=args.backend)
+                   launcher=executor.launcher, device=args.device, backend=args.backend, declaration=adapter.declaration())
     console = ConsoleReporter(len(cases), verbose=args.verbose)
     results: list = []
     start = time.monotonic()

@@ -7,6 +7,11 @@ collective it issued, is a verdict on the IUT (``failed``); a failure of the
 suite's own code elsewhere is an ``error``. Work that only exercises what the
 IUT produced (training a model it loaded, DCP saving a dict it returned)
 runs under test too, labelled as such.
+
+Within an adapter's call, the implementation's own code is what runs in
+``conformance.adapters.iut_call`` (for adapters whose functions are the
+implementation's, the whole call). An adapter's refusal (``Unsupported`` or
+``NotImplementedError`` raised outside it) makes the case not applicable.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch.distributed as dist
 
 from hyperdsd.testing import NotApplicable, RankContext
 
-from .adapters import FUNCTIONS, Adapter
+from .adapters import FUNCTIONS, Adapter, iut_call, raised_by_iut
 from .registry import Case
 
 __all__ = ["CaseContext", "NotApplicable"]
@@ -41,11 +46,18 @@ class JudgedAdapter:
         if name not in _IUT_CALLS or not callable(value):
             return value
         if name not in self._calls:
+            whole = self._adapter.functions_are_iut
+
             def call(*args, **kwargs):
                 if args:
                     self._c.touched(args[0], name)
-                with self._c.rank_ctx.under_test(name):
-                    return value(*args, **kwargs)
+                try:
+                    with self._c.rank_ctx.under_test(name), iut_call() if whole else contextlib.nullcontext():
+                        return value(*args, **kwargs)
+                except NotImplementedError as exc:
+                    if raised_by_iut(exc):
+                        raise
+                    raise NotApplicable(f"the adapter of {self._adapter.name} refused {name}: {exc}") from None
 
             self._calls[name] = call
         return self._calls[name]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from .adapters import MODES
+from .adapters import MODES, iut_call
 from .oracle import clone_tree, diff_snapshots, snapshot
 
 __all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options",
@@ -166,12 +166,12 @@ def load(c, setup, saved: Saved, *, strict: bool = True, model: bool = True, opt
         tmpl_opts = get_options(iut, saved.mode)
         if iut_model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
-            with c.under_test("dcp.load into the template get returned"):
+            with c.under_test("dcp.load into the template get returned"), iut_call():
                 dcp.load({"model": msd}, checkpoint_id=saved.path, planner=dcp_planner(iut), process_group=setup.group)
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)
-            with c.under_test("dcp.load into the template get returned"):
+            with c.under_test("dcp.load into the template get returned"), iut_call():
                 dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=dcp_planner(iut), process_group=setup.group)
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys

@@ -2,14 +2,15 @@
 
 Small enough that a case takes well under a second. The base model has what
 every model has: several layers, persistent and non-persistent buffers,
-extra state, a parameter with fewer rows than ranks (uneven and empty
+a parameter with fewer rows than ranks (uneven and empty
 shards), and several param groups with their own hyperparameters. What
 breaks state-dict code in one particular way is a *feature* a case turns on
 only where its clause names it (SPEC §2, isolation): a tied weight
 (``tie``), a parameter that never gets a gradient (``lazy``: no optimizer
 state), a frozen parameter (``frozen``), an adapter the checkpoint lacks
 (``adapter``), a router in every block that never gets a gradient
-(``router``: lazy state in the middle of the model); empty groups, custom group fields and schedulers are set up
+(``router``: lazy state in the middle of the model), extra state in every
+block (``extra_state``: MODEL-5); empty groups, custom group fields and schedulers are set up
 by the cases that need them. Layouts that place parts of a model on meshes
 of their own use a mixture of experts (``experts``): a router and a stacked
 expert weight ``[experts, dim, dim]``.
@@ -46,6 +47,9 @@ class ModelConfig:
     # it never gets a gradient and so never gets optimizer state.
     router: bool = False
     experts: int = 0  # a mixture of that many experts after the layers (0: none)
+    # Extra state in every block (MODEL-5): "tensor", "dict" or "object" (any
+    # picklable value); "": none, as in the base model of every other clause.
+    extra_state: str = ""
 
     def everything(self, pipeline: bool = False) -> "ModelConfig":
         """Every feature at once (pipeline stages cannot tie across stages)."""
@@ -81,12 +85,42 @@ class Block(nn.Module):
             out = out * gate
         return x + out
 
-    # Extra state travels through the model state dict like any other entry.
+
+@dataclass(frozen=True)
+class Marker:
+    """An arbitrary picklable object as extra state (MODEL-5); allowed for
+    ``torch.load(weights_only=True)``, as a library registers its own types."""
+
+    index: int
+    name: str
+
+
+torch.serialization.add_safe_globals([Marker])
+
+
+class ExtraStateBlock(Block):
+    """A block whose extra state is its ``index``, as a value of the kind its
+    config names; it travels through the model state dict under
+    ``layers.N._extra_state`` like any other entry (MODEL-5)."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.kind = cfg.extra_state
+
     def get_extra_state(self):
-        return {"index": self.index}
+        if self.kind == "tensor":
+            return torch.tensor([float(self.index), 0.5])
+        if self.kind == "dict":
+            return {"index": self.index, "name": f"block{self.index}", "history": [self.index, -1]}
+        return Marker(self.index, f"block{self.index}")
 
     def set_extra_state(self, state):
-        self.index = int(state["index"])
+        if self.kind == "tensor":
+            self.index = int(state[0].item())
+        elif self.kind == "dict":
+            self.index = int(state["index"])
+        else:
+            self.index = state.index
 
 
 class _DataParallelWeight(torch.autograd.Function):
@@ -152,7 +186,8 @@ class ToyModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok = Embed(cfg)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        block = ExtraStateBlock if cfg.extra_state else Block
+        self.layers = nn.ModuleDict({str(i): block(cfg, i) for i in range(cfg.n_layers)})
         self.moe = MoE(cfg) if cfg.experts else None
         self.frozen = nn.Linear(cfg.dim, cfg.dim) if cfg.frozen else None
         if self.frozen is not None:

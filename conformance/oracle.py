@@ -185,22 +185,33 @@ def expect_unchanged(before: dict, after: dict, what: str) -> None:
 
 
 def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
-    """Call ``fn``; it must raise, and the message must name each of ``names``.
+    """Call ``fn``; the implementation must raise, and the message must name each of ``names``.
 
-    ``NotImplementedError`` says the implementation does not support what was
-    asked (a mode, an option): the case does not apply, it is no rejection.
+    A pass is the implementation's own (SPEC §4): the error must leave a call
+    into it (``conformance.adapters.iut_call``). An adapter's refusal
+    (``Unsupported``, ``NotImplementedError``) makes the case not applicable;
+    any other error raised outside the implementation is no pass either.
     """
     from hyperdsd.testing import NotApplicable
+    from hyperdsd.testing.context import REGION_ATTR
+
+    from .adapters import raised_by_iut
 
     try:
         fn()
-    except CheckFailure:
+    except (CheckFailure, NotApplicable):
         raise
-    except NotImplementedError as exc:
-        raise NotApplicable(f"{what}: the implementation does not support this ({exc})") from None
     # DCP raises CheckpointException (a BaseException) on every rank, carrying
     # each failing rank's error in its message.
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error type is acceptable, silence is not
+        if isinstance(exc, NotImplementedError) and not raised_by_iut(exc):
+            raise NotApplicable(f"{what}: the adapter refused ({exc})") from None
+        if not raised_by_iut(exc):
+            if not getattr(exc, REGION_ATTR, ""):
+                raise  # the suite's own code: an error, never a verdict
+            raise CheckFailure(f"{what}: {type(exc).__name__} was raised outside the implementation's own call (by its "
+                               f"adapter, not inside conformance.adapters.iut_call), which is no pass (SPEC §4): "
+                               f"{str(exc)[:400]}") from None
         text = str(exc)
         missing = [n for n in names if n not in text]
         if missing:

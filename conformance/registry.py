@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterable
 
+from .adapters import GET_OF, Needs
 from .layouts import parse_layout
 
 SECTIONS = (
@@ -60,6 +61,10 @@ class Case:
     def world_sizes(self) -> tuple[int, ...]:
         return tuple(p.world_size for p in self.phases)
 
+    @property
+    def needs(self) -> Needs:
+        return needs_of(self)
+
     def manifest_entry(self) -> dict:
         return {
             "id": self.id,
@@ -69,10 +74,50 @@ class Case:
             "world_sizes": list(self.world_sizes),
             "meshes": list(self.meshes),
             "mode": self.mode,
+            "needs": {k: v for k, v in vars(self.needs).items() if v},
             "phases": [f"{p.fn.__module__.rsplit('.', 1)[-1]}.{p.fn.__name__}@{p.world_size}" for p in self.phases],
             "deadline_s": self.deadline_s,
             "rtol": self.rtol,
         }
+
+
+# Clauses whose cases only call get (SPEC §1: they run with any declared get
+# mode); OPT-ATOM-3 only calls set, on the suite's own dict. Every other case
+# takes a dict with the implementation's get and loads it with its set.
+GET_SIDE = frozenset({"OPT-KEYS-1", "OPT-PURE-1", "OPT-PURE-2", "OPT-PURE-3", "OPT-RT-3", "OPT-DT-1"})
+LOAD_SIDE = frozenset({"OPT-ATOM-3"})
+# Clauses about the implementation's options type or one of its options.
+OPTION_CLAUSES = {"OPT-ATOM-3": ("options_type",), "OPT-PART-3": ("ignore_frozen_params",)}
+
+
+def needs_of(case: Case) -> Needs:
+    """What ``case`` needs declared: derived from its clause, mode, layout and
+    parameters, in one place, so that the sections need not say it."""
+    layouts = []
+    parts = case.layout.replace("_to_", " ").split()
+    if any("pp" in p for p in parts):
+        layouts.append("pipeline")
+    if any("tp" in p for p in parts):
+        layouts.append("tensor_parallel")
+    if any("+" in p for p in parts):  # fsdp4+ep2x2: experts on a mesh of their own
+        layouts.append("several_meshes")
+    if any(p.startswith("halves") for p in parts):
+        layouts.append("part_of_world")
+    options = list(OPTION_CLAUSES.get(case.clause, ()))
+    strict = [p.params.get("strict") for p in case.phases]
+    # A consolidated file holds every stage; a stage loads its own with strict=False.
+    if False in strict or (case.mode == "file" and "pipeline" in layouts):
+        options.append("strict")
+    mode = case.mode
+    get = load = None
+    if mode is not None:
+        get = "flat" if mode == "dcp" and "pipeline" in layouts else GET_OF[mode]
+        load = mode
+    if case.clause in GET_SIDE:
+        load = None
+    if case.clause in LOAD_SIDE:
+        get = None
+    return Needs(get, load, tuple(layouts), tuple(dict.fromkeys(options)))
 
 
 def case_id(clause: str, *parts: str | None) -> str:

@@ -31,6 +31,7 @@ class RunInfo:
     device: str = "cpu"
     backend: str = "gloo"
     started: float = field(default_factory=time.time)
+    declaration: dict | None = None  # what the implementation declares (SPEC §1; Adapter.declaration())
 
     def header(self) -> dict:
         import torch
@@ -39,6 +40,7 @@ class RunInfo:
             "spec_version": SPEC_VERSION,
             "suite_version": __version__,
             "impl": {"name": self.impl_name, "version": self.impl_version, "spec": self.impl_spec},
+            "declaration": self.declaration,
             "torch_version": torch.__version__,
             "world_sizes": self.world_sizes,
             "meshes": self.meshes,
@@ -49,6 +51,30 @@ class RunInfo:
             "machine": f"{platform.system()} {platform.machine()}",
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
         }
+
+
+def coverage(results: list[CaseResult]) -> dict:
+    """Which core clauses the run exercised (SPEC §4): a clause is exercised
+    when a core case of it ran (any verdict but not applicable)."""
+    from .registry import all_cases
+
+    clauses = list(dict.fromkeys(c.clause for c in all_cases() if c.profile == "core"))
+    ran = {r.case.clause for r in results if r.case.profile == "core" and r.status != Status.NOT_APPLICABLE}
+    return {"exercised": [c for c in clauses if c in ran], "not_exercised": [c for c in clauses if c not in ran],
+            "core_clauses": len(clauses)}
+
+
+def coverage_line(cov: dict) -> str:
+    line = f"{len(cov['exercised'])} of {cov['core_clauses']} core clauses exercised"
+    if cov["not_exercised"]:
+        line += "; not exercised: " + ", ".join(cov["not_exercised"])
+    return line
+
+
+def declaration_line(decl: dict | None) -> str:
+    from .adapters import describe_declaration
+
+    return describe_declaration(decl) if decl else "everything"
 
 
 def summary_counts(results: list[CaseResult]) -> dict[str, int]:
@@ -95,6 +121,7 @@ class ConsoleReporter:
             f"conformance {h['suite_version']} (spec {h['spec_version']}) | impl {h['impl']['name']} {h['impl']['version']} "
             f"| torch {h['torch_version']} | world sizes {','.join(map(str, h['world_sizes']))} | {self.total} cases"
         )
+        self.write(f"declared: {declaration_line(h['declaration'])}")
 
     def case_done(self, result: CaseResult) -> None:
         self.done += 1
@@ -125,6 +152,7 @@ class ConsoleReporter:
         counts = summary_counts(results)
         self.write("")
         self.write(" | ".join(f"{s}: {n}" for s, n in counts.items()) + f" | {elapsed_s:.1f} s")
+        self.write("coverage: " + coverage_line(coverage(results)))
         sections = time_by_section(results)
         if sections:
             self.write("time by section: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['cases']})" for k, v in sections.items()))
@@ -196,6 +224,7 @@ def to_json(info: RunInfo, results: list[CaseResult], warnings: list[str], elaps
             for r in results
         ],
         "summary": summary_counts(results),
+        "coverage": coverage(results),
         "deviations": [d.to_json() for d in deviations.group(results)],
         "faults": fault_counts(results),
         "time_by_section": time_by_section(results),
@@ -226,6 +255,8 @@ def write_junit(path: str, info: RunInfo, results: list[CaseResult], elapsed_s: 
     for key in ("spec_version", "suite_version", "torch_version"):
         ET.SubElement(props, "property", name=key, value=str(header[key]))
     ET.SubElement(props, "property", name="impl", value=f"{info.impl_name} {info.impl_version}")
+    ET.SubElement(props, "property", name="declaration", value=declaration_line(info.declaration))
+    ET.SubElement(props, "property", name="coverage", value=coverage_line(coverage(results)))
     for r in results:
         tc = ET.SubElement(suite, "testcase", classname=r.case.clause, name=r.case.id, time=f"{r.duration_s:.3f}")
         tprops = ET.SubElement(tc, "properties")

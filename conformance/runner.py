@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 from hyperdsd.testing import REGIONS, Executor, RankContext, Status, Task, TaskOutcome
 
-from .adapters import Adapter, load_adapter
+from .adapters import Adapter, load_adapter, set_rank_device
 from .registry import Case, by_id
 from .results import CaseResult
 from .xfails import Xfails
@@ -28,6 +28,7 @@ def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir:
     from .context import CaseContext
 
     case = by_id()[case_id]
+    set_rank_device(ctx.device)
     c = CaseContext(ctx, case, phase, load_adapter(impl), workdir)
     spec = case.phases[phase]
     return spec.fn(c, **spec.params)
@@ -56,6 +57,14 @@ def describe_outcome(outcome: TaskOutcome, phase_label: str) -> tuple[str, str, 
     return "\n".join(lines), "\n".join(details), named
 
 
+def undeclared(adapter: Adapter, case: Case) -> str:
+    """Why ``adapter``'s declaration (SPEC §1) rules ``case`` out, or ""."""
+    if not adapter.claims(case.profile):
+        return f"{adapter.name} does not claim the {case.profile!r} profile"
+    lacking = adapter.lacks(case.needs)
+    return f"{adapter.name} does not declare {', '.join(lacking)}" if lacking else ""
+
+
 class Runner:
     """Runs cases one after another and reports each as it finishes."""
 
@@ -78,11 +87,7 @@ class Runner:
 
     def applicability(self, case: Case) -> str:
         """Why ``case`` cannot run here, or "" when it can."""
-        if not self.adapter.claims(case.profile):
-            return f"{self.adapter.name} does not claim the {case.profile!r} profile"
-        if not self.adapter.supports(case.mode):
-            return f"{self.adapter.name} does not declare the {case.mode!r} mode (it declares {', '.join(sorted(self.adapter.modes))})"
-        return self.executor.unfit(case.world_sizes)
+        return undeclared(self.adapter, case) or self.executor.unfit(case.world_sizes)
 
     def repro(self, case: Case) -> str:
         return repro_command(self.impl, case.id, self.timeout, self.torchrun_nproc)

@@ -29,7 +29,8 @@ def test_list_prints_the_manifest():
     proc, _ = run_cli(["--list", "-k", "OPT-KEYS-1[fsdp4"])
     assert proc.returncode == 0
     entries = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert {e["id"] for e in entries} == {ADAMW, SGD, "OPT-KEYS-1[fsdp4-adamw-full]", "OPT-KEYS-1[fsdp4-sgd-full]"}
+    assert {e["id"] for e in entries} == {ADAMW, SGD, "OPT-KEYS-1[fsdp4-adamw-full]", "OPT-KEYS-1[fsdp4-sgd-full]",
+                                          "OPT-KEYS-1[fsdp4-adamw-full_cpu]"}
     assert all(e["clause"] == "OPT-KEYS-1" and e["world_sizes"] == [4] for e in entries)
 
 
@@ -115,7 +116,7 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OPT-NOPE-9" in proc.stderr and "matches no case" in proc.stderr
     data = json.loads(report.read_text())
-    assert data["spec_version"] == "1.1" and data["impl"]["name"] == "torch"
+    assert data["spec_version"] == "1.2" and data["impl"]["name"] == "torch"
     assert set(data) >= {"spec_version", "suite_version", "impl", "torch_version", "world_sizes", "cases", "summary"}
     assert any("OPT-NOPE-9" in w for w in data["warnings"])
     statuses = {c["id"]: c["status"] for c in data["cases"]}

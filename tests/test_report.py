@@ -41,20 +41,29 @@ def test_core_certified_only_when_every_core_case_passed():
     assert level(results_for({}), frozenset())["inplace"] == {"reached": False, "why": "not claimed"}
 
 
-def test_an_implementation_with_fewer_modes_is_certified_for_those():
-    from conformance.adapters import MODES
+def test_an_implementation_that_declares_less_is_certified_for_it_with_its_coverage():
+    from conformance.adapters import Adapter
+    from conformance.certificate import first_lines, verdict
 
-    declared = frozenset(m for m in MODES if m != "flat")
-    results = results_for({c.id: "n/a" for c in all_cases() if c.mode == "flat"})
-    core = level(results, frozenset(), declared)["core"]
-    assert core["reached"] is False and core["reached_for_modes"] is True
-    assert "not declared: flat" in core["why"]
-    from conformance.certificate import verdict
-
-    assert verdict({"core": core}) == "core certified for modes " + ", ".join(m for m in MODES if m != "flat")
-    some = next(c.id for c in all_cases() if c.mode == "dcp" and c.profile == "core")
-    broken = level(results_for({**{c.id: "n/a" for c in all_cases() if c.mode == "flat"}, some: "failed"}), frozenset(), declared)["core"]
-    assert broken["reached_for_modes"] is False and "1 failed" in broken["why"]
+    adapter = Adapter("demo", *(lambda *a, **k: None,) * 4, options=dict, get_modes={"full_cpu"}, load_modes={"file"})
+    decl = adapter.declaration()
+    results = results_for({c.id: "n/a" for c in all_cases() if adapter.lacks(c.needs)})
+    core = level(results, frozenset())["core"]
+    assert core["reached"] is False and core["reached_for_declaration"] is True
+    cov = core["coverage"]
+    assert "OPT-DT-1" in cov["not_exercised"] and "OPT-RT-1" in cov["exercised"]
+    said = verdict({"core": core}, decl)
+    assert said == f"certified for {'get full_cpu; load file; layouts all; options all'}: {len(cov['exercised'])} of {cov['core_clauses']} core clauses exercised"
+    assert "core certified" not in said
+    lines = first_lines({"level": {"core": core}, "declaration": decl})
+    assert lines[1].startswith("Coverage: ") and "not exercised: " in lines[1] and "OPT-DT-1" in lines[1]
+    # Declaring less never reads cleaner: one failure in what ran, and nothing is certified.
+    some = next(c.id for c in all_cases() if c.mode == "file" and c.profile == "core")
+    broken = level(results_for({**{c.id: "n/a" for c in all_cases() if adapter.lacks(c.needs)}, some: "failed"}), frozenset())["core"]
+    assert not broken["reached_for_declaration"] and verdict({"core": broken}, decl) == "not certified"
+    # Everything declared and passed: the only clean certificate, every core clause exercised.
+    full = level(results_for({}), frozenset())["core"]
+    assert verdict({"core": full}) == "core certified" and not full["coverage"]["not_exercised"]
 
 
 def test_failures_are_grouped_into_distinct_deviations(tmp_path):

@@ -87,7 +87,7 @@ def test_two_node_agents_on_loopback_form_one_world(tmp_path):
     data = json.loads(reports[0].read_text())  # rank 0 lives on node 0 and reports
     assert not reports[1].exists()
     assert data["launcher"] == "torchrun" and data["world_sizes"] == [1, 2, 4]
-    assert set(_statuses(reports[0]).values()) == {"passed"} and len(data["cases"]) == 4
+    assert set(_statuses(reports[0]).values()) == {"passed"} and len(data["cases"]) == 5
     assert os.listdir(shared) == [], "the run's case directories are removed, the shared directory kept"
     assert lingering(mark) == []
 

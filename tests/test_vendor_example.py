@@ -5,10 +5,11 @@ mode. In memory that round-trips; through DCP it cannot (DCP takes a plain
 tensor for a replicated one and keeps one rank's shard), and OPT-DT-1 names
 the cause.
 
-``full_state_adapter``: a backend with full state dicts only and a
-``device`` argument. It declares the modes full, full_cpu, bcast and file:
-cases of the other modes are n/a, cases without a mode run, and its one real
-deviation is that it takes one optimizer (OPT-KEYS-4).
+``full_state_adapter``: a backend with full state dicts only, a ``device``
+argument and no options type. It declares the modes full, full_cpu, bcast
+and file and no ``options_type``: cases of the other modes and OPT-ATOM-3
+are n/a naming the need; the cases with two optimizers are n/a by the
+adapter's refusal, never passed.
 """
 
 from dataclasses import replace
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters import load_adapter
+from conformance.adapters import Unsupported, load_adapter
 from conformance.certificate import level, verdict
 from conformance.registry import all_cases, by_id
 from conformance.results import CaseResult
@@ -34,7 +35,7 @@ EXPECTED = {
     (VENDOR, "OPT-RT-1[single-adamw-dcp]"): "passed",  # nothing is sharded on one rank
     (VENDOR, "OPT-RT-1[fsdp3-adamw-dcp]"): "failed",  # uneven local shards: DCP sees a size mismatch
     (VENDOR, "OPT-DT-1[fsdp2-adamw-sharded]"): "failed",  # the cause: state is not DTensor
-    (VENDOR, "OPT-KEYS-4[single-sharded]"): "failed",  # the backend takes one optimizer
+    (VENDOR, "OPT-KEYS-4[single-sharded]"): "n/a",  # the backend takes one optimizer: the adapter refuses
     (VENDOR, "OPT-DT-4[single-adamw-sharded]"): "passed",  # claimed 'inplace': loads into existing tensors
     (FULL_STATE, "OPT-RT-1[fsdp3-adamw-full]"): "passed",  # declared modes: full dicts on every rank ...
     (FULL_STATE, "OPT-RT-1[pp2xfsdp2-adamw-file]"): "passed",  # ... a consolidated file, stages take theirs ...
@@ -42,13 +43,12 @@ EXPECTED = {
     (FULL_STATE, "MODEL-3[fsdp4-bcast]"): "passed",  # ... and broadcast from rank 0
     (FULL_STATE, "OPT-RT-1[fsdp3-adamw-sharded]"): "n/a",  # undeclared modes do not run
     (FULL_STATE, "OPT-RT-1[fsdp3-adamw-dcp]"): "n/a",
-    (FULL_STATE, "OPT-ATOM-3[fsdp2-optim]"): "passed",  # no mode: runs, and contradictions raise ValueError
-    (FULL_STATE, "OPT-ATOM-3[fsdp2-model]"): "passed",
-    (FULL_STATE, "OPT-KEYS-4[fsdp4-full]"): "failed",  # the real deviation: one optimizer
+    (FULL_STATE, "OPT-ATOM-3[fsdp2-optim]"): "n/a",  # no options type: nothing to contradict
+    (FULL_STATE, "OPT-KEYS-4[fsdp4-full]"): "n/a",  # one optimizer: the adapter refuses, no pass
 }
 MESSAGES = {
     "OPT-DT-1": "expected a DTensor like its parameter",
-    "OPT-KEYS-4": "takes one optimizer",
+    "OPT-KEYS-4": "does not support several optimizers",
 }
 
 
@@ -75,8 +75,8 @@ def test_verdict_on_the_examples(runners, impl, case_id):
     clause = case_id.split("[")[0]
     if clause in MESSAGES:
         assert MESSAGES[clause] in result.message
-    if expected == "n/a":
-        assert f"does not declare the {by_id()[case_id].mode!r} mode" in result.message
+    if expected == "n/a" and clause != "OPT-KEYS-4":
+        assert "does not declare" in result.message
 
 
 def test_unclaimed_profile_is_not_applicable(pools):
@@ -89,32 +89,32 @@ def test_unclaimed_profile_is_not_applicable(pools):
 def test_full_state_example_declares_its_modes(runners):
     runner = runners[FULL_STATE]
     assert runner.adapter.modes == frozenset(FULL_STATE_MODES)
-    undeclared = [c for c in all_cases() if c.mode is not None and c.mode not in FULL_STATE_MODES and c.profile == "core"]
-    assert undeclared and all("does not declare the" in runner.applicability(c) for c in undeclared)
+    assert runner.adapter.get_modes == {"full", "full_cpu"}
+    undeclared = [c for c in all_cases() if c.mode is not None and c.mode not in FULL_STATE_MODES and c.profile == "core"
+                  and c.needs.load is not None]
+    assert undeclared and all("does not declare" in runner.applicability(c) for c in undeclared)
     modeless = [c for c in all_cases() if c.mode is None]
-    assert modeless and not any(runner.applicability(c) for c in modeless)
+    assert modeless and all("option 'options_type'" in runner.applicability(c) for c in modeless)
 
 
 def _results(adapter, failing=()):
-    """Every case: the declared modes' (and mode-less) passed, the rest n/a, as a run would give."""
-    out = []
-    for case in all_cases():
-        runs = adapter.supports(case.mode) and adapter.claims(case.profile)
-        status = Status.FAILED if case.id in failing else Status.PASSED if runs else Status.NOT_APPLICABLE
-        out.append(CaseResult(case, status))
-    return out
+    """Every case: those the declaration admits passed, the rest n/a, as a run would give."""
+    from conformance.runner import undeclared
+
+    return [CaseResult(case, Status.FAILED if case.id in failing else Status.NOT_APPLICABLE if undeclared(adapter, case)
+                       else Status.PASSED) for case in all_cases()]
 
 
 def test_full_state_certificate_wording():
     adapter = load_adapter(FULL_STATE)
-    certified = level(_results(adapter), adapter.profiles, adapter.modes)
-    assert verdict(certified) == "core certified for modes full, full_cpu, bcast, file"
-    assert "not declared: sharded, flat, dcp" in certified["core"]["why"]
-    # The example's one deviation: the two-optimizer cases of its modes fail, so it does not certify.
-    two_optimizers = [c.id for c in all_cases() if c.clause == "OPT-KEYS-4" and c.mode in FULL_STATE_MODES]
-    assert len(two_optimizers) == 10
-    broken = level(_results(adapter, two_optimizers), adapter.profiles, adapter.modes)
-    assert verdict(broken) == "not certified" and "10 failed" in broken["core"]["why"]
+    certified = level(_results(adapter), adapter.profiles)
+    said = verdict(certified, adapter.declaration())
+    assert said.startswith("certified for get full, full_cpu; load full, full_cpu, bcast, file;"), said
+    assert "core certified" not in said and "OPT-ATOM-3" in certified["core"]["coverage"]["not_exercised"]
+    # A failure in a declared mode: not certified, whatever was declared.
+    some = [c.id for c in all_cases() if c.clause == "OPT-RT-1" and c.mode == "file"][:10]
+    broken = level(_results(adapter, some), adapter.profiles)
+    assert verdict(broken, adapter.declaration()) == "not certified" and "10 failed" in broken["core"]["why"]
 
 
 def test_full_state_backend_device_and_limits():
@@ -129,12 +129,14 @@ def test_full_state_backend_device_and_limits():
     assert {v.device.type for v in backend.gather_model(model, device="meta").values()} == {"meta"}
     state = backend.gather_optimizer(model, optimizer, device="meta")["state"]
     assert {v.device.type for e in state.values() for v in e.values()} == {"meta"}
-    assert adapter.rank_device(model) == torch.device("cpu")
+    from conformance.adapters import rank_device
+
+    assert rank_device(model) == torch.device("cpu")
     with pytest.raises(TypeError, match="exactly one"):
         backend.gather_optimizer(model, [optimizer], device="cpu")
-    with pytest.raises(NotImplementedError, match="full state dicts only"):
+    with pytest.raises(Unsupported, match="full state dicts only"):
         adapter.get_model_state_dict(model, options=adapter.Options())
     with pytest.raises(NotImplementedError, match="no flat optimizer layout"):
         adapter.get_optimizer_state_dict(model, optimizer, options=adapter.Options(full_state_dict=True, flatten_optimizer_state_dict=True))
-    with pytest.raises(ValueError, match="needs full_state_dict"):
+    with pytest.raises(Unsupported, match="without full_state_dict"):
         adapter.set_model_state_dict(model, {}, options=adapter.Options(broadcast_from_rank0=True))

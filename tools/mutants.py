@@ -320,7 +320,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "            plan.values[raw] = value  # extra state: whatever the module accepts",
         "            pass",
         "set_model_state_dict drops extra state",
-        ("MODEL-1[single-sharded]",),
+        ("MODEL-5[fsdp2-sharded-dict]",),
     ),
     Mutant(
         "model-meta-not-assigned", "state/model.py",

@@ -136,9 +136,14 @@ CAUSES: tuple[Cause, ...] = (
           "https://github.com/pytorch/pytorch/pull/125338",
           lambda c, s: c["clause"] == "MODEL-3" and "sent more than its shard" in s),
     Cause("partly present state loads",
-          "in-memory loads take a parameter's state entry as it comes (Optimizer.load_state_dict): an entry "
-          "without exp_avg_sq or step loads into a stepped optimizer without an error; no upstream issue found",
+          "in-memory loads, the consolidated file's included, take a parameter's state entry as it comes "
+          "(Optimizer.load_state_dict): an entry without exp_avg_sq or step loads without an error, into a fresh "
+          "or a stepped optimizer; only the DCP load path checks what the template expects; no upstream issue found",
           lambda c, s: c["clause"] == "OPT-PART-6" and "no error was raised" in s),
+    Cause("extra state objects in full modes",
+          "extra state that is an arbitrary picklable object (neither a tensor nor a container of them): "
+          "full_state_dict gathers raise ValueError 'Unexpected value type'; tensors and dicts round-trip",
+          lambda c, s: c["clause"] == "MODEL-5" and "Unexpected value type" in s),
 )
 
 

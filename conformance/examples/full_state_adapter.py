@@ -6,8 +6,11 @@ Run the suite against it with::
 
 The backend has full state dicts only, so the adapter declares the modes
 that need nothing else (``full``, ``full_cpu``, ``bcast``, ``file``); the
-suite reports every case of the other modes ``n/a``. It translates torch's
-options into the backend's arguments:
+suite reports every case of the other modes ``n/a``. The backend has no
+options type of its own (keyword arguments only), so it cannot be handed
+contradictory options: the adapter does not declare ``options_type``
+(OPT-ATOM-3 does not apply). It translates torch's options into the
+backend's arguments:
 
 ==========================================  ===========================================
 torch's options                             the backend's call
@@ -19,9 +22,11 @@ torch's options                             the backend's call
 ``ignore_frozen_params``, ``strict``        ``skip_frozen``, ``strict``
 ==========================================  ===========================================
 
-A contradiction (``broadcast_from_rank0`` without ``full_state_dict``) is a
-``ValueError``, as in torch; what the backend cannot do (a sharded or flat
-state dict, several optimizers) is a ``NotImplementedError`` naming it.
+What the backend cannot do (a sharded or flat state dict, several
+optimizers, contradictory options) the adapter refuses before calling it
+(``not_supported``): those cases are ``n/a``, never passed. Every call into
+the backend runs in ``iut_call()``, so that only the backend's own errors
+count where a clause expects one.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from conformance.adapters import Adapter
+from conformance.adapters import OPTIONS, Adapter, iut_call, not_supported, rank_device
 
 from . import full_state_backend as backend
 
@@ -52,29 +57,12 @@ class Options:
     flatten_optimizer_state_dict: bool = False
 
 
-def rank_device(model) -> torch.device:
-    """The device this rank computes ``model`` on: where its parameters live.
-
-    The suite's ranks compute on the CPU, or with ``--device TYPE`` each on
-    its own accelerator (``RankContext.device``: ``TYPE:local_rank``, made
-    current in the rank's process); sharded models have their local shards
-    there. A model still on the meta device has no device yet: the CPU.
-    """
-    for p in model.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        if local.device.type != "meta":
-            return local.device
-    return torch.device("cpu")
-
-
 def _supported(opts: Options | None, call: str) -> Options:
     opts = opts or Options()
-    if opts.broadcast_from_rank0 and not opts.full_state_dict:
-        raise ValueError(f"{call}: broadcast_from_rank0=True needs full_state_dict=True")
     if not opts.full_state_dict:
-        raise NotImplementedError(f"{call}: full_state_backend has full state dicts only (full_state_dict=False asks for a sharded one)")
+        raise not_supported(f"{call} without full_state_dict (full_state_backend has full state dicts only)")
     if opts.flatten_optimizer_state_dict:
-        raise NotImplementedError(f"{call}: full_state_backend has no flat optimizer layout (flatten_optimizer_state_dict=True)")
+        raise not_supported(f"{call} with flatten_optimizer_state_dict (full_state_backend has no flat optimizer layout)")
     return opts
 
 
@@ -83,7 +71,7 @@ def _one(optimizers) -> torch.optim.Optimizer:
         return optimizers
     optimizers = list(optimizers)
     if len(optimizers) != 1:
-        raise NotImplementedError(f"full_state_backend takes one optimizer; the case passed {len(optimizers)}")
+        raise not_supported(f"several optimizers (full_state_backend takes one; the case passed {len(optimizers)})")
     return optimizers[0]
 
 
@@ -95,23 +83,29 @@ def _where(model, opts: Options) -> dict:
 
 def get_model_state_dict(model, *, options=None):
     opts = _supported(options, "get_model_state_dict")
-    return backend.gather_model(model, skip_frozen=opts.ignore_frozen_params, **_where(model, opts))
+    with iut_call():
+        return backend.gather_model(model, skip_frozen=opts.ignore_frozen_params, **_where(model, opts))
 
 
 def set_model_state_dict(model, model_state_dict, *, options=None):
     opts = _supported(options, "set_model_state_dict")
-    result = backend.load_model(model, model_state_dict, from_rank0=opts.broadcast_from_rank0, strict=opts.strict)
+    with iut_call():
+        result = backend.load_model(model, model_state_dict, from_rank0=opts.broadcast_from_rank0, strict=opts.strict)
     return IncompatibleKeys(result.missing, result.unexpected)
 
 
 def get_optimizer_state_dict(model, optimizers, *, options=None):
     opts = _supported(options, "get_optimizer_state_dict")
-    return backend.gather_optimizer(model, _one(optimizers), **_where(model, opts))
+    optimizer = _one(optimizers)
+    with iut_call():
+        return backend.gather_optimizer(model, optimizer, **_where(model, opts))
 
 
 def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=None):
     opts = _supported(options, "set_optimizer_state_dict")
-    backend.load_optimizer(model, _one(optimizers), optim_state_dict, from_rank0=opts.broadcast_from_rank0, strict=opts.strict)
+    optimizer = _one(optimizers)
+    with iut_call():
+        backend.load_optimizer(model, optimizer, optim_state_dict, from_rank0=opts.broadcast_from_rank0, strict=opts.strict)
 
 
 conformance_adapter = Adapter(
@@ -124,4 +118,5 @@ conformance_adapter = Adapter(
     options=Options,
     profiles=frozenset({"inplace"}),
     modes=frozenset({"full", "full_cpu", "bcast", "file"}),
+    supported_options=frozenset(OPTIONS) - {"options_type"},
 )

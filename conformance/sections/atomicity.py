@@ -21,7 +21,10 @@ def _source(c, layout, mode):
     """A trained setup's state dict, and a stepped target to load it into."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    osd = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode)))
+    if mode == "file":  # every rank reads the file rank 0 saved (a full_cpu get)
+        osd = flows.read_full(flows.save(c, a, mode, model=None).path)["optim"]
+    else:
+        osd = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode)))
     b = Setup(c, layout, "adamw", seed=1)
     b.train(1)
     return osd, b
@@ -233,6 +236,13 @@ def atom_4(c, layout, mode):
 
 
 def cases():
+    # The consolidated file (SPEC §2 ``file``): what a full-state-only library loads.
+    for layout in ("single", "fsdp4"):
+        yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode="file", variant="unknown_fqn", kind="unknown_fqn", which="OPT-ATOM-1")
+        for kind in ("wrong_shape", "non_tensor"):
+            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode="file", variant=kind, kind=kind, which="OPT-ATOM-2")
+    for layout in ("fsdp2", "fsdp4"):
+        yield make_case("OPT-ATOM-4", layout, atom_4, mode="file", deadline_s=30)
     layouts = ("single", "fsdp4", "hsdp2x2", "pp2")
     for layout in layouts:
         for mode in ("sharded", "flat"):

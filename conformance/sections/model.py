@@ -19,7 +19,7 @@ LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfs
 
 
 def _model_view(s) -> dict:
-    """Parameters, persistent buffers and extra state, by canonical name."""
+    """Parameters, persistent buffers and extra state (MODEL-5 only), by canonical name."""
     out = {k: clone_tree(v) for k, v in s.module.state_dict().items()}
     return {".".join(p for p in k.split(".") if p != "_checkpoint_wrapped_module"): v for k, v in out.items()}
 
@@ -39,18 +39,35 @@ def model_1(c, layout, mode, wrappers=(), tie=False):
     want = _model_view(a)
     saved = flows.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers, cfg=ModelConfig(tie=tie))
-    blocks = {name: getattr(blk, "_checkpoint_wrapped_module", blk) for name, blk in b.module.layers.items()}
-    for block in blocks.values():
-        block.index = -1  # extra state must come back from the checkpoint
     flows.load(c, b, saved, optim=False)
     fail_if(diff_values(want, _model_view(b), "model"), f"{mode}: the model does not round-trip")
-    got_index = {name: blk.index for name, blk in blocks.items()}
-    check(all(int(n) == i for n, i in got_index.items()), f"extra state was not restored: {got_index}")
     if not rank0_holds_all or c.rank == 0:
         fail_if(sorted(set(want_keys) ^ set(msd)), "model keys differ from model.state_dict() of the unwrapped model (symmetric difference)")
         check("tok.cache" not in msd, "a non-persistent buffer is in the model state dict")
     else:
         check(not msd, f"{mode}: rank {c.rank} must get an empty dict, got {len(msd)} keys")
+
+
+def model_5(c, layout, mode, kind):
+    """Extra state of ``kind`` (a tensor, a dict, a picklable object) round-trips under its ``_extra_state`` key."""
+    cfg = ModelConfig(extra_state=kind)
+    a = Setup(c, layout, "adamw", cfg=cfg)
+    a.train(1)
+    msd = c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode))
+    want = {k: v for k, v in _model_view(a).items() if k.endswith("_extra_state")}
+    check(want, "setup error: the model has no extra state")
+    if mode not in ("full_cpu", "bcast", "file") or c.rank == 0:
+        fail_if(diff_values(want, {k: msd[k] for k in want if k in msd}, "model")
+                + [f"{k}: missing from get's dict" for k in want if k not in msd], f"{mode}: get lost extra state")
+    saved = flows.save(c, a, mode, model="iut", optim=False)
+    b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
+    blocks = {name: getattr(blk, "_checkpoint_wrapped_module", blk) for name, blk in b.module.layers.items()}
+    for block in blocks.values():
+        block.index = -1  # extra state must come back from the checkpoint
+    flows.load(c, b, saved, optim=False)
+    got_index = {name: blk.index for name, blk in blocks.items()}
+    check(all(int(n) == i for n, i in got_index.items()), f"{mode}: {kind} extra state was not restored: {got_index}")
+    fail_if(diff_values(_model_view(a), _model_view(b), "model"), f"{mode}: a model with {kind} extra state does not round-trip")
 
 
 def _all_ranks_keys(keys: list[str]) -> list[str]:
@@ -62,7 +79,10 @@ def _all_ranks_keys(keys: list[str]) -> list[str]:
 def model_2(c, layout, mode, strict):
     """Missing and unexpected keys: strict raises naming them; strict=False returns them."""
     a = Setup(c, layout, "adamw")
-    msd = clone_tree(c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode)))
+    if mode == "file":  # every rank reads the file rank 0 saved
+        msd = flows.read_full(flows.save(c, a, mode, model="iut", optim=False).path)["model"]
+    else:
+        msd = clone_tree(c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode)))
     gone = "layers.1.fc2.bias"
     if mode != "bcast" or c.rank == 0:  # bcast: only rank 0's dict is read (the others got {})
         msd.pop(gone)
@@ -168,8 +188,12 @@ def cases():
             yield make_case("MODEL-1", layout, model_1, mode=mode, variant="tied", tie=True)
     for mode in ("sharded", "full", "bcast", "dcp"):
         yield make_case("MODEL-1", "fsdp2xtp2", model_1, mode=mode, profile="tp")
+    for layout in ("fsdp2",):
+        for kind in ("tensor", "dict", "object"):
+            for mode in flows.MODES:
+                yield make_case("MODEL-5", layout, model_5, mode=mode, variant=kind, kind=kind)
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):
-        for mode in ("sharded", "full", "bcast"):
+        for mode in ("sharded", "full", "bcast", "file"):
             for strict in (True, False):
                 yield make_case("MODEL-2", layout, model_2, mode=mode, variant="strict" if strict else "nonstrict", strict=strict)
     for layout in ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):

@@ -109,6 +109,25 @@ def part_4(c, layout, mode):
     fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), "OPT-PART-4: an optimizer over some parameters does not resume like the uninterrupted run")
 
 
+def part_6_file(c, layout, fqn, key):
+    """Partly missing state in a consolidated file (every rank reads it):
+    every rank raises naming the FQN and the key; nothing changes."""
+    a = Setup(c, layout, "adamw")
+    a.train(2)
+    osd = flows.read_full(flows.save(c, a, "file", model=None).path)["optim"]
+    check(key in osd["state"].get(fqn, {}), f"setup error: the checkpoint has no state[{fqn!r}][{key!r}]")
+    del osd["state"][fqn][key]
+    b = Setup(c, layout, "adamw", seed=1)
+    b.set_steps_done(2)
+    before = optimizer_view(b)
+    expect_error(
+        lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, "file")),
+        names=[fqn, key],
+        what=f"OPT-PART-6: a file without state[{fqn!r}][{key!r}]",
+    )
+    expect_unchanged(before, optimizer_view(b), "OPT-PART-6: the failed load changed the optimizer")
+
+
 def only_layers(fqn: str) -> bool:
     return fqn.startswith("layers.")
 
@@ -223,6 +242,12 @@ PART_6_MEMORY = (
 
 
 def cases():
+    # The consolidated file (SPEC §2 ``file``): what a full-state-only library loads.
+    for layout in ("single", "fsdp4"):
+        for strict in (False, True):
+            yield make_case("OPT-PART-1", layout, part_1, mode="file", variant="strict" if strict else "nonstrict", strict=strict)
+    for layout, fqn, key in (("single", "layers.0.fc2.weight", "exp_avg_sq"), ("fsdp4", "aux.weight", "step")):
+        yield make_case("OPT-PART-6", layout, part_6_file, mode="file", variant=f"no_{key}", fqn=fqn, key=key)
     for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="nonstrict", strict=False)
