@@ -2,6 +2,16 @@
 
 import pytest
 
+from helpers import slowness
+
+
+def pytest_sessionstart(session):
+    slowness()  # measured once, before any test loads the machine (docs/TESTING.md)
+
+
+def pytest_report_header(config):
+    return f"machine slowness: {slowness():.1f}x the reference machine (limits that runs must meet are scaled by it)"
+
 
 @pytest.fixture(scope="module")
 def pools():
@@ -11,7 +21,6 @@ def pools():
     ps = PoolSet()
     yield ps
     ps.kill()
-
 
 
 def pytest_terminal_summary(terminalreporter):
