@@ -166,7 +166,8 @@ def kill_marked(mark: str) -> None:
 
 
 def run_cli(args, *, timeout=600, env=None, mark=None):
-    """Run ``python -m conformance`` in a subprocess; returns (CompletedProcess, mark).
+    """Run ``python -m conformance`` in a subprocess, for at most ``timeout``
+    seconds on the reference machine; returns (CompletedProcess, mark).
 
     Its output goes to files, not pipes: a pipe is held open by whatever
     the run started too, and reading it to the end would wait for them."""
@@ -176,7 +177,7 @@ def run_cli(args, *, timeout=600, env=None, mark=None):
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=out, stderr=err, text=True)
         try:
-            proc.wait(timeout=timeout)
+            proc.wait(timeout=scaled(timeout))
         finally:
             if proc.poll() is None:
                 proc.kill()

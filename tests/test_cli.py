@@ -22,7 +22,7 @@ SGD = "OPT-KEYS-1[fsdp4-sgd-sharded]"
 # SGD case after it must pass within it (each well under a second on a quiet
 # reference machine). Faults that end a case as they happen get a deadline
 # far above any load: only a harness that missed the event would reach it.
-HANG_TIMEOUT = scaled(30)
+HANG_TIMEOUT = scaled(15)
 FAULT_TIMEOUT = scaled(300)
 # Waits on an event (the CLI exits, a case is printed): only a hang reaches these.
 EVENT_LIMIT_S = scaled(300)
@@ -238,7 +238,7 @@ def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "conformance",
          "--impl", "hyperdsd", "-k", "OPT-KEYS-1[fsdp2-adamw", "-k", "OPT-KEYS-1[single-adamw-sharded]",
          "-k", "OPT-KEYS-1[fsdp4-adamw-sharded]", "--json", str(report)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=EVENT_LIMIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(report.read_text())
