@@ -218,8 +218,9 @@ def stop_fork_server(timeout_s: float = 10.0) -> None:
     with interrupts_deferred():
         if server._forkserver_pid is not None:
             pid, server._forkserver_pid = server._forkserver_pid, None
-            os.close(server._forkserver_alive_fd)  # EOF on it ends the server's loop
-            server._forkserver_alive_fd = None
+            if server._forkserver_alive_fd is not None:
+                os.close(server._forkserver_alive_fd)  # EOF on it ends the server's loop
+                server._forkserver_alive_fd = None
             _reap(pid, timeout_s)
             address, server._forkserver_address = server._forkserver_address, None
             if address and not util.is_abstract_socket_namespace(address):
@@ -227,8 +228,9 @@ def stop_fork_server(timeout_s: float = 10.0) -> None:
                     os.unlink(address)
         if tracker._pid is not None:
             pid, tracker._pid = tracker._pid, None
-            os.close(tracker._fd)  # it leaves once every holder of this pipe has closed it
-            tracker._fd = None
+            if tracker._fd is not None:
+                os.close(tracker._fd)  # it leaves once every holder of this pipe has closed it
+                tracker._fd = None
             _reap(pid, timeout_s)
 
 
