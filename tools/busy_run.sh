@@ -28,11 +28,12 @@ for _ in $(seq "$cores"); do
 done
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, whatever the environment installed
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 start=$(date +%s)
 # shellcheck disable=SC2086  # TESTS is a list of paths
 "$python" -m pytest -n 2 -q ${TESTS:-tests} "$@"
 status=$?
 took=$(( $(date +%s) - start ))
 echo "busy_run: pytest exited $status after ${took} s beside $cores busy loops" \
-     "(commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%MZ), $cores cores)"
+     "(commit $commit at the start, ended $(date -u +%Y-%m-%dT%H:%MZ), $cores cores)"
 exit "$status"
