@@ -123,7 +123,12 @@ def _run(args) -> int:
         xfails.mark_selected([c.id for c in all_cases()])
         warnings += [f"{xfails.source}:{e.line}: xfail entry {e.pattern!r} matches no case" for e in xfails.unmatched()]
 
-    return _run_cases(args, cases, adapter, xfails, warnings)
+    from hyperdsd.testing import stop_fork_server
+
+    try:
+        return _run_cases(args, cases, adapter, xfails, warnings)
+    finally:
+        stop_fork_server()  # in every ending, nothing the run started outlives it
 
 
 def _list(args, cases) -> int:
@@ -274,6 +279,9 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
             partial(f"run aborted: {exc}")
         sys.stdout.flush()
         os._exit(1)
+    except BaseException:
+        executor.kill()  # the suite's own bug: no rank outlives the run
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
         if reporter:

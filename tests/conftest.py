@@ -1,6 +1,33 @@
 """Test-suite-wide fixtures, and figures that tests record as properties."""
 
+import os
+
 import pytest
+
+from helpers import scaled, slowness
+
+
+def pytest_sessionstart(session):
+    slowness()  # measured once, before any test loads the machine (docs/TESTING.md)
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-timeout's limit per test (pyproject.toml) is the reference
+    machine's: scaled like every other limit, unless the command line or
+    PYTEST_TIMEOUT sets one."""
+    if not config.pluginmanager.hasplugin("timeout") or config.getoption("timeout", None) is not None:
+        return
+    ini = config.getini("timeout")
+    if not ini or os.environ.get("PYTEST_TIMEOUT"):
+        return
+    limit = pytest.mark.timeout(scaled(float(ini)))
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(limit)
+
+
+def pytest_report_header(config):
+    return f"machine slowness: {slowness():.1f}x the reference machine (limits that runs must meet are scaled by it)"
 
 
 @pytest.fixture(scope="module")
@@ -11,7 +38,6 @@ def pools():
     ps = PoolSet()
     yield ps
     ps.kill()
-
 
 
 def pytest_terminal_summary(terminalreporter):

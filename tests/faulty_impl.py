@@ -2,6 +2,8 @@
 
 Each wraps torch's functions and misbehaves inside ``get_optimizer_state_dict``
 on one rank, but only for AdamW, so the next (SGD) case of a run passes.
+With ``FAULTY_IMPL_MARKERS`` set to a directory, a fault leaves a file there
+as it strikes: a test can tell a fault that struck from one never reached.
 """
 
 import os
@@ -15,8 +17,16 @@ import torch.distributed as dist
 from conformance.adapters import load_adapter
 
 
+def reached(fault: str) -> None:
+    """Leave ``FAULTY_IMPL_MARKERS/<fault>-rank<rank>``, if that directory is set."""
+    folder = os.environ.get("FAULTY_IMPL_MARKERS")
+    if folder:
+        open(os.path.join(folder, f"{fault}-rank{dist.get_rank()}"), "w").close()
+
+
 def _hang():
     if dist.get_rank() == 1:
+        reached("hang")
         try:
             dist.all_reduce(torch.ones(1))  # a collective nobody else joins
         except RuntimeError:

@@ -2,13 +2,20 @@
 
 Tests wait on events (a process exits, a line is printed, a rank is gone),
 each with a limit far above what any load makes of it: the limit only turns
-a hang into a failure. Speed claims live in the benchmarks under tools/.
+a hang into a failure. A limit that a run must stay under to pass (a task's
+deadline, a released rank's grace) is scaled by :func:`slowness`, measured
+once per test session. Speed claims live in the benchmarks under tools/.
+See docs/TESTING.md.
 """
 
+import functools
+import math
 import os
+import statistics
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -16,6 +23,40 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
+
+
+# What one run of _calibration takes on the reference machine (docs/TESTING.md).
+_REFERENCE_S = 0.014
+
+
+def _calibration() -> float:
+    """Seconds for a fixed single-threaded workload: torch's dispatcher and
+    the interpreter, what the ranks of most tests spend their time in."""
+    start = time.perf_counter()
+    t = torch.zeros(16)
+    for _ in range(2000):
+        t.add_(1.0)
+    total = 0
+    for i in range(200_000):
+        total += i * i
+    return time.perf_counter() - start
+
+
+@functools.cache
+def slowness() -> float:
+    """How many times slower than the reference machine this one runs now
+    (at least 1): measured at the start of the session, under whatever load
+    the machine has then. ``HYPERDSD_TEST_SLOWNESS`` sets it instead."""
+    forced = os.environ.get("HYPERDSD_TEST_SLOWNESS")
+    if forced:
+        return max(1.0, float(forced))
+    _calibration()  # warm up: first calls pay for lazy initialisation
+    return min(20.0, max(1.0, statistics.median([_calibration() for _ in range(9)]) / _REFERENCE_S))
+
+
+def scaled(seconds: float) -> int:
+    """A limit of ``seconds`` on the reference machine, for this one (whole seconds: limits appear in messages)."""
+    return math.ceil(seconds * slowness())
 
 
 def marked_processes(mark: str) -> list[int]:
@@ -99,6 +140,22 @@ def lingering(mark: str, limit_s: float = 120.0) -> list[int]:
     return left
 
 
+def left_behind(mark: str) -> list[str]:
+    """Marked processes alive now, with their command lines; then killed, so
+    a failing test leaves none behind. No wait: for a process that must have
+    reaped everything it started before it returned."""
+    left = []
+    for pid in marked_processes(mark):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone since
+        left.append(f"{pid} {cmdline[:200]}")
+    kill_marked(mark)
+    return left
+
+
 def kill_marked(mark: str) -> None:
     """SIGKILL every live process marked ``mark``: cleanup after a failed test."""
     for pid in marked_processes(mark):
@@ -109,18 +166,25 @@ def kill_marked(mark: str) -> None:
 
 
 def run_cli(args, *, timeout=600, env=None, mark=None):
-    """Run ``python -m conformance`` in a subprocess; returns (CompletedProcess, mark)."""
+    """Run ``python -m conformance`` in a subprocess, for at most ``timeout``
+    seconds on the reference machine; returns (CompletedProcess, mark).
+
+    Its output goes to files, not pipes: a pipe is held open by whatever
+    the run started too, and reading it to the end would wait for them."""
     mark = mark or uuid.uuid4().hex
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark, **(env or {}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "conformance", *args],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc, mark
+    command = [sys.executable, "-m", "conformance", *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=out, stderr=err, text=True)
+        try:
+            proc.wait(timeout=scaled(timeout))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read()), mark
 
 
 def same(a, b) -> bool:
@@ -135,9 +199,10 @@ def same(a, b) -> bool:
 
 
 def run_task(pools, world_size: int, fn, deadline_s: float = 120, **kwargs):
-    """Run ``fn`` on every rank of a pool; it must pass there. Returns each rank's value."""
+    """Run ``fn`` on every rank of a pool; it must pass there, within ``deadline_s``
+    on the reference machine. Returns each rank's value."""
     from hyperdsd.testing import Task
 
-    outcome = pools.run(world_size, Task(fn, kwargs), deadline_s)
+    outcome = pools.run(world_size, Task(fn, kwargs), scaled(deadline_s))
     assert outcome.status == "passed", outcome.describe() + "\n" + "\n".join(r.traceback for r in outcome.results)
     return outcome.values

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bad_input_tasks
+from helpers import scaled
 from hyperdsd.testing import PoolSet, Task
 
 OPTIM_NESTED = ["no_state", "no_groups", "state_not_dict", "entry_not_dict", "group_without_params", "params_not_strings",
@@ -35,7 +36,7 @@ def specs():
 
 @pytest.fixture(scope="module")
 def pools():
-    ps = PoolSet(gloo_timeout_s=20.0)
+    ps = PoolSet(gloo_timeout_s=scaled(20))
     yield ps
     ps.kill()
 
@@ -48,7 +49,7 @@ def test_malformed_input_raises_everywhere_and_changes_nothing(pools, record_pro
     @given(specs())
     def check(spec):
         tally["tried"] += 1
-        outcome = pools.run(2, Task(bad_input_tasks.bad_input, {"spec": spec}), 30)
+        outcome = pools.run(2, Task(bad_input_tasks.bad_input, {"spec": spec}), scaled(30))
         assert outcome.status == "passed", f"{spec}: {outcome.describe()}"
         for rank, value in enumerate(outcome.values):
             assert value["raised"] is not None, f"{spec}: rank {rank} did not raise"

@@ -11,18 +11,21 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from helpers import ROOT, TESTS, kill_marked, lingering, marked_processes, run_cli, wait_for
+from helpers import (
+    ROOT, TESTS, is_multiprocessing_helper, kill_marked, left_behind, lingering, marked_processes, run_cli, scaled, wait_for,
+)
 
 ADAMW = "OPT-KEYS-1[fsdp4-adamw-sharded]"
 SGD = "OPT-KEYS-1[fsdp4-sgd-sharded]"
-# The per-case deadline for a hung implementation: the hang test waits it
-# out, and the SGD case after it must pass within it (well under a second
-# on a quiet machine). Faults that end a case as they happen get a deadline
+# The per-case deadline for a hung implementation, scaled to the machine:
+# the hang test waits it out, the hang must be reached within it, and the
+# SGD case after it must pass within it (each well under a second on a quiet
+# reference machine). Faults that end a case as they happen get a deadline
 # far above any load: only a harness that missed the event would reach it.
-HANG_TIMEOUT = 30
-FAULT_TIMEOUT = 300
+HANG_TIMEOUT = scaled(15)
+FAULT_TIMEOUT = scaled(300)
 # Waits on an event (the CLI exits, a case is printed): only a hang reaches these.
-EVENT_LIMIT_S = 300
+EVENT_LIMIT_S = scaled(300)
 
 
 def test_list_prints_the_manifest():
@@ -77,8 +80,12 @@ def test_missing_numpy_is_one_clear_usage_error(monkeypatch, capsys):
 def test_faulty_implementation_is_reported_and_the_run_goes_on(tmp_path, fault, rank, words):
     report = tmp_path / "report.json"
     timeout = HANG_TIMEOUT if fault == "hang" else FAULT_TIMEOUT
-    proc, mark = run_cli(["--impl", f"faulty_impl:{fault}", "-k", ADAMW, "-k", SGD, "--timeout", str(timeout), "--json", str(report)])
+    args = ["--impl", f"faulty_impl:{fault}", "-k", ADAMW, "-k", SGD, "--timeout", str(timeout), "--json", str(report)]
+    proc, mark = run_cli(args, env={"FAULTY_IMPL_MARKERS": str(tmp_path)})
+    assert left_behind(mark) == []  # the run's ranks and helpers are gone when it returns
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    if fault == "hang":
+        assert (tmp_path / "hang-rank1").exists(), f"the hang was not reached within {timeout} s:\n{proc.stdout}"
     data = json.loads(report.read_text())
     cases = {c["id"]: c for c in data["cases"]}
     bad, good = cases[ADAMW], cases[SGD]
@@ -98,7 +105,43 @@ def test_faulty_implementation_is_reported_and_the_run_goes_on(tmp_path, fault, 
     assert bad["repro"] == f"python -m conformance --impl faulty_impl:{fault} -k '{ADAMW}' --timeout {timeout}"
     assert good["status"] == "passed", good["message"]
     assert "repro:" in proc.stdout and "clause OPT-KEYS-1" in proc.stdout
-    assert lingering(mark) == []
+
+
+def _env(mark: str, **extra) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark, **extra)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except OSError:
+        return 0  # gone
+
+
+def test_nothing_the_run_started_outlives_it_with_a_hanging_rank(tmp_path):
+    # A CI step that looks for leftover processes right after the run finds
+    # none: not the fork server, not its resource tracker, not a rank.
+    mark = uuid.uuid4().hex
+    env = _env(mark, FAULTY_IMPL_MARKERS=str(tmp_path))
+    out_path = tmp_path / "out.txt"
+    with open(out_path, "w") as out:  # not a pipe: reading one to its end waits for every holder
+        proc = subprocess.Popen([sys.executable, "-m", "conformance", "--impl", "faulty_impl:hang", "-k", ADAMW,
+                                 "--timeout", str(scaled(8))], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: (tmp_path / "hang-rank1").exists() or proc.poll() is not None, EVENT_LIMIT_S)
+        started = marked_processes(mark)
+        helpers = [pid for pid in started if is_multiprocessing_helper(pid) and _parent(pid) == proc.pid]
+        proc.wait(timeout=EVENT_LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert left_behind(mark) == []  # the moment it returned
+    out = out_path.read_text()
+    assert proc.returncode == 1 and "missed the" in out, out
+    assert len(helpers) == 2, "the run had started a fork server and a resource tracker"
+    assert len(started) >= 7, "the CLI, its two helpers and four ranks were running at the hang"
 
 
 def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
@@ -138,7 +181,7 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
     assert from_junit == statuses
     assert int(suite.get("failures")) == data["summary"]["failed"]
     assert int(suite.get("errors")) == data["summary"]["error"]
-    assert lingering(mark) == []
+    assert left_behind(mark) == []
 
 
 # `python -m conformance` as a terminal starts it: with Ctrl-C's default
@@ -178,6 +221,7 @@ def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path, stage):
             proc.kill()
             proc.wait()
             kill_marked(mark)
+    assert left_behind(mark) == []  # checked the moment the run returned
     out = out_path.read_text()
     assert proc.returncode == 1, out
     assert "interrupted" in out
@@ -185,7 +229,6 @@ def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path, stage):
     assert data["complete"] is False
     if stage == "mid-run":
         assert 1 <= len(data["cases"]) < 30
-    assert lingering(mark) == []
 
 
 def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
@@ -196,7 +239,7 @@ def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "conformance",
          "--impl", "hyperdsd", "-k", "OPT-KEYS-1[fsdp2-adamw", "-k", "OPT-KEYS-1[single-adamw-sharded]",
          "-k", "OPT-KEYS-1[fsdp4-adamw-sharded]", "--json", str(report)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=EVENT_LIMIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(report.read_text())
@@ -212,24 +255,37 @@ def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
 
 
 def test_torchrun_hang_ends_the_run_with_stacks_and_a_partial_report(tmp_path):
-    report = tmp_path / "hang.json"
-    mark = uuid.uuid4().hex
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "conformance",
-         "--impl", "faulty_impl:hang", "-k", SGD, "-k", ADAMW, "--timeout", "8", "--json", str(report)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
-    )
+    # The hung case trains before it reaches the planted hang, for as long as
+    # the machine makes it. A deadline that ran out first was judged right
+    # (still training) but says nothing of the hang: the run is then repeated
+    # with twice the deadline. The premise is the hang's own marker, not a time.
+    timeout = scaled(8)
+    for attempt in range(3):
+        report, markers = tmp_path / f"hang{attempt}.json", tmp_path / f"markers{attempt}"
+        markers.mkdir()
+        mark = uuid.uuid4().hex
+        env = _env(mark, FAULTY_IMPL_MARKERS=str(markers))
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+             "-m", "conformance", "--impl", "faulty_impl:hang", "-k", SGD, "-k", ADAMW,
+             "--timeout", str(timeout), "--json", str(report)],
+            cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=EVENT_LIMIT_S + 4 * timeout,
+        )
+        assert lingering(mark) == []
+        if (markers / "hang-rank1").exists():
+            break
+        timeout *= 2
+    else:
+        pytest.fail(f"the hang was not reached within a {timeout // 2} s deadline in 3 runs:\n{proc.stdout[-3000:]}")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    # Ended by the 8 s deadline (the run did not wait for the subprocess limit).
-    assert "run aborted" in out and "did not report within the 8 s deadline" in out
+    # Ended by the deadline (the run did not wait for the subprocess limit).
+    assert "run aborted" in out and f"did not report within the {timeout} s deadline" in out, out[-3000:]
     data = json.loads(report.read_text())
     assert data["complete"] is False
     statuses = {c["id"]: c["status"] for c in data["cases"]}
     assert statuses == {ADAMW: "failed"}, statuses  # the run stops at the hung case, a hang of the implementation
     assert "in get_optimizer_state_dict" in data["cases"][0]["message"], data["cases"][0]["message"]
-    assert lingering(mark) == []
 
 
 def test_exitfirst_stops_after_the_first_failure(tmp_path):
@@ -238,4 +294,4 @@ def test_exitfirst_stops_after_the_first_failure(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
     assert [c["id"] for c in data["cases"]] == [ADAMW] and data["cases"][0]["status"] == "failed"
-    assert lingering(mark) == []
+    assert left_behind(mark) == []

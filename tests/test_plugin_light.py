@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, scaled
 
 HEAVY = ("torch", "numpy", "hyperdsd", "conformance.registry", "conformance.runner")
 
@@ -22,7 +22,7 @@ def _heavy(modules) -> list[str]:
 def test_importing_the_plugin_imports_nothing_heavy():
     code = "import json, sys; import conformance.pytest_plugin; print(json.dumps(sorted(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr
     modules = json.loads(proc.stdout)
     assert "conformance.pytest_plugin" in modules
@@ -46,7 +46,7 @@ def test_a_pytest_run_with_the_plugin_and_no_case_imports_nothing_heavy(tmp_path
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:conformance",
          "-p", "conformance.pytest_plugin", "--dsd-xfails", os.devnull, "test_unrelated.py"],
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout

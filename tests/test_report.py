@@ -11,6 +11,7 @@ from conformance.certificate import level, write_report
 from conformance.registry import all_cases
 from conformance.reporting import RunInfo
 from conformance.results import CaseResult
+from helpers import scaled
 from hyperdsd.testing import Status
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -110,7 +111,7 @@ def test_html_matrix_as_rendered_by_headless_chromium(tmp_path):
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", (tmp_path / "report.html").as_uri()],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=scaled(120),
     )
     dom = proc.stdout
     assert 'data-rendered="yes"' in dom, proc.stderr[-2000:]

@@ -11,7 +11,7 @@ import sys
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from helpers import ROOT
+from helpers import ROOT, scaled
 
 PAGE = os.path.join(ROOT, "docs", "RESUMING.md")
 BEGIN, END = "<!-- examples: tests/test_resuming.py", "<!-- end examples -->"
@@ -46,7 +46,7 @@ def run(folder, args, launcher=(), timeout=300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), ROOT]))
     (folder / "runner.py").write_text(RUNNER)
     return subprocess.run([sys.executable, *launcher, str(folder / "runner.py"), *args], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def test_every_python_block_is_a_named_example(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from conformance.flows import read_full
 import safety_tasks
+from helpers import scaled
 from hyperdsd.testing import PoolSet, Task
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ def test_pool_and_case_directories_are_private_and_removed(pools, tmp_path):
     from conformance.registry import by_id
     from conformance.runner import Runner
 
-    outcome = pools.run(2, Task(safety_tasks.workdir_mode), 30)
+    outcome = pools.run(2, Task(safety_tasks.workdir_mode), scaled(30))
     assert [v["pool"] for v in outcome.values] == [0o700, 0o700]
     pool_dir = pools.pool(2).workdir
     runner = Runner(load_adapter("hyperdsd"), pools, workdir=str(tmp_path))
@@ -76,7 +77,7 @@ def test_pool_and_case_directories_are_private_and_removed(pools, tmp_path):
 
 
 def test_rendezvous_listens_on_loopback_only(pools):
-    outcome = pools.run(2, Task(safety_tasks.listening_addresses), 30)
+    outcome = pools.run(2, Task(safety_tasks.listening_addresses), scaled(30))
     addresses = [a for v in outcome.values for a in v]
     assert addresses, "found no listening socket to check"
     assert all(a in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for a in addresses), addresses

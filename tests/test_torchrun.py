@@ -8,8 +8,12 @@ import socket
 import subprocess
 import sys
 import uuid
+from unittest import mock
 
-from helpers import ROOT, TESTS, lingering, run_cli
+from helpers import ROOT, TESTS, lingering, run_cli, scaled, wait_for
+
+# Waits on an event (a process exits, a thread acts): only a hang reaches these.
+EVENT_LIMIT_S = scaled(600)
 
 # 1-, 2- and 3-rank cases, a failing rank's release and regroup, and
 # resharding between world sizes (phases on sub-worlds of their own).
@@ -26,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(args, cwd, mark, launcher_args=("--standalone", "--nproc-per-node", "4"), timeout=600):
+def _torchrun(args, cwd, mark, launcher_args=("--standalone", "--nproc-per-node", "4")):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "conformance", *args],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -40,7 +44,7 @@ def test_every_world_size_runs_on_sub_worlds_with_the_pools_verdicts(tmp_path):
     mark = uuid.uuid4().hex
     launched = tmp_path / "torchrun.json"
     proc = _torchrun([*SLICE, "--json", str(launched)], str(tmp_path), mark)
-    out, _ = proc.communicate(timeout=600)
+    out, _ = proc.communicate(timeout=EVENT_LIMIT_S)
     assert proc.returncode == 0, out[-4000:]
     pools = tmp_path / "pools.json"
     pool_run, _ = run_cli([*SLICE, "--json", str(pools)])
@@ -57,15 +61,16 @@ def test_a_failing_rank_under_torchrun_releases_the_others_and_the_run_goes_on(t
     mark = uuid.uuid4().hex
     report = tmp_path / "faulty.json"
     adamw, sgd = "OPT-KEYS-1[fsdp4-adamw-sharded]", "OPT-KEYS-1[fsdp4-sgd-sharded]"
-    proc = _torchrun(["--impl", "faulty_impl:raises", "-k", adamw, "-k", sgd, "--timeout", "300", "--json", str(report)], str(tmp_path), mark)
-    out, _ = proc.communicate(timeout=600)
+    args = ["--impl", "faulty_impl:raises", "-k", adamw, "-k", sgd, "--timeout", str(scaled(300)), "--json", str(report)]
+    proc = _torchrun(args, str(tmp_path), mark)
+    out, _ = proc.communicate(timeout=EVENT_LIMIT_S)
     assert proc.returncode == 1, out[-4000:]
     cases = {c["id"]: c for c in json.loads(report.read_text())["cases"]}
     assert cases[adamw]["status"] == "failed" and cases[sgd]["status"] == "passed"
     message = cases[adamw]["message"]
     assert "rank 1 raised ValueError in get_optimizer_state_dict" in message, message
     assert "ranks 0,2,3 blocked in a collective until rank 1 left the process group" in message, message
-    assert cases[adamw]["duration_s"] < 300  # released at once, not at the deadline
+    assert cases[adamw]["duration_s"] < scaled(300)  # released at once, not at the deadline
     assert lingering(mark) == []
 
 
@@ -82,7 +87,7 @@ def test_two_node_agents_on_loopback_form_one_world(tmp_path):
                                  "--master-addr", "127.0.0.1", "--master-port", port))
         for n in (0, 1)
     ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    outs = [p.communicate(timeout=EVENT_LIMIT_S)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     data = json.loads(reports[0].read_text())  # rank 0 lives on node 0 and reports
     assert not reports[1].exists()
@@ -101,16 +106,23 @@ def test_a_rank_still_running_after_a_peer_left_releases_itself():
     from hyperdsd.testing import world
 
     left, released = threading.Event(), []
-    start = time.monotonic()
-    with world._Watchdog(30, lambda: None, None, peer_left=left.is_set, release=lambda: released.append(time.monotonic() - start)):
+    dog = world._Watchdog(EVENT_LIMIT_S, lambda: None, None, peer_left=left.is_set,
+                          release=lambda: released.append(time.monotonic()))
+    with dog:
         time.sleep(0.6)
         assert not released  # no peer left yet
+        noticed = time.monotonic()
         left.set()
-        time.sleep(world._RELEASE_AFTER_S + 2 * world._PEER_POLL_S + 0.5)
-    assert len(released) == 1 and released[0] >= 0.6 + world._RELEASE_AFTER_S, released
+        assert wait_for(lambda: released, EVENT_LIMIT_S)
+    dog._thread.join(EVENT_LIMIT_S)  # done watching: nothing more can be released
+    assert len(released) == 1 and released[0] - noticed >= world._RELEASE_AFTER_S, (released, noticed)
 
+    # Done before the grace period ends: nothing released. The period is made
+    # long enough that no load can stretch the body past it.
     quick = []
-    with world._Watchdog(30, lambda: None, None, peer_left=lambda: True, release=lambda: quick.append(1)):
-        time.sleep(0.3)  # done before the grace period ends: nothing released
-    time.sleep(world._RELEASE_AFTER_S + 0.3)
+    dog = world._Watchdog(EVENT_LIMIT_S, lambda: None, None, peer_left=lambda: True, release=lambda: quick.append(1))
+    with mock.patch.object(world, "_RELEASE_AFTER_S", EVENT_LIMIT_S):
+        with dog:
+            time.sleep(0.3)
+        dog._thread.join(EVENT_LIMIT_S)
     assert not quick

@@ -14,7 +14,7 @@ from .mesh import MeshSpec, parse_mesh
 from .messages import REGIONS, WHOLE_TASK, RankResult, Task
 from .outcome import TaskOutcome, judge
 from .pool import PoolSet, PoolStartError, WorkerPool
-from .process import environment_problems
+from .process import environment_problems, stop_fork_server
 from .status import RankStatus, Status
 from .world import TorchrunWorld, WorldLost, launched_by_torchrun
 
@@ -39,4 +39,5 @@ __all__ = [
     "judge",
     "launched_by_torchrun",
     "parse_mesh",
+    "stop_fork_server",
 ]

@@ -206,6 +206,50 @@ def _kill_fork_server() -> None:
             pass
 
 
+def stop_fork_server(timeout_s: float = 10.0) -> None:
+    """Stop multiprocessing's fork server and resource tracker, if this
+    process started them, and reap them: each gets ``timeout_s`` to leave,
+    then SIGKILL. For a process about to exit (the CLI): left to end with
+    it, they would outlive it by the seconds their own exit takes. Ranks
+    forked from the server die with it (their parent-death signal)."""
+    from multiprocessing import forkserver, resource_tracker, util
+
+    server, tracker = forkserver._forkserver, resource_tracker._resource_tracker  # private: no public handles
+    with interrupts_deferred():
+        if server._forkserver_pid is not None:
+            pid, server._forkserver_pid = server._forkserver_pid, None
+            if server._forkserver_alive_fd is not None:
+                os.close(server._forkserver_alive_fd)  # EOF on it ends the server's loop
+                server._forkserver_alive_fd = None
+            _reap(pid, timeout_s)
+            address, server._forkserver_address = server._forkserver_address, None
+            if address and not util.is_abstract_socket_namespace(address):
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
+        if tracker._pid is not None:
+            pid, tracker._pid = tracker._pid, None
+            if tracker._fd is not None:
+                os.close(tracker._fd)  # it leaves once every holder of this pipe has closed it
+                tracker._fd = None
+            _reap(pid, timeout_s)
+
+
+def _reap(pid: int, timeout_s: float) -> None:
+    """Wait for a child of this process to exit, at most ``timeout_s``, then kill it."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.005)
+    except ChildProcessError:
+        pass  # already reaped
+
+
 def _forked_main(args: list[str], sock, log_path: str, env: dict[str, str], controller_pid: int) -> None:
     """A forked rank's first steps: what the bootstrap and Popen do for a spawned one."""
     isolate_worker(controller_pid, forked=True)
