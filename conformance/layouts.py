@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat
-
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
 # Path segments that wrappers insert and canonical FQNs leave out.

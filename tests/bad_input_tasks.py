@@ -8,11 +8,11 @@ import copy
 
 import torch
 import torch.nn as nn
+from helpers import same
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import hyperdsd
-from helpers import same
 from hyperdsd import StateDictOptions
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 import math
 
 import torch
@@ -11,10 +10,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import hyperdsd
+from hyperdsd.placement import DTensorLayout
 from hyperdsd.transport import collectives
 from hyperdsd.transport.gather import Gatherer
 from hyperdsd.transport.scatter import Need, ShapeDtype, scatter_from_root
-from hyperdsd.placement import DTensorLayout
 
 SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
 
@@ -126,9 +125,10 @@ def _state(setup):
 
 def interop(ctx, layout: str, writer: str, reader: str, mode: str):
     """State written by one implementation, read by the other, resumes exactly."""
-    from conformance.oracle import diff_snapshots
     import torch.distributed.checkpoint as dcp
+
     from conformance.adapters import load_adapter
+    from conformance.oracle import diff_snapshots
 
     w, r = load_adapter(writer), load_adapter(reader)
     flat = mode in ("flat", "flat_dcp")

@@ -11,8 +11,8 @@ See docs/TESTING.md.
 import functools
 import math
 import os
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile

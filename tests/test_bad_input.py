@@ -5,12 +5,12 @@ Hypothesis is derandomized, so every run tries the same inputs; the number
 tried and passed is printed in the test summary (and kept as a JUnit property).
 """
 
+import bad_input_tasks
 import pytest
+from helpers import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import bad_input_tasks
-from helpers import scaled
 from hyperdsd.testing import PoolSet, Task
 
 OPTIM_NESTED = ["no_state", "no_groups", "state_not_dict", "entry_not_dict", "group_without_params", "params_not_strings",

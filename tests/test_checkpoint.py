@@ -10,17 +10,17 @@ one process, where DCP needs no process group.
 import os
 import pickle
 
+import checkpoint_tasks
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import run_task
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 import hyperdsd
 from hyperdsd import StateDictError, checkpoint
 from hyperdsd.state.dcp_template import Entry, judge, optimizer_entries, optimizer_roots
-import checkpoint_tasks
-from helpers import run_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -10,9 +10,17 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-
 from helpers import (
-    ROOT, TESTS, is_multiprocessing_helper, kill_marked, left_behind, lingering, marked_processes, run_cli, scaled, wait_for,
+    ROOT,
+    TESTS,
+    is_multiprocessing_helper,
+    kill_marked,
+    left_behind,
+    lingering,
+    marked_processes,
+    run_cli,
+    scaled,
+    wait_for,
 )
 
 ADAMW = "OPT-KEYS-1[fsdp4-adamw-sharded]"

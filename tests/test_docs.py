@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
 
 MARKER = "<!-- example: tests/test_docs.py -->"

@@ -11,8 +11,8 @@ from expecttest import assert_expected_inline
 
 from conformance.oracle import CheckFailure, describe_tensor_difference, fail_if
 from conformance.registry import case_id
-from hyperdsd.transport.collectives import raise_if_any
 from hyperdsd.errors import StateDictError
+from hyperdsd.transport.collectives import raise_if_any
 
 
 def test_case_ids_join_the_parts_that_are_given():

@@ -7,11 +7,11 @@ import sys
 import time
 import uuid
 
-import pytest
-
 import harness_tasks
-from hyperdsd.testing import REGIONS, PoolSet, Task, parse_mesh
+import pytest
 from helpers import ROOT, TESTS, descendant_ranks, is_multiprocessing_helper, marked_processes, scaled, wait_for
+
+from hyperdsd.testing import REGIONS, PoolSet, Task, parse_mesh
 
 # Limits a task must meet, scaled to the machine: a task's deadline, how long
 # ranks released by a failed one may take to answer (grace), gloo's timeout.

@@ -1,9 +1,8 @@
 """hyperdsd's distributed paths on real CPU ranks: batched gathers, bucketed
 scatters, agreement, and interoperability with torch's implementation."""
 
-import pytest
-
 import dist_tasks
+import pytest
 from helpers import run_task
 
 

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from helpers import same
 from parameterized import parameterized
 
 import hyperdsd
@@ -14,7 +15,6 @@ from hyperdsd import StateDictError, StateDictOptions
 from hyperdsd.state import flat as flat_format
 from hyperdsd.state.fqn import ModelIndex
 from hyperdsd.state.placeholders import is_unwritten_placeholder
-from helpers import same
 
 
 class Block(nn.Module):

@@ -7,8 +7,8 @@ import ast
 import pytest
 
 from conformance.registry import all_cases
-from tools.mutate import apply, quick_slice, source_of
 from tools.mutants import MUTANTS
+from tools.mutate import apply, quick_slice, source_of
 
 IDS = [m.name for m in MUTANTS]
 

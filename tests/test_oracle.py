@@ -4,9 +4,8 @@ compared with comes from running the source ahead and putting it back
 run, that a setup that does not come back is the suite's error, and that
 a kept source a save changed is not used again."""
 
-import pytest
-
 import oracle_tasks
+import pytest
 from helpers import run_task
 
 

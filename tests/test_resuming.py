@@ -9,9 +9,8 @@ import socket
 import subprocess
 import sys
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from helpers import ROOT, scaled
+from torch.distributed.checkpoint import FileSystemReader
 
 PAGE = os.path.join(ROOT, "docs", "RESUMING.md")
 BEGIN, END = "<!-- examples: tests/test_resuming.py", "<!-- end examples -->"

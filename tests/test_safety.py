@@ -7,10 +7,10 @@ import pickle
 import re
 
 import pytest
-
-from conformance.flows import read_full
 import safety_tasks
 from helpers import scaled
+
+from conformance.flows import read_full
 from hyperdsd.testing import PoolSet, Task
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -57,7 +57,6 @@ def pools():
 
 
 def test_pool_and_case_directories_are_private_and_removed(pools, tmp_path):
-    import tempfile
 
     from conformance.adapters import load_adapter
     from conformance.registry import by_id

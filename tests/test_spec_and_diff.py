@@ -2,9 +2,10 @@
 
 import json
 
+from helpers import run_cli
+
 from conformance import spec
 from conformance.registry import all_cases
-from helpers import run_cli
 
 
 def test_every_clause_has_cases_and_every_case_a_clause():

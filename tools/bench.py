@@ -46,9 +46,9 @@ import sys
 if not __package__:  # run as a script: tools is imported from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hyperdsd.testing import Status
 from tools import bench_tasks
 from tools.bench_tasks import MODES
-from hyperdsd.testing import Status
 
 FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both")
 MANY_KEYS = ("10k", "50k")
@@ -78,8 +78,8 @@ def main() -> None:
 
     import torch
 
-    from hyperdsd.transport.collectives import BUCKET_BYTES
     from hyperdsd.testing import PoolSet, Task
+    from hyperdsd.transport.collectives import BUCKET_BYTES
 
     sizes = [s for s in args.sizes.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]

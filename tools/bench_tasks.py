@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import shutil
 import tempfile
 import time

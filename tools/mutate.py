@@ -35,8 +35,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .mutants import MUTANTS, Mutant
 from hyperdsd.testing import Status
+
+from .mutants import MUTANTS, Mutant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "hyperdsd_mutant"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -194,7 +193,7 @@ def main() -> int:
         return 1
     out = [
         f"# Expected failures of torch.distributed.checkpoint.state_dict (torch {args.torch}) on this suite,",
-        f"# from a full run (python -m conformance --impl torch --json ...)"
+        "# from a full run (python -m conformance --impl torch --json ...)"
         + (f" and {len(args.also)} run(s) of cases added since" if args.also else "")
         + f": {len(bad)} failing cases, {len(by_cause)} causes.",
         "# Written by python -m tools.trace_known; each section is one cause, each line a case ID or prefix.",

@@ -35,7 +35,6 @@ from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from conformance.adapters import OPTIONS, Adapter, iut_call, not_supported, rank_device
 

@@ -11,9 +11,9 @@ from ..flows import get_options, set_options
 from ..layouts import Setup
 from ..meter import ReceiveMeter
 from ..models import ModelConfig, ToyModel
-from .keys import WRAPPERS
 from ..oracle import check, clone_tree, diff_values, expect_error, fail_if
 from ..registry import make_case
+from .keys import WRAPPERS
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 

@@ -21,7 +21,16 @@ from .. import flows
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
 from ..models import GroupSpec, ModelConfig
-from ..oracle import check, diff_snapshots, diff_values, expect_error, expect_unchanged, fail_if, optimizer_view, snapshot
+from ..oracle import (
+    check,
+    diff_snapshots,
+    diff_values,
+    expect_error,
+    expect_unchanged,
+    fail_if,
+    optimizer_view,
+    snapshot,
+)
 from ..registry import make_case
 from . import reshard
 

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from .. import flows
+from ..flows import Saved
 from ..layouts import Setup, parse_layout
 from ..models import GroupSpec, ModelConfig
 from ..oracle import check, diff_values, fail_if, full_snapshot
 from ..registry import Case, Phase, case_id
-from ..flows import Saved
 
 BEFORE, AFTER = 1, 1
 RTOL = 1e-6

@@ -10,8 +10,6 @@ any implementation, and is checked in the other modes.
 
 from __future__ import annotations
 
-import torch
-
 from .. import flows
 from ..layouts import Setup
 from ..models import GroupSpec
