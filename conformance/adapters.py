@@ -36,15 +36,29 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 FUNCTIONS = ("get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict")
-OPTION_FIELDS = ("full_state_dict", "cpu_offload", "ignore_frozen_params", "strict", "broadcast_from_rank0", "flatten_optimizer_state_dict")
+OPTION_FIELDS = (
+    "full_state_dict",
+    "cpu_offload",
+    "ignore_frozen_params",
+    "strict",
+    "broadcast_from_rank0",
+    "flatten_optimizer_state_dict",
+)
 PROFILES = ("core", "inplace", "tp", "multi-optimizer")
 # How a state dict leaves a setup and comes back (SPEC §2; see flows.py).
 MODES = ("sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp")
 # What a get returns: the modes a get can be declared in. ``bcast`` and
 # ``file`` save a ``full_cpu`` get; ``dcp`` saves a sharded one.
 GET_MODES = ("sharded", "full", "full_cpu", "flat")
-GET_OF = {"sharded": "sharded", "full": "full", "full_cpu": "full_cpu", "bcast": "full_cpu", "file": "full_cpu",
-          "flat": "flat", "dcp": "sharded"}
+GET_OF = {
+    "sharded": "sharded",
+    "full": "full",
+    "full_cpu": "full_cpu",
+    "bcast": "full_cpu",
+    "file": "full_cpu",
+    "flat": "flat",
+    "dcp": "sharded",
+}
 # Layouts beyond data parallelism (single, ddp, fsdp, hsdp), as an IUT declares them (SPEC §1).
 LAYOUTS = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world")
 # Options an IUT may lack (SPEC §1): its own options type (what OPT-ATOM-3's
@@ -170,12 +184,21 @@ class Adapter:
     def __post_init__(self) -> None:
         unknown = set(self.profiles) - set(PROFILES)
         if unknown:
-            raise AdapterError(f"adapter {self.name!r} claims unknown profiles {sorted(unknown)}; known: {list(PROFILES)}")
+            raise AdapterError(
+                f"adapter {self.name!r} claims unknown profiles {sorted(unknown)}; known: {list(PROFILES)}"
+            )
         both = MODES if self.modes is None else self.modes
         loads = frozenset(both if self.load_modes is None else self.load_modes)
-        gets = frozenset(GET_OF[m] for m in both if m in GET_OF) if self.get_modes is None else frozenset(self.get_modes)
-        for what, declared, known in (("modes", both, MODES), ("load modes", loads, MODES), ("get modes", gets, GET_MODES),
-                                      ("layouts", self.layouts, LAYOUTS), ("options", self.supported_options, OPTIONS)):
+        gets = (
+            frozenset(GET_OF[m] for m in both if m in GET_OF) if self.get_modes is None else frozenset(self.get_modes)
+        )
+        for what, declared, known in (
+            ("modes", both, MODES),
+            ("load modes", loads, MODES),
+            ("get modes", gets, GET_MODES),
+            ("layouts", self.layouts, LAYOUTS),
+            ("options", self.supported_options, OPTIONS),
+        ):
             unknown = set(declared) - set(known)
             if unknown:
                 raise AdapterError(f"adapter {self.name!r} declares {what} {sorted(unknown)}; known: {list(known)}")
@@ -228,13 +251,16 @@ class Needs:
 
 def describe_declaration(decl: dict) -> str:
     """One line: ``get full_cpu; load file; layouts: none; options: strict``."""
+
     def listed(xs, everything):
         if set(xs) == set(everything):
             return "all"
         return ", ".join(xs) if xs else "none"
 
-    return (f"get {listed(decl['get_modes'], GET_MODES)}; load {listed(decl['load_modes'], MODES)}; "
-            f"layouts {listed(decl['layouts'], LAYOUTS)}; options {listed(decl['options'], OPTIONS)}")
+    return (
+        f"get {listed(decl['get_modes'], GET_MODES)}; load {listed(decl['load_modes'], MODES)}; "
+        f"layouts {listed(decl['layouts'], LAYOUTS)}; options {listed(decl['options'], OPTIONS)}"
+    )
 
 
 def from_module(obj: Any, name: str, version: str | None = None, profiles=()) -> Adapter:

@@ -53,7 +53,11 @@ def level(results: list[CaseResult], profiles: frozenset[str]) -> dict:
             why = f"{len(missing)} of {len(wanted)} cases did not run (a filtered run cannot certify)"
         elif bad:
             kinds = Counter(ran[cid].status.value for cid in bad)
-            why = f"{len(bad)} of {len(wanted)} cases did not pass (" + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")"
+            why = (
+                f"{len(bad)} of {len(wanted)} cases did not pass ("
+                + ", ".join(f"{n} {k}" for k, n in kinds.items())
+                + ")"
+            )
         elif na:
             why = f"all {len(wanted) - len(na)} cases that ran passed; {len(na)} of {len(wanted)} were not applicable"
         else:
@@ -73,8 +77,10 @@ def verdict(level_: dict, declaration: dict | None = None) -> str:
         return "core certified"
     if core.get("reached_for_declaration"):
         cov = core["coverage"]
-        return (f"certified for {declaration_line(declaration)}: {len(cov['exercised'])} of {cov['core_clauses']} "
-                "core clauses exercised")
+        return (
+            f"certified for {declaration_line(declaration)}: {len(cov['exercised'])} of {cov['core_clauses']} "
+            "core clauses exercised"
+        )
     return "not certified"
 
 
@@ -105,8 +111,14 @@ def worst(counter: Counter) -> str:
     return next((s for s in _ORDER if counter.get(s)), "")
 
 
-def write_report(directory: str, info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float,
-                 profiles: frozenset[str]) -> dict:
+def write_report(
+    directory: str,
+    info: RunInfo,
+    results: list[CaseResult],
+    warnings: list[str],
+    elapsed_s: float,
+    profiles: frozenset[str],
+) -> dict:
     os.makedirs(directory, exist_ok=True)
     data = to_json(info, results, warnings, elapsed_s)
     data["level"] = level(results, profiles)
@@ -178,7 +190,9 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
                 row.append("")
                 continue
             ran = sum(c.values()) - c[Status.NOT_APPLICABLE]
-            mark = {Status.ERROR: " ERROR", Status.FAILED: " FAIL", Status.XFAIL: " xfail", Status.XPASS: " xpass"}.get(worst(c), "")
+            mark = {Status.ERROR: " ERROR", Status.FAILED: " FAIL", Status.XFAIL: " xfail", Status.XPASS: " xpass"}.get(
+                worst(c), ""
+            )
             row.append(f"{c[Status.PASSED]}/{ran}{mark}" if ran else "n/a")
         lines.append(f"| {clause} | " + " | ".join(row) + " |")
     texts = data.get("clauses", {})
@@ -307,12 +321,12 @@ def render_html(data: dict) -> str:
     payload = json.dumps(data).replace("</", "<\\/")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
-<title>Conformance report: {html.escape(impl['name'])} {html.escape(impl['version'])}</title>
+<title>Conformance report: {html.escape(impl["name"])} {html.escape(impl["version"])}</title>
 <style>{_CSS}</style></head>
 <body>
-<h1>Conformance report: {html.escape(impl['name'])} {html.escape(impl['version'])}</h1>
-<div class="level {'yes' if verdict == 'core certified' else 'no'}" id="level">Level: {html.escape(verdict)}</div>
-{''.join(f'<p class="coverage">{html.escape(line)}</p>' for line in firsts)}
+<h1>Conformance report: {html.escape(impl["name"])} {html.escape(impl["version"])}</h1>
+<div class="level {"yes" if verdict == "core certified" else "no"}" id="level">Level: {html.escape(verdict)}</div>
+{"".join(f'<p class="coverage">{html.escape(line)}</p>' for line in firsts)}
 <table class="meta">{meta}</table>
 <h2>Distinct deviations</h2>
 <p>Failing cases grouped by cause: the same error or difference, with case-specific names and numbers masked.</p>

@@ -44,24 +44,52 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m conformance",
         description="Run the distributed state-dict conformance matrix (SPEC.md) against an implementation.",
         epilog="Exit status: 0 when nothing failed or errored unexpectedly, 1 otherwise, 2 for usage errors. "
-               "'python -m conformance diff OLD.json NEW.json' compares two runs' JSON reports.",
+        "'python -m conformance diff OLD.json NEW.json' compares two runs' JSON reports.",
     )
-    p.add_argument("--impl", default=None,
-                   help="implementation under test: hyperdsd, torch, some.module or some.module:attr "
-                        f"(default: $CONFORMANCE_IMPL or {DEFAULT_IMPL})")
-    p.add_argument("--world-sizes", type=_int_list, help="only cases whose world sizes are all in this list, e.g. 1,2,4")
+    p.add_argument(
+        "--impl",
+        default=None,
+        help="implementation under test: hyperdsd, torch, some.module or some.module:attr "
+        f"(default: $CONFORMANCE_IMPL or {DEFAULT_IMPL})",
+    )
+    p.add_argument(
+        "--world-sizes", type=_int_list, help="only cases whose world sizes are all in this list, e.g. 1,2,4"
+    )
     p.add_argument("--mesh", action="append", default=[], help="only cases on these meshes (repeatable): 4, 2x2, ...")
-    p.add_argument("-k", dest="patterns", action="append", default=[], help="only cases whose ID contains this text (repeatable)")
+    p.add_argument(
+        "-k", dest="patterns", action="append", default=[], help="only cases whose ID contains this text (repeatable)"
+    )
     p.add_argument("--xfails", help="expected failures: lines 'CASE_ID_OR_PREFIX  # reason, link'")
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument("--junit", help="write a JUnit XML report here")
-    p.add_argument("--report", metavar="DIR", help="write report.json, junit.xml, report.html and report.md (the certificate) here")
-    p.add_argument("--list", action="store_true", help="print the manifest of selected cases and exit; with --impl, whether each would run for it and why not")
-    p.add_argument("-x", "--exitfirst", action="store_true", help="stop after the first case that fails or errors (not under torchrun)")
+    p.add_argument(
+        "--report", metavar="DIR", help="write report.json, junit.xml, report.html and report.md (the certificate) here"
+    )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the manifest of selected cases and exit; with --impl, whether each would run for it and why not",
+    )
+    p.add_argument(
+        "-x",
+        "--exitfirst",
+        action="store_true",
+        help="stop after the first case that fails or errors (not under torchrun)",
+    )
     p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
-    p.add_argument("--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)")
-    p.add_argument("--device", default="cpu", help="device every rank computes on: cpu (default), cuda, or another torch device type")
-    p.add_argument("--backend", default=None, help="process-group backend: gloo (default on cpu), nccl (default on cuda), or another by name")
+    p.add_argument(
+        "--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)"
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="device every rank computes on: cpu (default), cuda, or another torch device type",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="process-group backend: gloo (default on cpu), nccl (default on cuda), or another by name",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks, stacks and rank output of failures")
     return p
 
@@ -166,12 +194,16 @@ def _check_device(device: str, backend: str | None) -> str:
     except (RuntimeError, TypeError) as exc:
         raise UsageError(f"--device {device!r} is not a torch device type: {exc}") from None
     if kind != device:
-        raise UsageError(f"--device takes a device type such as 'cpu' or 'cuda' (each rank picks its own index), got {device!r}")
+        raise UsageError(
+            f"--device takes a device type such as 'cpu' or 'cuda' (each rank picks its own index), got {device!r}"
+        )
     if kind != "cpu":
         module = getattr(torch, kind, None)
         available = module is not None and callable(getattr(module, "is_available", None)) and module.is_available()
         if not available:
-            raise UsageError(f"--device {kind}: torch.{kind} is not available on this machine (torch {torch.__version__})")
+            raise UsageError(
+                f"--device {kind}: torch.{kind} is not available on this machine (torch {torch.__version__})"
+            )
     if backend is None:
         backend = dist.Backend.default_device_backend_map.get(kind, "gloo")
     if not dist.is_backend_available(backend):
@@ -201,7 +233,9 @@ def _executor(args):
     gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0))
     if launched_by_torchrun():
         return TorchrunWorld(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
-    return PoolSet(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",))
+    return PoolSet(
+        gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
+    )
 
 
 def _workdir(args, executor) -> str:
@@ -211,7 +245,9 @@ def _workdir(args, executor) -> str:
     if executor.launcher == "torchrun":
         # Every rank names the same directory: on a filesystem all nodes share
         # when the world spans machines (--workdir).
-        base = os.path.join(args.workdir or tempfile.gettempdir(), f"conformance-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        base = os.path.join(
+            args.workdir or tempfile.gettempdir(), f"conformance-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+        )
         os.makedirs(base, mode=0o700, exist_ok=True)
         return base
     return tempfile.mkdtemp(prefix="conformance-", dir=args.workdir)
@@ -233,8 +269,17 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     world_sizes = sorted({w for c in cases for w in c.world_sizes})
     if executor.launcher == "torchrun":
         world_sizes = [w for w in world_sizes if w <= executor.world_size]
-    info = RunInfo(adapter.name, adapter.version, adapter.spec, world_sizes, sorted({m for c in cases for m in c.meshes}),
-                   launcher=executor.launcher, device=args.device, backend=args.backend, declaration=adapter.declaration())
+    info = RunInfo(
+        adapter.name,
+        adapter.version,
+        adapter.spec,
+        world_sizes,
+        sorted({m for c in cases for m in c.meshes}),
+        launcher=executor.launcher,
+        device=args.device,
+        backend=args.backend,
+        declaration=adapter.declaration(),
+    )
     console = ConsoleReporter(len(cases), verbose=args.verbose)
     results: list = []
     start = time.monotonic()

@@ -25,8 +25,15 @@ from torch.distributed.tensor import DTensor
 
 
 class Preconditioned(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-2, beta: float = 0.9, beta2: float = 0.99, eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        beta: float = 0.9,
+        beta2: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         super().__init__(params, {"lr": lr, "beta": beta, "beta2": beta2, "eps": eps, "weight_decay": weight_decay})
 
     def _init_state(self, p: torch.Tensor) -> dict:

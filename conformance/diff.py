@@ -68,9 +68,15 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
             if worse and n.get("message"):
                 by_clause[clause].append(f"        {n['message'].splitlines()[0][:200]}")
     for clause, counts in added.items():
-        by_clause[clause].insert(0, f"    + {sum(counts.values())} new case(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        by_clause[clause].insert(
+            0, f"    + {sum(counts.values())} new case(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        )
     for clause, counts in removed.items():
-        by_clause[clause].insert(0, f"    - {sum(counts.values())} case(s) not in the new run: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        by_clause[clause].insert(
+            0,
+            f"    - {sum(counts.values())} case(s) not in the new run: "
+            + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+        )
     lines = [f"old: {_label(old)}", f"new: {_label(new)}", ""]
     if by_clause:
         for clause in sorted(by_clause):
@@ -85,9 +91,13 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
         lines.append("")
         lines.append("deviations:")
         for d in appeared:
-            lines.append(f"  + {d['status']} in {d['count']} case(s) of {', '.join(d['clauses'])}: {d['message'].splitlines()[0][:200]}")
+            lines.append(
+                f"  + {d['status']} in {d['count']} case(s) of {', '.join(d['clauses'])}: {d['message'].splitlines()[0][:200]}"
+            )
         for d in gone:
-            lines.append(f"  - gone: was in {d['count']} case(s) of {', '.join(d['clauses'])}: {d['message'].splitlines()[0][:200]}")
+            lines.append(
+                f"  - gone: was in {d['count']} case(s) of {', '.join(d['clauses'])}: {d['message'].splitlines()[0][:200]}"
+            )
     lines.append("")
     lines.append(f"{regressed} regressed, {fixed} fixed")
     return lines, regressed > 0
@@ -102,16 +112,20 @@ def _by_cause(report: dict) -> dict[str, dict]:
         key = signature(d["message"]) if d.get("message") else d["signature"]
         if key in out:
             merged = out[key]
-            out[key] = {**merged, "count": merged["count"] + d["count"],
-                        "clauses": sorted(set(merged["clauses"]) | set(d["clauses"]))}
+            out[key] = {
+                **merged,
+                "count": merged["count"] + d["count"],
+                "clauses": sorted(set(merged["clauses"]) | set(d["clauses"])),
+            }
         else:
             out[key] = d
     return out
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance diff", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m conformance diff", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("old", help="the earlier run's JSON report (--json)")
     parser.add_argument("new", help="the later run's JSON report")
     try:

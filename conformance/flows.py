@@ -42,8 +42,19 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from .adapters import MODES, iut_call
 from .oracle import clone_tree, diff_snapshots, snapshot
 
-__all__ = ["MODES", "Recipe", "Resumed", "Saved", "get_options", "load", "recipe", "resume", "save", "set_options",
-           "warm_up"]
+__all__ = [
+    "MODES",
+    "Recipe",
+    "Resumed",
+    "Saved",
+    "get_options",
+    "load",
+    "recipe",
+    "resume",
+    "save",
+    "set_options",
+    "warm_up",
+]
 
 _GET = {
     "sharded": {},
@@ -103,7 +114,9 @@ def _effective(mode: str, setup) -> str:
     return "flat_dcp" if mode == "dcp" and setup.layout.pp > 1 else mode
 
 
-def save(c, setup, mode: str, *, model: str | None = "reference", optim: bool = True, options: dict | None = None) -> Saved:
+def save(
+    c, setup, mode: str, *, model: str | None = "reference", optim: bool = True, options: dict | None = None
+) -> Saved:
     """Take ``setup``'s state in ``mode``. ``model``: "reference", "iut" or None."""
     iut = c.iut
     mode = _effective(mode, setup)
@@ -114,8 +127,11 @@ def save(c, setup, mode: str, *, model: str | None = "reference", optim: bool = 
     if mode in ("dcp", "flat_dcp"):
         saved.path = _path(c, setup, f"dcp-{mode}")
         with c.under_test("dcp.save of the state dicts get returned"):
-            dcp.save({k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}, checkpoint_id=saved.path,
-                     process_group=setup.group)
+            dcp.save(
+                {k: v for k, v in (("model", msd), ("optim", osd)) if v is not None},
+                checkpoint_id=saved.path,
+                process_group=setup.group,
+            )
     elif mode in _FILES:
         saved.path = _path(c, setup, "full.pt")
         if setup.is_root:
@@ -151,7 +167,9 @@ def dcp_planner(iut):
     return factory() if factory is not None else DefaultLoadPlanner()
 
 
-def load(c, setup, saved: Saved, *, strict: bool = True, model: bool = True, optim: bool = True, options: dict | None = None):
+def load(
+    c, setup, saved: Saved, *, strict: bool = True, model: bool = True, optim: bool = True, options: dict | None = None
+):
     """Load ``saved`` into ``setup``; returns the model's (missing, unexpected) keys or None."""
     iut = c.iut
     if saved.mode == "file" and setup.layout.pp > 1:
@@ -332,7 +350,9 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
 
     source_key = ("resume-source", how, before)
     expected_key = ("resume-expected", how, before + after) if after is not None else None
-    flags = _kept_everywhere(c, (source_key, expected_key) if expected_key else (source_key,), model_group(c, how.layout))
+    flags = _kept_everywhere(
+        c, (source_key, expected_key) if expected_key else (source_key,), model_group(c, how.layout)
+    )
     have_source, have_expected = flags[0], expected_key is None or flags[1]
     if have_source:
         source = _keep(c, source_key, c.rank_ctx.cache[source_key])
@@ -346,7 +366,11 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
         _keep(c, source_key, source)
     expected = None
     if expected_key:
-        expected = _keep(c, expected_key, c.rank_ctx.cache[expected_key] if have_expected else snapshot(_trained(c, how, before + after)))
+        expected = _keep(
+            c,
+            expected_key,
+            c.rank_ctx.cache[expected_key] if have_expected else snapshot(_trained(c, how, before + after)),
+        )
     return Kept(source, source_key, expected)
 
 
@@ -364,8 +388,18 @@ def warm_up(setup, steps: int) -> None:
     setup.train(steps)
 
 
-def resume(c, how: Recipe, mode: str, *, before: int = 1, after: int = 1, strict: bool = True,
-           on_saving=None, on_loaded=None, warm: int = 0) -> Resumed:
+def resume(
+    c,
+    how: Recipe,
+    mode: str,
+    *,
+    before: int = 1,
+    after: int = 1,
+    strict: bool = True,
+    on_saving=None,
+    on_loaded=None,
+    warm: int = 0,
+) -> Resumed:
     """The scenario most clauses share: train, save in ``mode``; load into a
     fresh setup and train on; compare with the run that was not interrupted
     (both kept per rank: ``trained_source``).

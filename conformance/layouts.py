@@ -96,6 +96,7 @@ class LayoutKind:
 
 # -- how each kind builds its meshes ---------------------------------------
 
+
 def _no_mesh(setup: "Setup") -> None:
     setup.mesh = None
 
@@ -142,6 +143,7 @@ def submeshes(c, spans: list[tuple[int, ...]]) -> list:
 
 
 # -- how each kind shards a model ------------------------------------------
+
 
 def _unsharded(setup: "Setup") -> None:
     pass
@@ -220,6 +222,7 @@ def _second_model_differs(cfg: ModelConfig, setup: "Setup") -> ModelConfig:
 
 # -- data parallelism -------------------------------------------------------
 
+
 def _no_dp(setup: "Setup") -> tuple[int, int]:
     return 0, 1
 
@@ -244,34 +247,76 @@ KINDS: tuple[LayoutKind, ...] = (
     LayoutKind("single", r"single", lambda: (1, (("1", ("shard",)),), 1), _no_mesh, _unsharded, _no_dp),
     LayoutKind("ddp", r"ddp", lambda: (2, (("2", ("shard",)),), 1), _world_mesh, _unsharded, _world_dp, wrap=_ddp),
     LayoutKind("fsdp", r"fsdp(\d+)", lambda n: (n, ((f"{n}", ("shard",)),), 1), _world_mesh, _fsdp, _world_dp),
-    LayoutKind("hsdp", r"hsdp(\d+)x(\d+)", lambda r, s: (r * s, ((f"{r}x{s}", ("replicate", "shard")),), 1), _world_mesh, _fsdp, _world_dp),
+    LayoutKind(
+        "hsdp",
+        r"hsdp(\d+)x(\d+)",
+        lambda r, s: (r * s, ((f"{r}x{s}", ("replicate", "shard")),), 1),
+        _world_mesh,
+        _fsdp,
+        _world_dp,
+    ),
     LayoutKind("pp", r"pp(\d+)", lambda p: (p, ((f"{p}", ("pp",)),), p), _stages, _unsharded, _no_dp),
-    LayoutKind("ppfsdp", r"pp(\d+)xfsdp(\d+)", lambda p, s: (p * s, ((f"{p}x{s}", ("pp", "shard")),), p), _stages, _fsdp_on_shard_dim, _shard_dim_dp),
-    LayoutKind("tp", r"fsdp(\d+)xtp(\d+)", lambda d, t: (d * t, ((f"{d}x{t}", ("shard", "tp")),), 1), _world_mesh, _tp_then_fsdp, _shard_dim_dp),
+    LayoutKind(
+        "ppfsdp",
+        r"pp(\d+)xfsdp(\d+)",
+        lambda p, s: (p * s, ((f"{p}x{s}", ("pp", "shard")),), p),
+        _stages,
+        _fsdp_on_shard_dim,
+        _shard_dim_dp,
+    ),
+    LayoutKind(
+        "tp",
+        r"fsdp(\d+)xtp(\d+)",
+        lambda d, t: (d * t, ((f"{d}x{t}", ("shard", "tp")),), 1),
+        _world_mesh,
+        _tp_then_fsdp,
+        _shard_dim_dp,
+    ),
     # A mixture of experts: dense layers sharded over the world, the experts
     # on an ``ep x dp`` mesh of their own (OPT-MESH-1).
     LayoutKind(
-        "ep", r"fsdp(\d+)\+ep(\d+)x(\d+)", lambda n, e, d: (n, ((f"{n}", ("shard",)), (f"{e}x{d}", ("ep", "dp"))), 1),
-        _world_mesh, _experts_on_ep_mesh, _world_dp, model=_experts,
+        "ep",
+        r"fsdp(\d+)\+ep(\d+)x(\d+)",
+        lambda n, e, d: (n, ((f"{n}", ("shard",)), (f"{e}x{d}", ("ep", "dp"))), 1),
+        _world_mesh,
+        _experts_on_ep_mesh,
+        _world_dp,
+        model=_experts,
         serves=(("OPT-MESH-1", ("fsdp4+ep2x2",)),),
     ),
     # ... with an expert-parallel degree of 1: the stacked experts FSDP-sharded on dim 0.
     LayoutKind(
-        "ep1", r"fsdp(\d+)\+ep1", lambda n: (n, ((f"{n}", ("shard",)),), 1),
-        _world_mesh, lambda setup: _dense_children(setup, skip=()), _world_dp, model=_experts,
+        "ep1",
+        r"fsdp(\d+)\+ep1",
+        lambda n: (n, ((f"{n}", ("shard",)),), 1),
+        _world_mesh,
+        lambda setup: _dense_children(setup, skip=()),
+        _world_dp,
+        model=_experts,
         serves=(("OPT-MESH-1", ("fsdp4+ep1",)),),
     ),
     # ... with the router replicated on sub-meshes of ``rep`` ranks.
     LayoutKind(
-        "rep", r"fsdp(\d+)\+rep(\d+)", lambda n, r: (n, ((f"{n}", ("shard",)), (f"{n // r}x{r}", ("group", "rep"))), 1),
-        _world_mesh, _router_replicated, _world_dp, model=_experts,
+        "rep",
+        r"fsdp(\d+)\+rep(\d+)",
+        lambda n, r: (n, ((f"{n}", ("shard",)), (f"{n // r}x{r}", ("group", "rep"))), 1),
+        _world_mesh,
+        _router_replicated,
+        _world_dp,
+        model=_experts,
         serves=(("OPT-MESH-1", ("fsdp4+rep2",)),),
     ),
     # Models on disjoint parts of the world, each fully sharded on its own
     # mesh (colocated trainers: an actor on ranks 0-1, a critic on 2-3).
     LayoutKind(
-        "halves", r"halves(\d+)\+(\d+)", lambda a, b: (a + b, ((f"{a}+{b}", ("shard",)),), 1),
-        _parts, _fsdp, _part_dp, model=_second_model_differs, parts=True,
+        "halves",
+        r"halves(\d+)\+(\d+)",
+        lambda a, b: (a + b, ((f"{a}+{b}", ("shard",)),), 1),
+        _parts,
+        _fsdp,
+        _part_dp,
+        model=_second_model_differs,
+        parts=True,
         serves=(("OPT-MESH-2", ("halves2+2",)),),
     ),
 )
@@ -457,8 +502,10 @@ class Setup:
         return {
             "model": clone_tree(self.module.state_dict()),
             "optimizers": [
-                ({p: clone_tree(dict(st)) for p, st in o.state.items()},
-                 [{k: clone_tree(v) for k, v in g.items() if k != "params"} for g in o.param_groups])
+                (
+                    {p: clone_tree(dict(st)) for p, st in o.state.items()},
+                    [{k: clone_tree(v) for k, v in g.items() if k != "params"} for g in o.param_groups],
+                )
                 for o in self.optimizers
             ],
             "schedulers": [clone_tree(s.state_dict()) for s in self.schedulers],

@@ -247,6 +247,7 @@ def loss_fn(logits, targets):
 
 # -- param groups ---------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class GroupSpec:
     """How parameters are split into groups, and where empty groups go.
@@ -289,12 +290,19 @@ def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec =
             if ps
         ]
     for i, pos in enumerate(sorted(spec.empty_at)):
-        empty = {"params": [], "lr": (0.5 + i) * spec.scale, "weight_decay": 0.01 * (i + 1) * spec.scale, "name": f"empty{i}", **extra}
+        empty = {
+            "params": [],
+            "lr": (0.5 + i) * spec.scale,
+            "weight_decay": 0.01 * (i + 1) * spec.scale,
+            "name": f"empty{i}",
+            **extra,
+        }
         groups.insert(min(pos, len(groups)), empty)
     return groups
 
 
 # -- optimizers -----------------------------------------------------------
+
 
 def _adamw(groups):
     return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

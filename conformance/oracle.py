@@ -46,7 +46,12 @@ def snapshot(setup) -> dict:
     groups = []
     for opt in setup.optimizers:
         for group in opt.param_groups:
-            groups.append({**{k: clone_tree(v) for k, v in group.items() if k != "params"}, "params": [fqn_of[p] for p in group["params"]]})
+            groups.append(
+                {
+                    **{k: clone_tree(v) for k, v in group.items() if k != "params"},
+                    "params": [fqn_of[p] for p in group["params"]],
+                }
+            )
             for p in group["params"]:
                 entry = opt.state.get(p)
                 if entry:  # an empty entry is the same as none
@@ -106,8 +111,12 @@ def diff_values(expected: Any, actual: Any, where: str, rtol: float = 0.0) -> li
         for i, (e, a) in enumerate(zip(expected, actual)):
             out += diff_values(e, a, f"{where}[{i}]", rtol)
         return out
-    if type(expected) is not type(actual) and not (isinstance(expected, (int, float)) and isinstance(actual, (int, float))):
-        return [f"{where}: type {type(actual).__name__} ({actual!r}), expected {type(expected).__name__} ({expected!r})"]
+    if type(expected) is not type(actual) and not (
+        isinstance(expected, (int, float)) and isinstance(actual, (int, float))
+    ):
+        return [
+            f"{where}: type {type(actual).__name__} ({actual!r}), expected {type(expected).__name__} ({expected!r})"
+        ]
     if expected != actual:
         return [f"{where}: {actual!r}, expected {expected!r}"]
     return []
@@ -137,7 +146,11 @@ def full_snapshot(setup) -> dict:
         return leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
 
     snap = snapshot(setup)
-    return {"params": tree.rebuild(snap["params"], full), "state": tree.rebuild(snap["state"], full), "groups": snap["groups"]}
+    return {
+        "params": tree.rebuild(snap["params"], full),
+        "state": tree.rebuild(snap["state"], full),
+        "groups": snap["groups"],
+    }
 
 
 def layout_problems(state: dict, params: dict, where: str, *, local: bool) -> list[str]:
@@ -164,7 +177,9 @@ def layout_problems(state: dict, params: dict, where: str, *, local: bool) -> li
             if tuple(v.placements) != tuple(p.placements):
                 problems.append(f"{at}: placements {tuple(v.placements)}, the parameter's are {tuple(p.placements)}")
             if local and v.to_local().shape != p.to_local().shape:
-                problems.append(f"{at}: local shape {tuple(v.to_local().shape)}, the parameter's is {tuple(p.to_local().shape)}")
+                problems.append(
+                    f"{at}: local shape {tuple(v.to_local().shape)}, the parameter's is {tuple(p.to_local().shape)}"
+                )
             if local and v.to_local().device != p.to_local().device:
                 problems.append(f"{at}: on {v.to_local().device}, the parameter on {p.to_local().device}")
     return problems
@@ -209,12 +224,16 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
         if not raised_by_iut(exc):
             if not getattr(exc, REGION_ATTR, ""):
                 raise  # the suite's own code: an error, never a verdict
-            raise CheckFailure(f"{what}: {type(exc).__name__} was raised outside the implementation's own call (by its "
-                               f"adapter, not inside conformance.adapters.iut_call), which is no pass (SPEC §4): "
-                               f"{str(exc)[:400]}") from None
+            raise CheckFailure(
+                f"{what}: {type(exc).__name__} was raised outside the implementation's own call (by its "
+                f"adapter, not inside conformance.adapters.iut_call), which is no pass (SPEC §4): "
+                f"{str(exc)[:400]}"
+            ) from None
         text = str(exc)
         missing = [n for n in names if n not in text]
         if missing:
-            raise CheckFailure(f"{what}: raised {type(exc).__name__}, but the message does not name {missing}: {text[:600]}") from None
+            raise CheckFailure(
+                f"{what}: raised {type(exc).__name__}, but the message does not name {missing}: {text[:600]}"
+            ) from None
         return exc
     raise CheckFailure(f"{what}: no error was raised")

@@ -25,10 +25,15 @@ if TYPE_CHECKING:
 
 def pytest_addoption(parser):
     group = parser.getgroup("conformance", "distributed state-dict conformance")
-    group.addoption("--dsd-impl", default=os.environ.get("CONFORMANCE_IMPL", "hyperdsd"),
-                    help="implementation under test (as python -m conformance --impl)")
+    group.addoption(
+        "--dsd-impl",
+        default=os.environ.get("CONFORMANCE_IMPL", "hyperdsd"),
+        help="implementation under test (as python -m conformance --impl)",
+    )
     group.addoption("--dsd-xfails", default=None, help="expected failures: lines 'CASE_ID_OR_PREFIX  # reason, link'")
-    group.addoption("--dsd-timeout", type=float, default=None, help="per-case deadline in seconds (default: each case's own)")
+    group.addoption(
+        "--dsd-timeout", type=float, default=None, help="per-case deadline in seconds (default: each case's own)"
+    )
 
 
 def pytest_configure(config):
@@ -54,7 +59,10 @@ def pytest_collection_modifyitems(config, items):
         item_ids = [i.get_closest_marker("dsd_case").args[0] for i in items if i.get_closest_marker("dsd_case")]
         if not any(cid.startswith(entry.pattern) for cid in item_ids):
             config.issue_config_time_warning(
-                pytest.PytestConfigWarning(f"{path}:{entry.line}: xfail entry {entry.pattern!r} matches no collected case"), 2
+                pytest.PytestConfigWarning(
+                    f"{path}:{entry.line}: xfail entry {entry.pattern!r} matches no collected case"
+                ),
+                2,
             )
 
 
@@ -85,4 +93,6 @@ def check_case(runner: Runner, case: Case) -> None:
     if result.status == "n/a":
         pytest.skip(f"not applicable: {result.message}")
     if result.status != "passed":
-        pytest.fail(f"{case.id}: {result.status}\n{result.message}\nrepro: {result.repro}\n\n{result.details}", pytrace=False)
+        pytest.fail(
+            f"{case.id}: {result.status}\n{result.message}\nrepro: {result.repro}\n\n{result.details}", pytrace=False
+        )

@@ -16,8 +16,14 @@ from hyperdsd.testing import Status
 from . import SPEC_VERSION, __version__, deviations
 from .results import STATUSES, CaseResult
 
-_LABEL = {Status.PASSED: "PASS", Status.FAILED: "FAIL", Status.XFAIL: "XFAIL", Status.XPASS: "XPASS",
-          Status.NOT_APPLICABLE: "N/A", Status.ERROR: "ERROR"}
+_LABEL = {
+    Status.PASSED: "PASS",
+    Status.FAILED: "FAIL",
+    Status.XFAIL: "XFAIL",
+    Status.XPASS: "XPASS",
+    Status.NOT_APPLICABLE: "N/A",
+    Status.ERROR: "ERROR",
+}
 
 
 @dataclass
@@ -60,8 +66,11 @@ def coverage(results: list[CaseResult]) -> dict:
 
     clauses = list(dict.fromkeys(c.clause for c in all_cases() if c.profile == "core"))
     ran = {r.case.clause for r in results if r.case.profile == "core" and r.status != Status.NOT_APPLICABLE}
-    return {"exercised": [c for c in clauses if c in ran], "not_exercised": [c for c in clauses if c not in ran],
-            "core_clauses": len(clauses)}
+    return {
+        "exercised": [c for c in clauses if c in ran],
+        "not_exercised": [c for c in clauses if c not in ran],
+        "core_clauses": len(clauses),
+    }
 
 
 def coverage_line(cov: dict) -> str:
@@ -90,7 +99,10 @@ def time_by_section(results: list[CaseResult]) -> dict[str, dict]:
         entry = out.setdefault(section, {"seconds": 0.0, "cases": 0})
         entry["seconds"] += r.duration_s
         entry["cases"] += 1
-    return {k: {"seconds": round(v["seconds"], 1), "cases": v["cases"]} for k, v in sorted(out.items(), key=lambda kv: -kv[1]["seconds"])}
+    return {
+        k: {"seconds": round(v["seconds"], 1), "cases": v["cases"]}
+        for k, v in sorted(out.items(), key=lambda kv: -kv[1]["seconds"])
+    }
 
 
 def fault_counts(results: list[CaseResult]) -> dict[str, int]:
@@ -155,7 +167,9 @@ class ConsoleReporter:
         self.write("coverage: " + coverage_line(coverage(results)))
         sections = time_by_section(results)
         if sections:
-            self.write("time by section: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['cases']})" for k, v in sections.items()))
+            self.write(
+                "time by section: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['cases']})" for k, v in sections.items())
+            )
         faults = fault_counts(results)
         if faults:
             self.write("faults: " + ", ".join(f"{n} {k}" for k, n in faults.items()))
@@ -163,8 +177,10 @@ class ConsoleReporter:
         found = deviations.group(results)
         if found:
             unexpected = [d for d in found if d.status.unexpected]
-            self.write(f"\n{len(bad)} case(s) failed or errored: {len(unexpected)} distinct deviation(s)"
-                       + (f", and {len(found) - len(unexpected)} expected" if len(found) > len(unexpected) else ""))
+            self.write(
+                f"\n{len(bad)} case(s) failed or errored: {len(unexpected)} distinct deviation(s)"
+                + (f", and {len(found) - len(unexpected)} expected" if len(found) > len(unexpected) else "")
+            )
             for line in deviations.render(found):
                 self.write(line)
         for w in warnings:
@@ -197,12 +213,18 @@ def render_matrix(results: list[CaseResult]) -> str:
     widths = [max(len(l), 6) for l in layouts]
     lines = ["clause".ljust(cw) + "  " + "  ".join(l.rjust(w) for l, w in zip(layouts, widths))]
     for clause in clauses:
-        lines.append(clause.ljust(cw) + "  " + "  ".join(cell(cells[clause].get(l, Counter())).rjust(w) for l, w in zip(layouts, widths)))
+        lines.append(
+            clause.ljust(cw)
+            + "  "
+            + "  ".join(cell(cells[clause].get(l, Counter())).rjust(w) for l, w in zip(layouts, widths))
+        )
     lines.append("cells: passed/ran; ! failed or errored, x expected failures, . not in this run")
     return "\n".join(lines)
 
 
-def to_json(info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float, complete: bool = True) -> dict:
+def to_json(
+    info: RunInfo, results: list[CaseResult], warnings: list[str], elapsed_s: float, complete: bool = True
+) -> dict:
     return {
         **info.header(),
         "complete": complete,

@@ -35,7 +35,9 @@ def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir:
 
 
 def repro_command(impl: str, case_id: str, timeout: float | None, torchrun_nproc: int | None = None) -> str:
-    launcher = f"torchrun --nproc-per-node {torchrun_nproc} -m conformance" if torchrun_nproc else "python -m conformance"
+    launcher = (
+        f"torchrun --nproc-per-node {torchrun_nproc} -m conformance" if torchrun_nproc else "python -m conformance"
+    )
     cmd = f"{launcher} --impl {shlex.quote(impl)} -k {shlex.quote(case_id)}"
     if timeout is not None:
         cmd += f" --timeout {timeout:g}"
@@ -68,8 +70,16 @@ def undeclared(adapter: Adapter, case: Case) -> str:
 class Runner:
     """Runs cases one after another and reports each as it finishes."""
 
-    def __init__(self, adapter: Adapter, executor: Executor, *, timeout: float | None = None,
-                 xfails: Xfails | None = None, workdir: str | None = None, torchrun_nproc: int | None = None):
+    def __init__(
+        self,
+        adapter: Adapter,
+        executor: Executor,
+        *,
+        timeout: float | None = None,
+        xfails: Xfails | None = None,
+        workdir: str | None = None,
+        torchrun_nproc: int | None = None,
+    ):
         self.adapter = adapter
         self.executor = executor
         self.timeout = timeout
@@ -108,7 +118,12 @@ class Runner:
         try:
             for i, phase in enumerate(case.phases):
                 deadline = self.timeout if self.timeout is not None else case.deadline_s
-                task = Task(run_phase, {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir}, name=case.id, scope=REGIONS)
+                task = Task(
+                    run_phase,
+                    {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir},
+                    name=case.id,
+                    scope=REGIONS,
+                )
                 outcome = self.executor.run(phase.world_size, task, deadline)
                 if outcome is None:
                     continue  # another process reports
@@ -118,7 +133,11 @@ class Runner:
                     notes += outcome.notes
                 if outcome.status != Status.PASSED:
                     status = outcome.status
-                    label = f"phase {i + 1}/{len(case.phases)} on {phase.world_size} ranks: " if len(case.phases) > 1 else ""
+                    label = (
+                        f"phase {i + 1}/{len(case.phases)} on {phase.world_size} ranks: "
+                        if len(case.phases) > 1
+                        else ""
+                    )
                     message, details, ranks = describe_outcome(outcome, label)
                     break
         finally:
@@ -129,12 +148,27 @@ class Runner:
             return None
         if notes and not message:
             message = "\n".join(notes)  # e.g. leaked threads: the case passed, the run counts it
-        return self._finish(CaseResult(case, status, time.monotonic() - start, message, details, self.repro(case), ranks=ranks, faults=faults))
+        return self._finish(
+            CaseResult(
+                case, status, time.monotonic() - start, message, details, self.repro(case), ranks=ranks, faults=faults
+            )
+        )
 
     def result_of_hang(self, case: Case, outcome: TaskOutcome) -> CaseResult:
         """The verdict on a case whose ranks, the reporting one included, hung."""
         message, details, ranks = describe_outcome(outcome, "")
-        return self._finish(CaseResult(case, outcome.status, outcome.duration_s, message, details, self.repro(case), ranks=ranks, faults=outcome.faults()))
+        return self._finish(
+            CaseResult(
+                case,
+                outcome.status,
+                outcome.duration_s,
+                message,
+                details,
+                self.repro(case),
+                ranks=ranks,
+                faults=outcome.faults(),
+            )
+        )
 
     def _case_dir(self, case: Case) -> str:
         path = os.path.join(self.workdir, hashlib.sha1(case.id.encode()).hexdigest()[:16])
@@ -155,8 +189,9 @@ class Runner:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def run(self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None,
-            exitfirst: bool = False) -> list[CaseResult]:
+    def run(
+        self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None, exitfirst: bool = False
+    ) -> list[CaseResult]:
         """Run ``cases`` in order; with ``exitfirst``, stop after the first unexpected verdict."""
         results = []
         for case in cases:

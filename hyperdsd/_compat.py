@@ -173,6 +173,7 @@ def collective_device() -> torch.device:
 
 # -- for the harness (hyperdsd.testing) and the conformance suite ------------
 
+
 def member_groups(rank: int) -> dict[tuple[int, ...], "dist.ProcessGroup"]:
     # Every process group this rank belongs to, by its global ranks. torch
     # keeps the registry private; it is only read here, to tell whether the
@@ -187,7 +188,6 @@ def member_groups(rank: int) -> dict[tuple[int, ...], "dist.ProcessGroup"]:
 def collectives_issued(pg: "dist.ProcessGroup") -> int:
     # The group's collective sequence number; no public accessor exists.
     return pg._get_sequence_number_for_group()
-
 
 
 def forget_device_meshes() -> None:

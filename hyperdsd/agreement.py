@@ -53,8 +53,14 @@ class LocalAgreement:
         """What every rank plans against: its own dicts."""
         return self.parts
 
-    def agree(self, what: str, problems: list[str], model_plan: ModelLoadPlan | None,
-              optim_plan: OptimizerLoadPlan | None, strict: bool) -> dict[str, bool]:
+    def agree(
+        self,
+        what: str,
+        problems: list[str],
+        model_plan: ModelLoadPlan | None,
+        optim_plan: OptimizerLoadPlan | None,
+        strict: bool,
+    ) -> dict[str, bool]:
         """Raise on every rank if any rank has problems; returns the answers to
         this rank's open placeholder questions."""
         questions = optim_plan.questions if optim_plan is not None else {}
@@ -74,7 +80,9 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
 
     def meta(leaf: Any, path: tuple) -> Any:
         if isinstance(leaf, DTensor):
-            problems.append(f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)")
+            problems.append(
+                f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)"
+            )
             return None
         if isinstance(leaf, torch.Tensor):
             fulls.append(leaf)
@@ -123,7 +131,9 @@ class BroadcastAgreement:
         """The root's dicts as manifests, on every rank (its tensors stay on the root)."""
         manifest, problems, metas = None, [], None
         if self.group.is_root:
-            manifest, self.fulls, metas, problems = describe(self.parts)  # metas sent along: no rank walks the manifest for them
+            manifest, self.fulls, metas, problems = describe(
+                self.parts
+            )  # metas sent along: no rank walks the manifest for them
         manifest, problems, metas = collectives.broadcast_object((manifest, problems, metas), self.group)
         if self.group.is_root:
             self.problems = problems
@@ -133,8 +143,14 @@ class BroadcastAgreement:
         self.optim_names = optimizer_names(optim)
         return manifest
 
-    def agree(self, what: str, problems: list[str], model_plan: ModelLoadPlan | None,
-              optim_plan: OptimizerLoadPlan | None, strict: bool) -> dict[str, bool]:
+    def agree(
+        self,
+        what: str,
+        problems: list[str],
+        model_plan: ModelLoadPlan | None,
+        optim_plan: OptimizerLoadPlan | None,
+        strict: bool,
+    ) -> dict[str, bool]:
         """Raise on every rank if any rank has problems; else deliver every rank's pieces.
 
         Returns the answers to this rank's open placeholder questions.
@@ -142,23 +158,36 @@ class BroadcastAgreement:
         questions = optim_plan.questions if optim_plan is not None else {}
         mine_model = model_plan.claimed if model_plan is not None else set()
         mine_optim = set(self.optim_names) - set(optim_plan.foreign) if optim_plan is not None else set()
-        prepared = [p for plan in (model_plan, optim_plan) if plan is not None for p in plan.tensors() if p.meta is not None]
+        prepared = [
+            p for plan in (model_plan, optim_plan) if plan is not None for p in plan.tensors() if p.meta is not None
+        ]
         needs, users, cut = needs_for(prepared, self.metas)
-        everyone = collectives.exchange({
-            "problems": problems,
-            "known": {k: v for k, v in questions.items() if v is not None},
-            "model": [i for i, k in enumerate(self.model_names) if k in mine_model],
-            "optim": [i for i, k in enumerate(self.optim_names) if k in mine_optim],
-            "needs": PackedNeeds(needs),
-        }, self.group)
+        everyone = collectives.exchange(
+            {
+                "problems": problems,
+                "known": {k: v for k, v in questions.items() if v is not None},
+                "model": [i for i, k in enumerate(self.model_names) if k in mine_model],
+                "optim": [i for i, k in enumerate(self.optim_names) if k in mine_optim],
+                "needs": PackedNeeds(needs),
+            },
+            self.group,
+        )
         by_rank = [e["problems"] for e in everyone]
         if strict:
             extra = self._unowned(everyone)
             by_rank = [p + extra for p in by_rank]
         collectives.raise_if_any(by_rank, f"{what}: nothing was loaded", self.group)
         answers = collectives.answer([k for k, v in questions.items() if v is None], [e["known"] for e in everyone])
-        deliver(needs, users, cut, self.fulls if self.group.is_root else None, self.metas, _compat.collective_device(),
-                everyone_needs=[e["needs"] for e in everyone], group=self.group)
+        deliver(
+            needs,
+            users,
+            cut,
+            self.fulls if self.group.is_root else None,
+            self.metas,
+            _compat.collective_device(),
+            everyone_needs=[e["needs"] for e in everyone],
+            group=self.group,
+        )
         return answers
 
     def _unowned(self, everyone: list[dict]) -> list[str]:

@@ -62,7 +62,10 @@ def _no_submodules(submodules) -> None:
 
 # -- get ---------------------------------------------------------------------
 
-def get_model_state_dict(model: nn.Module, *, submodules=None, options: StateDictOptions | None = None) -> dict[str, Any]:
+
+def get_model_state_dict(
+    model: nn.Module, *, submodules=None, options: StateDictOptions | None = None
+) -> dict[str, Any]:
     """The model's state dict by canonical FQN (see StateDictOptions)."""
     opts = resolve_options(options)
     _no_submodules(submodules)
@@ -77,7 +80,9 @@ def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions) ->
     return consolidate.offload(sd) if opts.cpu_offload else sd
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *, submodules=None, options: StateDictOptions | None = None) -> dict[str, Any]:
+def get_optimizer_state_dict(
+    model: nn.Module, optimizers: Optimizers, *, submodules=None, options: StateDictOptions | None = None
+) -> dict[str, Any]:
     """The optimizers' state by canonical FQN, merged into one dict.
 
     Pure: the optimizers, parameters and gradients are left exactly as they
@@ -104,7 +109,9 @@ def _optimizer_state(index: ModelIndex, optims, opts: StateDictOptions) -> dict[
     return nested
 
 
-def get_state_dict(model: nn.Module, optimizers: Optimizers, *, submodules=None, options: StateDictOptions | None = None) -> tuple[dict, dict]:
+def get_state_dict(
+    model: nn.Module, optimizers: Optimizers, *, submodules=None, options: StateDictOptions | None = None
+) -> tuple[dict, dict]:
     """Both at once, the model indexed once."""
     opts = resolve_options(options)
     _no_submodules(submodules)
@@ -115,6 +122,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers, *, submodules=None,
 
 
 # -- set ---------------------------------------------------------------------
+
 
 def _run_pre_hooks(optims, osd):
     """The optimizers' load-state-dict pre-hooks, as ``Optimizer.load_state_dict`` runs them."""
@@ -168,8 +176,12 @@ class _Load:
         """Check everything against this rank's model and optimizers; change nothing."""
         if "model" in parts:
             self.model_plan, problems = model_state.plan_load(
-                self.model, self.index, parts["model"], strict=self.opts.strict,
-                ignore_frozen=self.opts.ignore_frozen_params, foreign_ok=foreign_ok,
+                self.model,
+                self.index,
+                parts["model"],
+                strict=self.opts.strict,
+                ignore_frozen=self.opts.ignore_frozen_params,
+                foreign_ok=foreign_ok,
             )
             self.problems += problems
         if "optim" in parts:
@@ -187,7 +199,9 @@ class _Load:
             model_state.apply_load(self.model, self.model_plan)
 
 
-def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, options: StateDictOptions | None = None):
+def set_model_state_dict(
+    model: nn.Module, model_state_dict: dict[str, Any], *, options: StateDictOptions | None = None
+):
     """Load a model state dict; returns (missing_keys, unexpected_keys) by canonical FQN.
 
     With ``strict`` (the default) missing or unexpected keys raise, naming
@@ -200,7 +214,13 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, 
     return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)
 
 
-def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_state_dict: dict[str, Any], *, options: StateDictOptions | None = None) -> None:
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers,
+    optim_state_dict: dict[str, Any],
+    *,
+    options: StateDictOptions | None = None,
+) -> None:
     """Load optimizer state keyed by FQN (nested or flat) into ``optimizers``.
 
     Existing state tensors are written in place (same objects and storage)
@@ -212,7 +232,14 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_sta
         _Load(model, opts, {"optim": optim_state_dict}, optimizers).run("set_optimizer_state_dict")
 
 
-def set_state_dict(model: nn.Module, optimizers: Optimizers, *, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any], options: StateDictOptions | None = None):
+def set_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    model_state_dict: dict[str, Any],
+    optim_state_dict: dict[str, Any],
+    options: StateDictOptions | None = None,
+):
     """Both at once: nothing is changed unless both load."""
     opts = resolve_options(options)
     with _working():

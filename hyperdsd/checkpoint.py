@@ -131,6 +131,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
 # -- the model, optimizers and schedulers as one state dict ------------------
 
+
 def _as_list(items) -> list:
     if items is None:
         return []
@@ -140,7 +141,9 @@ def _as_list(items) -> list:
 def _check_extra(extra: Mapping[str, Any] | None) -> None:
     taken = sorted(set(extra or {}) & {MODEL, OPTIM, SCHEDULERS})
     if taken:
-        raise StateDictError(f"extra uses the names {taken}, which hold the model, optimizers and schedulers; choose others")
+        raise StateDictError(
+            f"extra uses the names {taken}, which hold the model, optimizers and schedulers; choose others"
+        )
 
 
 def _state(model, optimizers, schedulers, extra, opts: StateDictOptions) -> dict[str, Any]:
@@ -189,9 +192,18 @@ class AppState(Stateful):
 
 # -- one call each -------------------------------------------------------------
 
-def save(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
-         options: StateDictOptions | None = None, async_save: bool = False,
-         storage_writer: StorageWriter | None = None):
+
+def save(
+    checkpoint_id,
+    model,
+    optimizers,
+    *,
+    schedulers=(),
+    extra: Mapping[str, Any] | None = None,
+    options: StateDictOptions | None = None,
+    async_save: bool = False,
+    storage_writer: StorageWriter | None = None,
+):
     """Save the model, optimizers, schedulers and ``extra`` as a DCP checkpoint, atomically.
 
     The checkpoint holds ``model``, ``optim`` (by FQN), ``schedulers`` (a
@@ -219,8 +231,16 @@ def save(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str,
     return _save(_path(checkpoint_id), state, async_save, storage_writer)
 
 
-def load(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
-         options: StateDictOptions | None = None, storage_reader: StorageReader | None = None) -> None:
+def load(
+    checkpoint_id,
+    model,
+    optimizers,
+    *,
+    schedulers=(),
+    extra: Mapping[str, Any] | None = None,
+    options: StateDictOptions | None = None,
+    storage_reader: StorageReader | None = None,
+) -> None:
     """Load what :func:`save` wrote into the model, optimizers, schedulers and ``extra``.
 
     Optimizers may be freshly built: parameters that had no state when the
@@ -242,8 +262,9 @@ def load(checkpoint_id, model, optimizers, *, schedulers=(), extra: Mapping[str,
     folder = _committed(checkpoint_id)
     state = _state(model, optimizers, schedulers, extra, opts)
     try:
-        dcp.load(state, checkpoint_id=str(folder), storage_reader=storage_reader,
-                 planner=LoadPlanner(strict=opts.strict))
+        dcp.load(
+            state, checkpoint_id=str(folder), storage_reader=storage_reader, planner=LoadPlanner(strict=opts.strict)
+        )
     except CheckpointException as exc:
         raise _one_error(checkpoint_id, exc) from None
     _apply(state, model, optimizers, schedulers, extra, opts)
@@ -270,8 +291,15 @@ class Manager:
     rank 0 looks at the directory and tells the others.
     """
 
-    def __init__(self, root, keep: int = 3, *, options: StateDictOptions | None = None,
-                 storage_writer: StorageWriter | None = None, storage_reader: StorageReader | None = None):
+    def __init__(
+        self,
+        root,
+        keep: int = 3,
+        *,
+        options: StateDictOptions | None = None,
+        storage_writer: StorageWriter | None = None,
+        storage_reader: StorageReader | None = None,
+    ):
         if int(keep) < 1:
             raise ValueError(f"keep must be at least 1 (the checkpoint just saved), not {keep}")
         self.root = _path(root)
@@ -283,8 +311,16 @@ class Manager:
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
 
-    def save(self, step: int, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
-             async_save: bool = False):
+    def save(
+        self,
+        step: int,
+        model,
+        optimizers,
+        *,
+        schedulers=(),
+        extra: Mapping[str, Any] | None = None,
+        async_save: bool = False,
+    ):
         """:func:`save` to ``root/step-{step}``; then the steps beyond the newest ``keep`` are removed."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
@@ -299,15 +335,23 @@ class Manager:
         settle()
         return _agreed(self._latest_here)
 
-    def load(self, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None,
-             step: int | None = None) -> int:
+    def load(
+        self, model, optimizers, *, schedulers=(), extra: Mapping[str, Any] | None = None, step: int | None = None
+    ) -> int:
         """Load the newest committed step (or ``step``) as :func:`load` does; returns its step."""
         if step is None:
             step = self.latest()
             if step is None:
                 raise StateDictError(f"there is no committed checkpoint under {self.root}")
-        load(self.path(step), model, optimizers, schedulers=schedulers, extra=extra, options=self.options,
-             storage_reader=self.storage_reader)
+        load(
+            self.path(step),
+            model,
+            optimizers,
+            schedulers=schedulers,
+            extra=extra,
+            options=self.options,
+            storage_reader=self.storage_reader,
+        )
         return step
 
     def _steps(self) -> list[int]:
@@ -330,7 +374,7 @@ class Manager:
     def _prune(self) -> None:
         """On rank 0, after a commit: remove committed steps beyond the newest ``keep``."""
         committed = [s for s in self._steps() if (self.path(s) / commit.RECORD).is_file()]
-        for step in committed[self.keep:]:
+        for step in committed[self.keep :]:
             # Into the trash, atomically: each rank removes its own files from there.
             with contextlib.suppress(OSError):
                 commit.to_trash(self.path(step))
@@ -340,6 +384,7 @@ _STEP = re.compile(r"\.?step-(\d+)(?:\.previous)?")  # step-{n}, and .step-{n}.p
 
 
 # -- atomic saves, and async saves that finish -----------------------------------
+
 
 def _path(checkpoint_id) -> Path:
     return Path(os.fspath(checkpoint_id))
@@ -359,6 +404,7 @@ def _agreed(fn):
 
 def _committed(checkpoint_id) -> Path:
     """The directory holding the checkpoint committed at ``checkpoint_id``; raises on every rank alike if none."""
+
     def look():
         try:
             folder, why = commit.resolve(_path(checkpoint_id))
@@ -417,8 +463,9 @@ def settle() -> None:
 def _sweep(path: Path) -> None:
     """After a committed save: this rank's share of deleting what it replaced, in the background."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sweeper = threading.Thread(target=commit.empty_trash, args=(path.parent, rank, rank == 0),
-                               name="hyperdsd-trash", daemon=True)
+    sweeper = threading.Thread(
+        target=commit.empty_trash, args=(path.parent, rank, rank == 0), name="hyperdsd-trash", daemon=True
+    )
     _sweepers.append(sweeper)
     sweeper.start()
 
@@ -431,8 +478,7 @@ def _join_sweepers() -> None:
 atexit.register(_join_sweepers)  # a script that ends after a save leaves no garbage beside it
 
 
-def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: StorageWriter | None,
-          after_commit=None):
+def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: StorageWriter | None, after_commit=None):
     staging = commit.staging_of(path)
     writer = commit.CommittingWriter(storage_writer or FileSystemWriter(str(staging)), path, after_commit)
     if not async_save:

@@ -104,8 +104,11 @@ def empty_trash(parent: Path, rank: int, coordinator: bool) -> None:
 
 def _data_files(folder: Path) -> dict[str, int]:
     """Every file of a checkpoint directory but its metadata and commit record, with its size."""
-    return {e.name: e.stat().st_size for e in os.scandir(folder)
-            if e.is_file() and e.name not in (METADATA, RECORD) and not e.name.endswith(".tmp")}
+    return {
+        e.name: e.stat().st_size
+        for e in os.scandir(folder)
+        if e.is_file() and e.name not in (METADATA, RECORD) and not e.name.endswith(".tmp")
+    }
 
 
 def check(folder: Path) -> str | None:

@@ -59,7 +59,9 @@ class DTensorLayout:
         for mesh_dim, p in enumerate(self.placements):
             if type(p) is Shard:
                 d = p.dim
-                start, stop = chunk_bounds(region[d].stop - region[d].start, self.mesh.size(mesh_dim), coordinate[mesh_dim])
+                start, stop = chunk_bounds(
+                    region[d].stop - region[d].start, self.mesh.size(mesh_dim), coordinate[mesh_dim]
+                )
                 base = region[d].start
                 region[d] = slice(base + start, base + stop)
         return tuple(region)
@@ -86,7 +88,9 @@ class DTensorLayout:
         return distribute_tensor(full, self.mesh, self.placements, src_data_rank=None).to_local()
 
     def wrap(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
 
 class LayoutCache:

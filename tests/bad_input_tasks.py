@@ -38,11 +38,17 @@ def _setup(ctx):
 
 def _view(model, opt):
     def local(t):
-        return t.to_local().clone() if isinstance(t, DTensor) else (t.clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t))
+        return (
+            t.to_local().clone()
+            if isinstance(t, DTensor)
+            else (t.clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t))
+        )
 
     return {
         "params": [local(p.detach()) for p in model.parameters()],
-        "state": [{k: local(v) for k, v in opt.state[p].items()} if p in opt.state else None for p in model.parameters()],
+        "state": [
+            {k: local(v) for k, v in opt.state[p].items()} if p in opt.state else None for p in model.parameters()
+        ],
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
     }
 
@@ -53,11 +59,27 @@ def _like(value, shape=None, dtype=None, mesh=None):
         local = value.to_local()
         if shape is not None:
             shape = torch.Size(shape)
-            local = torch.zeros((local.shape[0] + 1, *local.shape[1:]) if shape[0] != value.shape[0] else local.shape, dtype=local.dtype)
-            return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
+            local = torch.zeros(
+                (local.shape[0] + 1, *local.shape[1:]) if shape[0] != value.shape[0] else local.shape, dtype=local.dtype
+            )
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=shape,
+                stride=torch.empty(shape, device="meta").stride(),
+            )
         if dtype is not None:
             local = local.to(dtype)
-        return DTensor.from_local(local, mesh or value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+        return DTensor.from_local(
+            local,
+            mesh or value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
     if shape is not None:
         return torch.zeros(shape, dtype=value.dtype)
     return value.to(dtype) if dtype is not None else value
@@ -98,7 +120,7 @@ def damage(sd: dict, spec: dict, other_mesh) -> None:
         elif kind == "wrong_mesh":
             sd[key] = _like(sd[key], mesh=other_mesh)
         elif kind == "missing_fqn":
-            fqn = key[len("state."):].rsplit(".", 1)[0]
+            fqn = key[len("state.") :].rsplit(".", 1)[0]
             for k in [k for k in sd if k.startswith((f"state.{fqn}.", f"param_groups.{fqn}."))]:
                 del sd[k]
         return
@@ -143,8 +165,12 @@ def damage(sd: dict, spec: dict, other_mesh) -> None:
 def bad_input(ctx, spec: dict):
     model, opt, other = _setup(ctx)
     bcast = spec["mode"] == "bcast"
-    get_opts = StateDictOptions(full_state_dict=bcast, cpu_offload=bcast, flatten_optimizer_state_dict=spec["mode"] == "flat")
-    set_opts = StateDictOptions(full_state_dict=bcast, broadcast_from_rank0=bcast, flatten_optimizer_state_dict=spec["mode"] == "flat")
+    get_opts = StateDictOptions(
+        full_state_dict=bcast, cpu_offload=bcast, flatten_optimizer_state_dict=spec["mode"] == "flat"
+    )
+    set_opts = StateDictOptions(
+        full_state_dict=bcast, broadcast_from_rank0=bcast, flatten_optimizer_state_dict=spec["mode"] == "flat"
+    )
     if spec["target"] == "model":
         sd = copy.deepcopy(hyperdsd.get_model_state_dict(model, options=get_opts))
     else:

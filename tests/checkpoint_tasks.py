@@ -91,7 +91,9 @@ def _load(way: str, path: str, setup, options) -> None:
     if way == "planner":  # the flow users write, with the planner as its only change
         msd, osd = hyperdsd.get_state_dict(setup.model, setup.optimizers[0], options=options)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=path, planner=checkpoint.LoadPlanner())
-        hyperdsd.set_state_dict(setup.model, setup.optimizers[0], model_state_dict=msd, optim_state_dict=osd, options=options)
+        hyperdsd.set_state_dict(
+            setup.model, setup.optimizers[0], model_state_dict=msd, optim_state_dict=osd, options=options
+        )
     elif way == "one_call":
         checkpoint.load(path, setup.model, setup.optimizers, options=options)
     else:
@@ -216,7 +218,9 @@ def schedulers_and_extra(ctx, layout: str, async_save: bool = False):
         progress.step, progress.seen = 2, torch.arange(3.0)
         sched_state = copy.deepcopy(a.schedulers[0].state_dict())
         extra = {"progress": progress, "note": {"epoch": torch.tensor(7)}}
-        result = checkpoint.save(path, a.model, a.optimizers, schedulers=a.schedulers, extra=extra, options=opts, async_save=async_save)
+        result = checkpoint.save(
+            path, a.model, a.optimizers, schedulers=a.schedulers, extra=extra, options=opts, async_save=async_save
+        )
         if async_save:
             result.result()  # the background write has finished
         saved = _snapshot(a)
@@ -227,7 +231,9 @@ def schedulers_and_extra(ctx, layout: str, async_save: bool = False):
         b = _setup(ctx, layout, 1, scheduler=True)
         b.set_steps_done(2)
         mine, note = Progress(), {"epoch": torch.tensor(0)}
-        checkpoint.load(path, b.model, b.optimizers, schedulers=b.schedulers, extra={"progress": mine, "note": note}, options=opts)
+        checkpoint.load(
+            path, b.model, b.optimizers, schedulers=b.schedulers, extra={"progress": mine, "note": note}, options=opts
+        )
         assert mine.step == 2 and torch.equal(mine.seen, torch.arange(3.0)), (mine.step, mine.seen)
         assert int(note["epoch"]) == 7
         assert b.schedulers[0].state_dict() == sched_state, (b.schedulers[0].state_dict(), sched_state)
@@ -243,8 +249,8 @@ def schedulers_and_extra(ctx, layout: str, async_save: bool = False):
     return True
 
 
-
 # -- faults during a save ------------------------------------------------------
+
 
 class FailingWriter(FileSystemWriter):
     """DCP's filesystem writer, failing as told on the ranks ``ranks``.
@@ -314,9 +320,11 @@ def left_in(root) -> list[str]:
     """What is in ``root``, but for the emptied trash of replaced and pruned checkpoints
     (every rank has removed its files from it; the next save removes the folder)."""
     checkpoint.settle()  # this rank's deletions have finished (other ranks: a barrier after theirs)
+
     def emptied(name):
         folder = os.path.join(root, name)
         return ".trash-" in name and os.path.isdir(folder) and not os.listdir(folder)
+
     return sorted(name for name in os.listdir(root) if not emptied(name))
 
 
@@ -345,8 +353,9 @@ def failed_save(ctx, layout: str, fault: str, ranks, previous: bool = True, asyn
         writer = FailingWriter(path, fault, ranks)
         error = None
         try:
-            fut = checkpoint.save(path, a.model, a.optimizers, options=opts, storage_writer=writer,
-                                  async_save=bool(async_save))
+            fut = checkpoint.save(
+                path, a.model, a.optimizers, options=opts, storage_writer=writer, async_save=bool(async_save)
+            )
             if async_save == "future":
                 fut.result()
             elif async_save == "next_call":
@@ -434,8 +443,11 @@ def resume_after_crash(ctx, layout: str, root: str, where: str):
 
     path = pathlib.Path(root) / "latest"
     if ctx.rank == 0:
-        left = {"write": commit.staging_of(path), "before_commit": commit.staging_of(path),
-                "mid_commit": commit.previous_of(path)}[where]
+        left = {
+            "write": commit.staging_of(path),
+            "before_commit": commit.staging_of(path),
+            "mid_commit": commit.previous_of(path),
+        }[where]
         assert left.exists(), f"the crash left no {left.name}: it did not cut the save where meant"
         assert path.exists() == (where != "mid_commit"), sorted(os.listdir(root))
     a, first = _two_states(ctx, layout)

@@ -49,6 +49,8 @@ def tensors_only():
     base = load_adapter("hyperdsd")
 
     def get_model_state_dict(model, *, options=None):
-        return {k: v for k, v in base.get_model_state_dict(model, options=options).items() if isinstance(v, torch.Tensor)}
+        return {
+            k: v for k, v in base.get_model_state_dict(model, options=options).items() if isinstance(v, torch.Tensor)
+        }
 
     return replace(base, name="tensors-only", version="0", get_model_state_dict=get_model_state_dict)

@@ -15,7 +15,14 @@ from hyperdsd.transport import collectives
 from hyperdsd.transport.gather import Gatherer
 from hyperdsd.transport.scatter import Need, ShapeDtype, scatter_from_root
 
-SHAPES = [((7, 3), torch.float32), ((3,), torch.float32), ((2, 5), torch.bfloat16), ((1,), torch.int64), ((9, 2), torch.bool), ((0, 4), torch.float32)]
+SHAPES = [
+    ((7, 3), torch.float32),
+    ((3,), torch.float32),
+    ((2, 5), torch.bfloat16),
+    ((1,), torch.int64),
+    ((9, 2), torch.bool),
+    ((0, 4), torch.float32),
+]
 
 
 BIG = [((2048, 512), torch.float32), ((1026, 600), torch.float32), ((4096, 256), torch.bfloat16)]  # even, uneven, bf16
@@ -48,11 +55,22 @@ def gather(ctx, mesh="4", root: bool = False, bucket_bytes: int = 64, big: bool 
 
 def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
     m = ctx.mesh(str(ctx.world_size))
-    fulls = [t.to(d) for t, d in ((torch.arange(70.0).reshape(7, 10), torch.float32), (torch.arange(12.0), torch.float64), (torch.ones(3), torch.int32))]
+    fulls = [
+        t.to(d)
+        for t, d in (
+            (torch.arange(70.0).reshape(7, 10), torch.float32),
+            (torch.arange(12.0), torch.float64),
+            (torch.ones(3), torch.int32),
+        )
+    ]
     if big:  # large and evenly split: moves on its own, straight into place
         fulls.append(torch.arange(ctx.world_size * 2**18, dtype=torch.float32).reshape(ctx.world_size * 512, 512))
     layouts = [DTensorLayout(m, (Shard(0),), f.shape, f.stride()) for f in fulls]
-    needs = [Need.of_layout(layouts[0]), Need.whole(fulls[1].shape), Need.of_layout(layouts[2]) if ctx.rank % 2 else None]
+    needs = [
+        Need.of_layout(layouts[0]),
+        Need.whole(fulls[1].shape),
+        Need.of_layout(layouts[2]) if ctx.rank % 2 else None,
+    ]
     if big:
         needs.append(Need.of_layout(layouts[3]))
     metas = [ShapeDtype(tuple(f.shape), f.dtype) for f in fulls]
@@ -71,8 +89,14 @@ def scatter_many(ctx, bucket_bytes: int = 1 << 20):
     empty pieces), and tensors some ranks do not need: what the root packs a
     group at a time."""
     m = ctx.mesh(str(ctx.world_size))
-    kinds = [((4, 4), torch.float32, "shard"), ((5,), torch.float32, "shard"), ((), torch.int64, "whole"),
-             ((3, 2), torch.float64, "odd"), ((130, 130), torch.float32, "shard"), ((0, 3), torch.float32, "shard")]
+    kinds = [
+        ((4, 4), torch.float32, "shard"),
+        ((5,), torch.float32, "shard"),
+        ((), torch.int64, "whole"),
+        ((3, 2), torch.float64, "odd"),
+        ((130, 130), torch.float32, "shard"),
+        ((0, 3), torch.float32, "shard"),
+    ]
     fulls, needs = [], []
     for i in range(240):
         shape, dtype, how = kinds[i % 5] if i % 37 else kinds[4 + (i // 37) % 2]
@@ -90,7 +114,9 @@ def scatter_many(ctx, bucket_bytes: int = 1 << 20):
         if need is None:
             assert pieces[i] is None, f"rank {ctx.rank} got tensor {i}, which it does not need"
         else:
-            assert pieces[i].dtype == fulls[i].dtype and torch.equal(pieces[i], need.cut(fulls[i])), f"piece {i} differs on rank {ctx.rank}"
+            assert pieces[i].dtype == fulls[i].dtype and torch.equal(pieces[i], need.cut(fulls[i])), (
+                f"piece {i} differs on rank {ctx.rank}"
+            )
     return len(fulls)
 
 
@@ -106,6 +132,7 @@ def agree(ctx, bad_rank: int = 1):
 
 # -- interop with torch's implementation -------------------------------------
 
+
 def _setup(ctx, layout, seed, impl):
     from conformance.adapters import load_adapter
     from conformance.context import CaseContext
@@ -114,7 +141,14 @@ def _setup(ctx, layout, seed, impl):
 
     c = CaseContext(ctx, None, 0, load_adapter(impl), "")
     # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.
-    return Setup(c, layout, "adamw", seed=seed, cfg=ModelConfig(tie=False), trainable=lambda f: not f.startswith(("aux", "frozen")))
+    return Setup(
+        c,
+        layout,
+        "adamw",
+        seed=seed,
+        cfg=ModelConfig(tie=False),
+        trainable=lambda f: not f.startswith(("aux", "frozen")),
+    )
 
 
 def _state(setup):
@@ -135,7 +169,11 @@ def interop(ctx, layout: str, writer: str, reader: str, mode: str):
     a = _setup(ctx, layout, 0, writer)
     a.train(1)
     opts_w = w.options(flatten_optimizer_state_dict=flat)
-    osd = copy.deepcopy(w.get_optimizer_state_dict(a.model, a.optimizers[0], options=opts_w)) if "dcp" not in mode else None
+    osd = (
+        copy.deepcopy(w.get_optimizer_state_dict(a.model, a.optimizers[0], options=opts_w))
+        if "dcp" not in mode
+        else None
+    )
     msd = w.get_model_state_dict(a.model)
     path = None
     if "dcp" in mode:
@@ -143,7 +181,10 @@ def interop(ctx, layout: str, writer: str, reader: str, mode: str):
         box = [__import__("tempfile").mkdtemp() if ctx.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         path = box[0]
-        dcp.save({"model": msd, "optim": w.get_optimizer_state_dict(a.model, a.optimizers[0], options=opts_w)}, checkpoint_id=path)
+        dcp.save(
+            {"model": msd, "optim": w.get_optimizer_state_dict(a.model, a.optimizers[0], options=opts_w)},
+            checkpoint_id=path,
+        )
     else:
         msd = copy.deepcopy(msd)
     a.train(1)
@@ -176,8 +217,13 @@ def combined_broadcast(ctx):
     msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
     b = _setup(ctx, "fsdp2", 1, "hyperdsd")
     b.set_steps_done(1)
-    hyperdsd.set_state_dict(b.model, b.optimizers[0], model_state_dict=msd, optim_state_dict=osd,
-                            options=hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    hyperdsd.set_state_dict(
+        b.model,
+        b.optimizers[0],
+        model_state_dict=msd,
+        optim_state_dict=osd,
+        options=hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
     a.train(1)
     b.train(1)
     diffs = diff_snapshots(snapshot(a), snapshot(b))

@@ -85,7 +85,9 @@ def spawn_child(ctx, marker):
     import sys
 
     if ctx.rank == 0:
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=dict(os.environ, HYPERDSD_TEST_MARK=marker))
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"], env=dict(os.environ, HYPERDSD_TEST_MARK=marker)
+        )
         with ctx.under_test("child started"):  # where the controller finds this rank at the deadline
             time.sleep(600)
     time.sleep(600)
@@ -107,7 +109,9 @@ def leak_child(ctx, marker):
     import sys
 
     if ctx.rank == 0:
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=dict(os.environ, HYPERDSD_TEST_MARK=marker))
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"], env=dict(os.environ, HYPERDSD_TEST_MARK=marker)
+        )
     return ctx.rank
 
 

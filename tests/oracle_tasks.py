@@ -33,7 +33,9 @@ def run_ahead_is_the_uninterrupted_run(ctx, layout: str, optimizer: str, schedul
     fresh.train(3)
     problems = [f"ahead vs fresh: {d}" for d in diff_snapshots(snapshot(fresh), ahead)]
     source.train(2)
-    problems += [f"source put back, trained on, vs fresh: {d}" for d in diff_snapshots(snapshot(fresh), snapshot(source))]
+    problems += [
+        f"source put back, trained on, vs fresh: {d}" for d in diff_snapshots(snapshot(fresh), snapshot(source))
+    ]
     for i, (want, got) in enumerate(zip(fresh.schedulers, source.schedulers, strict=True)):
         if want.state_dict() != got.state_dict():
             problems.append(f"scheduler {i}: {got.state_dict()} vs fresh {want.state_dict()}")

@@ -31,6 +31,7 @@ def run(pools, world_size, fn, **kwargs):
 
 # -- on ranks --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("layout, world_size", [("single", 1), ("fsdp2", 2), ("pp2", 2)])
 @pytest.mark.parametrize("way", ["planner", "one_call", "app_state"])
 def test_lazy_state_resumes_and_stays_absent(pools, layout, world_size, way):
@@ -41,11 +42,14 @@ def test_a_whole_never_stepped_group_resumes_on_uneven_shards(pools):
     assert run(pools, 3, "lazy_resume", layout="fsdp3", way="planner", own_group=True) == [True] * 3
 
 
-@pytest.mark.parametrize("layout, world_size, fqn, key", [
-    ("single", 1, "layers.0.fc2.weight", "exp_avg_sq"),
-    ("fsdp3", 3, "layers.0.fc2.weight", "step"),  # 8 rows on 3 ranks: uneven shards
-    ("pp2", 2, "layers.1.fc1.weight", "exp_avg"),  # held by one stage; every rank raises
-])
+@pytest.mark.parametrize(
+    "layout, world_size, fqn, key",
+    [
+        ("single", 1, "layers.0.fc2.weight", "exp_avg_sq"),
+        ("fsdp3", 3, "layers.0.fc2.weight", "step"),  # 8 rows on 3 ranks: uneven shards
+        ("pp2", 2, "layers.1.fc1.weight", "exp_avg"),  # held by one stage; every rank raises
+    ],
+)
 @pytest.mark.parametrize("way", ["planner", "one_call", "app_state"])
 def test_partly_missing_state_is_refused_on_every_rank(pools, layout, world_size, fqn, key, way):
     results = run(pools, world_size, "partial_state_refused", layout=layout, way=way, fqn=fqn, key=key)
@@ -55,12 +59,15 @@ def test_partly_missing_state_is_refused_on_every_rank(pools, layout, world_size
         assert len({text for _, text in results}) == 1
 
 
-@pytest.mark.parametrize("kind, needle", [
-    ("more_layers", "layers.2"),  # FQNs the checkpoint lacks
-    ("fewer_layers", "model.layers.1."),  # FQNs the model does not have
-    ("wider", "Size mismatch"),  # other shapes
-    ("extra_group", "param_groups.3"),  # a param group more (empty): strict
-])
+@pytest.mark.parametrize(
+    "kind, needle",
+    [
+        ("more_layers", "layers.2"),  # FQNs the checkpoint lacks
+        ("fewer_layers", "model.layers.1."),  # FQNs the model does not have
+        ("wider", "Size mismatch"),  # other shapes
+        ("extra_group", "param_groups.3"),  # a param group more (empty): strict
+    ],
+)
 def test_another_models_checkpoint_is_refused_alike_on_every_rank(pools, kind, needle):
     texts = run(pools, 2, "other_model_refused", layout="fsdp2", kind=kind)
     assert len(set(texts)) == 1, texts
@@ -77,6 +84,7 @@ def test_async_save_writes_a_checkpoint_that_loads(pools):
 
 
 # -- in one process ------------------------------------------------------------
+
 
 class Net(nn.Module):
     def __init__(self):
@@ -104,7 +112,9 @@ def _trained(seed=0, steps=2):
 def test_a_user_key_and_a_stateful_are_found_nested_and_flat():
     model, opt = _trained(steps=0)
     nested = hyperdsd.get_optimizer_state_dict(model, opt)
-    flat = hyperdsd.get_optimizer_state_dict(model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=True))
+    flat = hyperdsd.get_optimizer_state_dict(
+        model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     roots = optimizer_roots({"run": {"optimizer": nested}, "stages": [flat], "model": model.state_dict()})
     assert {path: kind for path, (kind, _) in roots.items()} == {("run", "optimizer"): "nested", ("stages", 0): "flat"}
 
@@ -112,7 +122,9 @@ def test_a_user_key_and_a_stateful_are_found_nested_and_flat():
 @pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 def test_entries_group_each_parameters_keys_and_know_placeholders(flat):
     model, opt = _trained(steps=0)
-    osd = hyperdsd.get_optimizer_state_dict(model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=flat))
+    osd = hyperdsd.get_optimizer_state_dict(
+        model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=flat)
+    )
     planner = DefaultLoadPlanner()  # DCP's own flattening, as LoadPlanner sees it
     planner.set_up_planner({"optim": osd})
     entries = {e.fqn: e for e in optimizer_entries(planner.original_state_dict, planner.state_dict, planner.mappings)}
@@ -125,7 +137,9 @@ def test_entries_group_each_parameters_keys_and_know_placeholders(flat):
 
 def test_judge_drops_wholly_absent_placeholders_and_names_partial_state():
     keys = lambda fqn, *names: [f"optim.state.{fqn}.{n}" for n in names]  # noqa: E731
-    lazy = Entry("gate.weight", "optim.state.gate.weight", keys=keys("gate.weight", "step", "exp_avg"), placeholder=True)
+    lazy = Entry(
+        "gate.weight", "optim.state.gate.weight", keys=keys("gate.weight", "step", "exp_avg"), placeholder=True
+    )
     torn = Entry("fc.weight", "optim.state.fc.weight", keys=keys("fc.weight", "step", "exp_avg"), placeholder=True)
     real = Entry("fc.bias", "optim.state.fc.bias", keys=keys("fc.bias", "step"), placeholder=False)
     in_checkpoint = dict.fromkeys(keys("fc.weight", "exp_avg"))

@@ -30,27 +30,33 @@ def run(pools, world_size, fn, **kwargs):
 
 # -- on ranks --------------------------------------------------------------
 
+
 def test_plain_dcp_save_over_a_checkpoint_that_fails_on_one_rank_loads_a_mix(pools):
     """The bug, reproduced with plain dcp.save, so that the tests below are known to catch a mix."""
     results = run(pools, 2, "plain_dcp_mixes", layout="fsdp2")
     assert not all(r["first"] for r in results) and not all(r["second"] for r in results), results
 
 
-@pytest.mark.parametrize("world_size, fault, ranks, async_save", [
-    (2, "write", [1], ""),
-    (2, "write", [0, 1], ""),
-    (2, "metadata", [], ""),
-    (2, "torn", [1], "future"),
-    (2, "write", [1], "next_call"),
-    (4, "torn", [2], ""),
-    (4, "write", [0, 1, 2, 3], ""),
-    (4, "metadata", [], ""),
-    (4, "write", [3], "future"),
-])
-def test_a_failed_save_raises_alike_and_the_previous_checkpoint_loads_exactly(pools, world_size, fault, ranks,
-                                                                              async_save):
-    texts = run(pools, world_size, "failed_save", layout=f"fsdp{world_size}", fault=fault, ranks=ranks,
-                async_save=async_save)
+@pytest.mark.parametrize(
+    "world_size, fault, ranks, async_save",
+    [
+        (2, "write", [1], ""),
+        (2, "write", [0, 1], ""),
+        (2, "metadata", [], ""),
+        (2, "torn", [1], "future"),
+        (2, "write", [1], "next_call"),
+        (4, "torn", [2], ""),
+        (4, "write", [0, 1, 2, 3], ""),
+        (4, "metadata", [], ""),
+        (4, "write", [3], "future"),
+    ],
+)
+def test_a_failed_save_raises_alike_and_the_previous_checkpoint_loads_exactly(
+    pools, world_size, fault, ranks, async_save
+):
+    texts = run(
+        pools, world_size, "failed_save", layout=f"fsdp{world_size}", fault=fault, ranks=ranks, async_save=async_save
+    )
     assert len(set(texts)) == 1, texts
     if fault != "metadata" and not async_save:
         assert f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: OSError" in texts[0], texts[0]
@@ -61,11 +67,19 @@ def test_a_failed_first_save_leaves_nothing_that_loads(pools):
     assert len(set(texts)) == 1, texts
 
 
-@pytest.mark.parametrize("world_size, where", [
-    (2, "write"), (4, "write"), (2, "before_commit"), (2, "mid_commit"), (4, "mid_commit"),
-])
-def test_a_save_cut_short_by_sigkill_leaves_the_previous_checkpoint_for_the_restarted_job(pools, tmp_path, world_size,
-                                                                                          where):
+@pytest.mark.parametrize(
+    "world_size, where",
+    [
+        (2, "write"),
+        (4, "write"),
+        (2, "before_commit"),
+        (2, "mid_commit"),
+        (4, "mid_commit"),
+    ],
+)
+def test_a_save_cut_short_by_sigkill_leaves_the_previous_checkpoint_for_the_restarted_job(
+    pools, tmp_path, world_size, where
+):
     from hyperdsd.testing import Task
 
     kwargs = {"layout": f"fsdp{world_size}", "root": str(tmp_path), "where": where}
@@ -80,6 +94,7 @@ def test_the_manager_keeps_steps_skips_a_failed_one_and_resumes_on_ranks(pools):
 
 
 # -- in one process ------------------------------------------------------------
+
 
 def _trained(seed=0, steps=2):
     torch.manual_seed(seed)
@@ -109,13 +124,16 @@ def test_a_save_over_an_existing_path_loads_the_new_state_and_leaves_nothing_bes
     assert _same(fresh, new) and not _same(fresh, old)
 
 
-@pytest.mark.parametrize("damage, needle", [
-    ("no_metadata", "has no .metadata"),
-    ("truncated", "its commit recorded"),
-    ("missing_file", "which its commit recorded"),
-    ("staging_only", "is what a save that did not finish left"),
-    ("nothing", "there is no checkpoint at"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("no_metadata", "has no .metadata"),
+        ("truncated", "its commit recorded"),
+        ("missing_file", "which its commit recorded"),
+        ("staging_only", "is what a save that did not finish left"),
+        ("nothing", "there is no checkpoint at"),
+    ],
+)
 def test_load_refuses_what_was_never_committed(tmp_path, damage, needle):
     path = tmp_path / "latest"
     model, opt = _trained()

@@ -40,8 +40,13 @@ def test_list_prints_the_manifest():
     proc, _ = run_cli(["--list", "-k", "OPT-KEYS-1[fsdp4"])
     assert proc.returncode == 0
     entries = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert {e["id"] for e in entries} == {ADAMW, SGD, "OPT-KEYS-1[fsdp4-adamw-full]", "OPT-KEYS-1[fsdp4-sgd-full]",
-                                          "OPT-KEYS-1[fsdp4-adamw-full_cpu]"}
+    assert {e["id"] for e in entries} == {
+        ADAMW,
+        SGD,
+        "OPT-KEYS-1[fsdp4-adamw-full]",
+        "OPT-KEYS-1[fsdp4-sgd-full]",
+        "OPT-KEYS-1[fsdp4-adamw-full_cpu]",
+    }
     assert all(e["clause"] == "OPT-KEYS-1" and e["world_sizes"] == [4] for e in entries)
 
 
@@ -134,8 +139,23 @@ def test_nothing_the_run_started_outlives_it_with_a_hanging_rank(tmp_path):
     env = _env(mark, FAULTY_IMPL_MARKERS=str(tmp_path))
     out_path = tmp_path / "out.txt"
     with open(out_path, "w") as out:  # not a pipe: reading one to its end waits for every holder
-        proc = subprocess.Popen([sys.executable, "-m", "conformance", "--impl", "faulty_impl:hang", "-k", ADAMW,
-                                 "--timeout", str(scaled(8))], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "conformance",
+                "--impl",
+                "faulty_impl:hang",
+                "-k",
+                ADAMW,
+                "--timeout",
+                str(scaled(8)),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         assert wait_for(lambda: (tmp_path / "hang-rank1").exists() or proc.poll() is not None, EVENT_LIMIT_S)
         started = marked_processes(mark)
@@ -160,10 +180,22 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
         "OPT-NOPE-9  # matches nothing\n"
     )
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
-    proc, mark = run_cli([
-        "--impl", "torch", "-k", "OPT-PART-2[single-sharded]", "-k", "OPT-KEYS-1[single-sgd",
-        "--xfails", str(xfails), "--json", str(report), "--junit", str(junit),
-    ])
+    proc, mark = run_cli(
+        [
+            "--impl",
+            "torch",
+            "-k",
+            "OPT-PART-2[single-sharded]",
+            "-k",
+            "OPT-KEYS-1[single-sgd",
+            "--xfails",
+            str(xfails),
+            "--json",
+            str(report),
+            "--junit",
+            str(junit),
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OPT-NOPE-9" in proc.stderr and "matches no case" in proc.stderr
     data = json.loads(report.read_text())
@@ -181,7 +213,9 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
         props = {p.get("name"): p.get("value") for p in tc.find("properties")}
         child = next((c.tag for c in tc if c.tag in ("failure", "error", "skipped")), None)
         skipped = tc.find("skipped")
-        expected_child = {"failed": "failure", "error": "error", "xfail": "skipped", "n/a": "skipped"}.get(props["status"])
+        expected_child = {"failed": "failure", "error": "error", "xfail": "skipped", "n/a": "skipped"}.get(
+            props["status"]
+        )
         assert child == expected_child
         if skipped is not None:
             assert skipped.get("type") == props["status"]
@@ -197,7 +231,8 @@ def test_json_and_junit_agree_and_unused_xfail_warns(tmp_path):
 # with SIGINT ignored, every child inherits that, and the run would ignore the
 # Ctrl-C this test sends.
 _WITH_CTRL_C = [
-    sys.executable, "-c",
+    sys.executable,
+    "-c",
     "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
     "runpy.run_module('conformance', run_name='__main__', alter_sys=True)",
 ]
@@ -211,14 +246,21 @@ def test_ctrl_c_stops_every_rank_and_writes_a_partial_report(tmp_path, stage):
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
             [*_WITH_CTRL_C, "--impl", "torch", "-k", "OPT-RT-1[fsdp4", "--json", str(report)],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
     if stage == "while-ranks-start":
+
         def reached():
             return len(marked_processes(mark)) >= 5  # the CLI and its four ranks
     else:
+
         def reached():
             return "OPT-RT-1[" in out_path.read_text()  # the first of 30 cases is done
+
     try:
         assert wait_for(lambda: reached() or proc.poll() is not None, EVENT_LIMIT_S), f"{stage} not reached"
         assert proc.poll() is None, "the run ended before Ctrl-C:\n" + out_path.read_text()
@@ -244,10 +286,31 @@ def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
     mark = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "conformance",
-         "--impl", "hyperdsd", "-k", "OPT-KEYS-1[fsdp2-adamw", "-k", "OPT-KEYS-1[single-adamw-sharded]",
-         "-k", "OPT-KEYS-1[fsdp4-adamw-sharded]", "--json", str(report)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=EVENT_LIMIT_S,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "conformance",
+            "--impl",
+            "hyperdsd",
+            "-k",
+            "OPT-KEYS-1[fsdp2-adamw",
+            "-k",
+            "OPT-KEYS-1[single-adamw-sharded]",
+            "-k",
+            "OPT-KEYS-1[fsdp4-adamw-sharded]",
+            "--json",
+            str(report),
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=EVENT_LIMIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(report.read_text())
@@ -274,10 +337,31 @@ def test_torchrun_hang_ends_the_run_with_stacks_and_a_partial_report(tmp_path):
         mark = uuid.uuid4().hex
         env = _env(mark, FAULTY_IMPL_MARKERS=str(markers))
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-             "-m", "conformance", "--impl", "faulty_impl:hang", "-k", SGD, "-k", ADAMW,
-             "--timeout", str(timeout), "--json", str(report)],
-            cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=EVENT_LIMIT_S + 4 * timeout,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "4",
+                "-m",
+                "conformance",
+                "--impl",
+                "faulty_impl:hang",
+                "-k",
+                SGD,
+                "-k",
+                ADAMW,
+                "--timeout",
+                str(timeout),
+                "--json",
+                str(report),
+            ],
+            cwd=str(tmp_path),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=EVENT_LIMIT_S + 4 * timeout,
         )
         assert lingering(mark) == []
         if (markers / "hang-rank1").exists():

@@ -94,15 +94,18 @@ def test_an_error_the_adapter_raises_is_no_pass_and_a_refusal_is_not_applicable(
     assert own.status == "passed", own.message
 
 
-@pytest.mark.parametrize("case_id, status", [
-    ("MODEL-1[fsdp2-full]", "passed"),
-    ("MODEL-2[single-sharded-strict]", "passed"),
-    ("MODEL-3[fsdp2-bcast]", "passed"),
-    ("MODEL-4[fsdp2-bcast]", "passed"),
-    ("MODEL-5[fsdp2-full-tensor]", "passed"),
-    ("MODEL-5[fsdp2-full-dict]", "failed"),
-    ("MODEL-5[fsdp2-sharded-object]", "failed"),
-])
+@pytest.mark.parametrize(
+    "case_id, status",
+    [
+        ("MODEL-1[fsdp2-full]", "passed"),
+        ("MODEL-2[single-sharded-strict]", "passed"),
+        ("MODEL-3[fsdp2-bcast]", "passed"),
+        ("MODEL-4[fsdp2-bcast]", "passed"),
+        ("MODEL-5[fsdp2-full-tensor]", "passed"),
+        ("MODEL-5[fsdp2-full-dict]", "failed"),
+        ("MODEL-5[fsdp2-sharded-object]", "failed"),
+    ],
+)
 def test_an_extra_state_defect_fails_model_5_only(pools, case_id, status):
     result = _run(pools, "declared_impls:tensors_only", case_id)
     assert result.status == status, f"{case_id}: {result.status}\n{result.message}"
@@ -110,16 +113,19 @@ def test_an_extra_state_defect_fails_model_5_only(pools, case_id, status):
         assert "_extra_state" in result.message
 
 
-@pytest.mark.parametrize("case_id, status, words", [
-    ("OPT-RT-1[fsdp2-adamw-file]", "passed", ""),  # a full_cpu get read back by a file load
-    ("OPT-KEYS-1[fsdp4-adamw-full_cpu]", "passed", ""),  # get side with the declared get mode
-    ("OPT-ATOM-2[single-file-wrong_shape]", "failed", "no error was raised"),  # the positional load
-    ("OPT-ATOM-1[single-file-unknown_fqn]", "failed", "no error was raised"),
-    ("OPT-ATOM-3[single-optim]", "n/a", "option 'options_type'"),
-    ("MODEL-2[single-file-nonstrict]", "n/a", "option 'strict'"),
-    ("OPT-RT-1[pp2-adamw-file]", "n/a", "layout 'pipeline'"),
-    ("OPT-RT-1[fsdp2-adamw-sharded]", "n/a", "get mode 'sharded', load mode 'sharded'"),
-])
+@pytest.mark.parametrize(
+    "case_id, status, words",
+    [
+        ("OPT-RT-1[fsdp2-adamw-file]", "passed", ""),  # a full_cpu get read back by a file load
+        ("OPT-KEYS-1[fsdp4-adamw-full_cpu]", "passed", ""),  # get side with the declared get mode
+        ("OPT-ATOM-2[single-file-wrong_shape]", "failed", "no error was raised"),  # the positional load
+        ("OPT-ATOM-1[single-file-unknown_fqn]", "failed", "no error was raised"),
+        ("OPT-ATOM-3[single-optim]", "n/a", "option 'options_type'"),
+        ("MODEL-2[single-file-nonstrict]", "n/a", "option 'strict'"),
+        ("OPT-RT-1[pp2-adamw-file]", "n/a", "layout 'pipeline'"),
+        ("OPT-RT-1[fsdp2-adamw-sharded]", "n/a", "get mode 'sharded', load mode 'sharded'"),
+    ],
+)
 def test_the_consolidated_example_deviates_where_it_really_does(pools, case_id, status, words):
     result = _run(pools, CONSOLIDATED, case_id)
     assert result.status == status, f"{case_id}: {result.status}\n{result.message}"
@@ -145,8 +151,20 @@ def test_rank_device_is_the_parameters_or_the_runs_for_a_meta_model():
 
 
 def test_every_report_states_the_declaration_and_the_coverage(tmp_path):
-    proc, _ = run_cli(["--impl", CONSOLIDATED, "-k", "OPT-RT-1[single-adamw-file]", "-k", "OPT-ATOM-3[single-optim]",
-                       "--report", str(tmp_path), "--json", str(tmp_path / "run.json")])
+    proc, _ = run_cli(
+        [
+            "--impl",
+            CONSOLIDATED,
+            "-k",
+            "OPT-RT-1[single-adamw-file]",
+            "-k",
+            "OPT-ATOM-3[single-optim]",
+            "--report",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "run.json"),
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     declared = "get full_cpu; load file; layouts none; options none"
     assert f"declared: {declared}" in proc.stdout

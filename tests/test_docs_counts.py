@@ -57,5 +57,7 @@ def test_the_consolidated_example_figures():
     assert passed + failed == len(runs)
     # The failures it quotes are file-mode cases that run for it: 2 of OPT-ATOM-1 and -4 and
     # OPT-PART-1 and -6 each, 4 of OPT-ATOM-2.
-    failing = Counter(c.clause for c in runs if c.clause in ("OPT-ATOM-1", "OPT-ATOM-2", "OPT-ATOM-4", "OPT-PART-1", "OPT-PART-6"))
+    failing = Counter(
+        c.clause for c in runs if c.clause in ("OPT-ATOM-1", "OPT-ATOM-2", "OPT-ATOM-4", "OPT-PART-1", "OPT-PART-6")
+    )
     assert sum(failing.values()) == failed

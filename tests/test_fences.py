@@ -17,9 +17,20 @@ ALLOWED = {ROOT / "hyperdsd" / "_compat.py", ROOT / "conformance" / "_compat.py"
 TORCH_NAMES = {"torch", "dist", "nn", "F"}  # how the sources name torch's modules
 # Private attributes of torch objects (modules, tensors, optimizers, groups).
 PRIVATE_ATTRS = {
-    "_local_tensor", "_version", "_get_sequence_number_for_group", "_world", "_modules", "_parameters", "_buffers",
-    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks", "_EXTRA_STATE_KEY_SUFFIX", "_get_default_store", "_get_default_group",
+    "_local_tensor",
+    "_version",
+    "_get_sequence_number_for_group",
+    "_world",
+    "_modules",
+    "_parameters",
+    "_buffers",
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+    "_EXTRA_STATE_KEY_SUFFIX",
+    "_get_default_store",
+    "_get_default_group",
 }
 
 
@@ -135,6 +146,7 @@ def test_the_suite_fence_sees_what_it_guards():
 
 
 # -- hyperdsd's layers -------------------------------------------------------------
+
 
 def _imported_packages(path: pathlib.Path) -> set[str]:
     """The hyperdsd sub-packages (state, transport, ...) a module of hyperdsd/ imports from."""

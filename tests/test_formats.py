@@ -24,18 +24,23 @@ def test_a_problem_on_several_ranks_is_written_once_with_the_ranks_that_share_it
     by_rank = [["missing key 'layers.0.weight'"], [], ["missing key 'layers.0.weight'"], ["unexpected key 'head.bias'"]]
     with pytest.raises(StateDictError) as info:
         raise_if_any(by_rank, "the state dict does not match the model")
-    assert_expected_inline(str(info.value), """\
+    assert_expected_inline(
+        str(info.value),
+        """\
 the state dict does not match the model
   on ranks 0,2:
     missing key 'layers.0.weight'
   on rank 3:
-    unexpected key 'head.bias'""")
+    unexpected key 'head.bias'""",
+    )
 
 
 def test_a_long_problem_list_is_cut_at_twenty():
     with pytest.raises(StateDictError) as info:
         raise_if_any([[f"missing key 'w{i}'" for i in range(23)]], "the state dict does not match the model")
-    assert_expected_inline(str(info.value), """\
+    assert_expected_inline(
+        str(info.value),
+        """\
 the state dict does not match the model
   on rank 0:
     missing key 'w0'
@@ -58,7 +63,8 @@ the state dict does not match the model
     missing key 'w17'
     missing key 'w18'
     missing key 'w19'
-    ... and 3 more""")
+    ... and 3 more""",
+    )
 
 
 def test_no_problem_on_any_rank_raises_nothing():
@@ -76,12 +82,15 @@ def test_tensor_differences_name_what_differs():
         describe_tensor_difference(a, a.reshape(3, 2), "state.layers.0.weight.exp_avg"),
         describe_tensor_difference(a, [1.0], "state.layers.0.weight.step"),
     ]
-    assert_expected_inline("\n".join(lines), """\
+    assert_expected_inline(
+        "\n".join(lines),
+        """\
 layers.0.weight: values differ (bitwise): max abs error 5.000e-01 at index (1, 2)
 layers.0.weight: values differ (rtol 1e-05): max abs error 5.000e-03 at index (1, 2)
 state.layers.0.weight.exp_avg: dtype torch.float64, expected torch.float32
 state.layers.0.weight.exp_avg: shape (3, 2), expected (2, 3)
-state.layers.0.weight.step: expected a tensor, got list""")
+state.layers.0.weight.step: expected a tensor, got list""",
+    )
     assert describe_tensor_difference(a, a.clone(), "layers.0.weight") is None
     assert describe_tensor_difference(a, a * (1 + 1e-7), "layers.0.weight", rtol=1e-5) is None
 
@@ -89,7 +98,9 @@ state.layers.0.weight.step: expected a tensor, got list""")
 def test_a_long_difference_list_shows_twelve_and_counts_the_rest():
     with pytest.raises(CheckFailure) as info:
         fail_if([f"state.w{i}.exp_avg: missing" for i in range(15)], "optimizer state after the round trip")
-    assert_expected_inline(str(info.value), """\
+    assert_expected_inline(
+        str(info.value),
+        """\
 optimizer state after the round trip:
   state.w0.exp_avg: missing
   state.w1.exp_avg: missing
@@ -103,5 +114,6 @@ optimizer state after the round trip:
   state.w9.exp_avg: missing
   state.w10.exp_avg: missing
   state.w11.exp_avg: missing
-  ... and 3 more""")
+  ... and 3 more""",
+    )
     fail_if([], "nothing differs")

@@ -31,7 +31,9 @@ def pools():
     yield ps
     ps.kill()
     # The fork server started with this mark lives as long as this process.
-    assert [p for p in marked_processes(MARK) if not is_multiprocessing_helper(p)] == [], "rank processes survived PoolSet.kill()"
+    assert [p for p in marked_processes(MARK) if not is_multiprocessing_helper(p)] == [], (
+        "rank processes survived PoolSet.kill()"
+    )
     assert descendant_ranks() == [], "rank processes survived PoolSet.kill()"
 
 
@@ -172,7 +174,10 @@ def test_regions_tell_the_code_under_test_from_the_task(pools):
     assert outcome.status == "failed"
     lines = outcome.describe().splitlines()
     assert lines[0] == "rank 1 raised ValueError in set_optimizer_state_dict: the code under test fails", lines
-    assert lines[1] == "ranks 0,2,3 blocked in a collective until rank 1 left the process group in set_optimizer_state_dict", lines
+    assert (
+        lines[1]
+        == "ranks 0,2,3 blocked in a collective until rank 1 left the process group in set_optimizer_state_dict"
+    ), lines
     outcome, _ = run(pools, "fail_outside_region", scope=REGIONS)
     assert outcome.status == "error", outcome.describe()
     assert all(r.region == "" for r in outcome.results)
@@ -183,11 +188,16 @@ def test_regions_tell_the_code_under_test_from_the_task(pools):
 
 
 def test_a_hang_inside_the_code_under_test_is_a_failure_naming_where(pools):
-    outcome, _ = run(pools, "hang_in_region", scope=REGIONS, deadline=SHORT_DEADLINE, rank=1, label="get_optimizer_state_dict")
+    outcome, _ = run(
+        pools, "hang_in_region", scope=REGIONS, deadline=SHORT_DEADLINE, rank=1, label="get_optimizer_state_dict"
+    )
     assert outcome.status == "failed", outcome.describe()
     r1 = by_rank(outcome)[1]
     assert r1.status in ("timeout", "stuck") and r1.region == "get_optimizer_state_dict"
-    assert "rank 1 still running in get_optimizer_state_dict" in outcome.describe() or "in get_optimizer_state_dict" in outcome.describe()
+    assert (
+        "rank 1 still running in get_optimizer_state_dict" in outcome.describe()
+        or "in get_optimizer_state_dict" in outcome.describe()
+    )
 
 
 def test_out_of_step_groups_recycle_the_pool(pools):

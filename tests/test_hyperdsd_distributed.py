@@ -51,7 +51,9 @@ def test_agreement_raises_on_every_rank(pools):
 @pytest.mark.parametrize("mode", ["sharded", "flat", "dcp", "flat_dcp"])
 def test_interop_with_torch(pools, layout, writer, reader, mode):
     world_size = 1 if layout == "single" else 2
-    assert run(pools, world_size, "interop", layout=layout, writer=writer, reader=reader, mode=mode) == [True] * world_size
+    assert (
+        run(pools, world_size, "interop", layout=layout, writer=writer, reader=reader, mode=mode) == [True] * world_size
+    )
 
 
 def test_set_state_dict_broadcast_with_empty_dicts_off_rank_0(pools):

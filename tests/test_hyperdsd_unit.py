@@ -74,6 +74,7 @@ def view(opt):
 
 # -- options ----------------------------------------------------------------
 
+
 def test_torch_options_are_accepted():
     from torch.distributed.checkpoint.state_dict import StateDictOptions as TorchOptions
 
@@ -96,6 +97,7 @@ def test_non_bool_option_is_named():
 
 
 # -- FQNs -------------------------------------------------------------------
+
 
 def test_wrapper_segments_are_not_in_canonical_names():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -141,6 +143,7 @@ def test_tied_parameter_has_one_canonical_name_and_both_aliases():
 
 # -- get is pure ------------------------------------------------------------
 
+
 def test_get_on_a_fresh_optimizer_changes_nothing_and_gives_placeholders():
     model, opt = make()
     before = view(opt)
@@ -164,7 +167,9 @@ class TaggedAdamW(torch.optim.AdamW):
         self.tag = tag
 
 
-@parameterized.expand([("own_class", torch.optim.AdamW, {}), ("subclass_with_own_arguments", TaggedAdamW, {"tag": "t"})])
+@parameterized.expand(
+    [("own_class", torch.optim.AdamW, {}), ("subclass_with_own_arguments", TaggedAdamW, {"tag": "t"})]
+)
 def test_a_fresh_optimizers_template_runs_none_of_its_hooks(_name, cls, extra):
     torch.manual_seed(0)
     model = Net()
@@ -251,11 +256,17 @@ def test_keys_follow_the_optimizers_order_and_lazy_state_stays_absent():
     model, opt = make()
     step(model, opt)
     osd = hyperdsd.get_optimizer_state_dict(model, opt)
-    assert osd["param_groups"][0]["params"] == ["emb.weight", "blocks.0.fc.weight", "blocks.1.fc.weight", "unused.weight"]
+    assert osd["param_groups"][0]["params"] == [
+        "emb.weight",
+        "blocks.0.fc.weight",
+        "blocks.1.fc.weight",
+        "unused.weight",
+    ]
     assert "unused.weight" not in osd["state"] and "unused.bias" not in osd["state"]
 
 
 # -- set ----------------------------------------------------------------------
+
 
 def test_round_trip_into_a_fresh_optimizer_matches_uninterrupted_training():
     a, oa = make(0)
@@ -299,12 +310,20 @@ def test_state_keeps_its_own_dtype():
 
 BAD_INPUTS = [
     ("unknown_fqn", lambda o: o["state"].__setitem__("ghost.w", {"exp_avg": torch.zeros(1)}), "ghost.w"),
-    ("wrong_shape", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("exp_avg", torch.zeros(3, 4)), "blocks.0.fc.weight"),
+    (
+        "wrong_shape",
+        lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("exp_avg", torch.zeros(3, 4)),
+        "blocks.0.fc.weight",
+    ),
     ("non_tensor", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("exp_avg", "x"), "exp_avg"),
     ("non_tensor_step", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("step", 3), "step"),
     ("no_state", lambda o: o.pop("state"), "'state'"),
     ("group_without_params", lambda o: o["param_groups"][0].pop("params"), "params"),
-    ("missing_fqn", lambda o: [o["state"].pop("emb.weight"), o["param_groups"][0]["params"].remove("emb.weight")], "emb.weight"),
+    (
+        "missing_fqn",
+        lambda o: [o["state"].pop("emb.weight"), o["param_groups"][0]["params"].remove("emb.weight")],
+        "emb.weight",
+    ),
     ("int_keys", lambda o: o["state"].__setitem__(0, {}), "0"),
 ]
 
@@ -366,10 +385,12 @@ def test_empty_groups_survive(name, flat):
     step(b, ob)
 
 
-@parameterized.expand([
-    ("extra_empty", (), (1,), "the checkpoint's param_groups[1] (empty, name 'empty0') matches no group"),
-    ("missing_empty", (1,), (), "the optimizer's param_groups[1] (empty, name 'empty0') has no group"),
-])
+@parameterized.expand(
+    [
+        ("extra_empty", (), (1,), "the checkpoint's param_groups[1] (empty, name 'empty0') matches no group"),
+        ("missing_empty", (1,), (), "the optimizer's param_groups[1] (empty, name 'empty0') has no group"),
+    ]
+)
 def test_strict_counts_empty_groups_and_non_strict_merges(name, target_empty, source_empty, needle):
     a, oa = make(0, empty_at=source_empty)
     step(a, oa)
@@ -394,12 +415,15 @@ def test_strict_refuses_a_merged_group_naming_both():
     osd["param_groups"][0]["params"] += last["params"]
     b, ob = make(1)
     before = view(ob)
-    with pytest.raises(StateDictError, match=r"param_groups\[0\] \(.*\) holds the parameters of the optimizer's groups \[0, 1\]"):
+    with pytest.raises(
+        StateDictError, match=r"param_groups\[0\] \(.*\) holds the parameters of the optimizer's groups \[0, 1\]"
+    ):
         hyperdsd.set_optimizer_state_dict(b, ob, osd)
     assert same(before, view(ob))
 
 
 # -- the flat layout -------------------------------------------------------------
+
 
 def test_flatten_and_unflatten_with_dotted_and_nested_keys():
     nested = {
@@ -407,7 +431,13 @@ def test_flatten_and_unflatten_with_dotted_and_nested_keys():
         "param_groups": [{"params": ["a.b", "a.bc"], "lr": 0.1}, {"params": [], "lr": 9.0}],
     }
     flat = flat_format.flatten(nested)
-    assert set(flat) == {"state.a.b.step", "state.a.b.m.x", "state.a.bc.v", "param_groups.a.b.lr", "param_groups.a.bc.lr"}
+    assert set(flat) == {
+        "state.a.b.step",
+        "state.a.b.m.x",
+        "state.a.bc.v",
+        "param_groups.a.b.lr",
+        "param_groups.a.bc.lr",
+    }
     state, fields, unknown = flat_format.unflatten({**flat, "state.zz.q": 1}, {"a.b", "a.bc"})
     assert state["a.b"]["m"]["x"] is flat["state.a.b.m.x"] and state["a.bc"]["v"] is flat["state.a.bc.v"]
     assert fields == {"a.b": {"lr": 0.1}, "a.bc": {"lr": 0.1}} and unknown == ["state.zz.q"]
@@ -417,11 +447,18 @@ def test_lists_in_nested_state_round_trip_through_the_flat_layout():
     t0, t1, t2 = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
     entry = {"pre": {"traces": [t0, t1], "0": 5, "rows": [[t2]], "none": []}, "kind": "matrix", "pair": (1, 2)}
     flat = flat_format.flatten({"state": {"a.b": entry}, "param_groups": [{"params": ["a.b"], "lr": 0.1}]})
-    assert {"state.a.b.pre.traces[0]", "state.a.b.pre.traces[1]", "state.a.b.pre.0", "state.a.b.pre.rows[0][0]"} <= set(flat)
+    assert {"state.a.b.pre.traces[0]", "state.a.b.pre.traces[1]", "state.a.b.pre.0", "state.a.b.pre.rows[0][0]"} <= set(
+        flat
+    )
     assert flat["state.a.b.pre.none"] == [] and flat["state.a.b.pair"] == (1, 2)
     state, _, unknown = flat_format.unflatten(flat, {"a.b"})
     back = state["a.b"]
-    assert unknown == [] and back["pre"]["traces"][0] is t0 and back["pre"]["traces"][1] is t1 and back["pre"]["rows"][0][0] is t2
+    assert (
+        unknown == []
+        and back["pre"]["traces"][0] is t0
+        and back["pre"]["traces"][1] is t1
+        and back["pre"]["rows"][0][0] is t2
+    )
     # a dict key that is a number stays a dict key; list items come back as a list, in order
     assert back["pre"]["0"] == 5 and isinstance(back["pre"]["traces"], list) and back["kind"] == "matrix"
 
@@ -429,7 +466,12 @@ def test_lists_in_nested_state_round_trip_through_the_flat_layout():
 def test_nested_placeholders_follow_their_entry():
     from hyperdsd.state.placeholders import mark_placeholder, unwritten_keys
 
-    entry = {"step": mark_placeholder(torch.zeros(())), "pre": {"traces": [mark_placeholder(torch.zeros(2))]}, "count": 0, "kind": "x"}
+    entry = {
+        "step": mark_placeholder(torch.zeros(())),
+        "pre": {"traces": [mark_placeholder(torch.zeros(2))]},
+        "count": 0,
+        "kind": "x",
+    }
     assert unwritten_keys(entry) == ({"step", "pre", "count", "kind"}, False)  # nobody wrote: all of it is absent
     entry["pre"]["traces"][0].copy_(torch.ones(2))  # DCP loaded the nested tensor, not the step
     assert unwritten_keys(entry) == ({"step"}, False)
@@ -448,6 +490,7 @@ def test_flat_keys_match_torchs_layout():
 
 
 # -- model ------------------------------------------------------------------------
+
 
 def test_model_strict_errors_change_nothing_and_non_strict_reports():
     a = Net()
@@ -475,7 +518,9 @@ def test_meta_model_is_materialised_by_a_full_load():
     src = Net()
     with torch.device("meta"):
         dst = Net()
-    hyperdsd.set_model_state_dict(dst, hyperdsd.get_model_state_dict(src), options=StateDictOptions(full_state_dict=True))
+    hyperdsd.set_model_state_dict(
+        dst, hyperdsd.get_model_state_dict(src), options=StateDictOptions(full_state_dict=True)
+    )
     assert dst.blocks["0"].fc.weight.device.type == "cpu"
     assert torch.equal(dst.blocks["0"].fc.weight, src.blocks["0"].fc.weight)
     assert dst.head.weight is dst.emb.weight or torch.equal(dst.head.weight, src.head.weight)
@@ -497,7 +542,9 @@ def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
     with pytest.raises(StateDictError, match="not a parameter of the model"):
         hyperdsd.get_optimizer_state_dict(model, stray)
     with pytest.raises(StateDictError, match="not the model's"):
-        hyperdsd.set_optimizer_state_dict(model, stray, {"state": {}, "param_groups": []}, options=StateDictOptions(strict=False))
+        hyperdsd.set_optimizer_state_dict(
+            model, stray, {"state": {}, "param_groups": []}, options=StateDictOptions(strict=False)
+        )
 
 
 def test_packed_needs_send_each_distinct_region_once():

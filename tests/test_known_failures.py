@@ -15,8 +15,20 @@ from conformance.xfails import Xfails
 
 KNOWN = sorted((pathlib.Path(__file__).resolve().parent.parent / "conformance" / "known").glob("torch-*.txt"))
 # Clauses torch 2.13 and 2.14 pass in every case: an entry covering one would hide a regression.
-PASSED_BY_TORCH = ("OPT-KEYS-1[", "OPT-KEYS-2[", "OPT-KEYS-3[", "OPT-RT-2[", "OPT-DT-1[", "OPT-DT-2[", "OPT-RESHARD-1[",
-                   "OPT-ATOM-3[", "OPT-PART-4[", "OPT-MESH-1[", "OPT-MPMD-1[", "OPT-MPMD-3[")
+PASSED_BY_TORCH = (
+    "OPT-KEYS-1[",
+    "OPT-KEYS-2[",
+    "OPT-KEYS-3[",
+    "OPT-RT-2[",
+    "OPT-DT-1[",
+    "OPT-DT-2[",
+    "OPT-RESHARD-1[",
+    "OPT-ATOM-3[",
+    "OPT-PART-4[",
+    "OPT-MESH-1[",
+    "OPT-MPMD-1[",
+    "OPT-MPMD-3[",
+)
 
 
 def test_there_is_a_file_per_traced_release():
@@ -70,7 +82,15 @@ def test_trace_known_writes_a_section_per_cause_and_refuses_an_untraced_failure(
     # The failing cases share a layout no passing case has: one prefix covers both, and nothing else.
     assert "\nOPT-DT-3[single-  # state cast" in out and "OPT-DT-3[fsdp2" not in out
 
-    cases.append(_case("OPT-KEYS-1[fsdp2-adamw-sharded]", "OPT-KEYS-1", "fsdp2", "failed", "rank 1 raised ValueError: something new"))
+    cases.append(
+        _case(
+            "OPT-KEYS-1[fsdp2-adamw-sharded]",
+            "OPT-KEYS-1",
+            "fsdp2",
+            "failed",
+            "rank 1 raised ValueError: something new",
+        )
+    )
     monkeypatch.setattr(sys, "argv", ["trace_known", _report(tmp_path, cases), "--torch", "9.9.0"])
     assert trace_known.main() == 1
     assert "OPT-KEYS-1[fsdp2-adamw-sharded]" in capsys.readouterr().err

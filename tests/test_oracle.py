@@ -18,8 +18,17 @@ from helpers import run_task
         ("pp2", 2, "sgd", False),
     ],
 )
-def test_running_ahead_gives_the_uninterrupted_run_and_puts_the_source_back(pools, layout, world_size, optimizer, scheduler):
-    problems = run_task(pools, world_size, oracle_tasks.run_ahead_is_the_uninterrupted_run, layout=layout, optimizer=optimizer, scheduler=scheduler)
+def test_running_ahead_gives_the_uninterrupted_run_and_puts_the_source_back(
+    pools, layout, world_size, optimizer, scheduler
+):
+    problems = run_task(
+        pools,
+        world_size,
+        oracle_tasks.run_ahead_is_the_uninterrupted_run,
+        layout=layout,
+        optimizer=optimizer,
+        scheduler=scheduler,
+    )
     assert problems == [[]] * world_size
 
 

@@ -21,8 +21,14 @@ def _heavy(modules) -> list[str]:
 
 def test_importing_the_plugin_imports_nothing_heavy():
     code = "import json, sys; import conformance.pytest_plugin; print(json.dumps(sorted(sys.modules)))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                          capture_output=True, text=True, timeout=scaled(300))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
     assert proc.returncode == 0, proc.stderr
     modules = json.loads(proc.stdout)
     assert "conformance.pytest_plugin" in modules
@@ -44,9 +50,26 @@ def test_a_pytest_run_with_the_plugin_and_no_case_imports_nothing_heavy(tmp_path
     # -p no:conformance then -p by module name: the plugin is loaded once,
     # whether or not this environment has hyperdsd installed.
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:conformance",
-         "-p", "conformance.pytest_plugin", "--dsd-xfails", os.devnull, "test_unrelated.py"],
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=scaled(300),
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:conformance",
+            "-p",
+            "conformance.pytest_plugin",
+            "--dsd-xfails",
+            os.devnull,
+            "test_unrelated.py",
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout

@@ -15,7 +15,13 @@ from conformance.results import CaseResult
 from hyperdsd.testing import Status
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-COLOURS = {"passed": "rgb(200, 230, 201)", "failed": "rgb(239, 154, 154)", "error": "rgb(229, 115, 115)", "xfail": "rgb(255, 224, 130)", "n/a": "rgb(224, 224, 224)"}
+COLOURS = {
+    "passed": "rgb(200, 230, 201)",
+    "failed": "rgb(239, 154, 154)",
+    "error": "rgb(229, 115, 115)",
+    "xfail": "rgb(255, 224, 130)",
+    "n/a": "rgb(224, 224, 224)",
+}
 
 
 def results_for(statuses: dict[str, str], default="passed"):
@@ -24,7 +30,16 @@ def results_for(statuses: dict[str, str], default="passed"):
         status = statuses.get(case.id, default)
         if status is None:
             continue
-        out.append(CaseResult(case, Status(status), 0.01, message=f"{status} message" if status != "passed" else "", repro=f"python -m conformance -k '{case.id}'", xfail_reason="known" if status == "xfail" else ""))
+        out.append(
+            CaseResult(
+                case,
+                Status(status),
+                0.01,
+                message=f"{status} message" if status != "passed" else "",
+                repro=f"python -m conformance -k '{case.id}'",
+                xfail_reason="known" if status == "xfail" else "",
+            )
+        )
     return out
 
 
@@ -54,13 +69,18 @@ def test_an_implementation_that_declares_less_is_certified_for_it_with_its_cover
     cov = core["coverage"]
     assert "OPT-DT-1" in cov["not_exercised"] and "OPT-RT-1" in cov["exercised"]
     said = verdict({"core": core}, decl)
-    assert said == f"certified for {'get full_cpu; load file; layouts all; options all'}: {len(cov['exercised'])} of {cov['core_clauses']} core clauses exercised"
+    assert (
+        said
+        == f"certified for {'get full_cpu; load file; layouts all; options all'}: {len(cov['exercised'])} of {cov['core_clauses']} core clauses exercised"
+    )
     assert "core certified" not in said
     lines = first_lines({"level": {"core": core}, "declaration": decl})
     assert lines[1].startswith("Coverage: ") and "not exercised: " in lines[1] and "OPT-DT-1" in lines[1]
     # Declaring less never reads cleaner: one failure in what ran, and nothing is certified.
     some = next(c.id for c in all_cases() if c.mode == "file" and c.profile == "core")
-    broken = level(results_for({**{c.id: "n/a" for c in all_cases() if adapter.lacks(c.needs)}, some: "failed"}), frozenset())["core"]
+    broken = level(
+        results_for({**{c.id: "n/a" for c in all_cases() if adapter.lacks(c.needs)}, some: "failed"}), frozenset()
+    )["core"]
     assert not broken["reached_for_declaration"] and verdict({"core": broken}, decl) == "not certified"
     # Everything declared and passed: the only clean certificate, every core clause exercised.
     full = level(results_for({}), frozenset())["core"]
@@ -72,12 +92,22 @@ def test_failures_are_grouped_into_distinct_deviations(tmp_path):
         "OPT-RT-1[fsdp4-adamw-dcp]": "rank 1 raised KeyError in set_optimizer_state_dict: 'layers.0.fc1.weight'",
         "OPT-RT-1[fsdp2-sgd-dcp]": "ranks 0,1 raised KeyError in set_optimizer_state_dict: 'aux.bias'",
     }
-    other = {"OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.oracle.CheckFailure: full: state dtypes or values were not kept:\n"
-                                             "  state['aux.weight']['exp_avg']: dtype torch.bfloat16, expected torch.float32"}
+    other = {
+        "OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.oracle.CheckFailure: full: state dtypes or values were not kept:\n"
+        "  state['aux.weight']['exp_avg']: dtype torch.bfloat16, expected torch.float32"
+    }
     results = []
     for case in all_cases():
         message = {**same_cause, **other}.get(case.id)
-        results.append(CaseResult(case, Status.FAILED if message else Status.PASSED, 0.01, message=message or "", repro=f"python -m conformance -k '{case.id}'"))
+        results.append(
+            CaseResult(
+                case,
+                Status.FAILED if message else Status.PASSED,
+                0.01,
+                message=message or "",
+                repro=f"python -m conformance -k '{case.id}'",
+            )
+        )
     write_report(str(tmp_path), info(), results, [], 12.0, frozenset())
     data = json.loads((tmp_path / "report.json").read_text())
     devs = data["deviations"]
@@ -101,17 +131,35 @@ def test_markdown_names_the_level_and_lists_failures(tmp_path):
     assert data["level"]["core"]["reached"] is False and (tmp_path / "junit.xml").exists()
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian: apt-get install chromium); .ci/run installs it")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium on this machine (Debian: apt-get install chromium); .ci/run installs it"
+)
 def test_html_matrix_as_rendered_by_headless_chromium(tmp_path):
-    statuses = {"OPT-RT-1[fsdp4-adamw-dcp]": "failed", "OPT-PURE-1[single-adamw-sharded-fresh]": "error",
-                "OPT-KEYS-3[ddp-sharded]": "xfail"}
+    statuses = {
+        "OPT-RT-1[fsdp4-adamw-dcp]": "failed",
+        "OPT-PURE-1[single-adamw-sharded-fresh]": "error",
+        "OPT-KEYS-3[ddp-sharded]": "xfail",
+    }
     results = results_for(statuses)
     write_report(str(tmp_path), info(), results, [], 12.0, frozenset())
     proc = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", (tmp_path / "report.html").as_uri()],
-        capture_output=True, text=True, timeout=scaled(120),
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            (tmp_path / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     )
     dom = proc.stdout
     assert 'data-rendered="yes"' in dom, proc.stderr[-2000:]

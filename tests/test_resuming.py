@@ -44,8 +44,14 @@ def write_examples(folder) -> dict[str, str]:
 def run(folder, args, launcher=(), timeout=300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), ROOT]))
     (folder / "runner.py").write_text(RUNNER)
-    return subprocess.run([sys.executable, *launcher, str(folder / "runner.py"), *args], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=scaled(timeout))
+    return subprocess.run(
+        [sys.executable, *launcher, str(folder / "runner.py"), *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(timeout),
+    )
 
 
 def test_every_python_block_is_a_named_example(tmp_path):
@@ -67,7 +73,7 @@ def test_the_examples_run_in_one_process_and_the_error_shown_is_the_one_raised(t
     failed = run(tmp_path, ["resume_incomplete.py"])
     assert failed.returncode != 0
     (shown,) = blocks("text")
-    raised = failed.stderr.rstrip().splitlines()[-len(shown.strip().splitlines()):]
+    raised = failed.stderr.rstrip().splitlines()[-len(shown.strip().splitlines()) :]
     assert raised == shown.strip().splitlines(), failed.stderr[-3000:]
 
 
@@ -92,4 +98,6 @@ def test_without_the_planner_the_example_would_stop_on_lazy_state(tmp_path):
     assert "planner=" in code
     (tmp_path / name).write_text(re.sub(r"planner=[\w.]+\(\),?", "", code))
     failed = run(tmp_path, [name])
-    assert "Missing key in checkpoint state_dict: " in failed.stderr and "router.weight.step" in failed.stderr, failed.stderr[-3000:]
+    assert "Missing key in checkpoint state_dict: " in failed.stderr and "router.weight.step" in failed.stderr, (
+        failed.stderr[-3000:]
+    )

@@ -18,7 +18,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_every_torch_load_in_the_project_is_weights_only():
     offenders = []
-    for path in list(ROOT.glob("hyperdsd/**/*.py")) + list(ROOT.glob("conformance/**/*.py")) + list(ROOT.glob("tools/*.py")) + list(ROOT.glob("tests/*.py")):
+    for path in (
+        list(ROOT.glob("hyperdsd/**/*.py"))
+        + list(ROOT.glob("conformance/**/*.py"))
+        + list(ROOT.glob("tools/*.py"))
+        + list(ROOT.glob("tests/*.py"))
+    ):
         text = path.read_text()
         for match in re.finditer(r"torch\.load\(([^)]*)\)", text):
             if "weights_only=True" not in match.group(1):
@@ -45,7 +50,10 @@ def test_a_full_state_file_with_a_pickle_payload_is_refused(tmp_path):
         read_full(str(evil))
     assert not marker.exists(), "the pickled payload ran"
     # a legitimate full-state file still loads
-    torch.save({"model": {"w": torch.ones(2)}, "optim": {"state": {}, "param_groups": [{"params": [], "lr": 0.1}]}}, tmp_path / "ok.pt")
+    torch.save(
+        {"model": {"w": torch.ones(2)}, "optim": {"state": {}, "param_groups": [{"params": [], "lr": 0.1}]}},
+        tmp_path / "ok.pt",
+    )
     assert read_full(str(tmp_path / "ok.pt"))["optim"]["param_groups"][0]["lr"] == 0.1
 
 

@@ -18,18 +18,36 @@ def test_every_clause_has_cases_and_every_case_a_clause():
 
 
 def _report(path, statuses, deviations=()):
-    cases = [{"id": cid, "clause": cid.split("[")[0], "status": st, "message": f"{st} because" if st in ("failed", "error") else ""}
-             for cid, st in statuses.items()]
-    data = {"impl": {"name": "demo", "version": "1"}, "torch_version": "2.13.0", "suite_version": "0.2.0", "cases": cases,
-            "deviations": list(deviations)}
+    cases = [
+        {
+            "id": cid,
+            "clause": cid.split("[")[0],
+            "status": st,
+            "message": f"{st} because" if st in ("failed", "error") else "",
+        }
+        for cid, st in statuses.items()
+    ]
+    data = {
+        "impl": {"name": "demo", "version": "1"},
+        "torch_version": "2.13.0",
+        "suite_version": "0.2.0",
+        "cases": cases,
+        "deviations": list(deviations),
+    }
     path.write_text(json.dumps(data))
     return str(path)
 
 
 def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path):
-    old = _report(tmp_path / "old.json", {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "failed", "OPT-DT-1[a]": "passed", "OPT-DT-1[b]": "passed"})
-    new = _report(tmp_path / "new.json", {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "passed", "OPT-DT-1[a]": "error", "OPT-PART-5[a]": "passed"},
-                  [{"signature": "x", "status": "error", "clauses": ["OPT-DT-1"], "count": 1, "message": "error because"}])
+    old = _report(
+        tmp_path / "old.json",
+        {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "failed", "OPT-DT-1[a]": "passed", "OPT-DT-1[b]": "passed"},
+    )
+    new = _report(
+        tmp_path / "new.json",
+        {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "passed", "OPT-DT-1[a]": "error", "OPT-PART-5[a]": "passed"},
+        [{"signature": "x", "status": "error", "clauses": ["OPT-DT-1"], "count": 1, "message": "error because"}],
+    )
     proc, _ = run_cli(["diff", old, new])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
@@ -50,10 +68,15 @@ def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
 
     head = "ranks 0,1 raised CheckFailure: the message does not name ['adapter.bias']: CheckpointException ranks:dict_keys([0, 1])"
     torch_a = signature(head + " ... local_plan = plan")
-    torch_b = signature(head + ' ... File "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/state_dict_loader.py", lin')
+    torch_b = signature(
+        head + ' ... File "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/state_dict_loader.py", lin'
+    )
     assert torch_a == torch_b  # the same cause, cut from two tracebacks
     kept = signature(head + " ... RuntimeError: Missing key in checkpoint state_dict: optim.state.aux.weight.step.")
-    assert kept.endswith("RuntimeError: Missing key in checkpoint state_dict: optim.state.aux.weight.step.") and kept != torch_a
+    assert (
+        kept.endswith("RuntimeError: Missing key in checkpoint state_dict: optim.state.aux.weight.step.")
+        and kept != torch_a
+    )
 
 
 def test_expected_failures_group_by_their_traced_cause():
@@ -64,8 +87,18 @@ def test_expected_failures_group_by_their_traced_cause():
 
     a, b, c = list(all_cases())[:3]
     results = [
-        CaseResult(a, Status.XFAIL, message="rank 0 raised KeyError in set_optimizer_state_dict: 'lr'", xfail_reason="empty groups lose fields, #1"),
-        CaseResult(b, Status.XFAIL, message="rank 1 raised CheckFailure: params['x']: values differ", xfail_reason="empty groups lose fields, #1"),
+        CaseResult(
+            a,
+            Status.XFAIL,
+            message="rank 0 raised KeyError in set_optimizer_state_dict: 'lr'",
+            xfail_reason="empty groups lose fields, #1",
+        ),
+        CaseResult(
+            b,
+            Status.XFAIL,
+            message="rank 1 raised CheckFailure: params['x']: values differ",
+            xfail_reason="empty groups lose fields, #1",
+        ),
         CaseResult(c, Status.FAILED, message="rank 1 raised CheckFailure: params['x']: values differ"),
     ]
     deviations = group(results)

@@ -18,9 +18,20 @@ EVENT_LIMIT_S = scaled(600)
 # 1-, 2- and 3-rank cases, a failing rank's release and regroup, and
 # resharding between world sizes (phases on sub-worlds of their own).
 SLICE = [
-    "-k", "OPT-RT-1[single-adamw-dcp]", "-k", "OPT-RT-1[fsdp2-sgd-full]", "-k", "OPT-RT-1[fsdp3-adamw-bcast]",
-    "-k", "OPT-KEYS-1[fsdp4-adamw", "-k", "OPT-ATOM-4[fsdp2-bcast]", "-k", "OPT-RESHARD-1[fsdp4_to_fsdp2-sgd",
-    "-k", "OPT-RESHARD-3[single_to_fsdp3",
+    "-k",
+    "OPT-RT-1[single-adamw-dcp]",
+    "-k",
+    "OPT-RT-1[fsdp2-sgd-full]",
+    "-k",
+    "OPT-RT-1[fsdp3-adamw-bcast]",
+    "-k",
+    "OPT-KEYS-1[fsdp4-adamw",
+    "-k",
+    "OPT-ATOM-4[fsdp2-bcast]",
+    "-k",
+    "OPT-RESHARD-1[fsdp4_to_fsdp2-sgd",
+    "-k",
+    "OPT-RESHARD-3[single_to_fsdp3",
 ]
 
 
@@ -32,8 +43,14 @@ def _free_port() -> int:
 
 def _torchrun(args, cwd, mark, launcher_args=("--standalone", "--nproc-per-node", "4")):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "conformance", *args],
-                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "conformance", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _statuses(path) -> dict:
@@ -61,7 +78,18 @@ def test_a_failing_rank_under_torchrun_releases_the_others_and_the_run_goes_on(t
     mark = uuid.uuid4().hex
     report = tmp_path / "faulty.json"
     adamw, sgd = "OPT-KEYS-1[fsdp4-adamw-sharded]", "OPT-KEYS-1[fsdp4-sgd-sharded]"
-    args = ["--impl", "faulty_impl:raises", "-k", adamw, "-k", sgd, "--timeout", str(scaled(300)), "--json", str(report)]
+    args = [
+        "--impl",
+        "faulty_impl:raises",
+        "-k",
+        adamw,
+        "-k",
+        sgd,
+        "--timeout",
+        str(scaled(300)),
+        "--json",
+        str(report),
+    ]
     proc = _torchrun(args, str(tmp_path), mark)
     out, _ = proc.communicate(timeout=EVENT_LIMIT_S)
     assert proc.returncode == 1, out[-4000:]
@@ -81,10 +109,36 @@ def test_two_node_agents_on_loopback_form_one_world(tmp_path):
     shared.mkdir()
     reports = [tmp_path / f"node{n}.json" for n in (0, 1)]
     procs = [
-        _torchrun(["-k", "OPT-KEYS-1[fsdp4-adamw", "-k", "OPT-RT-1[single-adamw-dcp]", "-k", "OPT-RESHARD-1[fsdp4_to_fsdp2-sgd",
-                   "--workdir", str(shared), "--json", str(reports[n])], str(tmp_path), mark,
-                  launcher_args=("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2", "--rdzv-backend", "static",
-                                 "--master-addr", "127.0.0.1", "--master-port", port))
+        _torchrun(
+            [
+                "-k",
+                "OPT-KEYS-1[fsdp4-adamw",
+                "-k",
+                "OPT-RT-1[single-adamw-dcp]",
+                "-k",
+                "OPT-RESHARD-1[fsdp4_to_fsdp2-sgd",
+                "--workdir",
+                str(shared),
+                "--json",
+                str(reports[n]),
+            ],
+            str(tmp_path),
+            mark,
+            launcher_args=(
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "static",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+            ),
+        )
         for n in (0, 1)
     ]
     outs = [p.communicate(timeout=EVENT_LIMIT_S)[0] for p in procs]
@@ -106,8 +160,9 @@ def test_a_rank_still_running_after_a_peer_left_releases_itself():
     from hyperdsd.testing import world
 
     left, released = threading.Event(), []
-    dog = world._Watchdog(EVENT_LIMIT_S, lambda: None, None, peer_left=left.is_set,
-                          release=lambda: released.append(time.monotonic()))
+    dog = world._Watchdog(
+        EVENT_LIMIT_S, lambda: None, None, peer_left=left.is_set, release=lambda: released.append(time.monotonic())
+    )
     with dog:
         time.sleep(0.6)
         assert not released  # no peer left yet

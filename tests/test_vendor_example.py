@@ -90,8 +90,11 @@ def test_full_state_example_declares_its_modes(runners):
     runner = runners[FULL_STATE]
     assert runner.adapter.modes == frozenset(FULL_STATE_MODES)
     assert runner.adapter.get_modes == {"full", "full_cpu"}
-    undeclared = [c for c in all_cases() if c.mode is not None and c.mode not in FULL_STATE_MODES and c.profile == "core"
-                  and c.needs.load is not None]
+    undeclared = [
+        c
+        for c in all_cases()
+        if c.mode is not None and c.mode not in FULL_STATE_MODES and c.profile == "core" and c.needs.load is not None
+    ]
     assert undeclared and all("does not declare" in runner.applicability(c) for c in undeclared)
     modeless = [c for c in all_cases() if c.mode is None]
     assert modeless and all("option 'options_type'" in runner.applicability(c) for c in modeless)
@@ -101,8 +104,17 @@ def _results(adapter, failing=()):
     """Every case: those the declaration admits passed, the rest n/a, as a run would give."""
     from conformance.runner import undeclared
 
-    return [CaseResult(case, Status.FAILED if case.id in failing else Status.NOT_APPLICABLE if undeclared(adapter, case)
-                       else Status.PASSED) for case in all_cases()]
+    return [
+        CaseResult(
+            case,
+            Status.FAILED
+            if case.id in failing
+            else Status.NOT_APPLICABLE
+            if undeclared(adapter, case)
+            else Status.PASSED,
+        )
+        for case in all_cases()
+    ]
 
 
 def test_full_state_certificate_wording():
@@ -137,6 +149,8 @@ def test_full_state_backend_device_and_limits():
     with pytest.raises(Unsupported, match="full state dicts only"):
         adapter.get_model_state_dict(model, options=adapter.Options())
     with pytest.raises(NotImplementedError, match="no flat optimizer layout"):
-        adapter.get_optimizer_state_dict(model, optimizer, options=adapter.Options(full_state_dict=True, flatten_optimizer_state_dict=True))
+        adapter.get_optimizer_state_dict(
+            model, optimizer, options=adapter.Options(full_state_dict=True, flatten_optimizer_state_dict=True)
+        )
     with pytest.raises(Unsupported, match="without full_state_dict"):
         adapter.set_model_state_dict(model, {}, options=adapter.Options(broadcast_from_rank0=True))

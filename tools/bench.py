@@ -60,16 +60,30 @@ def _pairs(text: str) -> set[tuple[str, str]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="4m,17m,67m,268m,10k,50k")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=90.0, help="seconds per size and mode before repetitions stop early")
+    parser.add_argument(
+        "--budget", type=float, default=90.0, help="seconds per size and mode before repetitions stop early"
+    )
     parser.add_argument("--hsdp-sizes", default="4m,17m", help="sizes also run on a 2x2 mesh (full_get, bcast_set)")
-    parser.add_argument("--skip", default="50k:dcp,268m:dcp,67m:bcast_both,268m:bcast_both", help="SIZE:MODE pairs not run at all")
-    parser.add_argument("--torch-skip", default="50k:full_get,50k:bcast_set,50k:bcast_both", help="SIZE:MODE pairs where torch is not run")
+    parser.add_argument(
+        "--skip", default="50k:dcp,268m:dcp,67m:bcast_both,268m:bcast_both", help="SIZE:MODE pairs not run at all"
+    )
+    parser.add_argument(
+        "--torch-skip",
+        default="50k:full_get,50k:bcast_set,50k:bcast_both",
+        help="SIZE:MODE pairs where torch is not run",
+    )
     parser.add_argument("--memory-sizes", default=None, help="sizes of the memory table (default: --sizes)")
-    parser.add_argument("--memory-torch-skip", default="10k:full_get", help="SIZE:MODE pairs without torch in the memory table (beside --torch-skip)")
+    parser.add_argument(
+        "--memory-torch-skip",
+        default="10k:full_get",
+        help="SIZE:MODE pairs without torch in the memory table (beside --torch-skip)",
+    )
     parser.add_argument("--breakdown-sizes", default="10k,50k")
     parser.add_argument("--breakdown-modes", default="get,set,full_get,bcast_set,flat_get,flat_set")
     parser.add_argument("--no-breakdown", action="store_true")
@@ -86,15 +100,29 @@ def main() -> None:
     skip, torch_skip = _pairs(args.skip), _pairs(args.torch_skip)
     runs = [(s, m, "4") for s in sizes for m in modes if (s, m) not in skip]
     runs += [(s, m, "2x2") for s in args.hsdp_sizes.split(",") if s for m in ("full_get", "bcast_set")]
-    print(f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, {args.reps} repetitions per implementation, medians; "
-          f"hyperdsd bucket {BUCKET_BYTES / 2**20:.0f} MiB")
-    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10} {'hyperdsd/floor':>15} {'reps':>5}"
-          f" {'ms/1k keys':>11} {'x own get':>10}")
+    print(
+        f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, {args.reps} repetitions per implementation, medians; "
+        f"hyperdsd bucket {BUCKET_BYTES / 2**20:.0f} MiB"
+    )
+    print(
+        f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10} {'hyperdsd/floor':>15} {'reps':>5}"
+        f" {'ms/1k keys':>11} {'x own get':>10}"
+    )
     own_get: dict[str, float] = {}
     with PoolSet(gloo_timeout_s=900) as pools:
         for size, mode, mesh in runs:
             torch_too = (size, mode) not in torch_skip
-            task = Task(bench_tasks.time_mode, {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget, "torch_too": torch_too})
+            task = Task(
+                bench_tasks.time_mode,
+                {
+                    "size": size,
+                    "mode": mode,
+                    "mesh": mesh,
+                    "reps": args.reps,
+                    "budget_s": args.budget,
+                    "torch_too": torch_too,
+                },
+            )
             outcome = pools.run(4, task, 3600)
             if outcome.status is not Status.PASSED:
                 print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}", flush=True)
@@ -119,7 +147,11 @@ def main() -> None:
                 extra = f" {b / bench_tasks.keys_of(size) * 1000:11.1f} {relative}"
             print(f"{size:>5} {mesh:>4} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
         if not args.no_breakdown:
-            _breakdown(pools, [s for s in args.breakdown_sizes.split(",") if s], [m for m in args.breakdown_modes.split(",") if m])
+            _breakdown(
+                pools,
+                [s for s in args.breakdown_sizes.split(",") if s],
+                [m for m in args.breakdown_modes.split(",") if m],
+            )
     if not args.no_memory:
         memory_sizes = [s for s in (args.memory_sizes or args.sizes).split(",") if s]
         _memory(memory_sizes, args.hsdp_sizes.split(","), torch_skip | _pairs(args.memory_torch_skip))
@@ -128,7 +160,9 @@ def main() -> None:
 def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
     from hyperdsd.testing import Task
 
-    print("\nwhere a key's time goes: hyperdsd's CPU time per key (us), slowest rank; cProfile shares scaled to the unprofiled CPU time")
+    print(
+        "\nwhere a key's time goes: hyperdsd's CPU time per key (us), slowest rank; cProfile shares scaled to the unprofiled CPU time"
+    )
     for size in sizes:
         keys = bench_tasks.keys_of(size)
         columns: dict[str, dict[str, float]] = {}
@@ -156,7 +190,9 @@ def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, 
     from hyperdsd.testing import PoolSet, Task
 
     print("\npeak resident memory above the baseline during one op, MiB per rank (own processes per implementation)")
-    print(f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)  KiB per key, non-root ranks")
+    print(
+        f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)  KiB per key, non-root ranks"
+    )
     for size in sizes:
         for mesh in ("4", "2x2"):
             if mesh == "2x2" and size not in hsdp_sizes:
@@ -167,9 +203,13 @@ def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, 
                         print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  not run", flush=True)
                         continue
                     with PoolSet(gloo_timeout_s=900) as pools:
-                        outcome = pools.run(4, Task(bench_tasks.memory, {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600)
+                        outcome = pools.run(
+                            4, Task(bench_tasks.memory, {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600
+                        )
                     if outcome.status is not Status.PASSED:
-                        print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}", flush=True)
+                        print(
+                            f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}", flush=True
+                        )
                         continue
                     peaks = " / ".join(f"{v['peak_above_base_mib']:6.1f}" for v in outcome.values)
                     own = outcome.values[1]["own_state_mib"]

@@ -114,8 +114,9 @@ def time_saves(ctx, size: str, reps: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_commit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench_commit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="17m")
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
@@ -129,8 +130,10 @@ def main() -> None:
     if outcome.status != "passed":
         sys.exit(f"failed: {outcome.describe()}")
     t = outcome.values[0]
-    print(f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, {args.size} FSDP2 model with AdamW, "
-          f"{len(t['sync dcp'])} repetitions, medians of the slowest rank")
+    print(
+        f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, {args.size} FSDP2 model with AdamW, "
+        f"{len(t['sync dcp'])} repetitions, medians of the slowest rank"
+    )
     print(f"{'':>16} {'dcp.save ms':>12} {'hyperdsd ms':>12} {'ratio':>6} {'paired':>7}")
     for row in ("sync", "async blocking", "async total"):
         a, b = statistics.median(t[f"{row} dcp"]), statistics.median(t[f"{row} hyperdsd"])

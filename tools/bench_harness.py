@@ -64,7 +64,10 @@ def _spawned_test(rank, world_size, store_path, variant):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
+        "gloo",
+        store=dist.FileStore(store_path, world_size),
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
     fsdp_get_set(_SpawnCtx(rank, world_size), variant)
@@ -78,7 +81,9 @@ def spawn_per_test(n: int, world_size: int) -> list[float]:
     for i in range(n):
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
-            mp.start_processes(_spawned_test, args=(world_size, os.path.join(d, "store"), i), nprocs=world_size, start_method="spawn")
+            mp.start_processes(
+                _spawned_test, args=(world_size, os.path.join(d, "store"), i), nprocs=world_size, start_method="spawn"
+            )
         times.append(time.perf_counter() - start)
     return times
 
@@ -105,7 +110,9 @@ def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench_harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tests", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=4)
     args = parser.parse_args()
@@ -115,9 +122,13 @@ def main() -> None:
     med = statistics.median
     print(f"{args.tests} FSDP2 get/set tests on {args.world_size} CPU ranks (gloo), {os.cpu_count()} cores")
     print(f"  spawn a process group per test : {med(spawned):7.3f} s per test (median), {sum(spawned):6.1f} s in all")
-    print(f"  warm pool                      : {med(walls):7.3f} s per test (median), {sum(walls):6.1f} s in all, "
-          f"plus {startup:.1f} s to start the pool once")
-    print(f"  warm pool overhead per test    : {med(overheads) * 1000:7.1f} ms (median; wall time minus the slowest rank's work)")
+    print(
+        f"  warm pool                      : {med(walls):7.3f} s per test (median), {sum(walls):6.1f} s in all, "
+        f"plus {startup:.1f} s to start the pool once"
+    )
+    print(
+        f"  warm pool overhead per test    : {med(overheads) * 1000:7.1f} ms (median; wall time minus the slowest rank's work)"
+    )
     print(f"  ratio (spawn / warm, per test) : {med(spawned) / med(walls):7.1f}x")
 
 

@@ -30,6 +30,8 @@ def keys_of(size: str) -> int:
     """Parameters (model keys; each also has three AdamW state values) of a size."""
     per_block, blocks, _ = SIZES[size]
     return per_block * blocks * 2
+
+
 # bcast_both: hyperdsd loads model and optimizer in one set_state_dict (one
 # manifest, one exchange); torch in two calls as in bcast_set (its
 # set_state_dict hangs in this mode when other ranks pass an empty model dict).
@@ -54,7 +56,9 @@ def _build(ctx, size: str, mesh: str):
         per_block, blocks, width = SIZES[size]
         torch.manual_seed(0)
         with torch.device("meta" if size in ON_META else "cpu"):
-            model = nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width) for _ in range(per_block)]) for _ in range(blocks)])
+            model = nn.Sequential(
+                *[nn.Sequential(*[nn.Linear(width, width) for _ in range(per_block)]) for _ in range(blocks)]
+            )
         m = ctx.mesh(mesh)
         for block in model:
             fully_shard(block, mesh=m)
@@ -158,7 +162,9 @@ def _floor(ctx, mode: str, model, opt, buf) -> None:
         group = ctx.mesh(ctx.cache["mesh"]).get_group("shard") if "x" in ctx.cache["mesh"] else dist.group.WORLD
         if 0 in dist.get_process_group_ranks(group):
             n = dist.get_world_size(group)
-            dist.gather(buf, [torch.empty_like(buf) for _ in range(n)] if ctx.rank == 0 else None, group=group, group_dst=0)
+            dist.gather(
+                buf, [torch.empty_like(buf) for _ in range(n)] if ctx.rank == 0 else None, group=group, group_dst=0
+            )
     elif mode in ("bcast_set", "bcast_both"):
         dist.scatter(buf, [torch.empty_like(buf) for _ in range(ctx.world_size)] if ctx.rank == 0 else None, src=0)
     else:
@@ -237,8 +243,11 @@ def memory(ctx, impl: str, size: str, mode: str, mesh: str):
     base = _status_kb("VmRSS")
     _op(ctx, impl, mode, model, opt, inputs)
     peak = _status_kb("VmHWM")
-    return {"rank": ctx.rank, "peak_above_base_mib": (peak - base) / 1024, "own_state_mib": _state_bytes(model, opt) / 2**20}
-
+    return {
+        "rank": ctx.rank,
+        "peak_above_base_mib": (peak - base) / 1024,
+        "own_state_mib": _state_bytes(model, opt) / 2**20,
+    }
 
 
 # -- where a key's time goes -------------------------------------------------
@@ -248,12 +257,27 @@ def memory(ctx, impl: str, size: str, mode: str, mesh: str):
 # methods count in their caller's category.
 CATEGORIES = (
     ("FQN index", ("hyperdsd/state/fqn.py",)),
-    ("module/optimizer state_dict() (torch)", ("torch/nn/modules/module.py", "torch/optim/", "torch/distributed/fsdp/", "torch/utils/hooks")),
-    ("checks (validation)", ("hyperdsd/state/model.py", "hyperdsd/state/optimizer_load.py", "hyperdsd/state/optimizer_input.py", "hyperdsd/state/placeholders.py", "hyperdsd/api.py")),
+    (
+        "module/optimizer state_dict() (torch)",
+        ("torch/nn/modules/module.py", "torch/optim/", "torch/distributed/fsdp/", "torch/utils/hooks"),
+    ),
+    (
+        "checks (validation)",
+        (
+            "hyperdsd/state/model.py",
+            "hyperdsd/state/optimizer_load.py",
+            "hyperdsd/state/optimizer_input.py",
+            "hyperdsd/state/placeholders.py",
+            "hyperdsd/api.py",
+        ),
+    ),
     ("plan objects (Prepared, layouts)", ("hyperdsd/state/load_plan.py", "hyperdsd/placement.py")),
     ("reading state (get)", ("hyperdsd/state/optimizer.py",)),
     ("applying (copies, new state)", ()),
-    ("DTensor dispatch and construction", ("torch/distributed/tensor/", "torch/_dynamo", "torch/_compile", "torch/_ops", "torch/_library")),
+    (
+        "DTensor dispatch and construction",
+        ("torch/distributed/tensor/", "torch/_dynamo", "torch/_compile", "torch/_ops", "torch/_library"),
+    ),
     ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
     ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py")),
     ("buckets: packing, regions", ("hyperdsd/transport/", "hyperdsd/agreement.py")),

@@ -99,7 +99,9 @@ def run_suite(parent: str, patterns: list[str] | None, report: str, log) -> Stag
     cmd = [sys.executable, "-m", "conformance", "--impl", PACKAGE, "-x", "--json", report]
     for p in patterns or []:
         cmd += ["-k", p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([parent, ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([parent, ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log.write(proc.stdout)
     log.flush()
@@ -115,7 +117,9 @@ def run_suite(parent: str, patterns: list[str] | None, report: str, log) -> Stag
             first = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
             return StageResult(case["id"], case["status"], first, len(data["cases"]))
     if proc.returncode != 0:
-        return StageResult(killed_by=f"(suite exit {proc.returncode})", status="broken", message="", ran=len(data["cases"]))
+        return StageResult(
+            killed_by=f"(suite exit {proc.returncode})", status="broken", message="", ran=len(data["cases"])
+        )
     return StageResult(ran=len(data["cases"]))
 
 
@@ -170,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--quick-only", action="store_true", help="hints and the quick slice only; no full-matrix stage")
     p.add_argument("--no-baseline", action="store_true", help="skip the unmutated quick-slice check")
-    p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "hyperdsd-mutate.log"), help="the suite's output goes here")
+    p.add_argument(
+        "--log", default=os.path.join(tempfile.gettempdir(), "hyperdsd-mutate.log"), help="the suite's output goes here"
+    )
     p.add_argument("--json", help="write the verdicts here")
     args = p.parse_args(argv)
 
@@ -197,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_baseline:
             base = run_mutant(None, quick, True, log)
             if base.killed:
-                print(f"baseline (unmutated) fails: {base.result.killed_by} ({base.result.status}): {base.result.message}")
+                print(
+                    f"baseline (unmutated) fails: {base.result.killed_by} ({base.result.status}): {base.result.message}"
+                )
                 return 2
             print(f"baseline: the quick slice passes unmutated ({base.seconds:.0f} s)", flush=True)
         verdicts = []
@@ -215,12 +223,30 @@ def main(argv: list[str] | None = None) -> int:
         print("survivors: " + ", ".join(survivors))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({
-                "score": score, "killed": killed, "total": len(verdicts), "seconds": elapsed, "quick_only": args.quick_only,
-                "mutants": [{"name": v.mutant.name, "file": v.mutant.file, "bug": v.mutant.bug, "killed_by": v.result.killed_by,
-                             "status": v.result.status, "stage": v.stage, "message": v.result.message, "seconds": round(v.seconds, 1)}
-                            for v in verdicts],
-            }, f, indent=1)
+            json.dump(
+                {
+                    "score": score,
+                    "killed": killed,
+                    "total": len(verdicts),
+                    "seconds": elapsed,
+                    "quick_only": args.quick_only,
+                    "mutants": [
+                        {
+                            "name": v.mutant.name,
+                            "file": v.mutant.file,
+                            "bug": v.mutant.bug,
+                            "killed_by": v.result.killed_by,
+                            "status": v.result.status,
+                            "stage": v.stage,
+                            "message": v.result.message,
+                            "seconds": round(v.seconds, 1),
+                        }
+                        for v in verdicts
+                    ],
+                },
+                f,
+                indent=1,
+            )
     return 0 if not survivors else 1
 
 

@@ -53,8 +53,9 @@ def tree_pss(root: int) -> tuple[int, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.peak_memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.peak_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -69,8 +70,11 @@ def main() -> int:
             peak, procs = pss, n
         time.sleep(0.2)
     took = time.monotonic() - start
-    print(f"peak memory (PSS of the process tree): {peak / 1024:.0f} MiB with {procs} processes; "
-          f"wall {took:.0f} s; exit {proc.returncode}", file=sys.stderr)
+    print(
+        f"peak memory (PSS of the process tree): {peak / 1024:.0f} MiB with {procs} processes; "
+        f"wall {took:.0f} s; exit {proc.returncode}",
+        file=sys.stderr,
+    )
     return proc.returncode
 
 

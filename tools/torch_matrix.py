@@ -43,7 +43,9 @@ def _venv(version: str, rebuild: bool) -> str:
     constraints = os.path.join(path, "constraints.txt")
     with open(constraints, "w") as f:
         f.write(f"torch=={version}\n")
-    subprocess.run([python, "-m", "pip", "install", "-q", "-c", constraints, "-e", f"{ROOT}[test]"], check=True, cwd=ROOT)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "-c", constraints, "-e", f"{ROOT}[test]"], check=True, cwd=ROOT
+    )
     return python
 
 
@@ -52,7 +54,12 @@ def _run(python: str, version: str, impl: str, out: str, extra: list[str]) -> di
     log = os.path.join(out, f"{version}-{impl}.log")
     start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.run([python, "-m", "conformance", "--impl", impl, "--json", report, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [python, "-m", "conformance", "--impl", impl, "--json", report, *extra],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     took = time.monotonic() - start
     if not os.path.exists(report):
         print(f"[{version}] {impl}: no report (exit {proc.returncode}); see {log}", flush=True)
@@ -84,15 +91,19 @@ def _table(results: dict[tuple[str, str], dict], versions: list[str], impls: lis
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.torch_matrix", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.torch_matrix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--versions", default=",".join(DEFAULT_VERSIONS))
     parser.add_argument("--impls", default="hyperdsd,torch")
     parser.add_argument("--out", default=os.path.join(ROOT, "out", "torch-matrix"))
     parser.add_argument("--rebuild", action="store_true", help="recreate the virtual environments")
     parser.add_argument("-k", dest="patterns", action="append", default=[], help="passed on to python -m conformance")
-    parser.add_argument("--reuse", action="store_true",
-                        help="use reports already in --out (VERSION-IMPL.json, written by an earlier run) instead of running again")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="use reports already in --out (VERSION-IMPL.json, written by an earlier run) instead of running again",
+    )
     args = parser.parse_args()
     versions = [v for v in args.versions.split(",") if v]
     impls = [i for i in args.impls.split(",") if i]

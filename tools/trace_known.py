@@ -38,111 +38,173 @@ class Cause:
 
 
 # What a missing stage looks like to the clauses that see it.
-_STAGE_MISSING = ("differs from the uninterrupted", "absent on rank", "does not hold the full state",
-                  "Missing key(s) in state_dict", "symmetric difference", "does not reproduce the source",
-                  "after resharding", "with every feature at once")
+_STAGE_MISSING = (
+    "differs from the uninterrupted",
+    "absent on rank",
+    "does not hold the full state",
+    "Missing key(s) in state_dict",
+    "symmetric difference",
+    "does not reproduce the source",
+    "after resharding",
+    "with every feature at once",
+)
 
 
 def _pp_stage_only(case, sig) -> bool:
     pp = any(side in PIPELINE for side in case["layout"].split("_to_"))
-    return pp and _mode(case["id"]) in ("full_cpu", "bcast", "file") and any(p in sig for p in _STAGE_MISSING) \
+    return (
+        pp
+        and _mode(case["id"]) in ("full_cpu", "bcast", "file")
+        and any(p in sig for p in _STAGE_MISSING)
         and not case["clause"].startswith(("OPT-ATOM", "OPT-EMPTY", "OPT-SCHED-1", "OPT-SCHED-3", "MODEL-2"))
+    )
 
 
 CAUSES: tuple[Cause, ...] = (
-    Cause("pipeline stages under full_cpu",
-          "with pipeline stages, full_state_dict + cpu_offload keeps on rank 0 only rank 0's own stage, so a "
-          "consolidated checkpoint (full_cpu, bcast, file) lacks the other stage, which then loads nothing",
-          _pp_stage_only),
-    Cause("fake step in get",
-          "get on a never-stepped optimizer initialises its state by running a step (zero gradients), so the "
-          "optimizer changes and a checkpoint taken before the first step holds step=1, "
-          "https://github.com/pytorch/pytorch/issues/164929",
-          lambda c, s: c["id"].endswith("-step0]") or c["id"].endswith("-fresh]")
-          or (c["clause"] in ("OPT-PART-6",) and "changed the optimizer" in s)
-          or (c["clause"] == "OPT-PART-1" and ("failed strict load changed" in s or "expected fresh (absent) state" in s))),
-    Cause("model on part of the world",
-          "two models on two halves of the world: full_state_dict + cpu_offload gives the full state to global "
-          "rank 0 only, so the half without it gets nothing from its own model",
-          lambda c, s: c["layout"] == "halves2+2" and "absent on rank" in s),
-    Cause("lazy state rejected",
-          "strict set rejects a parameter that never had a gradient (it has no optimizer state) although the "
-          "checkpoint lists it without state, https://github.com/pytorch/pytorch/issues/132628",
-          lambda c, s: "Missing optimizer state for parameter" in s and c["clause"] != "OPT-PART-1"),
-    Cause("no DCP load path for lazy state",
-          "torch documents no DCP load path for lazy state: with DCP's default planner, dcp.load into get's "
-          "template stops with 'Missing key in checkpoint state_dict' for parameters that never had a "
-          "gradient (the checkpoint rightly holds no state for them); no upstream issue found",
-          lambda c, s: "Missing key in checkpoint state_dict" in s),
-    Cause("flat layout and absent state",
-          "flat layout: the state of a parameter the checkpoint lacks is rebuilt as empty dicts, and "
-          "Optimizer.load_state_dict fails with an opaque TypeError, https://github.com/pytorch/pytorch/issues/192224",
-          lambda c, s: "float() argument must be a string or a real number" in s),
-    Cause("strict errors do not name what is missing",
-          "strict=True with parameters the checkpoint lacks: the error names one parameter (or, through DCP, "
-          "none); with pipeline stages nothing is raised",
-          lambda c, s: c["clause"] == "OPT-PART-1" and "strict=True with parameters the checkpoint lacks" in s),
-    Cause("plain SGD in full modes",
-          "plain SGD keeps no state tensor: the full and broadcast loads assert 'Expected device to be set'",
-          lambda c, s: "Expected device to be set" in s),
-    Cause("nested state values",
-          "set goes through Optimizer.load_state_dict, whose cast turns a list nested in a parameter's state "
-          "into a generator object and float state into the parameter's dtype; the flat layout refuses "
-          "non-tensor values other than int, float and dict",
-          lambda c, s: c["clause"] == "OPT-STATE-1"),
-    Cause("empty param groups",
-          "empty param groups: at most one is supported (a ValueError otherwise, or with several optimizers), "
-          "the flat layout fails with an IndexError, and groups after the first lose their fields "
-          "(KeyError 'lr' at the next step) or keep the target's, https://github.com/pytorch/pytorch/issues/143828",
-          lambda c, s: "zero parameters" in s or "IndexError" in s
-          or (c["clause"] == "OPT-RT-4" and ("KeyError in training" in s or "resumed run differs" in s))),
-    Cause("validation is rank-local",
-          "validation is rank-local: the rank with a bad value raises while the others load, or wait in a "
-          "collective; a broadcast load changes rank 0's optimizer before it fails",
-          lambda c, s: c["clause"] == "OPT-ATOM-4"),
-    Cause("state cast to the parameter's dtype",
-          "state is cast to the parameter's dtype on load (fp32 moments of bf16 parameters become bf16), "
-          "https://github.com/pytorch/pytorch/issues/43706",
-          lambda c, s: c["clause"] == "OPT-DT-3"),
-    Cause("group fields the target lacks",
-          "group fields the target's groups lack (initial_lr, custom fields) are dropped, or raise KeyError in "
-          "the full modes; nested set replaces group fields wholesale instead of merging them, "
-          "https://github.com/pytorch/pytorch/issues/140900",
-          lambda c, s: c["clause"] in ("OPT-SCHED-1", "OPT-SCHED-3")),
-    Cause("frozen parameters' state dropped",
-          "optimizer state of frozen parameters is dropped on set, https://github.com/pytorch/pytorch/issues/192202",
-          lambda c, s: c["clause"] == "OPT-PART-3"),
-    Cause("no validation of values",
-          "no validation before loading: wrong shapes and non-tensor values load or fail later, and a "
-          "parameter without state fails with a bare KeyError that names nothing",
-          lambda c, s: c["clause"] == "OPT-ATOM-2"),
-    Cause("get aliases the optimizer",
-          "get returns the optimizer's own per-parameter state dicts: changing the result changes the optimizer",
-          lambda c, s: c["clause"] == "OPT-PURE-2"),
-    Cause("unknown FQNs and groups",
-          "unknown FQNs and unknown, extra or missing param groups load without an error (or with one about "
-          "empty groups that names none of them)",
-          lambda c, s: c["clause"] == "OPT-ATOM-1"),
-    Cause("model keys not reported",
-          "model loads: non-strict full and broadcast loads fill missing keys from the model instead of "
-          "reporting them, and strict errors name only the missing or only the unexpected keys (through "
-          "DDP, only the first)",
-          lambda c, s: c["clause"] == "MODEL-2"),
-    Cause("broadcast loads send whole tensors",
-          "a broadcast load (broadcast_from_rank0) sends every rank each whole tensor (_broadcast_coalesced) and "
-          "each rank cuts its own shard from it: a non-root rank receives the whole model, not its share plus one "
-          "tensor in flight; the full copy on every rank was raised in the review of "
-          "https://github.com/pytorch/pytorch/pull/125338",
-          lambda c, s: c["clause"] == "MODEL-3" and "sent more than its shard" in s),
-    Cause("partly present state loads",
-          "in-memory loads, the consolidated file's included, take a parameter's state entry as it comes "
-          "(Optimizer.load_state_dict): an entry without exp_avg_sq or step loads without an error, into a fresh "
-          "or a stepped optimizer; only the DCP load path checks what the template expects; no upstream issue found",
-          lambda c, s: c["clause"] == "OPT-PART-6" and "no error was raised" in s),
-    Cause("extra state objects in full modes",
-          "extra state that is an arbitrary picklable object (neither a tensor nor a container of them): "
-          "full_state_dict gathers raise ValueError 'Unexpected value type'; tensors and dicts round-trip",
-          lambda c, s: c["clause"] == "MODEL-5" and "Unexpected value type" in s),
+    Cause(
+        "pipeline stages under full_cpu",
+        "with pipeline stages, full_state_dict + cpu_offload keeps on rank 0 only rank 0's own stage, so a "
+        "consolidated checkpoint (full_cpu, bcast, file) lacks the other stage, which then loads nothing",
+        _pp_stage_only,
+    ),
+    Cause(
+        "fake step in get",
+        "get on a never-stepped optimizer initialises its state by running a step (zero gradients), so the "
+        "optimizer changes and a checkpoint taken before the first step holds step=1, "
+        "https://github.com/pytorch/pytorch/issues/164929",
+        lambda c, s: (
+            c["id"].endswith("-step0]")
+            or c["id"].endswith("-fresh]")
+            or (c["clause"] in ("OPT-PART-6",) and "changed the optimizer" in s)
+            or (
+                c["clause"] == "OPT-PART-1"
+                and ("failed strict load changed" in s or "expected fresh (absent) state" in s)
+            )
+        ),
+    ),
+    Cause(
+        "model on part of the world",
+        "two models on two halves of the world: full_state_dict + cpu_offload gives the full state to global "
+        "rank 0 only, so the half without it gets nothing from its own model",
+        lambda c, s: c["layout"] == "halves2+2" and "absent on rank" in s,
+    ),
+    Cause(
+        "lazy state rejected",
+        "strict set rejects a parameter that never had a gradient (it has no optimizer state) although the "
+        "checkpoint lists it without state, https://github.com/pytorch/pytorch/issues/132628",
+        lambda c, s: "Missing optimizer state for parameter" in s and c["clause"] != "OPT-PART-1",
+    ),
+    Cause(
+        "no DCP load path for lazy state",
+        "torch documents no DCP load path for lazy state: with DCP's default planner, dcp.load into get's "
+        "template stops with 'Missing key in checkpoint state_dict' for parameters that never had a "
+        "gradient (the checkpoint rightly holds no state for them); no upstream issue found",
+        lambda c, s: "Missing key in checkpoint state_dict" in s,
+    ),
+    Cause(
+        "flat layout and absent state",
+        "flat layout: the state of a parameter the checkpoint lacks is rebuilt as empty dicts, and "
+        "Optimizer.load_state_dict fails with an opaque TypeError, https://github.com/pytorch/pytorch/issues/192224",
+        lambda c, s: "float() argument must be a string or a real number" in s,
+    ),
+    Cause(
+        "strict errors do not name what is missing",
+        "strict=True with parameters the checkpoint lacks: the error names one parameter (or, through DCP, "
+        "none); with pipeline stages nothing is raised",
+        lambda c, s: c["clause"] == "OPT-PART-1" and "strict=True with parameters the checkpoint lacks" in s,
+    ),
+    Cause(
+        "plain SGD in full modes",
+        "plain SGD keeps no state tensor: the full and broadcast loads assert 'Expected device to be set'",
+        lambda c, s: "Expected device to be set" in s,
+    ),
+    Cause(
+        "nested state values",
+        "set goes through Optimizer.load_state_dict, whose cast turns a list nested in a parameter's state "
+        "into a generator object and float state into the parameter's dtype; the flat layout refuses "
+        "non-tensor values other than int, float and dict",
+        lambda c, s: c["clause"] == "OPT-STATE-1",
+    ),
+    Cause(
+        "empty param groups",
+        "empty param groups: at most one is supported (a ValueError otherwise, or with several optimizers), "
+        "the flat layout fails with an IndexError, and groups after the first lose their fields "
+        "(KeyError 'lr' at the next step) or keep the target's, https://github.com/pytorch/pytorch/issues/143828",
+        lambda c, s: (
+            "zero parameters" in s
+            or "IndexError" in s
+            or (c["clause"] == "OPT-RT-4" and ("KeyError in training" in s or "resumed run differs" in s))
+        ),
+    ),
+    Cause(
+        "validation is rank-local",
+        "validation is rank-local: the rank with a bad value raises while the others load, or wait in a "
+        "collective; a broadcast load changes rank 0's optimizer before it fails",
+        lambda c, s: c["clause"] == "OPT-ATOM-4",
+    ),
+    Cause(
+        "state cast to the parameter's dtype",
+        "state is cast to the parameter's dtype on load (fp32 moments of bf16 parameters become bf16), "
+        "https://github.com/pytorch/pytorch/issues/43706",
+        lambda c, s: c["clause"] == "OPT-DT-3",
+    ),
+    Cause(
+        "group fields the target lacks",
+        "group fields the target's groups lack (initial_lr, custom fields) are dropped, or raise KeyError in "
+        "the full modes; nested set replaces group fields wholesale instead of merging them, "
+        "https://github.com/pytorch/pytorch/issues/140900",
+        lambda c, s: c["clause"] in ("OPT-SCHED-1", "OPT-SCHED-3"),
+    ),
+    Cause(
+        "frozen parameters' state dropped",
+        "optimizer state of frozen parameters is dropped on set, https://github.com/pytorch/pytorch/issues/192202",
+        lambda c, s: c["clause"] == "OPT-PART-3",
+    ),
+    Cause(
+        "no validation of values",
+        "no validation before loading: wrong shapes and non-tensor values load or fail later, and a "
+        "parameter without state fails with a bare KeyError that names nothing",
+        lambda c, s: c["clause"] == "OPT-ATOM-2",
+    ),
+    Cause(
+        "get aliases the optimizer",
+        "get returns the optimizer's own per-parameter state dicts: changing the result changes the optimizer",
+        lambda c, s: c["clause"] == "OPT-PURE-2",
+    ),
+    Cause(
+        "unknown FQNs and groups",
+        "unknown FQNs and unknown, extra or missing param groups load without an error (or with one about "
+        "empty groups that names none of them)",
+        lambda c, s: c["clause"] == "OPT-ATOM-1",
+    ),
+    Cause(
+        "model keys not reported",
+        "model loads: non-strict full and broadcast loads fill missing keys from the model instead of "
+        "reporting them, and strict errors name only the missing or only the unexpected keys (through "
+        "DDP, only the first)",
+        lambda c, s: c["clause"] == "MODEL-2",
+    ),
+    Cause(
+        "broadcast loads send whole tensors",
+        "a broadcast load (broadcast_from_rank0) sends every rank each whole tensor (_broadcast_coalesced) and "
+        "each rank cuts its own shard from it: a non-root rank receives the whole model, not its share plus one "
+        "tensor in flight; the full copy on every rank was raised in the review of "
+        "https://github.com/pytorch/pytorch/pull/125338",
+        lambda c, s: c["clause"] == "MODEL-3" and "sent more than its shard" in s,
+    ),
+    Cause(
+        "partly present state loads",
+        "in-memory loads, the consolidated file's included, take a parameter's state entry as it comes "
+        "(Optimizer.load_state_dict): an entry without exp_avg_sq or step loads without an error, into a fresh "
+        "or a stepped optimizer; only the DCP load path checks what the template expects; no upstream issue found",
+        lambda c, s: c["clause"] == "OPT-PART-6" and "no error was raised" in s,
+    ),
+    Cause(
+        "extra state objects in full modes",
+        "extra state that is an arbitrary picklable object (neither a tensor nor a container of them): "
+        "full_state_dict gathers raise ValueError 'Unexpected value type'; tensors and dicts round-trip",
+        lambda c, s: c["clause"] == "MODEL-5" and "Unexpected value type" in s,
+    ),
 )
 
 
@@ -165,12 +227,18 @@ def _covering(ids: list[str], others: list[str]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.trace_known", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.trace_known", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("report")
     parser.add_argument("--torch", required=True, help="the torch version the report is from, for the header")
-    parser.add_argument("--also", action="append", default=[], metavar="REPORT",
-                        help="a later run of some cases (-k): its cases replace or add to the report's")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="REPORT",
+        help="a later run of some cases (-k): its cases replace or add to the report's",
+    )
     args = parser.parse_args()
     with open(args.report) as f:
         cases = json.load(f)["cases"]

@@ -16,7 +16,9 @@ from conformance.results import Status
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.verdict_table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.verdict_table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("report")
     parser.add_argument("--causes", type=int, default=2)
     args = parser.parse_args()
@@ -24,7 +26,10 @@ def main() -> None:
     by_clause: dict[str, list] = defaultdict(list)
     for case in data["cases"]:
         by_clause[case["clause"]].append(case)
-    print(f"{data['impl']['name']} {data['impl']['version']}: " + ", ".join(f"{k} {v}" for k, v in data["summary"].items()))
+    print(
+        f"{data['impl']['name']} {data['impl']['version']}: "
+        + ", ".join(f"{k} {v}" for k, v in data["summary"].items())
+    )
     print()
     print("| clause | passed | not passed (most common causes) |")
     print("|---|---|---|")

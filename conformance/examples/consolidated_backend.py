@@ -55,5 +55,7 @@ def _like(param, value):
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value
     if isinstance(param, DTensor):
-        return distribute_tensor(value.to(param.to_local().device), param.device_mesh, param.placements, src_data_rank=None)
+        return distribute_tensor(
+            value.to(param.to_local().device), param.device_mesh, param.placements, src_data_rank=None
+        )
     return value.to(param.device)

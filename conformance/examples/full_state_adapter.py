@@ -61,7 +61,9 @@ def _supported(opts: Options | None, call: str) -> Options:
     if not opts.full_state_dict:
         raise not_supported(f"{call} without full_state_dict (full_state_backend has full state dicts only)")
     if opts.flatten_optimizer_state_dict:
-        raise not_supported(f"{call} with flatten_optimizer_state_dict (full_state_backend has no flat optimizer layout)")
+        raise not_supported(
+            f"{call} with flatten_optimizer_state_dict (full_state_backend has no flat optimizer layout)"
+        )
     return opts
 
 
@@ -104,7 +106,9 @@ def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=Non
     opts = _supported(options, "set_optimizer_state_dict")
     optimizer = _one(optimizers)
     with iut_call():
-        backend.load_optimizer(model, optimizer, optim_state_dict, from_rank0=opts.broadcast_from_rank0, strict=opts.strict)
+        backend.load_optimizer(
+            model, optimizer, optim_state_dict, from_rank0=opts.broadcast_from_rank0, strict=opts.strict
+        )
 
 
 conformance_adapter = Adapter(

@@ -33,8 +33,9 @@ class LoadResult:
     unexpected: list[str] = field(default_factory=list)
 
 
-def gather_model(model: nn.Module, *, device: str | torch.device, rank0_only: bool = False,
-                 skip_frozen: bool = False) -> dict:
+def gather_model(
+    model: nn.Module, *, device: str | torch.device, rank0_only: bool = False, skip_frozen: bool = False
+) -> dict:
     """The model's full state dict by FQN, its tensors on ``device``.
 
     ``rank0_only``: rank 0 gets it all, every other rank ``{}``; the full
@@ -46,8 +47,9 @@ def gather_model(model: nn.Module, *, device: str | torch.device, rank0_only: bo
     return _to(hyperdsd.get_model_state_dict(model, options=options), device)
 
 
-def gather_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: str | torch.device,
-                     rank0_only: bool = False) -> dict:
+def gather_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, device: str | torch.device, rank0_only: bool = False
+) -> dict:
     """The optimizer's full state (``state`` and ``param_groups`` by FQN), on ``device``."""
     device = torch.device(device)
     _one_optimizer(optimizer)
@@ -62,8 +64,9 @@ def load_model(model: nn.Module, state: dict, *, from_rank0: bool = False, stric
     return LoadResult(list(keys.missing_keys), list(keys.unexpected_keys))
 
 
-def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, *, from_rank0: bool = False,
-                   strict: bool = True) -> None:
+def load_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, *, from_rank0: bool = False, strict: bool = True
+) -> None:
     """Load a full optimizer state dict into the optimizer's existing tensors."""
     _one_optimizer(optimizer)
     options = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0, strict=strict)

@@ -22,8 +22,15 @@ from conformance.adapters import Adapter, iut_call, not_supported
 from . import vendor_backend as backend
 
 
-def options(full_state_dict=False, cpu_offload=False, ignore_frozen_params=False, strict=True,
-            broadcast_from_rank0=False, flatten_optimizer_state_dict=False, **_ignored):
+def options(
+    full_state_dict=False,
+    cpu_offload=False,
+    ignore_frozen_params=False,
+    strict=True,
+    broadcast_from_rank0=False,
+    flatten_optimizer_state_dict=False,
+    **_ignored,
+):
     return backend.CheckpointConfig(
         gather=full_state_dict,
         to_host=cpu_offload,

@@ -70,8 +70,9 @@ def _params_by_name(model) -> dict[str, torch.nn.Parameter]:
 
 def _as_dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
     """A local shard as a DTensor laid out like ``param``."""
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _relayout(model, osd: dict, flat: bool) -> dict:
@@ -80,7 +81,12 @@ def _relayout(model, osd: dict, flat: bool) -> dict:
 
     def wrap(fqn, value):
         p = params.get(fqn)
-        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+        if (
+            isinstance(p, DTensor)
+            and isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.dim() > 0
+        ):
             return _as_dtensor_like(p, value)
         return value
 
@@ -93,7 +99,10 @@ def _relayout(model, osd: dict, flat: bool) -> dict:
         return out
     if not isinstance(osd.get("state"), dict):
         return osd  # malformed: hyperdsd says what is wrong with it
-    state = {fqn: ({k: wrap(fqn, v) for k, v in entry.items()} if isinstance(entry, dict) else entry) for fqn, entry in osd["state"].items()}
+    state = {
+        fqn: ({k: wrap(fqn, v) for k, v in entry.items()} if isinstance(entry, dict) else entry)
+        for fqn, entry in osd["state"].items()
+    }
     return {**osd, "state": state}
 
 
@@ -108,7 +117,9 @@ def set_model_state_dict(model, state_dict: dict, config: CheckpointConfig | Non
     if not config.gather:
         params = _params_by_name(model)
         state_dict = {
-            k: _as_dtensor_like(params[k], v) if isinstance(params.get(k), DTensor) and not isinstance(v, DTensor) else v
+            k: _as_dtensor_like(params[k], v)
+            if isinstance(params.get(k), DTensor) and not isinstance(v, DTensor)
+            else v
             for k, v in state_dict.items()
         }
     return hyperdsd.set_model_state_dict(model, state_dict, options=config._as_options())
@@ -122,7 +133,9 @@ def get_optim_state_dict(model, optimizer: torch.optim.Optimizer, config: Checkp
     return osd if config.gather or not osd else _localise_state(osd, config.flat_keys)
 
 
-def set_optim_state_dict(model, optimizer: torch.optim.Optimizer, state_dict: dict, config: CheckpointConfig | None = None) -> None:
+def set_optim_state_dict(
+    model, optimizer: torch.optim.Optimizer, state_dict: dict, config: CheckpointConfig | None = None
+) -> None:
     config = config or CheckpointConfig()
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("this backend takes exactly one optimizer")

@@ -47,7 +47,9 @@ def _corrupt(osd, kind: str, fqn: str, flat: bool):
             osd["param_groups"][0]["params"].append(GHOST)
         return [GHOST]
     if kind == "unknown_group":
-        osd["param_groups"].append({**{k: v for k, v in osd["param_groups"][0].items() if k != "params"}, "params": [GHOST]})
+        osd["param_groups"].append(
+            {**{k: v for k, v in osd["param_groups"][0].items() if k != "params"}, "params": [GHOST]}
+        )
         return [GHOST]
     if kind == "wrong_shape":
         key = f"state.{fqn}.exp_avg" if flat else None
@@ -78,7 +80,9 @@ def _reshape(value):
         local = value.to_local()
         bigger = torch.zeros((local.shape[0] + 1, *local.shape[1:]), dtype=local.dtype)
         shape = torch.Size((value.shape[0] + value.device_mesh.size(), *value.shape[1:]))
-        return DTensor.from_local(bigger, value.device_mesh, value.placements, run_check=False, shape=shape, stride=_contiguous(shape))
+        return DTensor.from_local(
+            bigger, value.device_mesh, value.placements, run_check=False, shape=shape, stride=_contiguous(shape)
+        )
     return torch.zeros((value.shape[0] + 1, *value.shape[1:]), dtype=value.dtype)
 
 
@@ -92,7 +96,9 @@ def atom_bad_input(c, layout, mode, kind, which):
     names = _corrupt(osd, kind, fqn, flat=(mode == "flat"))
     before = optimizer_view(b)
     expect_error(
-        lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode, strict=True)),
+        lambda: c.iut.set_optimizer_state_dict(
+            b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode, strict=True)
+        ),
         names=names,
         what=f"{which}: set with {kind.replace('_', ' ')}",
     )
@@ -154,7 +160,9 @@ def atom_1_groups(c, layout, mode, kind):
     names = (_regroup_flat if mode == "flat" else _regroup)(osd, kind, b)
     before = optimizer_view(b)
     exc = expect_error(
-        lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode, strict=True)),
+        lambda: c.iut.set_optimizer_state_dict(
+            b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode, strict=True)
+        ),
         what=f"OPT-ATOM-1: set with {kind.replace('_', ' ')} (strict=True)",
     )
     check(any(n in str(exc) for n in names), f"OPT-ATOM-1: the error names none of {names}: {str(exc)[:600]}")
@@ -177,7 +185,13 @@ def atom_1_dcp_groups(c, layout, kind):
     a = Setup(c, layout, "adamw", groups=GroupSpec.for_seed(0, empty_at=last) if kind == "extra_empty_group" else None)
     a.train(2)
     saved = flows.save(c, a, "dcp", model=None)
-    b = Setup(c, layout, "adamw", seed=1, groups=GroupSpec.for_seed(1, empty_at=last) if kind == "missing_empty_group" else None)
+    b = Setup(
+        c,
+        layout,
+        "adamw",
+        seed=1,
+        groups=GroupSpec.for_seed(1, empty_at=last) if kind == "missing_empty_group" else None,
+    )
     b.train(1)
     odd = max(len(a.optimizers[0].param_groups), len(b.optimizers[0].param_groups)) - 1
     before = optimizer_view(b)
@@ -232,22 +246,50 @@ def atom_4(c, layout, mode):
         lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode)),
         what=f"OPT-ATOM-4: rank {bad_rank} had a bad value; rank {c.rank}",
     )
-    expect_unchanged(before, optimizer_view(b), f"OPT-ATOM-4: rank {c.rank} changed its optimizer although the load failed")
+    expect_unchanged(
+        before, optimizer_view(b), f"OPT-ATOM-4: rank {c.rank} changed its optimizer although the load failed"
+    )
 
 
 def cases():
     # The consolidated file (SPEC §2 ``file``): what a full-state-only library loads.
     for layout in ("single", "fsdp4"):
-        yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode="file", variant="unknown_fqn", kind="unknown_fqn", which="OPT-ATOM-1")
+        yield make_case(
+            "OPT-ATOM-1",
+            layout,
+            atom_bad_input,
+            mode="file",
+            variant="unknown_fqn",
+            kind="unknown_fqn",
+            which="OPT-ATOM-1",
+        )
         for kind in ("wrong_shape", "non_tensor"):
-            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode="file", variant=kind, kind=kind, which="OPT-ATOM-2")
+            yield make_case(
+                "OPT-ATOM-2", layout, atom_bad_input, mode="file", variant=kind, kind=kind, which="OPT-ATOM-2"
+            )
     for layout in ("fsdp2", "fsdp4"):
         yield make_case("OPT-ATOM-4", layout, atom_4, mode="file", deadline_s=30)
     layouts = ("single", "fsdp4", "hsdp2x2", "pp2")
     for layout in layouts:
         for mode in ("sharded", "flat"):
-            yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode=mode, variant="unknown_fqn", kind="unknown_fqn", which="OPT-ATOM-1")
-        yield make_case("OPT-ATOM-1", layout, atom_bad_input, mode="sharded", variant="unknown_group", kind="unknown_group", which="OPT-ATOM-1")
+            yield make_case(
+                "OPT-ATOM-1",
+                layout,
+                atom_bad_input,
+                mode=mode,
+                variant="unknown_fqn",
+                kind="unknown_fqn",
+                which="OPT-ATOM-1",
+            )
+        yield make_case(
+            "OPT-ATOM-1",
+            layout,
+            atom_bad_input,
+            mode="sharded",
+            variant="unknown_group",
+            kind="unknown_group",
+            which="OPT-ATOM-1",
+        )
     for layout in ("single", "fsdp4", "pp2"):
         for mode, kinds in GROUP_KINDS.items():
             for kind in kinds:
@@ -257,10 +299,28 @@ def cases():
             yield make_case("OPT-ATOM-1", layout, atom_1_dcp_groups, mode="dcp", variant=kind, kind=kind)
     for layout in ("single", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("sharded", "flat", "full"):
-            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant="wrong_shape", kind="wrong_shape", which="OPT-ATOM-2")
-            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant="non_tensor", kind="non_tensor", which="OPT-ATOM-2")
+            yield make_case(
+                "OPT-ATOM-2",
+                layout,
+                atom_bad_input,
+                mode=mode,
+                variant="wrong_shape",
+                kind="wrong_shape",
+                which="OPT-ATOM-2",
+            )
+            yield make_case(
+                "OPT-ATOM-2",
+                layout,
+                atom_bad_input,
+                mode=mode,
+                variant="non_tensor",
+                kind="non_tensor",
+                which="OPT-ATOM-2",
+            )
         for kind in ("no_state", "group_without_params"):
-            yield make_case("OPT-ATOM-2", layout, atom_bad_input, mode="sharded", variant=kind, kind=kind, which="OPT-ATOM-2")
+            yield make_case(
+                "OPT-ATOM-2", layout, atom_bad_input, mode="sharded", variant=kind, kind=kind, which="OPT-ATOM-2"
+            )
     for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2"):
         for target in ("optim", "model"):
             yield make_case("OPT-ATOM-3", layout, atom_3, variant=target, target=target, deadline_s=30)

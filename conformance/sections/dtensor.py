@@ -38,7 +38,9 @@ def dt_2(c, layout, mode):
     problems = layout_problems(got["state"], params, "state", local=True)
     for fqn, entry in want["state"].items():
         if "step" in entry and fqn in got["state"] and type(got["state"][fqn].get("step")) is not type(entry["step"]):
-            problems.append(f"state[{fqn!r}]['step']: a {type(got['state'][fqn].get('step')).__name__}, was a {type(entry['step']).__name__}")
+            problems.append(
+                f"state[{fqn!r}]['step']: a {type(got['state'][fqn].get('step')).__name__}, was a {type(entry['step']).__name__}"
+            )
     fail_if(problems, f"{mode}: state after set is not laid out like its parameter")
 
 
@@ -49,7 +51,10 @@ def dt_3(c, layout, mode):
     a.train(1)
     _moments_to_fp32(a)
     want = snapshot(a)
-    check(any(v.dtype == torch.float32 for e in want["state"].values() for k, v in e.items() if k != "step"), "setup error: no fp32 state")
+    check(
+        any(v.dtype == torch.float32 for e in want["state"].values() for k, v in e.items() if k != "step"),
+        "setup error: no fp32 state",
+    )
     saved = flows.save(c, a, mode)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     b.train(1)  # bf16 state of its own, to be replaced
@@ -88,14 +93,29 @@ def dt_4(c, layout, mode, pinned):
                         t = entry[key]
                         local = t.to_local() if isinstance(t, DTensor) else t
                         pinned_local = local.pin_memory()
-                        entry[key] = DTensor.from_local(pinned_local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()) if isinstance(t, DTensor) else pinned_local
+                        entry[key] = (
+                            DTensor.from_local(
+                                pinned_local,
+                                t.device_mesh,
+                                t.placements,
+                                run_check=False,
+                                shape=t.shape,
+                                stride=t.stride(),
+                            )
+                            if isinstance(t, DTensor)
+                            else pinned_local
+                        )
     before = {}
     for opt in b.optimizers:
         for p, entry in opt.state.items():
             for key, t in entry.items():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
                     local = t.to_local() if isinstance(t, DTensor) else t
-                    before[(id(p), key)] = (t, local.untyped_storage().data_ptr(), local.is_pinned() if pinned else False)
+                    before[(id(p), key)] = (
+                        t,
+                        local.untyped_storage().data_ptr(),
+                        local.is_pinned() if pinned else False,
+                    )
     flows.load(c, b, saved)
     problems = []
     fqn_of = b.fqn_of()
@@ -133,4 +153,6 @@ def cases():
     for layout in ("single", "fsdp4", "hsdp2x2"):
         for mode in flows.MODES:
             yield make_case("OPT-DT-4", layout, dt_4, opt="adamw", mode=mode, profile="inplace", pinned=False)
-        yield make_case("OPT-DT-4", layout, dt_4, opt="adamw", mode="sharded", variant="pinned", profile="inplace", pinned=True)
+        yield make_case(
+            "OPT-DT-4", layout, dt_4, opt="adamw", mode="sharded", variant="pinned", profile="inplace", pinned=True
+        )

@@ -28,7 +28,10 @@ def empty_1(c, layout, opt, mode, n_optimizers=1):
     own = snapshot(b)
     flows.load(c, b, saved)
     got = snapshot(b)
-    check(len(got["groups"]) == len(want["groups"]), f"{len(got['groups'])} groups after loading, expected {len(want['groups'])}")
+    check(
+        len(got["groups"]) == len(want["groups"]),
+        f"{len(got['groups'])} groups after loading, expected {len(want['groups'])}",
+    )
     problems = []
     for i, (w, g, o) in enumerate(zip(want["groups"], got["groups"], own["groups"])):
         missing = sorted(set(w) - set(g))
@@ -38,7 +41,11 @@ def empty_1(c, layout, opt, mode, n_optimizers=1):
             problems.append(f"groups[{i}]['params'] = {g['params']}, expected {w['params']} (order of groups changed)")
         # In the flat layout an empty group has no FQN to travel with: it keeps its own values (OPT-EMPTY-2).
         expected = o if not w["params"] and not flows.carries_empty_groups(mode, b) else w
-        problems += diff_values({k: v for k, v in expected.items() if k != "params"}, {k: v for k, v in g.items() if k != "params"}, f"groups[{i}]")
+        problems += diff_values(
+            {k: v for k, v in expected.items() if k != "params"},
+            {k: v for k, v in g.items() if k != "params"},
+            f"groups[{i}]",
+        )
     fail_if(problems, f"{mode}: param groups without parameters did not survive")
     b.train(1)  # step() must work with the loaded groups
 
@@ -65,7 +72,18 @@ def cases():
                 yield make_case("OPT-EMPTY-1", layout, empty_1, opt=opt, mode=mode)
     for layout in ("single", "fsdp4"):
         for mode in ("sharded", "full_cpu", "dcp"):
-            yield make_case("OPT-EMPTY-1", layout, empty_1, opt="adamw", mode=mode, variant="2opt", profile="multi-optimizer", n_optimizers=2)
+            yield make_case(
+                "OPT-EMPTY-1",
+                layout,
+                empty_1,
+                opt="adamw",
+                mode=mode,
+                variant="2opt",
+                profile="multi-optimizer",
+                n_optimizers=2,
+            )
     for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for target_empty, name in (((0, 9), "same"), ((1, 2, 9), "more"), ((), "none")):
-            yield make_case("OPT-EMPTY-2", layout, empty_2, opt="adamw", mode="flat", variant=f"{name}", target_empty=target_empty)
+            yield make_case(
+                "OPT-EMPTY-2", layout, empty_2, opt="adamw", mode="flat", variant=f"{name}", target_empty=target_empty
+            )

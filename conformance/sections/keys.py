@@ -34,7 +34,10 @@ def keys_1(c, layout, opt, mode):
     if mode == "full_cpu" and c.rank != 0:  # rank 0 holds it all (OPT-RT-3 judges the rest)
         return
     model_keys = {canonical(k) for k in s.module.state_dict()}  # what get_model_state_dict must return (MODEL-1)
-    check(isinstance(osd, dict) and set(osd) >= {"state", "param_groups"}, f"get_optimizer_state_dict returned keys {sorted(map(str, osd))[:5]}, expected 'state' and 'param_groups'")
+    check(
+        isinstance(osd, dict) and set(osd) >= {"state", "param_groups"},
+        f"get_optimizer_state_dict returned keys {sorted(map(str, osd))[:5]}, expected 'state' and 'param_groups'",
+    )
     names = aliases(s)
     problems = []
     groups = osd["param_groups"]
@@ -48,7 +51,9 @@ def keys_1(c, layout, opt, mode):
             continue
         for j, (key, allowed) in enumerate(zip(params, expected)):
             if key not in allowed:
-                problems.append(f"param_groups[{i}]['params'][{j}] = {key!r}, expected {allowed[0]!r} (position {j} in the optimizer's order)")
+                problems.append(
+                    f"param_groups[{i}]['params'][{j}] = {key!r}, expected {allowed[0]!r} (position {j} in the optimizer's order)"
+                )
     stateful = {names[p][0] for o in s.optimizers for p, st in o.state.items() if st}
     for key in osd["state"]:
         if not isinstance(key, str):
@@ -65,7 +70,9 @@ def keys_2(c, layout, mode, wrappers):
     """No wrapper prefix in any optimizer key; the dict loads back into a wrapped model."""
     r = flows.resume(c, flows.recipe(layout, wrappers=wrappers), mode)
     osd = c.iut.get_optimizer_state_dict(r.source.model, optimizers_arg(r.source), options=get_options(c.iut, mode))
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), "a wrapped model does not resume like the uninterrupted run")
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)), "a wrapped model does not resume like the uninterrupted run"
+    )
     keys = list(osd.get("state", {})) + [f for g in osd.get("param_groups", []) for f in g.get("params", [])]
     bad = [k for k in keys if any(seg in str(k).split(".") for seg in WRAPPER_SEGMENTS)]
     fail_if(bad, f"wrapper prefixes ({'+'.join(wrappers) or layout}) appear in optimizer keys")
@@ -88,7 +95,10 @@ def keys_3(c, layout, mode):
         in_groups = {f for g in osd["param_groups"] for f in g["params"] if f in tied}
         listed = [f for g in osd["param_groups"] for f in g["params"] if f in tied]
         check(len(listed) == 1, f"the tied parameter is listed {len(listed)} times in param_groups: {listed}")
-    check(len(appear) == 1, f"optimizer state of the tied parameter appears under {sorted(appear) or 'no name'}, expected exactly one of {tied}")
+    check(
+        len(appear) == 1,
+        f"optimizer state of the tied parameter appears under {sorted(appear) or 'no name'}, expected exactly one of {tied}",
+    )
     check(len(in_groups) == 1, f"the tied parameter's group fields appear under {sorted(in_groups)}, expected one name")
 
 
@@ -97,11 +107,17 @@ def keys_4(c, layout, mode):
     r = flows.resume(c, flows.recipe(layout, n_optimizers=2), mode)
     a = r.source
     osd = c.iut.get_optimizer_state_dict(a.model, a.optimizers, options=get_options(c.iut, mode))
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), "after loading into two optimizers, the run differs from the uninterrupted one")
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)),
+        "after loading into two optimizers, the run differs from the uninterrupted one",
+    )
     if mode in ("sharded", "full", "dcp") or (mode == "full_cpu" and c.rank == 0 and a.layout.pp == 1):
         stateful = {fqn for fqn, p in a.named_parameters() if any(o.state.get(p) for o in a.optimizers)}
         want_groups = sum(len(o.param_groups) for o in a.optimizers)
-        check(len(osd["param_groups"]) == want_groups, f"the merged dict has {len(osd['param_groups'])} groups, the optimizers {want_groups}")
+        check(
+            len(osd["param_groups"]) == want_groups,
+            f"the merged dict has {len(osd['param_groups'])} groups, the optimizers {want_groups}",
+        )
         check(set(osd["state"]) == stateful, f"merged state keys differ: {sorted(set(osd['state']) ^ stateful)}")
 
 
@@ -116,7 +132,9 @@ def cases():
         for wrappers in variants:
             for mode in ("sharded", "full"):
                 name = "+".join(wrappers) or "plain"
-                yield make_case("OPT-KEYS-2", layout, keys_2, mode=mode, variant=name, wrappers=wrappers, deadline_s=120)
+                yield make_case(
+                    "OPT-KEYS-2", layout, keys_2, mode=mode, variant=name, wrappers=wrappers, deadline_s=120
+                )
     for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-KEYS-3", layout, keys_3, mode=mode)

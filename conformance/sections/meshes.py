@@ -37,8 +37,13 @@ def resume_checked(c, layout: str, mode: str):
     """Resume ``layout``'s model in ``mode``: what get returns and what set
     loads keep each tensor's own mesh and placements; the run continues
     bitwise like the uninterrupted one."""
-    r = flows.resume(c, flows.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming on {layout}, the run differs from the uninterrupted one")
+    r = flows.resume(
+        c, flows.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded
+    )
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)),
+        f"{mode}: after resuming on {layout}, the run differs from the uninterrupted one",
+    )
     return r.resumed
 
 

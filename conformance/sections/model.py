@@ -42,7 +42,10 @@ def model_1(c, layout, mode, wrappers=(), tie=False):
     flows.load(c, b, saved, optim=False)
     fail_if(diff_values(want, _model_view(b), "model"), f"{mode}: the model does not round-trip")
     if not rank0_holds_all or c.rank == 0:
-        fail_if(sorted(set(want_keys) ^ set(msd)), "model keys differ from model.state_dict() of the unwrapped model (symmetric difference)")
+        fail_if(
+            sorted(set(want_keys) ^ set(msd)),
+            "model keys differ from model.state_dict() of the unwrapped model (symmetric difference)",
+        )
         check("tok.cache" not in msd, "a non-persistent buffer is in the model state dict")
     else:
         check(not msd, f"{mode}: rank {c.rank} must get an empty dict, got {len(msd)} keys")
@@ -57,8 +60,11 @@ def model_5(c, layout, mode, kind):
     want = {k: v for k, v in _model_view(a).items() if k.endswith("_extra_state")}
     check(want, "setup error: the model has no extra state")
     if mode not in ("full_cpu", "bcast", "file") or c.rank == 0:
-        fail_if(diff_values(want, {k: msd[k] for k in want if k in msd}, "model")
-                + [f"{k}: missing from get's dict" for k in want if k not in msd], f"{mode}: get lost extra state")
+        fail_if(
+            diff_values(want, {k: msd[k] for k in want if k in msd}, "model")
+            + [f"{k}: missing from get's dict" for k in want if k not in msd],
+            f"{mode}: get lost extra state",
+        )
     saved = flows.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     blocks = {name: getattr(blk, "_checkpoint_wrapped_module", blk) for name, blk in b.module.layers.items()}
@@ -67,7 +73,10 @@ def model_5(c, layout, mode, kind):
     flows.load(c, b, saved, optim=False)
     got_index = {name: blk.index for name, blk in blocks.items()}
     check(all(int(n) == i for n, i in got_index.items()), f"{mode}: {kind} extra state was not restored: {got_index}")
-    fail_if(diff_values(_model_view(a), _model_view(b), "model"), f"{mode}: a model with {kind} extra state does not round-trip")
+    fail_if(
+        diff_values(_model_view(a), _model_view(b), "model"),
+        f"{mode}: a model with {kind} extra state does not round-trip",
+    )
 
 
 def _all_ranks_keys(keys: list[str]) -> list[str]:
@@ -90,7 +99,11 @@ def model_2(c, layout, mode, strict):
     b = Setup(c, layout, "adamw", seed=1)
     opts = set_options(c.iut, mode, strict=strict)
     if strict:
-        expect_error(lambda: c.iut.set_model_state_dict(b.model, msd, options=opts), names=[gone, "ghost.weight"], what="MODEL-2: strict load with a missing and an unexpected key")
+        expect_error(
+            lambda: c.iut.set_model_state_dict(b.model, msd, options=opts),
+            names=[gone, "ghost.weight"],
+            what="MODEL-2: strict load with a missing and an unexpected key",
+        )
         return
     result = c.iut.set_model_state_dict(b.model, msd, options=opts)
     missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
@@ -115,7 +128,9 @@ def model_3(c, layout):
     saved = flows.save(c, a, "bcast", model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1)
     data = flows.read_full(saved.path) if c.rank == 0 else {"model": {}}
-    largest_full = max((v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0)
+    largest_full = max(
+        (v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0
+    )
     box = [largest_full]
     dist.broadcast_object_list(box, src=0)
     largest_full = box[0]
@@ -182,7 +197,9 @@ def cases():
     for layout, variants in WRAPPERS.items():
         for wrappers in [w for w in variants if w]:
             for mode in ("sharded", "full"):
-                yield make_case("MODEL-1", layout, model_1, mode=mode, variant="+".join(wrappers), wrappers=wrappers, deadline_s=120)
+                yield make_case(
+                    "MODEL-1", layout, model_1, mode=mode, variant="+".join(wrappers), wrappers=wrappers, deadline_s=120
+                )
     for layout in ("single", "fsdp2", "hsdp2x2"):
         for mode in ("sharded", "full", "dcp"):
             yield make_case("MODEL-1", layout, model_1, mode=mode, variant="tied", tie=True)
@@ -195,7 +212,9 @@ def cases():
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full", "bcast", "file"):
             for strict in (True, False):
-                yield make_case("MODEL-2", layout, model_2, mode=mode, variant="strict" if strict else "nonstrict", strict=strict)
+                yield make_case(
+                    "MODEL-2", layout, model_2, mode=mode, variant="strict" if strict else "nonstrict", strict=strict
+                )
     for layout in ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         yield make_case("MODEL-3", layout, model_3, mode="bcast")
     for layout in ("fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):

@@ -32,7 +32,10 @@ def mpmd_1(c, layout, opt):
         for r2, (stage2, keys2) in enumerate(keysets):
             if stage < stage2:
                 common = set(keys) & set(keys2)
-                check(not common, f"stages {stage} (rank {r}) and {stage2} (rank {r2}) share flat keys: {sorted(common)[:5]}")
+                check(
+                    not common,
+                    f"stages {stage} (rank {r}) and {stage2} (rank {r2}) share flat keys: {sorted(common)[:5]}",
+                )
     saved = flows.save(c, a, "dcp")
     want = snapshot(a)
     b = Setup(c, layout, opt, seed=1)
@@ -46,6 +49,7 @@ def mpmd_1(c, layout, opt):
 
 def mpmd_2(c, layout, opt, empty_on_last):
     """Stages with different group layouts (number of groups, hyperparameters) round-trip."""
+
     # pipeline stages hold different parameters, so their groups differ in number already;
     # each stage also gets its own learning rates, and optionally an empty group of its own.
     def spec(stage):
@@ -54,8 +58,10 @@ def mpmd_2(c, layout, opt, empty_on_last):
     stage = _stage(c, layout)
     r = flows.resume(c, flows.recipe(layout, opt, groups=spec(stage)), "dcp")
     # Stages go through DCP in the flat layout: an empty group keeps its own values (OPT-EMPTY-2).
-    fail_if(diff_snapshots(without_empty_groups(r.expected), without_empty_groups(snapshot(r.resumed))),
-            "stages with their own group layouts did not resume like the uninterrupted run")
+    fail_if(
+        diff_snapshots(without_empty_groups(r.expected), without_empty_groups(snapshot(r.resumed))),
+        "stages with their own group layouts did not resume like the uninterrupted run",
+    )
 
 
 def _stage(c, layout) -> int:
@@ -85,7 +91,9 @@ def cases():
             yield make_case("OPT-MPMD-1", layout, mpmd_1, opt=opt, mode="flat")
         for opt in ("adamw", "sgd"):
             yield make_case("OPT-MPMD-2", layout, mpmd_2, opt=opt, mode="flat", variant="lr", empty_on_last=False)
-            yield make_case("OPT-MPMD-2", layout, mpmd_2, opt=opt, mode="flat", variant="empty_group", empty_on_last=True)
+            yield make_case(
+                "OPT-MPMD-2", layout, mpmd_2, opt=opt, mode="flat", variant="empty_group", empty_on_last=True
+            )
     for layout in ("single", "fsdp4", "pp2", "pp2xfsdp2"):
         for opt in ("adamw", "sgd"):
             yield make_case("OPT-MPMD-3", layout, mpmd_3, opt=opt, mode="flat")

@@ -48,7 +48,14 @@ def part_1(c, layout, mode, strict, same_hparams=False):
     kept = flows.trained_source(c, flows.recipe(layout), 2)
     saved = kept.save(c, mode)
     want = snapshot(kept.setup)
-    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(adapter=True), groups=GroupSpec.for_seed(0) if same_hparams else None)
+    b = Setup(
+        c,
+        layout,
+        "adamw",
+        seed=1,
+        cfg=ModelConfig(adapter=True),
+        groups=GroupSpec.for_seed(0) if same_hparams else None,
+    )
     b.set_steps_done(2)
     mine = [f for f in ADAPTER if f in dict(b.named_parameters())]
     if strict:
@@ -66,10 +73,16 @@ def part_1(c, layout, mode, strict, same_hparams=False):
     problems = []
     for fqn in mine:
         if fqn in got["state"]:
-            problems.append(f"state[{fqn!r}]: present, expected fresh (absent) state for a parameter the checkpoint lacks")
+            problems.append(
+                f"state[{fqn!r}]: present, expected fresh (absent) state for a parameter the checkpoint lacks"
+            )
     shared = {k: v for k, v in got["state"].items() if k not in ADAPTER}
     problems += diff_values(want["state"], shared, "state")
-    problems += diff_values({k: v for k, v in want["params"].items()}, {k: v for k, v in got["params"].items() if k not in ADAPTER}, "params")
+    problems += diff_values(
+        {k: v for k, v in want["params"].items()},
+        {k: v for k, v in got["params"].items() if k not in ADAPTER},
+        "params",
+    )
     fail_if(problems, "OPT-PART-1: strict=False did not load the rest, or touched the new parameters")
     b.train(1)  # training goes on; the adapter gets state of its own
     if mine:
@@ -87,7 +100,10 @@ def part_2(c, layout, mode):
     b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(lazy_aux=True))
     b.set_steps_done(2)
     flows.load(c, b, saved, strict=True)
-    fail_if(diff_snapshots(want, snapshot(b)), "OPT-PART-2: the loaded optimizer does not reproduce the source (lazy state included)")
+    fail_if(
+        diff_snapshots(want, snapshot(b)),
+        "OPT-PART-2: the loaded optimizer does not reproduce the source (lazy state included)",
+    )
 
 
 def part_3(c, layout, mode):
@@ -115,7 +131,10 @@ def part_3(c, layout, mode):
 def part_4(c, layout, mode):
     """An optimizer over a subset of the parameters round-trips."""
     r = flows.resume(c, flows.recipe(layout, trainable=only_layers), mode)
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), "OPT-PART-4: an optimizer over some parameters does not resume like the uninterrupted run")
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)),
+        "OPT-PART-4: an optimizer over some parameters does not resume like the uninterrupted run",
+    )
 
 
 def part_6_file(c, layout, fqn, key):
@@ -160,17 +179,26 @@ def part_5(c, layout, own_group):
     """Resume through DCP into a freshly built optimizer; the routers never had a gradient."""
     a = router_setup(c, layout, 0, own_group)
     a.train(2)
-    check(any(is_router(f) for f, _ in a.named_parameters()) and not stateful_routers(a), "setup error: the routers are not lazy")
+    check(
+        any(is_router(f) for f, _ in a.named_parameters()) and not stateful_routers(a),
+        "setup error: the routers are not lazy",
+    )
     saved = flows.save(c, a, "dcp")
     want = snapshot(a)
     a.train(1)
     b = router_setup(c, layout, 1, own_group)
     b.set_steps_done(2)
     flows.load(c, b, saved)
-    stale = [f"state[{f!r}]: present after the load; the checkpoint has none (the router never had a gradient)" for f in stateful_routers(b)]
+    stale = [
+        f"state[{f!r}]: present after the load; the checkpoint has none (the router never had a gradient)"
+        for f in stateful_routers(b)
+    ]
     fail_if(stale + diff_snapshots(want, snapshot(b)), "OPT-PART-5: the resumed optimizer differs from the one saved")
     b.train(1)
-    fail_if(diff_snapshots(snapshot(a), snapshot(b)), "OPT-PART-5: training after the resume differs from the uninterrupted run")
+    fail_if(
+        diff_snapshots(snapshot(a), snapshot(b)),
+        "OPT-PART-5: training after the resume differs from the uninterrupted run",
+    )
 
 
 def drop_from_metadata(c, path: str, keys: list[str]) -> None:
@@ -254,7 +282,9 @@ def cases():
     # The consolidated file (SPEC §2 ``file``): what a full-state-only library loads.
     for layout in ("single", "fsdp4"):
         for strict in (False, True):
-            yield make_case("OPT-PART-1", layout, part_1, mode="file", variant="strict" if strict else "nonstrict", strict=strict)
+            yield make_case(
+                "OPT-PART-1", layout, part_1, mode="file", variant="strict" if strict else "nonstrict", strict=strict
+            )
     for layout, fqn, key in (("single", "layers.0.fc2.weight", "exp_avg_sq"), ("fsdp4", "aux.weight", "step")):
         yield make_case("OPT-PART-6", layout, part_6_file, mode="file", variant=f"no_{key}", fqn=fqn, key=key)
     for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
@@ -262,7 +292,9 @@ def cases():
             yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="nonstrict", strict=False)
             yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="strict", strict=True)
     # Pipelines go through DCP in the flat layout, whose group fields are per parameter.
-    yield make_case("OPT-PART-1", "pp2xfsdp2", part_1, mode="dcp", variant="strict_same_hparams", strict=True, same_hparams=True)
+    yield make_case(
+        "OPT-PART-1", "pp2xfsdp2", part_1, mode="dcp", variant="strict_same_hparams", strict=True, same_hparams=True
+    )
     for layout in ("single", "ddp", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in flows.MODES:
             yield make_case("OPT-PART-2", layout, part_2, mode=mode)

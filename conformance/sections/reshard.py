@@ -83,7 +83,9 @@ def _reference(c) -> dict:
 def load_phase(c, src, dst, opt, kind, lazy=None):
     b = _setup(c, dst, opt, 1, lazy)
     b.set_steps_done(BEFORE)
-    saved = Saved(_mode_on(src, kind), path=c.path("full.pt") if kind == "bcast" else c.path(f"dcp-{_mode_on(src, kind)}"))
+    saved = Saved(
+        _mode_on(src, kind), path=c.path("full.pt") if kind == "bcast" else c.path(f"dcp-{_mode_on(src, kind)}")
+    )
     flows.load_reference_model_from(c, b)
     flows.load(c, b, saved, model=False)
     if lazy:
@@ -91,22 +93,37 @@ def load_phase(c, src, dst, opt, kind, lazy=None):
         # for what was not loaded) on every rank, those holding an empty
         # shard included: checked on all ranks at once, before the
         # collectives of the comparison.
-        stale = [f"rank {c.rank}: state[{f!r}]" for f, p in b.named_parameters() if _without_state(f, lazy) and b.optimizers[0].state.get(p)]
+        stale = [
+            f"rank {c.rank}: state[{f!r}]"
+            for f, p in b.named_parameters()
+            if _without_state(f, lazy) and b.optimizers[0].state.get(p)
+        ]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, stale)
-        fail_if([s for part in everyone for s in part], "state for parameters the checkpoint had none for (lazy state) after the load")
+        fail_if(
+            [s for part in everyone for s in part],
+            "state for parameters the checkpoint had none for (lazy state) after the load",
+        )
     if lazy == "subset":
         return
     b.train(AFTER)
     ref, got = _reference(c), full_snapshot(b)
-    problems = diff_values({k: ref["params"][k] for k in got["params"] if k in ref["params"]}, got["params"], "params", RTOL)
+    problems = diff_values(
+        {k: ref["params"][k] for k in got["params"] if k in ref["params"]}, got["params"], "params", RTOL
+    )
     problems += [f"params[{k!r}]: not in the reference" for k in got["params"] if k not in ref["params"]]
     problems += diff_values({k: ref["state"].get(k) for k in got["state"]}, got["state"], "state", RTOL)
-    problems += [f"state[{k!r}]: absent after resuming, present in the uninterrupted run" for k in ref["state"] if k in got["params"] and k not in got["state"]]
+    problems += [
+        f"state[{k!r}]: absent after resuming, present in the uninterrupted run"
+        for k in ref["state"]
+        if k in got["params"] and k not in got["state"]
+    ]
     for g in got["groups"]:
         # Stages group differently from whole models: compare the fields of
         # the group that held the same first parameter.
-        match = [r for r in ref["groups"] if g["params"] and g["params"][0] in r["params"]] or [r for r in ref["groups"] if r["params"] == g["params"]]
+        match = [r for r in ref["groups"] if g["params"] and g["params"][0] in r["params"]] or [
+            r for r in ref["groups"] if r["params"] == g["params"]
+        ]
         check(bool(match), f"group over {g['params'][:3]} has no counterpart in the uninterrupted run")
         fields = lambda grp: {k: v for k, v in grp.items() if k != "params"}  # noqa: E731
         problems += diff_values(fields(match[0]), fields(g), f"group of {g['params'][:1]}", RTOL)
@@ -152,5 +169,12 @@ def cases():
     # step, so that rank's template entry has nothing it could tell written
     # from unwritten by: it must go by the other ranks.
     yield resharded_case("OPT-RESHARD-2", "fsdp2", "fsdp4", "sgd", "dcp", lazy="aux")
-    for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "hsdp2x2"), ("single", "fsdp3"), ("fsdp4", "pp2xfsdp2"), ("pp2xfsdp2", "fsdp4"), ("hsdp2x2", "single")):
+    for src, dst in (
+        ("fsdp4", "fsdp2"),
+        ("fsdp2", "hsdp2x2"),
+        ("single", "fsdp3"),
+        ("fsdp4", "pp2xfsdp2"),
+        ("pp2xfsdp2", "fsdp4"),
+        ("hsdp2x2", "single"),
+    ):
         yield resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast")

@@ -30,7 +30,10 @@ def rt_1(c, layout, opt, mode, before=BEFORE):
     that never stepped; resuming from it must be like starting afresh.
     """
     r = flows.resume(c, flows.recipe(layout, opt), mode, before=before, after=AFTER)
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming, the run differs from the uninterrupted one")
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)),
+        f"{mode}: after resuming, the run differs from the uninterrupted one",
+    )
 
 
 def rt_5(c, layout, opt, mode):
@@ -38,13 +41,24 @@ def rt_5(c, layout, opt, mode):
     steps, other hyperparameters). Right after the load nothing of its own
     state remains; K more steps match the uninterrupted run bitwise."""
     seen = {}
-    r = flows.resume(c, flows.recipe(layout, opt), mode, before=BEFORE, after=AFTER, warm=WARM,
-                     on_saving=lambda a: seen.update(want=snapshot(a)),
-                     on_loaded=lambda b: seen.update(got=snapshot(b)))
-    fail_if(diff_snapshots(seen["want"], seen["got"]),
-            f"{mode}: after loading into a stepped optimizer, it does not reproduce the source (its own state remains)")
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)),
-            f"{mode}: after a warm load, the run differs from the uninterrupted one")
+    r = flows.resume(
+        c,
+        flows.recipe(layout, opt),
+        mode,
+        before=BEFORE,
+        after=AFTER,
+        warm=WARM,
+        on_saving=lambda a: seen.update(want=snapshot(a)),
+        on_loaded=lambda b: seen.update(got=snapshot(b)),
+    )
+    fail_if(
+        diff_snapshots(seen["want"], seen["got"]),
+        f"{mode}: after loading into a stepped optimizer, it does not reproduce the source (its own state remains)",
+    )
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)),
+        f"{mode}: after a warm load, the run differs from the uninterrupted one",
+    )
 
 
 def rt_4(c, layout, opt, mode):
@@ -56,8 +70,15 @@ def rt_4(c, layout, opt, mode):
     freeze = ["layers.0.fc1.weight"] if not pipeline or "layers.0.fc1.weight" in _names(c, layout, cfg) else []
 
     def make(seed):
-        s = Setup(c, layout, opt, seed=seed, cfg=cfg, scheduler=True,
-                  groups=GroupSpec.for_seed(seed, empty_at=(1,), extra=(("name", f"run{seed}"), ("custom", seed))))
+        s = Setup(
+            c,
+            layout,
+            opt,
+            seed=seed,
+            cfg=cfg,
+            scheduler=True,
+            groups=GroupSpec.for_seed(seed, empty_at=(1,), extra=(("name", f"run{seed}"), ("custom", seed))),
+        )
         return s
 
     a = make(0)
@@ -76,7 +97,10 @@ def rt_4(c, layout, opt, mode):
     want, got = snapshot(a), snapshot(b)
     if not flows.carries_empty_groups(mode, b):
         want, got = without_empty_groups(want), without_empty_groups(got)
-    fail_if(diff_snapshots(want, got), f"{mode}: with every feature at once, the resumed run differs from the uninterrupted one")
+    fail_if(
+        diff_snapshots(want, got),
+        f"{mode}: with every feature at once, the resumed run differs from the uninterrupted one",
+    )
 
 
 def _names(c, layout, cfg) -> set:
@@ -122,12 +146,17 @@ def rt_3(c, layout, opt):
         want.update(part)
     if c.rank != 0:
         empty = not osd or osd == {"state": {}, "param_groups": []}
-        check(empty, f"full_cpu on rank {c.rank}: expected an empty dict, got {len(osd.get('state', {}))} state entries")
+        check(
+            empty, f"full_cpu on rank {c.rank}: expected an empty dict, got {len(osd.get('state', {}))} state entries"
+        )
         total = sum(_nbytes(v) for e in want.values() for v in e.values())
         # Only the root gathers: another rank may receive small control
         # messages, never the full state (SPEC OPT-RT-3: no full copy there).
-        check(meter.total < max(total, 1), f"full_cpu on rank {c.rank}: received {meter.total} bytes while rank 0 gathered "
-              f"{total} bytes of state; a rank other than 0 must not hold a full copy")
+        check(
+            meter.total < max(total, 1),
+            f"full_cpu on rank {c.rank}: received {meter.total} bytes while rank 0 gathered "
+            f"{total} bytes of state; a rank other than 0 must not hold a full copy",
+        )
         return
     problems = []
     for path, value in _tensors(osd.get("state", {})):
@@ -148,7 +177,9 @@ def _full(v):
 
 
 def _cpu(state):
-    return tree.rebuild(state, lambda leaf, _path: leaf.detach().cpu().clone() if isinstance(leaf, torch.Tensor) else leaf)
+    return tree.rebuild(
+        state, lambda leaf, _path: leaf.detach().cpu().clone() if isinstance(leaf, torch.Tensor) else leaf
+    )
 
 
 def _tensors(state):

@@ -34,7 +34,10 @@ def sched_1(c, layout, mode):
     else:  # no scheduler yet (no initial_lr), no custom field
         b = Setup(c, layout, "adamw", seed=1)
     flows.load(c, b, saved)
-    fail_if(diff_values(_fields(want), _fields(snapshot(b)), "param_groups"), f"{mode}: param-group fields did not round-trip")
+    fail_if(
+        diff_values(_fields(want), _fields(snapshot(b)), "param_groups"),
+        f"{mode}: param-group fields did not round-trip",
+    )
 
 
 def sched_2(c, layout, mode, n_optimizers=1):
@@ -70,9 +73,13 @@ def sched_3(c, layout, mode):
     problems = []
     for i, g in enumerate(snapshot(b)["groups"]):
         if g.get("from_checkpoint") != 7:
-            problems.append(f"groups[{i}]['from_checkpoint'] = {g.get('from_checkpoint')!r}, expected 7 (from the checkpoint)")
+            problems.append(
+                f"groups[{i}]['from_checkpoint'] = {g.get('from_checkpoint')!r}, expected 7 (from the checkpoint)"
+            )
         if g.get("target_only") != "kept":
-            problems.append(f"groups[{i}]['target_only'] = {g.get('target_only')!r}, expected 'kept' (the checkpoint lacks it)")
+            problems.append(
+                f"groups[{i}]['target_only'] = {g.get('target_only')!r}, expected 'kept' (the checkpoint lacks it)"
+            )
     fail_if(problems, f"{mode}: group fields were not merged")
 
 
@@ -85,7 +92,16 @@ def cases():
             yield make_case("OPT-SCHED-2", layout, sched_2, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4", "pp2xfsdp2"):
         for mode in ("sharded", "bcast", "flat"):
-            yield make_case("OPT-SCHED-2", layout, sched_2, opt="adamw", mode=mode, variant="2opt", profile="multi-optimizer", n_optimizers=2)
+            yield make_case(
+                "OPT-SCHED-2",
+                layout,
+                sched_2,
+                opt="adamw",
+                mode=mode,
+                variant="2opt",
+                profile="multi-optimizer",
+                n_optimizers=2,
+            )
     for layout in ("single", "fsdp4", "pp2"):
         for mode in ("sharded", "full", "bcast", "flat"):
             yield make_case("OPT-SCHED-3", layout, sched_3, opt="adamw", mode=mode)

@@ -27,7 +27,10 @@ def state_1(c, layout, mode, lazy=False):
     for state the checkpoint does not have; it must stay without state."""
     how = flows.recipe(layout, OPT, cfg=ModelConfig(lazy_aux=True)) if lazy else flows.recipe(layout, OPT)
     r = flows.resume(c, how, mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
-    fail_if(diff_snapshots(r.expected, snapshot(r.resumed)), f"{mode}: after resuming, the custom optimizer's run differs from the uninterrupted one")
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)),
+        f"{mode}: after resuming, the custom optimizer's run differs from the uninterrupted one",
+    )
 
 
 def check_loaded(s) -> None:
@@ -52,7 +55,9 @@ def check_get(c, s, mode: str) -> None:
     if mode in _FULL:
         problems += _not_full(held, _shapes(s, params), cpu=mode in _ROOT_ONLY)
         if mode in _ROOT_ONLY and not s.is_root and held:
-            problems.append(f"full_cpu on rank {c.rank}: {len(held)} state entries, expected none off the root (rank {s.root})")
+            problems.append(
+                f"full_cpu on rank {c.rank}: {len(held)} state entries, expected none off the root (rank {s.root})"
+            )
     else:
         problems += layout_problems(held, params, "get", local=False)
     problems += _differ_across_ranks(s, held)
@@ -67,10 +72,10 @@ def by_param(osd: dict, params: dict) -> dict:
     out: dict = {}
     by_length = sorted(params, key=len, reverse=True)
     for key, value in osd.items():
-        rest = key[len("state."):] if isinstance(key, str) and key.startswith("state.") else None
-        fqn = next((f for f in by_length if rest and rest.startswith(f) and rest[len(f):][:1] in (".", "[")), None)
+        rest = key[len("state.") :] if isinstance(key, str) and key.startswith("state.") else None
+        fqn = next((f for f in by_length if rest and rest.startswith(f) and rest[len(f) :][:1] in (".", "[")), None)
         if fqn is not None:
-            out.setdefault(fqn, {})[rest[len(fqn):]] = value
+            out.setdefault(fqn, {})[rest[len(fqn) :]] = value
     return out
 
 

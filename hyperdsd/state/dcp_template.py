@@ -104,11 +104,15 @@ def optimizer_entries(original: Any, flat: dict[str, Any], mappings: dict[str, P
         entry = entries.setdefault(prefix, Entry(fqn, prefix, dcp_key(root + (GROUPS, fqn))))
         value = flat.get(key)
         (entry.fields if is_field else entry.keys).append(key)
-        entry.placeholder = entry.placeholder or is_unwritten_placeholder(value) or (is_field and is_template_value(value))
+        entry.placeholder = (
+            entry.placeholder or is_unwritten_placeholder(value) or (is_field and is_template_value(value))
+        )
     return list(entries.values())
 
 
-def _entry_of(path: Path, roots: dict[Path, tuple[str, Mapping]], fqns_of: dict[Path, set[str]]) -> tuple[str, Path, bool] | None:
+def _entry_of(
+    path: Path, roots: dict[Path, tuple[str, Mapping]], fqns_of: dict[Path, set[str]]
+) -> tuple[str, Path, bool] | None:
     """(FQN, root path, whether a group field) of a key's path, for the state
     of a parameter (and, in the flat layout, its group fields); None for any other key."""
     for i in range(len(path)):
@@ -157,7 +161,9 @@ def judge(entries: list[Entry], in_checkpoint: Mapping[str, Any], *, strict: boo
                 # set decides (strict names it; otherwise it stays fresh).
                 drop += entry.fields
         elif strict:
-            problems.append(f"state[{entry.fqn!r}] is not in the checkpoint (lacks {lacking}), but the optimizer has state for it")
+            problems.append(
+                f"state[{entry.fqn!r}] is not in the checkpoint (lacks {lacking}), but the optimizer has state for it"
+            )
     return drop, problems
 
 

@@ -121,6 +121,7 @@ class OptimizerLoadPlan:
 
 # -- checks ----------------------------------------------------------------
 
+
 def is_tensorish(value: Any) -> bool:
     """A tensor, or the stand-in for one that the root holds."""
     return isinstance(value, (torch.Tensor, TensorMeta))
@@ -157,6 +158,7 @@ def from_full(value: torch.Tensor | TensorMeta, device: torch.device, layout: DT
 
 
 # -- applying --------------------------------------------------------------
+
 
 def redistribute(prepared: Iterable[Prepared]) -> None:
     """Move every DTensor that needs it to its planned layout (collectives, in plan order)."""

@@ -39,7 +39,9 @@ def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -
     if sd is None:
         raw = model.state_dict(keep_vars=True)
         sd = {
-            index.canonical_key(k): _compat.detached(v) if isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE) else v
+            index.canonical_key(k): _compat.detached(v)
+            if isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE)
+            else v
             for k, v in raw.items()
         }
     if ignore_frozen:
@@ -74,7 +76,9 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     return sd
 
 
-def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str], layouts: LayoutCache) -> Prepared | None:
+def _prepare(
+    value: Any, target: torch.Tensor, where: str, problems: list[str], layouts: LayoutCache
+) -> Prepared | None:
     """Check one value against the model's tensor; return what to load."""
     if not is_tensorish(value):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
@@ -102,7 +106,9 @@ def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
         return None
 
 
-def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: bool, ignore_frozen: bool, foreign_ok: bool = False) -> tuple[ModelLoadPlan, list[str]]:
+def plan_load(
+    model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: bool, ignore_frozen: bool, foreign_ok: bool = False
+) -> tuple[ModelLoadPlan, list[str]]:
     problems: list[str] = []
     plan = ModelLoadPlan()
     if not isinstance(sd, dict):
@@ -128,8 +134,14 @@ def plan_load(model: torch.nn.Module, index: ModelIndex, sd: Any, *, strict: boo
             if target.device.type == "meta":
                 plan.on_meta.add(raw)
                 if prepared.device.type == "meta":
-                    prepared.device = prepared.local.device if prepared.local is not None else _compat.collective_device()
-            elif prepared.meta is not None and _compat.local_tensor(target).dtype == prepared.dtype and prepared.source_dtensor is None:
+                    prepared.device = (
+                        prepared.local.device if prepared.local is not None else _compat.collective_device()
+                    )
+            elif (
+                prepared.meta is not None
+                and _compat.local_tensor(target).dtype == prepared.dtype
+                and prepared.source_dtensor is None
+            ):
                 prepared.dest = target  # a broadcast piece goes straight into the model's tensor
             plan.values[raw] = prepared
         else:

@@ -118,7 +118,11 @@ def apply_load(plan: OptimizerLoadPlan) -> None:
     for group, fields in plan.groups:
         for key, value in fields.items():
             old = group.get(key)
-            if isinstance(old, torch.Tensor) and isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool):
+            if (
+                isinstance(old, torch.Tensor)
+                and isinstance(value, (torch.Tensor, int, float))
+                and not isinstance(value, bool)
+            ):
                 if not isinstance(value, torch.Tensor) or value.shape == old.shape:
                     old.copy_(value) if isinstance(value, torch.Tensor) else old.fill_(value)
                     continue

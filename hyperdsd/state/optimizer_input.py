@@ -75,7 +75,9 @@ def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[Ta
         for gi, g in enumerate(opt.param_groups):
             unknown = [i for i, p in enumerate(g["params"]) if p not in index.fqn_of]
             if unknown:
-                problems.append(f"the optimizer's param_groups[{gi}] holds parameters that are not the model's (positions {unknown})")
+                problems.append(
+                    f"the optimizer's param_groups[{gi}] holds parameters that are not the model's (positions {unknown})"
+                )
                 return None
             targets.append(TargetGroup(opt, g, [index.fqn_of[p] for p in g["params"]]))
     return targets
@@ -180,20 +182,32 @@ def unpaired_groups(targets: list[TargetGroup], source: Source) -> list[str]:
 
     def same_as_matched(s: SourceGroup) -> bool:
         homes = {target_of.get(f) for f in s.fqns}
-        return bool(s.fqns) and None not in homes and all(
-            source.matched[i] is not None and not _differs(_group_fields(source.matched[i].fields), _group_fields(s.fields)) for i in homes
+        return (
+            bool(s.fqns)
+            and None not in homes
+            and all(
+                source.matched[i] is not None
+                and not _differs(_group_fields(source.matched[i].fields), _group_fields(s.fields))
+                for i in homes
+            )
         )
 
     problems = []
     for j, s in enumerate(source.groups):
         if uses[id(s)] > 1:
             shared = [i for i, m in enumerate(source.matched) if m is s]
-            problems.append(f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) holds the parameters of the optimizer's groups {shared}")
+            problems.append(
+                f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) holds the parameters of the optimizer's groups {shared}"
+            )
         elif not uses[id(s)] and not (others and (id(s) in others or not s.fqns)) and not same_as_matched(s):
-            problems.append(f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) matches no group of the optimizer")
+            problems.append(
+                f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) matches no group of the optimizer"
+            )
     for i, (t, m) in enumerate(zip(targets, source.matched)):
         if m is None and not (others and not t.fqns):
-            problems.append(f"the optimizer's param_groups[{i}] ({_describe(t.group, t.fqns)}) has no group in the checkpoint")
+            problems.append(
+                f"the optimizer's param_groups[{i}] ({_describe(t.group, t.fqns)}) has no group in the checkpoint"
+            )
     if not problems:
         return []
     counts = f"the checkpoint has {len(source.groups)} param groups, the optimizer {len(targets)} (empty groups counted, strict=True)"
@@ -210,8 +224,14 @@ def _describe(fields: dict, fqns: list[str]) -> str:
     return f"{what}, name {name!r}" if isinstance(name, str) else what
 
 
-def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict: bool, problems: list[str],
-               unwritten: UnwrittenKeys) -> Source:
+def _from_flat(
+    osd: dict,
+    index: ModelIndex,
+    targets: list[TargetGroup],
+    strict: bool,
+    problems: list[str],
+    unwritten: UnwrittenKeys,
+) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
     state, fields, unknown = unflatten(osd, set(index.param_of))
 
@@ -235,7 +255,9 @@ def _from_flat(osd: dict, index: ModelIndex, targets: list[TargetGroup], strict:
             if other is not None and other is not chosen and _differs(other, chosen):
                 differing = sorted(k for k in set(other) | set(chosen) if _differs(other.get(k), chosen.get(k)))
                 if strict:
-                    problems.append(f"param_groups fields of {f!r} differ from {present[0]!r} in the same group: {differing}")
+                    problems.append(
+                        f"param_groups fields of {f!r} differ from {present[0]!r} in the same group: {differing}"
+                    )
                 break
         aligned.append(SourceGroup(chosen, present))
     return Source([s for s in aligned if s is not None], aligned, state, unknown, nested=False)
@@ -245,7 +267,9 @@ def _differs(a, b) -> bool:
     if a is b:
         return False
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b))
+        return not (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
     try:

@@ -36,7 +36,9 @@ from .placeholders import has_placeholders, scratch_state
 _STRUCTURAL = ("params", "param_names")
 
 
-def plan_load(index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_ok: bool = False) -> tuple[OptimizerLoadPlan, list[str]]:
+def plan_load(
+    index: ModelIndex, optimizers, osd: Any, *, strict: bool, foreign_ok: bool = False
+) -> tuple[OptimizerLoadPlan, list[str]]:
     """Check ``osd`` against the optimizers and describe the load; change nothing.
 
     ``osd`` is nested or flat; its tensors may be :class:`TensorMeta`
@@ -90,8 +92,9 @@ class _Expectations:
         return scratch.get(p) if scratch else None
 
 
-def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: Source, strict: bool,
-                 problems: list[str]) -> None:
+def _prepare_all(
+    plan: OptimizerLoadPlan, targets: list[TargetGroup], source: Source, strict: bool, problems: list[str]
+) -> None:
     """A :class:`ParamLoad` for every parameter the checkpoint lists; group fields to set."""
     expectations = {id(opt): _Expectations(opt) for opt in plan.optimizers}
     layouts = LayoutCache()
@@ -114,9 +117,20 @@ def _prepare_all(plan: OptimizerLoadPlan, targets: list[TargetGroup], source: So
             if expected and strict and not expected.keys() <= written.keys():
                 lacking = sorted(str(k) for k in expected if k not in written)
                 if lacking:
-                    problems.append(f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})")
+                    problems.append(
+                        f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})"
+                    )
             prepared = {
-                key: _prepare(value, p, key, target.group, expected.get(key) if expected else None, f"state[{fqn!r}][{key!r}]", problems, layouts)
+                key: _prepare(
+                    value,
+                    p,
+                    key,
+                    target.group,
+                    expected.get(key) if expected else None,
+                    f"state[{fqn!r}][{key!r}]",
+                    problems,
+                    layouts,
+                )
                 for key, value in written.items()
             }
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
@@ -140,10 +154,15 @@ def _prepare(value, p, key: str, group: dict, expected, where: str, problems: li
         return None
     if type(value) is dict:
         mine = expected if isinstance(expected, dict) else {}
-        return {k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems, layouts) for k, v in value.items()}
+        return {
+            k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems, layouts) for k, v in value.items()
+        }
     if type(value) in (list, tuple):
         mine = expected if isinstance(expected, (list, tuple)) and len(expected) == len(value) else [None] * len(value)
-        return type(value)(_prepare(v, p, key, group, e, f"{where}[{i}]", problems, layouts) for i, (v, e) in enumerate(zip(value, mine)))
+        return type(value)(
+            _prepare(v, p, key, group, e, f"{where}[{i}]", problems, layouts)
+            for i, (v, e) in enumerate(zip(value, mine))
+        )
     prepared = _prepare_leaf(value, p, key, group, expected, where, problems, layouts)
     if isinstance(prepared, Prepared) and fits(expected, prepared):
         prepared.dest = expected  # loaded in place into the state tensor it replaces
@@ -160,7 +179,9 @@ def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problem
         return None
     # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
     if key != "step" and kind_differs(value.dtype, p.dtype):
-        problems.append(f"{where}: dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter")
+        problems.append(
+            f"{where}: dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter"
+        )
         return None
     shape = tuple(value.shape)
     allowed = (tuple(expected.shape),) if isinstance(expected, torch.Tensor) else ((), tuple(p.shape))

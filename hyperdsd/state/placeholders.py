@@ -127,6 +127,7 @@ def unwritten_keys(entry: dict) -> Unwritten:
 
 # -- the scratch step --------------------------------------------------------
 
+
 def _zero_grad_stand_in(p: torch.Tensor) -> torch.Tensor:
     stand_in = torch.zeros_like(p).requires_grad_(True)
     stand_in.grad = torch.zeros_like(p)
@@ -191,6 +192,7 @@ def scratch_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict] | None
 
 
 # -- templates ---------------------------------------------------------------
+
 
 def template_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     """Placeholder state for a never-stepped optimizer (see module docstring)."""

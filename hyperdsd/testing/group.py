@@ -55,7 +55,9 @@ def _close_connections(since: set[str]) -> None:
         try:
             # Connections only: a listening socket is the leaked group's own
             # accept loop, which must not see its socket fail.
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+            ):
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass

@@ -101,7 +101,9 @@ def judge(results: list[m.RankResult], scope: str = m.WHOLE_TASK) -> tuple[Statu
 
 # What a rank says when its process group broke under it (a timeout or a
 # lost connection closes the group's connections for good).
-_GROUP_BROKE = re.compile(r"gloo|pair closure|Timed out waiting|Connection (?:closed|reset|refused)|NCCL|Broken pipe", re.I)
+_GROUP_BROKE = re.compile(
+    r"gloo|pair closure|Timed out waiting|Connection (?:closed|reset|refused)|NCCL|Broken pipe", re.I
+)
 
 
 def out_of_step(results: list[m.RankResult]) -> str:
@@ -122,7 +124,13 @@ def out_of_step(results: list[m.RankResult]) -> str:
     return ""
 
 
-_ORDER = {RankStatus.DIED: 0, RankStatus.TIMEOUT: 1, RankStatus.RAISED: 2, RankStatus.STUCK: 3, RankStatus.NOT_APPLICABLE: 4}
+_ORDER = {
+    RankStatus.DIED: 0,
+    RankStatus.TIMEOUT: 1,
+    RankStatus.RAISED: 2,
+    RankStatus.STUCK: 3,
+    RankStatus.NOT_APPLICABLE: 4,
+}
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -65,9 +65,18 @@ def _size(path: str) -> int:
 class WorkerPool:
     """``world_size`` rank processes sharing one gloo process group."""
 
-    def __init__(self, world_size: int, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0,
-                 grace_s: float = 5.0, release_after_s: float = 0.25, device_type: str = "cpu", backend: str = "gloo",
-                 preload: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        gloo_timeout_s: float = 45.0,
+        start_timeout_s: float = 180.0,
+        grace_s: float = 5.0,
+        release_after_s: float = 0.25,
+        device_type: str = "cpu",
+        backend: str = "gloo",
+        preload: tuple[str, ...] = (),
+    ):
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
         self.world_size = world_size
@@ -105,17 +114,26 @@ class WorkerPool:
         for rank in range(self.world_size):
             ours, theirs = socket.socketpair()
             args = [
-                "--rank", str(rank),
-                "--world-size", str(self.world_size),
-                "--workdir", self.workdir,
-                "--parent-pid", str(os.getpid()),
-                "--gloo-timeout", str(self.gloo_timeout_s),
-                "--device", self.device_type,
-                "--backend", self.backend,
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(self.world_size),
+                "--workdir",
+                self.workdir,
+                "--parent-pid",
+                str(os.getpid()),
+                "--gloo-timeout",
+                str(self.gloo_timeout_s),
+                "--device",
+                self.device_type,
+                "--backend",
+                self.backend,
             ]
             try:
                 with interrupts_deferred():
-                    self._procs.append(start_worker(args, theirs, self._log(rank), env, self.start_timeout_s, self.preload))
+                    self._procs.append(
+                        start_worker(args, theirs, self._log(rank), env, self.start_timeout_s, self.preload)
+                    )
             except (OSError, EOFError) as exc:
                 ours.close()
                 theirs.close()
@@ -131,7 +149,9 @@ class WorkerPool:
         while pending and not problems:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                problems.append(f"ranks {sorted(pending)} did not join the process group within {self.start_timeout_s:.0f} s")
+                problems.append(
+                    f"ranks {sorted(pending)} did not join the process group within {self.start_timeout_s:.0f} s"
+                )
                 break
             for obj in wait(self._waitables(pending), timeout=remaining):
                 rank = self._rank_of(obj)
@@ -153,11 +173,11 @@ class WorkerPool:
                         problems.append(f"rank {rank} answered {type(msg).__name__} while joining the process group")
                         continue
                 self._procs[rank].join(1)
-                problems.append(f"rank {rank} {describe_exit(self._procs[rank].exitcode)} while joining the process group")
+                problems.append(
+                    f"rank {rank} {describe_exit(self._procs[rank].exitcode)} while joining the process group"
+                )
         if problems:
-            logs = "\n".join(
-                f"--- rank {r} log ---\n{_read_from(self._log(r), 0)}" for r in range(self.world_size)
-            )
+            logs = "\n".join(f"--- rank {r} log ---\n{_read_from(self._log(r), 0)}" for r in range(self.world_size))
             raise PoolStartError("; ".join(problems) + "\n" + logs)
 
     def _log(self, rank: int) -> str:
@@ -284,8 +304,14 @@ class WorkerPool:
                 else:
                     status = RankStatus.STUCK
                     msg = f"still running {self.grace_s:g} s after rank {first_failure.rank} failed (blocked, most likely in a collective)"
-                results[rank] = m.RankResult(rank, status, message=msg, stacks=stacks.get(rank, ""), region=read_region(self.workdir, rank))
-            recycled = "ranks " + ",".join(map(str, sorted(pending))) + (" missed the deadline" if timed_out else " were stuck")
+                results[rank] = m.RankResult(
+                    rank, status, message=msg, stacks=stacks.get(rank, ""), region=read_region(self.workdir, rank)
+                )
+            recycled = (
+                "ranks "
+                + ",".join(map(str, sorted(pending)))
+                + (" missed the deadline" if timed_out else " were stuck")
+            )
         ordered = [results[r] for r in range(self.world_size)]
         mark_released(ordered)
         status, notes = judge(ordered, task.scope)
@@ -293,19 +319,27 @@ class WorkerPool:
             recycled = "a rank died"
         regrouped = ""
         if not recycled:
-            regrouped = "ranks left the process group to release ranks blocked on a failed one" if releasing else out_of_step(ordered)
+            regrouped = (
+                "ranks left the process group to release ranks blocked on a failed one"
+                if releasing
+                else out_of_step(ordered)
+            )
         for r in ordered:
             if r.leaks:
                 notes.append(f"rank {r.rank} left behind: " + "; ".join(r.leaks))
         if status != Status.PASSED:
             for r in ordered:
                 r.log = _read_from(self._log(r.rank), log_offsets[r.rank])
-        outcome = TaskOutcome(task, self.world_size, status, ordered, time.monotonic() - start, recycled, regrouped, notes)
+        outcome = TaskOutcome(
+            task, self.world_size, status, ordered, time.monotonic() - start, recycled, regrouped, notes
+        )
         if regrouped:
             try:
                 self._rejoin()
             except PoolStartError as exc:
-                outcome.recycled = recycled = f"the ranks could not form new process groups ({str(exc).splitlines()[0]})"
+                outcome.recycled = recycled = (
+                    f"the ranks could not form new process groups ({str(exc).splitlines()[0]})"
+                )
         if recycled:
             outcome.notes.append(f"pool restarted: {recycled}")
             self.kill()
@@ -333,8 +367,12 @@ class WorkerPool:
     def _died(self, rank: int) -> m.RankResult:
         proc = self._procs[rank]
         proc.join(2)
-        return m.RankResult(rank, RankStatus.DIED, message=f"{describe_exit(proc.exitcode)} during the task",
-                            region=read_region(self.workdir, rank))
+        return m.RankResult(
+            rank,
+            RankStatus.DIED,
+            message=f"{describe_exit(proc.exitcode)} during the task",
+            region=read_region(self.workdir, rank),
+        )
 
     def _collect_stacks(self, ranks: list[int], wait_s: float = 2.0) -> dict[int, str]:
         before = {r: _size(self._stacks(r)) for r in ranks}
@@ -361,9 +399,18 @@ class PoolSet:
     launcher = "pools"
     reporter = True
 
-    def __init__(self, *, gloo_timeout_s: float = 45.0, start_timeout_s: float = 180.0, grace_s: float = 5.0,
-                 release_after_s: float = 0.25, max_ranks: int = 12, device_type: str = "cpu", backend: str = "gloo",
-                 preload: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        *,
+        gloo_timeout_s: float = 45.0,
+        start_timeout_s: float = 180.0,
+        grace_s: float = 5.0,
+        release_after_s: float = 0.25,
+        max_ranks: int = 12,
+        device_type: str = "cpu",
+        backend: str = "gloo",
+        preload: tuple[str, ...] = (),
+    ):
         self.preload = tuple(preload)
         self.gloo_timeout_s = gloo_timeout_s
         self.start_timeout_s = start_timeout_s
@@ -383,9 +430,16 @@ class PoolSet:
             while self._pools and sum(self._pools) + world_size > self.max_ranks:
                 oldest = next(iter(self._pools))
                 self._pools.pop(oldest).close()
-            pool = WorkerPool(world_size, gloo_timeout_s=self.gloo_timeout_s, start_timeout_s=self.start_timeout_s,
-                              grace_s=self.grace_s, release_after_s=self.release_after_s,
-                              device_type=self.device_type, backend=self.backend, preload=self.preload)
+            pool = WorkerPool(
+                world_size,
+                gloo_timeout_s=self.gloo_timeout_s,
+                start_timeout_s=self.start_timeout_s,
+                grace_s=self.grace_s,
+                release_after_s=self.release_after_s,
+                device_type=self.device_type,
+                backend=self.backend,
+                preload=self.preload,
+            )
             self.starts += 1
             pool.start()
         self._pools[world_size] = pool  # most recently used last

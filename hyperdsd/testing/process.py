@@ -125,15 +125,25 @@ class SpawnedWorker:
 class ForkedWorker:
     """A rank forked from the fork server; the same interface as :class:`SpawnedWorker`."""
 
-    def __init__(self, args: list[str], sock, log_path: str, env: dict[str, str], start_timeout_s: float,
-                 preload: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        args: list[str],
+        sock,
+        log_path: str,
+        env: dict[str, str],
+        start_timeout_s: float,
+        preload: tuple[str, ...] = (),
+    ):
         import multiprocessing
         import threading
 
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload([*PRELOAD, *preload])  # only read when the server starts
-        self._proc = ctx.Process(target=_forked_main, args=(args, sock, log_path, env, os.getpid()),
-                                 name=f"hyperdsd-rank-{args[args.index('--rank') + 1]}")
+        self._proc = ctx.Process(
+            target=_forked_main,
+            args=(args, sock, log_path, env, os.getpid()),
+            name=f"hyperdsd-rank-{args[args.index('--rank') + 1]}",
+        )
         # start() waits, without a deadline, for the server to fork: on its
         # first use, until it has imported PRELOAD. Killing a server that
         # takes longer ends that wait with an error.
@@ -184,8 +194,9 @@ def interrupts_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def start_worker(args: list[str], sock, log_path: str, env: dict[str, str], start_timeout_s: float,
-                 preload: tuple[str, ...] = ()):
+def start_worker(
+    args: list[str], sock, log_path: str, env: dict[str, str], start_timeout_s: float, preload: tuple[str, ...] = ()
+):
     """Start one rank worker: ``args`` for ``hyperdsd.testing.worker`` but
     ``--fd``, ``sock`` the worker's end of its connection, its output
     appended to ``log_path``. ``HYPERDSD_SPAWN_RANKS=1`` starts fresh
@@ -284,8 +295,10 @@ def environment_problems() -> list[str]:
     try:
         import numpy  # noqa: F401
     except ImportError:
-        problems.append("numpy is not installed, and torch.distributed's object collectives "
-                        "(broadcast_object_list, DCP's planning) need it: pip install numpy")
+        problems.append(
+            "numpy is not installed, and torch.distributed's object collectives "
+            "(broadcast_object_list, DCP's planning) need it: pip install numpy"
+        )
     return problems
 
 

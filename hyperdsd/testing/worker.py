@@ -48,8 +48,15 @@ def _join(conn, membership: Membership, ctx: RankContext, generation: int) -> bo
     return True
 
 
-def serve(conn: Connection, rank: int, world_size: int, workdir: str, gloo_timeout_s: float,
-          device_type: str = "cpu", backend: str = "gloo") -> None:
+def serve(
+    conn: Connection,
+    rank: int,
+    world_size: int,
+    workdir: str,
+    gloo_timeout_s: float,
+    device_type: str = "cpu",
+    backend: str = "gloo",
+) -> None:
     stacks = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
 
@@ -60,7 +67,9 @@ def serve(conn: Connection, rank: int, world_size: int, workdir: str, gloo_timeo
     ctx = RankContext(rank, world_size, workdir, device_type=device_type, local_rank=rank)
     if device_type != "cpu":
         select_device(device_type, rank)
-    membership = Membership(dist.FileStore(os.path.join(workdir, "store"), world_size), backend=backend, timeout_s=gloo_timeout_s)
+    membership = Membership(
+        dist.FileStore(os.path.join(workdir, "store"), world_size), backend=backend, timeout_s=gloo_timeout_s
+    )
     if not _join(conn, membership, ctx, 0):
         return
     while True:

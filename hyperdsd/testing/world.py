@@ -60,8 +60,14 @@ class _Watchdog:
     the process: a collective that never completes cannot be interrupted.
     """
 
-    def __init__(self, deadline_s: float, on_deadline: Callable[[], None], on_exit: Callable[[], None] | None,
-                 peer_left: Callable[[], bool] = lambda: False, release: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        deadline_s: float,
+        on_deadline: Callable[[], None],
+        on_exit: Callable[[], None] | None,
+        peer_left: Callable[[], bool] = lambda: False,
+        release: Callable[[], None] = lambda: None,
+    ):
         self._done = threading.Event()
         self._deadline_s = deadline_s
         self._on_deadline = on_deadline
@@ -127,7 +133,9 @@ class TorchrunWorld:
 
     launcher = "torchrun"
 
-    def __init__(self, gloo_timeout_s: float = 45.0, *, device_type: str = "cpu", backend: str = "gloo", workdir: str = ""):
+    def __init__(
+        self, gloo_timeout_s: float = 45.0, *, device_type: str = "cpu", backend: str = "gloo", workdir: str = ""
+    ):
         import torch
         import torch.distributed as dist
 
@@ -137,7 +145,9 @@ class TorchrunWorld:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         # The launcher's rendezvous (env://): its store outlives every process
         # group formed through it, sub-worlds included.
-        self._store, self.rank, self.world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=gloo_timeout_s)))
+        self._store, self.rank, self.world_size = next(
+            dist.rendezvous("env://", timeout=datetime.timedelta(seconds=gloo_timeout_s))
+        )
         self._membership = Membership(self._store, backend=backend, timeout_s=gloo_timeout_s)
         self._generation = 0
         self._membership.join(self.rank, self.world_size, self._generation)
@@ -145,7 +155,9 @@ class TorchrunWorld:
         self._dirty = False
         self._lost = ""
         self._count = 0
-        self.ctx = RankContext(self.rank, self.world_size, workdir="", device_type=device_type, local_rank=self.local_rank)
+        self.ctx = RankContext(
+            self.rank, self.world_size, workdir="", device_type=device_type, local_rank=self.local_rank
+        )
         self.on_expiry: Callable[[TaskOutcome | None], None] | None = None
 
     @property
@@ -187,8 +199,13 @@ class TorchrunWorld:
         if self.rank < world_size:
             expiry = (lambda: self._report_hang(n, world_size, task, start, deadline_s)) if self.rank == 0 else None
             left = self._key(n, "a-rank-left")
-            with _Watchdog(deadline_s, lambda: self._publish_stacks(n), expiry,
-                           peer_left=lambda: self._store.check([left]), release=self._membership.close_connections):
+            with _Watchdog(
+                deadline_s,
+                lambda: self._publish_stacks(n),
+                expiry,
+                peer_left=lambda: self._store.check([left]),
+                release=self._membership.close_connections,
+            ):
                 result = execute(self.ctx, task)
             if not _picklable(result.value):
                 result.value = None
@@ -204,7 +221,9 @@ class TorchrunWorld:
         outcome = self._collect(n, world_size, task, start, deadline_s)
         self._dirty = self._dirty or bool(outcome.regrouped)
         self._lost = outcome.recycled
-        self._store.set(self._key(n, "verdict"), pickle.dumps({"regroup": bool(outcome.regrouped), "lost": outcome.recycled}))
+        self._store.set(
+            self._key(n, "verdict"), pickle.dumps({"regroup": bool(outcome.regrouped), "lost": outcome.recycled})
+        )
         return outcome
 
     def _await_verdict(self, n: int, deadline_s: float) -> None:
@@ -239,7 +258,9 @@ class TorchrunWorld:
         missing = [r for r in range(size) if r not in results]
         if missing:  # their watchdogs publish where they are at the deadline
             wait_until = time.monotonic() + _EXIT_AFTER_S / 2
-            while time.monotonic() < wait_until and not all(self._store.check([self._key(n, f"stacks{r}")]) for r in missing):
+            while time.monotonic() < wait_until and not all(
+                self._store.check([self._key(n, f"stacks{r}")]) for r in missing
+            ):
                 time.sleep(0.05)
         return self._outcome(n, size, task, start, deadline_s, results, missing)
 
@@ -249,8 +270,13 @@ class TorchrunWorld:
             key = self._key(n, f"stacks{r}")
             if self._store.check([key]):
                 stacks, region = pickle.loads(self._store.get(key))
-            results[r] = m.RankResult(r, RankStatus.TIMEOUT, message=f"did not report within the {deadline_s:g} s deadline (stuck or dead)",
-                                      stacks=stacks, region=region)
+            results[r] = m.RankResult(
+                r,
+                RankStatus.TIMEOUT,
+                message=f"did not report within the {deadline_s:g} s deadline (stuck or dead)",
+                stacks=stacks,
+                region=region,
+            )
         ordered = [results[r] for r in range(size)]
         mark_released(ordered)
         status, notes = judge(ordered, task.scope)

@@ -45,8 +45,10 @@ def rank() -> int:
 
 # -- agreement -------------------------------------------------------------
 
-def agree(problems: list[str], what: str, questions: dict[str, bool | None] | None = None,
-          group: Group | None = None) -> dict[str, bool]:
+
+def agree(
+    problems: list[str], what: str, questions: dict[str, bool | None] | None = None, group: Group | None = None
+) -> dict[str, bool]:
     """Raise :class:`StateDictError` on every rank of ``group`` if any has problems.
 
     One all-reduce of two flags when all is well; messages travel only when
@@ -114,6 +116,7 @@ def _format(what: str, by_rank: dict[int, list[str]]) -> str:
 
 # -- who holds what --------------------------------------------------------
 
+
 def same_everywhere(keys: Sequence[str], group: Group | None = None) -> bool:
     """Whether every rank of ``group`` has the same keys (one small all-gather of digests)."""
     group = group or world()
@@ -157,6 +160,7 @@ def broadcast_object(obj: Any, group: Group | None = None) -> Any:
 
 
 # -- byte buckets ----------------------------------------------------------
+
 
 def aligned(n: int) -> int:
     """``n`` bytes rounded up to where the next piece of a bucket may start."""

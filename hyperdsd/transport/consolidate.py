@@ -40,7 +40,9 @@ def offload(value: Any) -> Any:
     return rebuild(value, move)
 
 
-def full_entries(entries: dict[str, Any], group: Group, *, root_only: bool, cpu: bool) -> tuple[dict[str, Any], dict[str, int] | None]:
+def full_entries(
+    entries: dict[str, Any], group: Group, *, root_only: bool, cpu: bool
+) -> tuple[dict[str, Any], dict[str, int] | None]:
     """Gather every DTensor in ``entries`` (values: tensors, or containers of them).
 
     Returns the entries this rank keeps (all of them, or with ``root_only``

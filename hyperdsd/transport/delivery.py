@@ -71,8 +71,16 @@ def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None]
     return needs, users, cut
 
 
-def deliver(needs: list[Need | None], users: Users, cut: set[int], fulls: list[torch.Tensor] | None,
-            metas: Metas, device: torch.device, everyone_needs: list | None = None, group: Group | None = None) -> None:
+def deliver(
+    needs: list[Need | None],
+    users: Users,
+    cut: set[int],
+    fulls: list[torch.Tensor] | None,
+    metas: Metas,
+    device: torch.device,
+    everyone_needs: list | None = None,
+    group: Group | None = None,
+) -> None:
     """Give each receiver this rank's piece of the root's tensor, as it arrives.
 
     A piece goes straight into its destination (an existing tensor of the
@@ -98,4 +106,6 @@ def deliver(needs: list[Need | None], users: Users, cut: set[int], fulls: list[t
             return None
         return _compat.local_tensor(u.dest)
 
-    scatter_from_root(metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group)
+    scatter_from_root(
+        metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group
+    )

@@ -30,6 +30,7 @@ from .group import Group, world
 # (stacked: a copy of the run on the root while it packs).
 _STACKED_BYTES = 64 << 10
 
+
 # (shape, dtype) of each of the root's tensors, in manifest order
 class ShapeDtype(NamedTuple):
     shape: tuple[int, ...]
@@ -175,7 +176,11 @@ class Scatterer:
             else:
                 # Never by object identity: the root's own needs may be other
                 # objects than the copies the other ranks received.
-                key = (shape, dtype, tuple([ix[i] for ix in indexes]) if packed else tuple([e[i] for e in self.everyone]))
+                key = (
+                    shape,
+                    dtype,
+                    tuple([ix[i] for ix in indexes]) if packed else tuple([e[i] for e in self.everyone]),
+                )
             members = runs.get(key)
             if members is None:
                 runs[key] = [i]
