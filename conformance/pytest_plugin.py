@@ -89,10 +89,12 @@ def check_case(runner: Runner, case: Case) -> None:
     reason = runner.applicability(case)
     if reason:
         pytest.skip(f"not applicable: {reason}")
+    from hyperdsd.testing import Status  # here, not at import: the plugin loads without torch
+
     result = runner.run_case(case)
-    if result.status == "n/a":
+    if result.status == Status.NOT_APPLICABLE:
         pytest.skip(f"not applicable: {result.message}")
-    if result.status != "passed":
+    if result.status != Status.PASSED:
         pytest.fail(
             f"{case.id}: {result.status}\n{result.message}\nrepro: {result.repro}\n\n{result.details}", pytrace=False
         )

@@ -47,14 +47,14 @@ def repro_command(impl: str, case_id: str, timeout: float | None, torchrun_nproc
 def describe_outcome(outcome: TaskOutcome, phase_label: str) -> tuple[str, str, list[int]]:
     """(message, details, ranks named) for a phase that did not pass."""
     lines = [f"{phase_label}{line}" for line in outcome.describe().splitlines()]
-    named = sorted({r.rank for r in outcome.results if r.status != "passed"})
+    named = sorted({r.rank for r in outcome.results if r.status != Status.PASSED})
     details = []
     for r in outcome.results:
         if r.traceback:
             details.append(f"--- traceback of rank {r.rank} ---\n{r.traceback}")
         if r.stacks:
             details.append(f"--- stacks of rank {r.rank} ({r.status}) ---\n{r.stacks}")
-        if r.log.strip() and r.status != "passed":
+        if r.log.strip() and r.status != Status.PASSED:
             details.append(f"--- output of rank {r.rank} ---\n{r.log}")
     return "\n".join(lines), "\n".join(details), named
 

@@ -124,7 +124,7 @@ def main() -> None:
                 },
             )
             outcome = pools.run(4, task, 3600)
-            if outcome.status is not Status.PASSED:
+            if outcome.status != Status.PASSED:
                 print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}", flush=True)
                 continue
             t = outcome.values[0]
@@ -168,7 +168,7 @@ def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
         columns: dict[str, dict[str, float]] = {}
         for mode in modes:
             outcome = pools.run(4, Task(bench_tasks.breakdown, {"size": size, "mode": mode}), 3600)
-            if outcome.status is not Status.PASSED:
+            if outcome.status != Status.PASSED:
                 print(f"{size} {mode}: failed: {outcome.describe()[:300]}")
                 continue
             slowest = max(outcome.values, key=lambda v: v["cpu_s"])
@@ -206,7 +206,7 @@ def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, 
                         outcome = pools.run(
                             4, Task(bench_tasks.memory, {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600
                         )
-                    if outcome.status is not Status.PASSED:
+                    if outcome.status != Status.PASSED:
                         print(
                             f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}", flush=True
                         )

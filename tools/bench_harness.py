@@ -103,7 +103,7 @@ def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]
             start = time.perf_counter()
             outcome = pools.run(world_size, Task(task, {"variant": i}))
             wall = time.perf_counter() - start
-            assert outcome.status is Status.PASSED, outcome.describe()
+            assert outcome.status == Status.PASSED, outcome.describe()
             walls.append(wall)
             overheads.append(wall - max(r.duration_s for r in outcome.results))
     return startup, walls, overheads
