@@ -271,18 +271,21 @@ for (const clause of clauses) {
     const w = worstOf(c);
     const text = ran ? `${(c.passed || 0) + (c.xpass || 0)}/${ran}` : 'n/a';
     const title = Object.entries(c).map(([s, n]) => `${n} ${s}`).join(', ');
-    tr.appendChild(el('td', {class: w === 'n/a' ? 'na' : w, 'data-clause': clause, 'data-layout': layout, 'data-status': w, title}, text));
+    tr.appendChild(el('td', {class: w === 'n/a' ? 'na' : w, 'data-clause': clause, \
+'data-layout': layout, 'data-status': w, title}, text));
   }
   table.appendChild(tr);
 }
 document.getElementById('matrix-slot').replaceChildren(table);
 // The colour each cell renders with, for tests that read the rendered page.
-table.querySelectorAll('td[data-status]').forEach(td => td.setAttribute('data-bg', getComputedStyle(td).backgroundColor));
+table.querySelectorAll('td[data-status]').forEach(td => \
+td.setAttribute('data-bg', getComputedStyle(td).backgroundColor));
 const devs = document.getElementById('deviations');
 if (!(data.deviations || []).length) devs.appendChild(el('p', {}, 'No case failed.'));
 (data.deviations || []).forEach((d, i) => {
   const box = el('details', {class: 'deviation ' + d.status, open: ''});
-  box.appendChild(el('summary', {}, `D${i + 1}  ${d.status.toUpperCase()} in ${d.count} case(s) of ${d.clauses.join(', ')}${d.xfail_reason ? '  (expected: ' + d.xfail_reason + ')' : ''}`));
+  box.appendChild(el('summary', {}, `D${i + 1}  ${d.status.toUpperCase()} in ${d.count} case(s) of \
+${d.clauses.join(', ')}${d.xfail_reason ? '  (expected: ' + d.xfail_reason + ')' : ''}`));
   box.appendChild(el('pre', {}, d.message + '\\n\\nrepro: ' + d.repro));
   const list = el('details');
   list.appendChild(el('summary', {}, 'cases'));
@@ -295,7 +298,8 @@ const list = document.getElementById('failures');
 if (!failures.length) list.appendChild(el('p', {}, 'Every case that ran passed or did not apply.'));
 for (const c of failures) {
   const d = el('details', {class: c.status});
-  d.appendChild(el('summary', {}, `${c.status.toUpperCase()}  ${c.id}${c.xfail_reason ? '  (' + c.xfail_reason + ')' : ''}`));
+  d.appendChild(el('summary', {}, \
+`${c.status.toUpperCase()}  ${c.id}${c.xfail_reason ? '  (' + c.xfail_reason + ')' : ''}`));
   d.appendChild(el('pre', {}, c.message + '\\n\\nrepro: ' + c.repro));
   list.appendChild(d);
 }
@@ -332,8 +336,10 @@ def render_html(data: dict) -> str:
 <p>Failing cases grouped by cause: the same error or difference, with case-specific names and numbers masked.</p>
 <div id="deviations"></div>
 <h2>Clause by layout</h2>
-<p>Each cell: cases passed / cases run. Green: all passed; red: failed or errored; amber: expected failures; grey: not applicable.</p>
-<div id="matrix-slot"><noscript>The matrix needs JavaScript; report.md and report.json hold the same data.</noscript></div>
+<p>Each cell: cases passed / cases run. Green: all passed; red: failed or errored; \
+amber: expected failures; grey: not applicable.</p>
+<div id="matrix-slot"><noscript>The matrix needs JavaScript; \
+report.md and report.json hold the same data.</noscript></div>
 <h2>Cases that did not pass</h2>
 <div id="failures"></div>
 <script type="application/json" id="report-data">{payload}</script>

@@ -34,7 +34,10 @@ def _load(path: str) -> dict:
 
 def _label(data: dict) -> str:
     impl = data.get("impl", {})
-    return f"{impl.get('name', '?')} {impl.get('version', '?')}, torch {data.get('torch_version', '?')}, suite {data.get('suite_version', '?')}"
+    return (
+        f"{impl.get('name', '?')} {impl.get('version', '?')}, torch {data.get('torch_version', '?')}, "
+        f"suite {data.get('suite_version', '?')}"
+    )
 
 
 def compare(old: dict, new: dict) -> tuple[list[str], bool]:
@@ -92,11 +95,13 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
         lines.append("deviations:")
         for d in appeared:
             lines.append(
-                f"  + {d['status']} in {d['count']} case(s) of {', '.join(d['clauses'])}: {d['message'].splitlines()[0][:200]}"
+                f"  + {d['status']} in {d['count']} case(s) of {', '.join(d['clauses'])}: "
+                f"{d['message'].splitlines()[0][:200]}"
             )
         for d in gone:
             lines.append(
-                f"  - gone: was in {d['count']} case(s) of {', '.join(d['clauses'])}: {d['message'].splitlines()[0][:200]}"
+                f"  - gone: was in {d['count']} case(s) of {', '.join(d['clauses'])}: "
+                f"{d['message'].splitlines()[0][:200]}"
             )
     lines.append("")
     lines.append(f"{regressed} regressed, {fixed} fixed")

@@ -130,7 +130,8 @@ class ConsoleReporter:
     def start(self, info: RunInfo) -> None:
         h = info.header()
         self.write(
-            f"conformance {h['suite_version']} (spec {h['spec_version']}) | impl {h['impl']['name']} {h['impl']['version']} "
+            f"conformance {h['suite_version']} (spec {h['spec_version']}) "
+            f"| impl {h['impl']['name']} {h['impl']['version']} "
             f"| torch {h['torch_version']} | world sizes {','.join(map(str, h['world_sizes']))} | {self.total} cases"
         )
         self.write(f"declared: {declaration_line(h['declaration'])}")
@@ -140,7 +141,10 @@ class ConsoleReporter:
         self.counts[result.status] += 1
         width = len(str(self.total))
         running = " ".join(f"{_LABEL[s].lower()} {self.counts[s]}" for s in STATUSES if self.counts[s])
-        line = f"[{self.done:>{width}}/{self.total}] {_LABEL[result.status]:<5} {result.case.id} ({result.duration_s:.2f} s) | {running}"
+        line = (
+            f"[{self.done:>{width}}/{self.total}] {_LABEL[result.status]:<5} {result.case.id} "
+            f"({result.duration_s:.2f} s) | {running}"
+        )
         self.write(line)
         if result.status.unexpected:
             self.write(self.failure_text(result, details=self.verbose))
@@ -210,13 +214,13 @@ def render_matrix(results: list[CaseResult]) -> str:
 
     clauses = list(cells)
     cw = max(len("clause"), *(len(c) for c in clauses))
-    widths = [max(len(l), 6) for l in layouts]
-    lines = ["clause".ljust(cw) + "  " + "  ".join(l.rjust(w) for l, w in zip(layouts, widths))]
+    widths = [max(len(layout), 6) for layout in layouts]
+    lines = ["clause".ljust(cw) + "  " + "  ".join(layout.rjust(w) for layout, w in zip(layouts, widths))]
     for clause in clauses:
         lines.append(
             clause.ljust(cw)
             + "  "
-            + "  ".join(cell(cells[clause].get(l, Counter())).rjust(w) for l, w in zip(layouts, widths))
+            + "  ".join(cell(cells[clause].get(layout, Counter())).rjust(w) for layout, w in zip(layouts, widths))
         )
     lines.append("cells: passed/ran; ! failed or errored, x expected failures, . not in this run")
     return "\n".join(lines)

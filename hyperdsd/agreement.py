@@ -81,7 +81,8 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
     def meta(leaf: Any, path: tuple) -> Any:
         if isinstance(leaf, DTensor):
             problems.append(
-                f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors (get them with full_state_dict=True)"
+                f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors "
+                "(get them with full_state_dict=True)"
             )
             return None
         if isinstance(leaf, torch.Tensor):

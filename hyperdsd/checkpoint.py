@@ -123,7 +123,8 @@ class LoadPlanner(DefaultLoadPlanner):
         if extra:
             more = f" and {len(extra) - _SHOWN} more" if len(extra) > _SHOWN else ""
             raise StateDictError(
-                f"the checkpoint holds entries that no rank's state dict has (strict=True; another model's checkpoint?): "
+                "the checkpoint holds entries that no rank's state dict has "
+                "(strict=True; another model's checkpoint?): "
                 f"{extra[:_SHOWN]}{more}"
             )
         return [dataclasses.replace(plan, planner_data=None) for plan in plans]

@@ -60,7 +60,7 @@ def raise_while_others_wait(ctx, rank=1):
 def mismatched_count(ctx):
     """Ranks leave with different collective counts on the world group."""
     if ctx.rank == 0:
-        work = dist.all_reduce(torch.ones(1), async_op=True)
+        _ = dist.all_reduce(torch.ones(1), async_op=True)
         raise RuntimeError("rank 0 gives up after posting a collective")
     time.sleep(0.2)
     raise RuntimeError(f"rank {ctx.rank} gives up without one")

@@ -95,7 +95,7 @@ def assert_regrouped(pools, outcome, old_pids):
 
 def test_rank_hanging_in_collective(pools):
     run(pools, "noop")
-    old = pools.pool(4).pids
+    _ = pools.pool(4).pids
     outcome, took = run(pools, "hang_in_collective", rank=1)
     assert outcome.status == "failed"
     assert by_rank(outcome)[1].status in ("raised", "timeout")

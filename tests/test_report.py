@@ -70,8 +70,8 @@ def test_an_implementation_that_declares_less_is_certified_for_it_with_its_cover
     assert "OPT-DT-1" in cov["not_exercised"] and "OPT-RT-1" in cov["exercised"]
     said = verdict({"core": core}, decl)
     assert (
-        said
-        == f"certified for {'get full_cpu; load file; layouts all; options all'}: {len(cov['exercised'])} of {cov['core_clauses']} core clauses exercised"
+        said == f"certified for {'get full_cpu; load file; layouts all; options all'}: "
+        f"{len(cov['exercised'])} of {cov['core_clauses']} core clauses exercised"
     )
     assert "core certified" not in said
     lines = first_lines({"level": {"core": core}, "declaration": decl})
@@ -93,7 +93,8 @@ def test_failures_are_grouped_into_distinct_deviations(tmp_path):
         "OPT-RT-1[fsdp2-sgd-dcp]": "ranks 0,1 raised KeyError in set_optimizer_state_dict: 'aux.bias'",
     }
     other = {
-        "OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.oracle.CheckFailure: full: state dtypes or values were not kept:\n"
+        "OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.oracle.CheckFailure: "
+        "full: state dtypes or values were not kept:\n"
         "  state['aux.weight']['exp_avg']: dtype torch.bfloat16, expected torch.float32"
     }
     results = []

@@ -65,7 +65,10 @@ def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path):
 def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
     from conformance.deviations import signature
 
-    head = "ranks 0,1 raised CheckFailure: the message does not name ['adapter.bias']: CheckpointException ranks:dict_keys([0, 1])"
+    head = (
+        "ranks 0,1 raised CheckFailure: the message does not name ['adapter.bias']: "
+        "CheckpointException ranks:dict_keys([0, 1])"
+    )
     torch_a = signature(head + " ... local_plan = plan")
     torch_b = signature(
         head + ' ... File "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/state_dict_loader.py", lin'

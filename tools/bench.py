@@ -101,11 +101,13 @@ def main() -> None:
     runs = [(s, m, "4") for s in sizes for m in modes if (s, m) not in skip]
     runs += [(s, m, "2x2") for s in args.hsdp_sizes.split(",") if s for m in ("full_get", "bcast_set")]
     print(
-        f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, {args.reps} repetitions per implementation, medians; "
+        f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, "
+        f"{args.reps} repetitions per implementation, medians; "
         f"hyperdsd bucket {BUCKET_BYTES / 2**20:.0f} MiB"
     )
     print(
-        f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10} {'hyperdsd/floor':>15} {'reps':>5}"
+        f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10}"
+        f" {'hyperdsd/floor':>15} {'reps':>5}"
         f" {'ms/1k keys':>11} {'x own get':>10}"
     )
     own_get: dict[str, float] = {}
@@ -161,7 +163,8 @@ def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
     from hyperdsd.testing import Task
 
     print(
-        "\nwhere a key's time goes: hyperdsd's CPU time per key (us), slowest rank; cProfile shares scaled to the unprofiled CPU time"
+        "\nwhere a key's time goes: hyperdsd's CPU time per key (us), slowest rank; "
+        "cProfile shares scaled to the unprofiled CPU time"
     )
     for size in sizes:
         keys = bench_tasks.keys_of(size)
@@ -191,7 +194,8 @@ def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, 
 
     print("\npeak resident memory above the baseline during one op, MiB per rank (own processes per implementation)")
     print(
-        f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)  KiB per key, non-root ranks"
+        f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)  "
+        "KiB per key, non-root ranks"
     )
     for size in sizes:
         for mesh in ("4", "2x2"):

@@ -127,7 +127,8 @@ def main() -> None:
         f"plus {startup:.1f} s to start the pool once"
     )
     print(
-        f"  warm pool overhead per test    : {med(overheads) * 1000:7.1f} ms (median; wall time minus the slowest rank's work)"
+        f"  warm pool overhead per test    : {med(overheads) * 1000:7.1f} ms "
+        "(median; wall time minus the slowest rank's work)"
     )
     print(f"  ratio (spawn / warm, per test) : {med(spawned) / med(walls):7.1f}x")
 

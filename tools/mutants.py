@@ -74,7 +74,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "get-drops-frozen-state",
         "state/optimizer.py",
         "                entry = stored.get(key) or (template.get(p) if template else None)",
-        "                entry = (stored.get(key) or (template.get(p) if template else None)) if p.requires_grad else None",
+        "                entry = (stored.get(key) or (template.get(p) if template else None))"
+        " if p.requires_grad else None",
         "get leaves out the optimizer state of parameters frozen after training",
         ("OPT-PART-3[single-sharded]",),
     ),
@@ -145,7 +146,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "validation-skipped-on-rank-1",
         "state/optimizer_load.py",
         "    if shape not in allowed:",
-        "    if shape not in allowed and not (torch.distributed.is_initialized() and torch.distributed.get_rank() == 1):",
+        "    if shape not in allowed and not (torch.distributed.is_initialized()"
+        " and torch.distributed.get_rank() == 1):",
         "the shape check is skipped on one rank (rank 1)",
         ("OPT-ATOM-4[fsdp2-sharded]",),
     ),
@@ -225,7 +227,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "full-cpu-drops-empty-groups",
         "transport/consolidate.py",
-        '    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"]) or (not g["params"] and rooted)]',
+        '    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"])'
+        ' or (not g["params"] and rooted)]',
         '    mine["param_groups"] = [g for g in groups if any(f in rooted for f in g["params"])]',
         "full_cpu with pipeline stages drops groups without parameters",
         ("OPT-EMPTY-1[pp2-adamw-full_cpu]",),
@@ -383,7 +386,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "transport/group.py",
         "            root = _compat.root_mesh(p.device_mesh)",
         "            root = p.device_mesh",
-        "meshes are compared as they are, not by their root: a stage sliced from a pp x dp mesh is taken for a model of its own",
+        "meshes are compared as they are, not by their root: "
+        "a stage sliced from a pp x dp mesh is taken for a model of its own",
         ("OPT-RT-1[pp2xfsdp2-adamw-full_cpu]",),
     ),
     # -- DCP load planner (checkpoint.py, checkpoint_plan.py) ---------------------------
@@ -400,7 +404,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "checkpoint.py",
         "            asked.update(keys)",
         "            asked.update(self.asked)",
-        "the coordinator judges unexpected checkpoint entries by its own state dict (other stages' entries look unexpected)",
+        "the coordinator judges unexpected checkpoint entries by its own state dict "
+        "(other stages' entries look unexpected)",
         ("OPT-RT-1[pp2-adamw-dcp]",),
     ),
     Mutant(
@@ -423,7 +428,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "nested-containers-shared",
         "state/optimizer.py",
-        "    return {k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same) for k, v in entry.items()}",
+        "    return {k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same)"
+        " for k, v in entry.items()}",
         "    return dict(entry)",
         "get copies state entries but not the dicts and lists nested in them (changing those changes the optimizer)",
         ("OPT-PURE-2[single-custom-sharded]",),
@@ -441,7 +447,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "state/placeholders.py",
         "            for t in _tensors(value):\n                mark_placeholder(t)",
         "            if isinstance(value, torch.Tensor):\n                mark_placeholder(value)",
-        "a never-stepped optimizer's template marks only top-level tensors as placeholders (nested ones count as real state)",
+        "a never-stepped optimizer's template marks only top-level tensors as placeholders "
+        "(nested ones count as real state)",
         ("OPT-STATE-1[single-custom-dcp-lazy]",),
     ),
     # -- warm loads and the broadcast's bytes (SPEC 1.2) ------------------------------

@@ -265,7 +265,8 @@ def main() -> int:
         + (f" and {len(args.also)} run(s) of cases added since" if args.also else "")
         + f": {len(bad)} failing cases, {len(by_cause)} causes.",
         "# Written by python -m tools.trace_known; each section is one cause, each line a case ID or prefix.",
-        f"#   python -m conformance --impl torch --xfails conformance/known/torch-{'.'.join(args.torch.split('.')[:2])}.txt",
+        "#   python -m conformance --impl torch --xfails "
+        f"conformance/known/torch-{'.'.join(args.torch.split('.')[:2])}.txt",
     ]
     for cause in CAUSES:
         ids = by_cause.get(cause.title)

@@ -39,7 +39,8 @@ def dt_2(c, layout, mode):
     for fqn, entry in want["state"].items():
         if "step" in entry and fqn in got["state"] and type(got["state"][fqn].get("step")) is not type(entry["step"]):
             problems.append(
-                f"state[{fqn!r}]['step']: a {type(got['state'][fqn].get('step')).__name__}, was a {type(entry['step']).__name__}"
+                f"state[{fqn!r}]['step']: a {type(got['state'][fqn].get('step')).__name__}, "
+                f"was a {type(entry['step']).__name__}"
             )
     fail_if(problems, f"{mode}: state after set is not laid out like its parameter")
 

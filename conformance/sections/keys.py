@@ -52,7 +52,8 @@ def keys_1(c, layout, opt, mode):
         for j, (key, allowed) in enumerate(zip(params, expected)):
             if key not in allowed:
                 problems.append(
-                    f"param_groups[{i}]['params'][{j}] = {key!r}, expected {allowed[0]!r} (position {j} in the optimizer's order)"
+                    f"param_groups[{i}]['params'][{j}] = {key!r}, expected {allowed[0]!r} "
+                    f"(position {j} in the optimizer's order)"
                 )
     stateful = {names[p][0] for o in s.optimizers for p, st in o.state.items() if st}
     for key in osd["state"]:
@@ -97,7 +98,8 @@ def keys_3(c, layout, mode):
         check(len(listed) == 1, f"the tied parameter is listed {len(listed)} times in param_groups: {listed}")
     check(
         len(appear) == 1,
-        f"optimizer state of the tied parameter appears under {sorted(appear) or 'no name'}, expected exactly one of {tied}",
+        f"optimizer state of the tied parameter appears under {sorted(appear) or 'no name'}, "
+        f"expected exactly one of {tied}",
     )
     check(len(in_groups) == 1, f"the tied parameter's group fields appear under {sorted(in_groups)}, expected one name")
 

@@ -51,7 +51,8 @@ def _param_fqn(index: ModelIndex, p, gi: int, pi: int) -> str:
     fqn = index.fqn_of.get(p)
     if fqn is None:
         raise StateDictError(
-            f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) of the optimizer is not a parameter of the model"
+            f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "
+            "of the optimizer is not a parameter of the model"
         )
     return fqn
 

@@ -76,7 +76,8 @@ def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[Ta
             unknown = [i for i, p in enumerate(g["params"]) if p not in index.fqn_of]
             if unknown:
                 problems.append(
-                    f"the optimizer's param_groups[{gi}] holds parameters that are not the model's (positions {unknown})"
+                    f"the optimizer's param_groups[{gi}] holds parameters that are not the model's "
+                    f"(positions {unknown})"
                 )
                 return None
             targets.append(TargetGroup(opt, g, [index.fqn_of[p] for p in g["params"]]))
@@ -197,7 +198,8 @@ def unpaired_groups(targets: list[TargetGroup], source: Source) -> list[str]:
         if uses[id(s)] > 1:
             shared = [i for i, m in enumerate(source.matched) if m is s]
             problems.append(
-                f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) holds the parameters of the optimizer's groups {shared}"
+                f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) "
+                f"holds the parameters of the optimizer's groups {shared}"
             )
         elif not uses[id(s)] and not (others and (id(s) in others or not s.fqns)) and not same_as_matched(s):
             problems.append(
@@ -210,7 +212,10 @@ def unpaired_groups(targets: list[TargetGroup], source: Source) -> list[str]:
             )
     if not problems:
         return []
-    counts = f"the checkpoint has {len(source.groups)} param groups, the optimizer {len(targets)} (empty groups counted, strict=True)"
+    counts = (
+        f"the checkpoint has {len(source.groups)} param groups, the optimizer {len(targets)} "
+        "(empty groups counted, strict=True)"
+    )
     return [f"{counts}: " + "; ".join(problems)]
 
 

@@ -303,7 +303,10 @@ class WorkerPool:
                     status, msg = RankStatus.TIMEOUT, f"missed the {deadline_s:g} s deadline"
                 else:
                     status = RankStatus.STUCK
-                    msg = f"still running {self.grace_s:g} s after rank {first_failure.rank} failed (blocked, most likely in a collective)"
+                    msg = (
+                        f"still running {self.grace_s:g} s after rank {first_failure.rank} failed "
+                        "(blocked, most likely in a collective)"
+                    )
                 results[rank] = m.RankResult(
                     rank, status, message=msg, stacks=stacks.get(rank, ""), region=read_region(self.workdir, rank)
                 )
