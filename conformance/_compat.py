@@ -6,6 +6,8 @@ implementation it judges.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -16,3 +18,63 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module)
+
+
+def fsdp2_on_cpu() -> None:
+    """Let torch 2.6's FSDP2 train on CPU ranks (gloo), as the suite's layouts do; 2.7 and later need nothing.
+
+    - ``torch.cpu.Stream`` (a stub for device-agnostic code) lacks ``record_event``
+      and ``wait_event``, which FSDP2's collectives call; on the CPU every op is
+      already ordered, so the events are the stub's own no-op ``torch.cpu.Event``.
+    - HSDP averages gradients across replicas with ``all_reduce(ReduceOp.AVG)``,
+      which gloo refuses; with a gloo replica group the gradients are divided
+      before and after summing instead, FSDP2's own path for fp16.
+    """
+    stream = torch.cpu.Stream
+    if hasattr(stream, "record_event"):
+        return
+    stream.record_event = lambda self, event=None: event or torch.cpu.Event()
+    stream.wait_event = lambda self, event: None
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    factors = collectives._get_gradient_divide_factors
+
+    def gloo_safe_factors(reduce_scatter_group, all_reduce_group, reduce_dtype):
+        if all_reduce_group is not None and torch.distributed.get_backend(all_reduce_group) == "gloo":
+            return factors(reduce_scatter_group, all_reduce_group, torch.float16)
+        return factors(reduce_scatter_group, all_reduce_group, reduce_dtype)
+
+    collectives._get_gradient_divide_factors = gloo_safe_factors
+
+
+def distribute_locally(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """``distribute_tensor(full, mesh, placements, src_data_rank=None)``: every rank holds ``full`` and cuts its
+    own piece, with no communication (the suite's own copy: it shares no code with hyperdsd)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if _HAS_SRC_DATA_RANK:
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    # torch 2.6 has no src_data_rank: its distribute_tensor always scatters
+    # (or broadcasts) rank 0's tensor, which would be every rank's own piece
+    # anyway. The collectives it calls are swapped for local copies meanwhile.
+    from torch.distributed.tensor import placement_types
+
+    def scatter(output, scatter_list, mesh, mesh_dim=0, **_):
+        output.copy_(scatter_list[mesh.get_local_rank(mesh_dim)])
+
+    saved = placement_types.mesh_scatter, placement_types.mesh_broadcast
+    placement_types.mesh_scatter, placement_types.mesh_broadcast = scatter, lambda *a, **k: None
+    try:
+        return distribute_tensor(full, mesh, placements)
+    finally:
+        placement_types.mesh_scatter, placement_types.mesh_broadcast = saved
+
+
+def _has_src_data_rank() -> bool:
+    from torch.distributed.tensor import distribute_tensor
+
+    return "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+_HAS_SRC_DATA_RANK = _has_src_data_rank()

@@ -25,6 +25,9 @@ from . import _compat
 
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
+# FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
+_compat.fsdp2_on_cpu()
+
 # Path segments that wrappers insert and canonical FQNs leave out.
 WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -204,10 +207,8 @@ def _router_replicated(setup: "Setup") -> None:
 
 
 def _place(module: nn.Module, mesh, placements) -> None:
-    from torch.distributed.tensor import distribute_tensor
-
     with torch.no_grad():
-        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, placements, src_data_rank=None))
+        module.weight = nn.Parameter(_compat.distribute_locally(module.weight.detach(), mesh, placements))
 
 
 def _experts(cfg: ModelConfig, setup: "Setup") -> ModelConfig:

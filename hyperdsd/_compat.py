@@ -7,6 +7,7 @@ entry says why no public API does the job.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, NamedTuple
 
 import torch
@@ -228,3 +229,35 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module)
+
+
+def distribute_locally(full: torch.Tensor, mesh, placements) -> DTensor:
+    """``distribute_tensor(full, mesh, placements, src_data_rank=None)``: every rank holds ``full`` and cuts its
+    own piece, with no communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if _HAS_SRC_DATA_RANK:
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    # torch 2.6 has no src_data_rank: its distribute_tensor always scatters
+    # (or broadcasts) rank 0's tensor, which would be every rank's own piece
+    # anyway. The collectives it calls are swapped for local copies meanwhile.
+    from torch.distributed.tensor import placement_types
+
+    def scatter(output, scatter_list, mesh, mesh_dim=0, **_):
+        output.copy_(scatter_list[mesh.get_local_rank(mesh_dim)])
+
+    saved = placement_types.mesh_scatter, placement_types.mesh_broadcast
+    placement_types.mesh_scatter, placement_types.mesh_broadcast = scatter, lambda *a, **k: None
+    try:
+        return distribute_tensor(full, mesh, placements)
+    finally:
+        placement_types.mesh_scatter, placement_types.mesh_broadcast = saved
+
+
+def _has_src_data_rank() -> bool:
+    from torch.distributed.tensor import distribute_tensor
+
+    return "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+_HAS_SRC_DATA_RANK = _has_src_data_rank()

@@ -1,0 +1,33 @@
+"""What hyperdsd and the suite do differently on older torch releases (hyperdsd/_compat.py,
+conformance/_compat.py), exercised on this torch: both paths where the old one can run here."""
+
+import pytest
+
+import dist_tasks
+from helpers import run_task
+
+
+@pytest.mark.parametrize("suite", [False, True], ids=["hyperdsd", "suite"])
+@pytest.mark.parametrize("native", [True, False], ids=["src_data_rank", "torch-2.6"])
+@pytest.mark.parametrize("mesh", ["4", "2x2"])
+def test_distribute_locally_cuts_each_ranks_own_tensor(pools, mesh, native, suite):
+    sums = run_task(pools, 4, dist_tasks.compat_distribute_locally, mesh=mesh, native=native, suite=suite)
+    # Every rank's full tensor differs (by 100 * rank): a scatter from rank 0 would make them alike.
+    assert len(set(sums)) == 4, sums
+
+
+def test_fsdp2_on_cpu_fills_torch_26s_gaps(pools):
+    seen = run_task(pools, 2, dist_tasks.compat_fsdp2_on_cpu)
+    # A gloo replica group asks for fp16's divide factors (no ReduceOp.AVG); without one, the dtype is kept.
+    assert seen == [["torch.float16", "torch.bfloat16"]] * 2
+
+
+def test_fsdp2_on_cpu_changes_nothing_on_this_torch():
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    from conformance import _compat
+
+    before = torch.cpu.Stream.__dict__.copy(), collectives._get_gradient_divide_factors
+    _compat.fsdp2_on_cpu()
+    assert (torch.cpu.Stream.__dict__.copy(), collectives._get_gradient_divide_factors) == before
