@@ -162,7 +162,14 @@ def root_mesh(mesh):
     # from; it tells a model on a slice of a world mesh (one SPMD job) from a
     # model on a mesh built over part of the world. DeviceMesh keeps it private.
     get = getattr(mesh, "_get_root_mesh", None)
-    return get() if get is not None else mesh
+    if get is not None:
+        return get()
+    # Before DeviceMesh had the method (torch 2.6 to 2.9 at least), the
+    # module's mesh registry kept the slice-to-root map.
+    from torch.distributed import device_mesh
+
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    return resources.get_root_mesh(mesh) if resources is not None else mesh
 
 
 def collective_device() -> torch.device:

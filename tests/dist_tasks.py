@@ -280,3 +280,12 @@ def compat_fsdp2_on_cpu(ctx):
     finally:
         torch.cpu.Stream, collectives._get_gradient_divide_factors = saved
     return seen
+
+
+
+def compat_root_mesh(ctx):
+    """The root of a slice of a 2-D mesh, and of the root itself."""
+    from hyperdsd import _compat
+
+    world = ctx.mesh("2x2")
+    return _compat.root_mesh(world[world.mesh_dim_names[1]]) is world and _compat.root_mesh(world) is world

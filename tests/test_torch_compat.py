@@ -31,3 +31,22 @@ def test_fsdp2_on_cpu_changes_nothing_on_this_torch():
     before = torch.cpu.Stream.__dict__.copy(), collectives._get_gradient_divide_factors
     _compat.fsdp2_on_cpu()
     assert (torch.cpu.Stream.__dict__.copy(), collectives._get_gradient_divide_factors) == before
+
+
+
+def test_root_mesh_of_a_slice(pools):
+    assert run_task(pools, 4, dist_tasks.compat_root_mesh) == [True] * 4
+
+
+def test_root_mesh_before_device_mesh_had_the_method(monkeypatch):
+    """torch 2.6 to 2.9: no DeviceMesh._get_root_mesh; device_mesh's registry maps slices to roots."""
+    import types
+
+    from torch.distributed import device_mesh
+
+    from hyperdsd import _compat
+
+    root, part = types.SimpleNamespace(), types.SimpleNamespace()
+    registry = types.SimpleNamespace(get_root_mesh=lambda mesh: root if mesh is part else mesh)
+    monkeypatch.setattr(device_mesh, "_mesh_resources", registry)
+    assert _compat.root_mesh(part) is root and _compat.root_mesh(root) is root
