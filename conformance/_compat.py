@@ -7,8 +7,19 @@ implementation it judges.
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
+
+# pyproject.toml's floor. Checked here, the first of the suite's modules that
+# the CLI, the registry and the ranks import (the package itself stays light
+# for the pytest plugin), so that an older torch gets this one error.
+MIN_TORCH = (2, 6)
+if tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", str(torch.__version__)).groups()) < MIN_TORCH:
+    raise ImportError(
+        f"the conformance suite needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later, found torch {torch.__version__}: "
+        "its FSDP2 layouts shard with torch.distributed.fsdp.fully_shard, public from 2.6 on"
+    )
 
 
 def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
