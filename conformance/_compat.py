@@ -89,3 +89,29 @@ def _has_src_data_rank() -> bool:
 
 
 _HAS_SRC_DATA_RANK = _has_src_data_rank()
+
+
+def gloo_safe_pipeline_start() -> None:
+    """Make a pipeline schedule's first exchange agree on its dtype, as torch 2.12 does; earlier releases are
+    left as they are where they already agree.
+
+    Before its first step, a schedule sends each neighbour stage a one-element tensor: torch 2.9 sends
+    the stage index as int64 (8 bytes) into a float32 (4 bytes) receive buffer, which gloo refuses by
+    aborting the receiving process. The suite's pipeline layouts train on gloo; the index is sent as float32.
+    """
+    from torch.distributed.pipelining import stage
+
+    base = stage._PipelineStageBase
+    ops_of = getattr(base, "_get_init_p2p_neighbors_ops", None)
+    if ops_of is None or getattr(ops_of, "_float32_sends", False):
+        return
+
+    def float32_sends(self):
+        ops = ops_of(self)
+        for op in ops:
+            if op.op is torch.distributed.isend and op.tensor.dtype != torch.float32:
+                op.tensor = op.tensor.to(torch.float32)
+        return ops
+
+    float32_sends._float32_sends = True
+    base._get_init_p2p_neighbors_ops = float32_sends

@@ -435,6 +435,7 @@ class Setup:
         if self._pipeline is None:
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+            _compat.gloo_safe_pipeline_start()
             group = self.mesh.get_group("pp")
             stage = PipelineStage(self.module, self.stage, self.layout.pp, device=self.device, group=group)
             self._pipeline = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
