@@ -114,4 +114,5 @@ def gloo_safe_pipeline_start() -> None:
         return ops
 
     float32_sends._float32_sends = True
+    float32_sends.__wrapped__ = ops_of
     base._get_init_p2p_neighbors_ops = float32_sends

@@ -70,3 +70,26 @@ def test_import_on_torch_below_the_floor_names_the_release_needed(package, versi
         assert "needs torch 2.6 or later, found torch 2.5.1" in done.stdout and "fully_shard" in done.stdout
     else:
         assert done.stdout.strip() == "imported"
+
+
+def test_pipeline_start_sends_float32_like_its_receive_buffer(monkeypatch):
+    """torch 2.9's first pipeline exchange sends an int64 into a float32 buffer (gloo aborts); given such ops,
+    the suite's shim sends float32 and leaves receives alone, once however often it is applied."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import stage
+
+    from conformance import _compat
+
+    def torch_29_ops(self):
+        return [types.SimpleNamespace(op=dist.irecv, tensor=torch.zeros(1)),
+                types.SimpleNamespace(op=dist.isend, tensor=torch.tensor(1))]
+
+    monkeypatch.setattr(stage._PipelineStageBase, "_get_init_p2p_neighbors_ops", torch_29_ops)
+    _compat.gloo_safe_pipeline_start()
+    _compat.gloo_safe_pipeline_start()
+    recv, send = stage._PipelineStageBase._get_init_p2p_neighbors_ops(None)
+    assert (recv.tensor.dtype, send.tensor.dtype, send.tensor.item()) == (torch.float32, torch.float32, 1.0)
+    assert stage._PipelineStageBase._get_init_p2p_neighbors_ops.__wrapped__ is torch_29_ops
