@@ -93,3 +93,31 @@ def test_pipeline_start_sends_float32_like_its_receive_buffer(monkeypatch):
     recv, send = stage._PipelineStageBase._get_init_p2p_neighbors_ops(None)
     assert (recv.tensor.dtype, send.tensor.dtype, send.tensor.item()) == (torch.float32, torch.float32, 1.0)
     assert stage._PipelineStageBase._get_init_p2p_neighbors_ops.__wrapped__ is torch_29_ops
+
+
+def test_dcp_on_subgroups_changes_nothing_where_dcp_has_a_global_coordinator():
+    from torch.distributed.checkpoint import utils
+
+    from conformance import _compat
+
+    before = utils._DistWrapper.__init__
+    _compat.dcp_on_subgroups()
+    assert utils._DistWrapper.__init__ is before
+
+
+def test_dcp_on_subgroups_gives_torch_26s_wrapper_the_global_coordinator(monkeypatch):
+    """torch 2.6's _DistWrapper kept the group rank as coordinator; the shim makes it the global rank."""
+    from torch.distributed.checkpoint import utils
+
+    from conformance import _compat
+
+    class Wrapper26:
+        def __init__(self, group, use_dist, coordinator_rank):
+            self.coordinator_rank = coordinator_rank
+
+    monkeypatch.setattr(utils, "_DistWrapper", Wrapper26)
+    monkeypatch.setattr("torch.distributed.get_global_rank", lambda group, rank: {0: 2, 1: 3}[rank])
+    _compat.dcp_on_subgroups()
+    _compat.dcp_on_subgroups()
+    assert Wrapper26(object(), True, 0).coordinator_rank == 2
+    assert Wrapper26(None, True, 0).coordinator_rank == 0 and Wrapper26(object(), False, 0).coordinator_rank == 0
