@@ -32,30 +32,34 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def fsdp2_on_cpu() -> None:
-    """Let torch 2.6's FSDP2 train on CPU ranks (gloo), as the suite's layouts do; 2.7 and later need nothing.
+    """Let FSDP2 train on CPU ranks (gloo), as the suite's layouts do, on torch 2.6 and 2.7; 2.8 and later
+    need nothing.
 
     - ``torch.cpu.Stream`` (a stub for device-agnostic code) lacks ``record_event``
-      and ``wait_event``, which FSDP2's collectives call; on the CPU every op is
-      already ordered, so the events are the stub's own no-op ``torch.cpu.Event``.
-    - HSDP averages gradients across replicas with ``all_reduce(ReduceOp.AVG)``,
-      which gloo refuses; with a gloo replica group the gradients are divided
-      before and after summing instead, FSDP2's own path for fp16.
+      and ``wait_event`` on 2.6, which FSDP2's collectives call, and 2.7's returns
+      no event, which HSDP asserts it gets; on the CPU every op is already
+      ordered, so the events are the stub's own no-op ``torch.cpu.Event``.
+    - 2.6 and 2.7: HSDP averages gradients across replicas with
+      ``all_reduce(ReduceOp.AVG)``, which gloo refuses; with a gloo replica group
+      the gradients are divided before and after summing instead, FSDP2's own
+      path for fp16 (2.8 added ``force_sum_reduction_for_comms`` for this).
     """
-    stream = torch.cpu.Stream
-    if hasattr(stream, "record_event"):
-        return
-    stream.record_event = lambda self, event=None: event or torch.cpu.Event()
-    stream.wait_event = lambda self, event: None
-
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
     factors = collectives._get_gradient_divide_factors
+    if "force_sum_reduction_for_comms" in inspect.signature(factors).parameters or hasattr(factors, "_gloo_safe"):
+        return
+    stream = torch.cpu.Stream
+    if not hasattr(stream, "record_event") or stream().record_event() is None:
+        stream.record_event = lambda self, event=None: event or torch.cpu.Event()
+        stream.wait_event = lambda self, event: None
 
-    def gloo_safe_factors(reduce_scatter_group, all_reduce_group, reduce_dtype):
+    def gloo_safe_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, *args, **kwargs):
         if all_reduce_group is not None and torch.distributed.get_backend(all_reduce_group) == "gloo":
-            return factors(reduce_scatter_group, all_reduce_group, torch.float16)
-        return factors(reduce_scatter_group, all_reduce_group, reduce_dtype)
+            reduce_dtype = torch.float16
+        return factors(reduce_scatter_group, all_reduce_group, reduce_dtype, *args, **kwargs)
 
+    gloo_safe_factors._gloo_safe = True
     collectives._get_gradient_divide_factors = gloo_safe_factors
 
 

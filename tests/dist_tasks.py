@@ -254,8 +254,8 @@ def compat_distribute_locally(ctx, mesh: str, native: bool, suite: bool):
 
 
 def compat_fsdp2_on_cpu(ctx):
-    """The suite's FSDP2-on-CPU shim for torch 2.6, given a stream stub like 2.6's and a factor function with
-    2.6's signature (what it replaces exists only there); everything is put back before returning."""
+    """The suite's FSDP2-on-CPU shim for torch 2.6 and 2.7, given a stream stub like 2.6's and a factor function
+    with 2.6's signature (what it replaces exists only there); everything is put back before returning."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
     from conformance import _compat
