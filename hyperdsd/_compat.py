@@ -164,7 +164,7 @@ def root_mesh(mesh):
     get = getattr(mesh, "_get_root_mesh", None)
     if get is not None:
         return get()
-    # Before DeviceMesh had the method (torch 2.6 to 2.9 at least), the
+    # Before DeviceMesh had the method (torch 2.6 to 2.9), the
     # module's mesh registry kept the slice-to-root map.
     from torch.distributed import device_mesh
 
