@@ -66,7 +66,7 @@ def _read(path: str) -> dict | None:
 
 def _write(path: str, data: dict) -> None:
     with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        json.dump(data, f, indent=1)
         f.write("\n")
 
 
