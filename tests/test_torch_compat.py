@@ -1,9 +1,8 @@
 """What hyperdsd and the suite do differently on older torch releases (hyperdsd/_compat.py,
 conformance/_compat.py), exercised on this torch: both paths where the old one can run here."""
 
-import pytest
-
 import dist_tasks
+import pytest
 from helpers import run_task
 
 
