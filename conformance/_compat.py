@@ -6,7 +6,20 @@ implementation it judges.
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
+
+# pyproject.toml's floor. Checked here, the first of the suite's modules that
+# the CLI, the registry and the ranks import (the package itself stays light
+# for the pytest plugin), so that an older torch gets this one error.
+MIN_TORCH = (2, 6)
+if tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", str(torch.__version__)).groups()) < MIN_TORCH:
+    raise ImportError(
+        f"the conformance suite needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later, found torch {torch.__version__}: "
+        "its FSDP2 layouts shard with torch.distributed.fsdp.fully_shard, public from 2.6 on"
+    )
 
 
 def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
@@ -16,3 +29,119 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module)
+
+
+def fsdp2_on_cpu() -> None:
+    """Let FSDP2 train on CPU ranks (gloo), as the suite's layouts do, on torch 2.6 and 2.7; 2.8 and later
+    need nothing.
+
+    - ``torch.cpu.Stream`` (a stub for device-agnostic code) lacks ``record_event``
+      and ``wait_event`` on 2.6, which FSDP2's collectives call, and 2.7's returns
+      no event, which HSDP asserts it gets; on the CPU every op is already
+      ordered, so the events are the stub's own no-op ``torch.cpu.Event``.
+    - 2.6 and 2.7: HSDP averages gradients across replicas with
+      ``all_reduce(ReduceOp.AVG)``, which gloo refuses; with a gloo replica group
+      the gradients are divided before and after summing instead, FSDP2's own
+      path for fp16 (2.8 added ``force_sum_reduction_for_comms`` for this).
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    factors = collectives._get_gradient_divide_factors
+    if "force_sum_reduction_for_comms" in inspect.signature(factors).parameters or hasattr(factors, "_gloo_safe"):
+        return
+    stream = torch.cpu.Stream
+    if not hasattr(stream, "record_event") or stream().record_event() is None:
+        stream.record_event = lambda self, event=None: event or torch.cpu.Event()
+        stream.wait_event = lambda self, event: None
+
+    def gloo_safe_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, *args, **kwargs):
+        if all_reduce_group is not None and torch.distributed.get_backend(all_reduce_group) == "gloo":
+            reduce_dtype = torch.float16
+        return factors(reduce_scatter_group, all_reduce_group, reduce_dtype, *args, **kwargs)
+
+    gloo_safe_factors._gloo_safe = True
+    collectives._get_gradient_divide_factors = gloo_safe_factors
+
+
+def distribute_locally(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """``distribute_tensor(full, mesh, placements, src_data_rank=None)``: every rank holds ``full`` and cuts its
+    own piece, with no communication (the suite's own copy: it shares no code with hyperdsd)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if _HAS_SRC_DATA_RANK:
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    # torch 2.6 has no src_data_rank: its distribute_tensor always scatters
+    # (or broadcasts) rank 0's tensor, which would be every rank's own piece
+    # anyway. The collectives it calls are swapped for local copies meanwhile.
+    from torch.distributed.tensor import placement_types
+
+    def scatter(output, scatter_list, mesh, mesh_dim=0, **_):
+        output.copy_(scatter_list[mesh.get_local_rank(mesh_dim)])
+
+    saved = placement_types.mesh_scatter, placement_types.mesh_broadcast
+    placement_types.mesh_scatter, placement_types.mesh_broadcast = scatter, lambda *a, **k: None
+    try:
+        return distribute_tensor(full, mesh, placements)
+    finally:
+        placement_types.mesh_scatter, placement_types.mesh_broadcast = saved
+
+
+def _has_src_data_rank() -> bool:
+    from torch.distributed.tensor import distribute_tensor
+
+    return "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+_HAS_SRC_DATA_RANK = _has_src_data_rank()
+
+
+def gloo_safe_pipeline_start() -> None:
+    """Make a pipeline schedule's first exchange agree on its dtype, as torch 2.12 does; earlier releases are
+    left as they are where they already agree.
+
+    Before its first step, a schedule sends each neighbour stage a one-element tensor: torch 2.9 sends
+    the stage index as int64 (8 bytes) into a float32 (4 bytes) receive buffer, which gloo refuses by
+    aborting the receiving process. The suite's pipeline layouts train on gloo; the index is sent as float32.
+    """
+    from torch.distributed.pipelining import stage
+
+    base = stage._PipelineStageBase
+    ops_of = getattr(base, "_get_init_p2p_neighbors_ops", None)
+    if ops_of is None or getattr(ops_of, "_float32_sends", False):
+        return
+
+    def float32_sends(self):
+        ops = ops_of(self)
+        for op in ops:
+            if op.op is torch.distributed.isend and op.tensor.dtype != torch.float32:
+                op.tensor = op.tensor.to(torch.float32)
+        return ops
+
+    float32_sends._float32_sends = True
+    float32_sends.__wrapped__ = ops_of
+    base._get_init_p2p_neighbors_ops = float32_sends
+
+
+def dcp_on_subgroups() -> None:
+    """Let torch 2.6's DCP save and load on a process group that lacks global rank 0, as 2.7 does.
+
+    DCP coordinates through its first group rank, but torch 2.6 passes that group rank to the object
+    collectives as a global rank, so ``dcp.save(..., process_group=half)`` on the half of the world
+    without rank 0 raises "Global rank 0 is not part of group". The suite runs DCP on such halves
+    (OPT-MESH-2); this fixes DCP itself, not the implementation under test, so users of 2.6 meet it.
+    """
+    from torch.distributed.checkpoint import utils
+
+    wrapper = utils._DistWrapper
+    # 2.7 and later keep a global_coordinator_rank of their own.
+    if "global_coordinator_rank" in wrapper.__init__.__code__.co_names or hasattr(wrapper.__init__, "_global"):
+        return
+    init = wrapper.__init__
+
+    def init_with_global_coordinator(self, group, use_dist, coordinator_rank):
+        init(self, group, use_dist, coordinator_rank)
+        if use_dist and group is not None:
+            self.coordinator_rank = torch.distributed.get_global_rank(group, coordinator_rank)
+
+    init_with_global_coordinator._global = True
+    wrapper.__init__ = init_with_global_coordinator

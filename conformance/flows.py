@@ -39,8 +39,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from . import _compat
 from .adapters import MODES, iut_call
 from .oracle import clone_tree, diff_snapshots, snapshot
+
+# The suite saves and loads through DCP on subgroups; torch 2.6 needs this for it.
+_compat.dcp_on_subgroups()
 
 __all__ = [
     "MODES",

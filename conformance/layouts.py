@@ -24,6 +24,9 @@ import torch.nn as nn
 from . import _compat
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
+# FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
+_compat.fsdp2_on_cpu()
+
 # Path segments that wrappers insert and canonical FQNs leave out.
 WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -205,10 +208,8 @@ def _router_replicated(setup: "Setup") -> None:
 
 
 def _place(module: nn.Module, mesh, placements) -> None:
-    from torch.distributed.tensor import distribute_tensor
-
     with torch.no_grad():
-        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, placements, src_data_rank=None))
+        module.weight = nn.Parameter(_compat.distribute_locally(module.weight.detach(), mesh, placements))
 
 
 def _experts(cfg: ModelConfig, setup: "Setup") -> ModelConfig:
@@ -478,6 +479,7 @@ class Setup:
         if self._pipeline is None:
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+            _compat.gloo_safe_pipeline_start()
             group = self.mesh.get_group("pp")
             stage = PipelineStage(self.module, self.stage, self.layout.pp, device=self.device, group=group)
             self._pipeline = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)

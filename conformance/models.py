@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from . import _compat
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class _DataParallelWeight(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad)
         grad = grad / dist.get_world_size()
-        return distribute_tensor(grad, ctx.mesh, ctx.placements, src_data_rank=None)
+        return _compat.distribute_locally(grad, ctx.mesh, ctx.placements)
 
 
 def whole(weight: torch.Tensor) -> torch.Tensor:

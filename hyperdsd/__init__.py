@@ -8,8 +8,23 @@ change the optimizer, and sets that validate before they change anything.
 one-call save/load, and a ``Stateful``).
 """
 
-from . import checkpoint
-from .api import (
+import re as _re
+
+import torch as _torch
+
+# pyproject.toml's floor. Checked first, so that an older torch gets this one
+# error rather than an ImportError or AttributeError from deep inside.
+MIN_TORCH = (2, 6)
+_found = tuple(int(x) for x in _re.match(r"(\d+)\.(\d+)", str(_torch.__version__)).groups())
+if _found < MIN_TORCH:
+    raise ImportError(
+        f"hyperdsd needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later, found torch {_torch.__version__}: it is "
+        "tested from 2.6 on, the first release with FSDP2 public as torch.distributed.fsdp.fully_shard "
+        "(docs/TORCH_RELEASES.md)"
+    )
+
+from . import checkpoint  # noqa: E402
+from .api import (  # noqa: E402
     get_model_state_dict,
     get_optim_state_dict,
     get_optimizer_state_dict,
@@ -19,8 +34,8 @@ from .api import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from .errors import StateDictError
-from .options import StateDictOptions
+from .errors import StateDictError  # noqa: E402
+from .options import StateDictOptions  # noqa: E402
 
 __version__ = "0.2.0"
 

@@ -7,6 +7,7 @@ entry says why no public API does the job.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, NamedTuple
 
 import torch
@@ -161,7 +162,14 @@ def root_mesh(mesh):
     # from; it tells a model on a slice of a world mesh (one SPMD job) from a
     # model on a mesh built over part of the world. DeviceMesh keeps it private.
     get = getattr(mesh, "_get_root_mesh", None)
-    return get() if get is not None else mesh
+    if get is not None:
+        return get()
+    # Before DeviceMesh had the method (torch 2.6 to 2.9), the
+    # module's mesh registry kept the slice-to-root map.
+    from torch.distributed import device_mesh
+
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    return resources.get_root_mesh(mesh) if resources is not None else mesh
 
 
 def collective_device() -> torch.device:
@@ -228,3 +236,35 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module)
+
+
+def distribute_locally(full: torch.Tensor, mesh, placements) -> DTensor:
+    """``distribute_tensor(full, mesh, placements, src_data_rank=None)``: every rank holds ``full`` and cuts its
+    own piece, with no communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if _HAS_SRC_DATA_RANK:
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    # torch 2.6 has no src_data_rank: its distribute_tensor always scatters
+    # (or broadcasts) rank 0's tensor, which would be every rank's own piece
+    # anyway. The collectives it calls are swapped for local copies meanwhile.
+    from torch.distributed.tensor import placement_types
+
+    def scatter(output, scatter_list, mesh, mesh_dim=0, **_):
+        output.copy_(scatter_list[mesh.get_local_rank(mesh_dim)])
+
+    saved = placement_types.mesh_scatter, placement_types.mesh_broadcast
+    placement_types.mesh_scatter, placement_types.mesh_broadcast = scatter, lambda *a, **k: None
+    try:
+        return distribute_tensor(full, mesh, placements)
+    finally:
+        placement_types.mesh_scatter, placement_types.mesh_broadcast = saved
+
+
+def _has_src_data_rank() -> bool:
+    from torch.distributed.tensor import distribute_tensor
+
+    return "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+_HAS_SRC_DATA_RANK = _has_src_data_rank()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import _compat
+
 
 def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
     """[start, stop) of piece ``index`` when ``length`` is split like torch.chunk."""
@@ -83,9 +85,7 @@ class DTensorLayout:
         for others (strided shards of FSDP over TP) DTensor cuts it, locally."""
         if self.simple:
             return full[self.local_slices()]
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full, self.mesh, self.placements, src_data_rank=None).to_local()
+        return _compat.distribute_locally(full, self.mesh, self.placements).to_local()
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(

@@ -276,3 +276,62 @@ def read_unsharded(ctx):
         assert isinstance(value, DTensor) and value.placements == expected[key].placements, key
         assert value._local_tensor.data_ptr() == expected[key]._local_tensor.data_ptr(), key
     return len(got)
+
+
+def compat_distribute_locally(ctx, mesh: str, native: bool, suite: bool):
+    """hyperdsd's (or the suite's) distribute_locally, with torch's src_data_rank=None or, as on torch 2.6,
+    without it: each rank cuts its piece from its own full tensor, which differs on every rank."""
+    if suite:
+        from conformance import _compat
+    else:
+        from hyperdsd import _compat
+    m = ctx.mesh(mesh)
+    placements = [Shard(0)] if m.ndim == 1 else [Replicate(), Shard(1)]
+    full = torch.arange(24.0).reshape(6, 4) + 100 * ctx.rank
+    saved = _compat._HAS_SRC_DATA_RANK
+    _compat._HAS_SRC_DATA_RANK = native
+    try:
+        got = _compat.distribute_locally(full, m, placements)
+    finally:
+        _compat._HAS_SRC_DATA_RANK = saved
+    want = distribute_tensor(full, m, placements, src_data_rank=None)
+    assert got.placements == want.placements and torch.equal(got.to_local(), want.to_local()), ctx.rank
+    return got.to_local().sum().item()
+
+
+def compat_fsdp2_on_cpu(ctx):
+    """The suite's FSDP2-on-CPU shim for torch 2.6 and 2.7, given a stream stub like 2.6's and a factor function
+    with 2.6's signature (what it replaces exists only there); everything is put back before returning."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    from conformance import _compat
+
+    class Stub:  # torch 2.6's torch.cpu.Stream
+        def wait_stream(self, stream):
+            pass
+
+    seen = []
+    saved = torch.cpu.Stream, collectives._get_gradient_divide_factors
+    torch.cpu.Stream = Stub
+    collectives._get_gradient_divide_factors = lambda rs, ar, dtype: seen.append(str(dtype)) or (None, None)
+    try:
+        _compat.fsdp2_on_cpu()
+        stream = torch.cpu.Stream()
+        event = stream.record_event()
+        event.wait()
+        stream.wait_event(event)
+        world = dist.group.WORLD
+        collectives._get_gradient_divide_factors(world, world, torch.float32)
+        collectives._get_gradient_divide_factors(world, None, torch.bfloat16)
+    finally:
+        torch.cpu.Stream, collectives._get_gradient_divide_factors = saved
+    return seen
+
+
+
+def compat_root_mesh(ctx):
+    """The root of a slice of a 2-D mesh, and of the root itself."""
+    from hyperdsd import _compat
+
+    world = ctx.mesh("2x2")
+    return _compat.root_mesh(world[world.mesh_dim_names[1]]) is world and _compat.root_mesh(world) is world
