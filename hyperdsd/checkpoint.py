@@ -225,11 +225,7 @@ def save(
     holds the error. The next :func:`save` or :func:`load` waits for it and
     raises that error if nobody has asked the future for it.
     """
-    settle()
-    opts = resolve_options(options)
-    _check_extra(extra)
-    state = _state(model, optimizers, _as_list(schedulers), extra, opts)
-    return _save(_path(checkpoint_id), state, async_save, storage_writer)
+    return _save(_path(checkpoint_id), model, optimizers, schedulers, extra, options, async_save, storage_writer)
 
 
 def load(
@@ -325,11 +321,17 @@ class Manager:
         """:func:`save` to ``root/step-{step}``; then the steps beyond the newest ``keep`` are removed."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
-        settle()
-        opts = resolve_options(self.options)
-        _check_extra(extra)
-        state = _state(model, optimizers, _as_list(schedulers), extra, opts)
-        return _save(self.path(step), state, async_save, self.storage_writer, after_commit=self._prune)
+        return _save(
+            self.path(step),
+            model,
+            optimizers,
+            schedulers,
+            extra,
+            self.options,
+            async_save,
+            self.storage_writer,
+            after_commit=self._prune,
+        )
 
     def latest(self) -> int | None:
         """The newest step with a committed checkpoint, or None (after :func:`settle`)."""
@@ -479,7 +481,23 @@ def _join_sweepers() -> None:
 atexit.register(_join_sweepers)  # a script that ends after a save leaves no garbage beside it
 
 
-def _save(path: Path, state: dict[str, Any], async_save: bool, storage_writer: StorageWriter | None, after_commit=None):
+def _save(
+    path: Path,
+    model,
+    optimizers,
+    schedulers,
+    extra,
+    options,
+    async_save: bool,
+    storage_writer: StorageWriter | None,
+    after_commit=None,
+):
+    """What :func:`save` and :meth:`Manager.save` do: earlier async saves settled, the state read, then written
+    into the staging directory and committed (in the background with ``async_save``)."""
+    settle()
+    opts = resolve_options(options)
+    _check_extra(extra)
+    state = _state(model, optimizers, _as_list(schedulers), extra, opts)
     staging = commit.staging_of(path)
     writer = commit.CommittingWriter(storage_writer or FileSystemWriter(str(staging)), path, after_commit)
     if not async_save:
