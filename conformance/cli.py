@@ -238,21 +238,6 @@ def _executor(args):
     )
 
 
-def _workdir(args, executor) -> str:
-    """The run's directory; every rank of a case must see its case directory."""
-    import tempfile
-
-    if executor.launcher == "torchrun":
-        # Every rank names the same directory: on a filesystem all nodes share
-        # when the world spans machines (--workdir).
-        base = os.path.join(
-            args.workdir or tempfile.gettempdir(), f"conformance-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
-        )
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        return base
-    return tempfile.mkdtemp(prefix="conformance-", dir=args.workdir)
-
-
 def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     import shutil
 
@@ -262,13 +247,11 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     from .runner import Runner
 
     executor = _executor(args)
-    if args.exitfirst and executor.launcher == "torchrun":
+    if args.exitfirst and executor.exitfirst_refusal:
         executor.close()
-        raise UsageError("-x/--exitfirst is not supported under torchrun: every rank must run the same cases")
+        raise UsageError(f"-x/--exitfirst is not supported here: {executor.exitfirst_refusal}")
     reporter = executor.reporter
-    world_sizes = sorted({w for c in cases for w in c.world_sizes})
-    if executor.launcher == "torchrun":
-        world_sizes = [w for w in world_sizes if w <= executor.world_size]
+    world_sizes = sorted({w for c in cases for w in c.world_sizes if not executor.unfit([w])})
     info = RunInfo(
         adapter.name,
         adapter.version,
@@ -283,9 +266,8 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     console = ConsoleReporter(len(cases), verbose=args.verbose)
     results: list = []
     start = time.monotonic()
-    workdir = _workdir(args, executor)
-    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None if executor.launcher == "torchrun" else None
-    runner = Runner(adapter, executor, timeout=args.timeout, xfails=xfails, workdir=workdir, torchrun_nproc=nproc)
+    workdir = executor.run_workdir(args.workdir, "conformance-")
+    runner = Runner(adapter, executor, timeout=args.timeout, xfails=xfails, workdir=workdir)
     if reporter:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
@@ -304,8 +286,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
         results.append(r)
         console.case_done(r)
 
-    if executor.launcher == "torchrun":
-        executor.on_expiry = hung if reporter else None
+    executor.on_expiry = hung if reporter else None
     # SIGTERM ends the run like Ctrl-C: ranks stopped, partial report written.
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -11,7 +11,6 @@ import hashlib
 import os
 import shlex
 import shutil
-import tempfile
 import time
 from typing import Callable, Iterable
 
@@ -34,11 +33,8 @@ def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir:
     return spec.fn(c, **spec.params)
 
 
-def repro_command(impl: str, case_id: str, timeout: float | None, torchrun_nproc: int | None = None) -> str:
-    launcher = (
-        f"torchrun --nproc-per-node {torchrun_nproc} -m conformance" if torchrun_nproc else "python -m conformance"
-    )
-    cmd = f"{launcher} --impl {shlex.quote(impl)} -k {shlex.quote(case_id)}"
+def repro_command(impl: str, case_id: str, timeout: float | None, prefix: str = "python -m conformance") -> str:
+    cmd = f"{prefix} --impl {shlex.quote(impl)} -k {shlex.quote(case_id)}"
     if timeout is not None:
         cmd += f" --timeout {timeout:g}"
     return cmd
@@ -78,7 +74,6 @@ class Runner:
         timeout: float | None = None,
         xfails: Xfails | None = None,
         workdir: str | None = None,
-        torchrun_nproc: int | None = None,
     ):
         self.adapter = adapter
         self.executor = executor
@@ -87,8 +82,7 @@ class Runner:
         # Every rank of a case must see its directory: under torchrun every
         # rank names the same one (on a shared filesystem across machines).
         self._own_workdir = workdir is None
-        self.workdir = workdir or tempfile.mkdtemp(prefix="conformance-")
-        self.torchrun_nproc = torchrun_nproc
+        self.workdir = workdir or executor.run_workdir(None, "conformance-")
         self.current: Case | None = None
 
     @property
@@ -100,7 +94,7 @@ class Runner:
         return undeclared(self.adapter, case) or self.executor.unfit(case.world_sizes)
 
     def repro(self, case: Case) -> str:
-        return repro_command(self.impl, case.id, self.timeout, self.torchrun_nproc)
+        return repro_command(self.impl, case.id, self.timeout, self.executor.repro_prefix)
 
     def run_case(self, case: Case) -> CaseResult | None:
         """Run every phase; a process that does not report gets None."""
