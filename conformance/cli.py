@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
     p.add_argument(
+        "--deadline-scale",
+        type=_positive,
+        default=float(os.environ.get("CONFORMANCE_DEADLINE_SCALE", "1")),
+        help="multiply each case's own deadline, for a slow or busy machine (default: $CONFORMANCE_DEADLINE_SCALE "
+        "or 1); ignored with --timeout",
+    )
+    p.add_argument(
         "--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)"
     )
     p.add_argument(
@@ -230,7 +237,7 @@ def _executor(args):
     """Spawned pools, or the world torchrun launched: the runner does not care which."""
     from hyperdsd.testing import PoolSet, TorchrunWorld, launched_by_torchrun
 
-    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0))
+    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0 * args.deadline_scale))
     if launched_by_torchrun():
         return TorchrunWorld(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
     return PoolSet(
@@ -267,7 +274,9 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     results: list = []
     start = time.monotonic()
     workdir = executor.run_workdir(args.workdir, "conformance-")
-    runner = Runner(adapter, executor, timeout=args.timeout, xfails=xfails, workdir=workdir)
+    runner = Runner(
+        adapter, executor, timeout=args.timeout, xfails=xfails, workdir=workdir, deadline_scale=args.deadline_scale
+    )
     if reporter:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)

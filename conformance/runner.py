@@ -22,13 +22,13 @@ from .results import CaseResult
 from .xfails import Xfails
 
 
-def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir: str):
-    """Task entry point on every rank: run one phase of one case."""
+def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir: str, deadline_s: float = 60.0):
+    """Task entry point on every rank: run one phase of one case (``deadline_s``: the phase's)."""
     from .context import CaseContext
 
     case = by_id()[case_id]
     set_rank_device(ctx.device)
-    c = CaseContext(ctx, case, phase, load_adapter(impl), workdir)
+    c = CaseContext(ctx, case, phase, load_adapter(impl), workdir, deadline_s)
     spec = case.phases[phase]
     return spec.fn(c, **spec.params)
 
@@ -74,10 +74,14 @@ class Runner:
         timeout: float | None = None,
         xfails: Xfails | None = None,
         workdir: str | None = None,
+        deadline_scale: float = 1.0,
     ):
         self.adapter = adapter
         self.executor = executor
         self.timeout = timeout
+        # Cases' own deadlines times this (a slow machine's test run); an
+        # explicit ``timeout`` is taken as given.
+        self.deadline_scale = deadline_scale
         self.xfails = xfails
         # Every rank of a case must see its directory: under torchrun every
         # rank names the same one (on a shared filesystem across machines).
@@ -111,10 +115,10 @@ class Runner:
         notes: list[str] = []
         try:
             for i, phase in enumerate(case.phases):
-                deadline = self.timeout if self.timeout is not None else case.deadline_s
+                deadline = self.timeout if self.timeout is not None else case.deadline_s * self.deadline_scale
                 task = Task(
                     run_phase,
-                    {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir},
+                    {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir, "deadline_s": deadline},
                     name=case.id,
                     scope=REGIONS,
                 )
