@@ -1,0 +1,166 @@
+"""Exploration (python -m conformance explore): the strategy, tokens, replay,
+shrinking against a planted bug, and found scenarios as cases."""
+
+import json
+import os
+
+import pytest
+from helpers import run_cli, scaled
+from hypothesis import HealthCheck, given, settings
+
+from conformance.adapters import load_adapter
+from conformance.explore import Scenario, choices, normalise, parse_budget, strategy
+from conformance.layouts import parse_layout
+from conformance.runner import undeclared
+from conformance.scenarios import clause_cases, clauses_of, found_cases, load_found, scenario_case
+
+PLANTED = "faulty_impl:halves_router_state"
+# A bounded exploration: one round at world size 1, where a scenario takes
+# well under a second on a quiet reference machine.
+BUDGET_S = scaled(90)
+
+
+def _declared_only_sharded():
+    from dataclasses import replace
+
+    return replace(load_adapter("hyperdsd"), name="sharded-only", modes=("sharded",), get_modes=None, load_modes=None)
+
+
+@pytest.mark.parametrize("world_sizes", [[1, 2], [4]])
+def test_the_strategy_draws_only_what_the_adapter_declares(world_sizes):
+    adapter = _declared_only_sharded()
+    ch = choices(adapter, world_sizes)
+    seen = set()
+
+    @settings(max_examples=150, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(strategy(ch))
+    def drawn(s):
+        s.validate()
+        assert s.mode == "sharded"
+        assert parse_layout(s.layout).world_size in world_sizes
+        for case in clause_cases(s):
+            assert not undeclared(adapter, case), (case.id, undeclared(adapter, case))
+        seen.add(s.layout)
+
+    drawn()
+    assert seen == set(ch.layouts) and len(seen) > 1
+
+
+def test_an_undeclared_pipeline_is_never_drawn():
+    from dataclasses import replace
+
+    adapter = replace(load_adapter("hyperdsd"), layouts=())
+    ch = choices(adapter, [1, 2, 4])
+    assert ch.layouts and not any(parse_layout(x).pp > 1 for x in ch.layouts)
+
+
+def test_tokens_round_trip_and_bad_ones_are_named():
+    s = Scenario(layout="fsdp2", mode="bcast", dim=3, router=True, router_group=True, empty_at=(0, 4), warm=2)
+    assert Scenario.from_token(s.token) == s
+    assert Scenario.from_dict(json.loads(s.to_json())) == s
+    with pytest.raises(ValueError, match="not a scenario token"):
+        Scenario.from_token("abc")
+    with pytest.raises(ValueError, match="does not decode"):
+        Scenario.from_token("s1.!!!!")
+    with pytest.raises(ValueError, match="pipeline stages"):
+        Scenario(layout="pp2", tie=True).validate()
+    with pytest.raises(ValueError, match="unknown fields"):
+        Scenario.from_dict({"layout": "single", "colour": "red"})
+
+
+def test_a_scenario_runs_the_checks_of_the_clauses_it_contains():
+    assert clauses_of(Scenario()) == ("MODEL-1", "OPT-RT-1")
+    busy = Scenario(layout="fsdp2", mode="bcast", extra_state="dict", empty_at=(1,), scheduler=True, warm=1)
+    assert clauses_of(busy) == ("MODEL-3", "MODEL-5", "OPT-EMPTY-1", "OPT-SCHED-2", "MODEL-1", "OPT-RT-5")
+    case = scenario_case(busy, "OPT-RT-5")
+    assert case.id == f"OPT-RT-5[explore-{busy.digest}]" and case.mode == "bcast" and case.world_sizes == (2,)
+
+
+def test_messages_of_one_kind_share_a_signature():
+    a = "rank 1 raised CheckFailure: full: x:\n  state['a.b']['step']: values differ (bitwise): max abs error 1e-3"
+    b = "rank 0 raised CheckFailure: full: x:\n  params['c']: values differ (bitwise): max abs error 2 at (3, 4)"
+    assert normalise(a) == normalise(b)
+    assert normalise(a) != normalise(a.replace("full:", "sharded:"))
+
+
+def test_budgets_parse():
+    assert parse_budget("90") == 90 and parse_budget("2m") == 120 and parse_budget("1h") == 3600
+    with pytest.raises(ValueError, match="budget"):
+        parse_budget("ten minutes")
+
+
+def test_a_found_file_that_does_not_load_is_named(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"clause": "MODEL-3", "scenario": Scenario().to_dict()}))
+    with pytest.raises(ValueError, match=f"{bad}.*not one the scenario exercises"):
+        load_found(str(bad))
+
+
+@pytest.fixture(scope="module")
+def explored(tmp_path_factory):
+    """One bounded exploration against the planted bug, its JSON report and found cases."""
+    folder = tmp_path_factory.mktemp("explore")
+    report = folder / "explore.json"
+    found = folder / "found"
+    args = ["explore", "--impl", PLANTED, "--world-sizes", "1", "--budget", f"{BUDGET_S}s", "--seed", "3"]
+    args += ["--rounds", "1", "--json", str(report), "--save-found", str(found)]
+    proc, _ = run_cli(args, timeout=3 * BUDGET_S)
+    assert report.exists(), proc.stdout + proc.stderr
+    return proc, json.loads(report.read_text())["explore"], found
+
+
+def _planted(findings):
+    """The findings of the planted bug (state values halved where the model has routers)."""
+    return [
+        f
+        for f in findings
+        if f["scenario"]["router"] and f["clause"] in ("OPT-RT-1", "OPT-RT-5") and "values differ" in f["message"]
+    ]
+
+
+def test_exploration_finds_the_planted_bug_and_shrinks_it(explored):
+    proc, section, _ = explored
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert section["ran"] > 0 and section["seed"] == 3 and section["budget_s"] == BUDGET_S
+    planted = _planted(section["findings"])
+    assert planted, json.dumps(section["findings"], indent=1)[:3000]
+    s = planted[0]["scenario"]
+    # Shrunk: only the feature the bug needs, and the smallest of everything else.
+    base = Scenario()
+    assert s["layout"] == "single" and s["n_layers"] == 1 and s["dim"] == 1 and s["hidden"] == 1
+    assert not any(s[f] for f in ("tie", "lazy", "frozen", "adapter", "scheduler", "custom_fields", "one_group"))
+    assert s["empty_at"] == [] and s["extra_state"] == "" and s["dtype"] == base.dtype
+    assert planted[0]["token"] in proc.stdout and "--replay" in proc.stdout
+
+
+def test_replay_gives_the_same_verdict_and_message(explored, tmp_path):
+    _, section, _ = explored
+    finding = _planted(section["findings"])[0]
+    out = tmp_path / "replay.json"
+    proc, _ = run_cli(["explore", "--impl", PLANTED, "--replay", finding["token"], "--json", str(out)], timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    replayed = json.loads(out.read_text())["explore"]
+    assert replayed["verdict"] == finding["status"]
+    (again,) = replayed["findings"]
+    assert (again["clause"], again["message"]) == (finding["clause"], finding["message"])
+
+
+def test_found_scenarios_load_as_cases(explored):
+    _, section, found = explored
+    finding = _planted(section["findings"])[0]
+    files = sorted(os.listdir(found))
+    assert len(files) == len(section["findings"])
+    os.environ["CONFORMANCE_FOUND"] = str(found)
+    try:
+        ids = {c.id for c in found_cases()}
+    finally:
+        del os.environ["CONFORMANCE_FOUND"]
+    digest = Scenario.from_dict(finding["scenario"]).digest
+    case_id = f"{finding['clause']}[found-{digest}]"
+    assert case_id in ids
+    env = {"CONFORMANCE_FOUND": str(found)}
+    proc, _ = run_cli(["--impl", PLANTED, "-k", case_id, "--json", str(found / "run.json.out")], env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (result,) = json.loads((found / "run.json.out").read_text())["cases"]
+    assert result["id"] == case_id and result["status"] == "failed"
+    assert result["message"] == finding["message"]
