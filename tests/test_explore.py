@@ -164,3 +164,25 @@ def test_found_scenarios_load_as_cases(explored):
     (result,) = json.loads((found / "run.json.out").read_text())["cases"]
     assert result["id"] == case_id and result["status"] == "failed"
     assert result["message"] == finding["message"]
+
+
+def _pytest(tmp_path, *args, timeout):
+    import subprocess
+    import sys
+
+    from helpers import ROOT, TESTS
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:conformance"]
+    command += ["-p", "conformance.pytest_plugin", "--pyargs", "conformance", "-k", "test_explore", *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(timeout))
+
+
+def test_the_plugin_explores_only_when_asked(tmp_path):
+    proc = _pytest(tmp_path, "--dsd-impl", PLANTED, timeout=300)
+    assert "deselected" in proc.stdout and "passed" not in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+    args = ["--dsd-impl", PLANTED, "--dsd-explore", f"{scaled(10)}s", "--dsd-explore-world-sizes", "1"]
+    proc = _pytest(tmp_path, *args, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 failed" in proc.stdout and "deviations;" in proc.stdout and "--replay s1." in proc.stdout
