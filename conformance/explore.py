@@ -20,7 +20,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hyperdsd.testing import Status
 
@@ -36,6 +36,7 @@ from .scenarios import (
     Scenario,
     clause_cases,
     found_record,
+    reshard_problems,
     write_found,
 )
 
@@ -124,7 +125,9 @@ def strategy(ch: Choices):
         before = draw(st.sampled_from((1, 2, 0, 3)))
         after = draw(st.sampled_from((1, 2)))
         warm = draw(st.sampled_from((0, 1, 2)))
-        return Scenario(
+        reshard = draw(st.booleans())
+        target = draw(st.sampled_from(ch.layouts))
+        s = Scenario(
             layout=layout,
             mode=mode,
             optimizer=optimizer,
@@ -150,6 +153,11 @@ def strategy(ch: Choices):
             after=after,
             warm=warm,
         )
+        if reshard:
+            resharded = replace(s, reshard_to=target)
+            if not reshard_problems(resharded):
+                return resharded
+        return s
 
     return scenarios()
 

@@ -77,6 +77,8 @@ class Scenario:
     before: int = 1
     after: int = 1
     warm: int = 0  # steps the target trains on its own before the load (0: fresh)
+    # Resharding: a second layout the checkpoint is also loaded on (dcp and bcast only); "": none
+    reshard_to: str = ""
 
     # -- serialisation -----------------------------------------------------
     def to_dict(self) -> dict:
@@ -150,6 +152,8 @@ class Scenario:
                 problems.append(f"{self.layout} needs at least {pp} layers")
         if self.router_group and not self.router:
             problems.append("router_group needs router")
+        if self.reshard_to:
+            problems += reshard_problems(self)
         if problems:
             raise ValueError("invalid scenario: " + "; ".join(problems))
 
@@ -215,6 +219,8 @@ class Scenario:
         if self.scheduler:
             groups.append("an lr scheduler")
         target = f"a warm target ({self.warm} steps of its own)" if self.warm else "a fresh target"
+        if self.reshard_to:
+            target += f"; also resharded to {self.reshard_to} ({parse_layout(self.reshard_to).world_size} ranks)"
         lines = [
             f"layout {self.layout} ({self.world_size} ranks), mode {self.mode}, optimizer {self.optimizer}",
             f"model: {', '.join(model)}, {self.dtype}; features: {', '.join(features) or 'none'}",
@@ -229,7 +235,40 @@ class Scenario:
 # The order checks run in, most specific first: the first that fails names
 # the scenario's failure (a round trip that fails because of an empty group
 # is OPT-EMPTY-1's deviation before it is OPT-RT-1's).
-CLAUSE_ORDER = ("MODEL-3", "MODEL-5", "OPT-EMPTY-1", "OPT-SCHED-2", "MODEL-1", "OPT-RT-5", "OPT-RT-1")
+# Resharding comes last: it counts only where the scenario round-trips on its own layout.
+CLAUSE_ORDER = (
+    "MODEL-3",
+    "MODEL-5",
+    "OPT-EMPTY-1",
+    "OPT-SCHED-2",
+    "MODEL-1",
+    "OPT-RT-5",
+    "OPT-RT-1",
+    "OPT-RESHARD-1",
+    "OPT-RESHARD-3",
+)
+RESHARD_CLAUSE = {"dcp": "OPT-RESHARD-1", "bcast": "OPT-RESHARD-3"}
+
+
+def reshard_problems(s: "Scenario") -> list[str]:
+    """Why ``s`` cannot also be resharded to ``s.reshard_to``, in words ([] when it can)."""
+    if s.reshard_to not in LAYOUTS:
+        return [f"reshard_to {s.reshard_to!r} is not one of {LAYOUTS}"]
+    if s.reshard_to == s.layout:
+        return ["reshard_to is the layout itself"]
+    if s.mode not in RESHARD_CLAUSE:
+        return [f"resharding goes through dcp or bcast, not {s.mode}"]
+    a, b = parse_layout(s.layout).pp, parse_layout(s.reshard_to).pp
+    out = []
+    if s.mode == "dcp" and (a > 1) != (b > 1):
+        out.append("through dcp, a pipeline checkpoint (flat) loads only on pipeline stages")
+    if s.n_layers < b:
+        out.append(f"{s.reshard_to} needs at least {b} layers")
+    if s.tie and b > 1:
+        out.append(f"a tied model cannot be split into pipeline stages ({s.reshard_to})")
+    if s.empty_at and max(a, b) > 1:
+        out.append("empty groups do not travel in a pipeline's flat layout")
+    return out
 
 
 def clauses_of(s: Scenario) -> tuple[str, ...]:
@@ -244,6 +283,8 @@ def clauses_of(s: Scenario) -> tuple[str, ...]:
         out.add("OPT-EMPTY-1")
     if s.scheduler:
         out.add("OPT-SCHED-2")
+    if s.reshard_to:
+        out.add(RESHARD_CLAUSE[s.mode])
     return tuple(c for c in CLAUSE_ORDER if c in out)
 
 
@@ -293,10 +334,12 @@ def _check(s: Scenario, clause: str):
 
 def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
     """``clause``'s check on ``s`` as a case: ``CLAUSE[<tag or explore-<digest>>]``."""
-    fn, params = _check(s, clause)
-    lay = parse_layout(s.layout)
     case_id = f"{clause}[{tag or 'explore-' + s.digest}]"
     source = json.dumps({"format": FORMAT, "id": case_id, "clause": clause, "scenario": s.to_dict()}, sort_keys=True)
+    if clause in RESHARD_CLAUSE.values():
+        return _resharded(s, clause, case_id, source)
+    fn, params = _check(s, clause)
+    lay = parse_layout(s.layout)
     mode = "bcast" if clause == "MODEL-3" else s.mode
     return Case(
         id=case_id,
@@ -306,6 +349,26 @@ def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
         deadline_s=DEFAULT_DEADLINE_S,
         meshes=lay.mesh_specs,
         mode=mode,
+        source=source,
+    )
+
+
+def _resharded(s: Scenario, clause: str, case_id: str, source: str) -> Case:
+    """Save on the scenario's layout, load on ``reshard_to``: the section's two phases."""
+    from .sections import reshard
+
+    a, b = parse_layout(s.layout), parse_layout(s.reshard_to)
+    params = {"src": s.layout, "dst": s.reshard_to, "opt": s.optimizer, "kind": s.mode}
+    params |= {"cfg": s.cfg(), "groups": s.groups()}
+    return Case(
+        id=case_id,
+        clause=clause,
+        layout=f"{s.layout}_to_{s.reshard_to}",
+        phases=(Phase(a.world_size, reshard.save_phase, params), Phase(b.world_size, reshard.load_phase, params)),
+        deadline_s=90,
+        rtol=reshard.RTOL,
+        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
+        mode=s.mode,
         source=source,
     )
 
