@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--report", metavar="DIR", help="write report.json, junit.xml, report.html and report.md (the certificate) here"
     )
     p.add_argument(
+        "--explore-report",
+        metavar="JSON",
+        help="with --report: include this exploration's JSON report (python -m conformance explore --json) "
+        "in the certificate",
+    )
+    p.add_argument(
         "--list",
         action="store_true",
         help="print the manifest of selected cases and exit; with --impl, whether each would run for it and why not",
@@ -109,6 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     args.impl_given = args.impl is not None
+    args.explored = None
+    if args.explore_report:
+        try:
+            with open(args.explore_report) as f:
+                args.explored = json.load(f)["explore"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(
+                f"python -m conformance: error: --explore-report {args.explore_report}: not an exploration's JSON "
+                f"report ({type(exc).__name__}: {exc})",
+                file=sys.stderr,
+            )
+            return 2
     if args.impl is None:
         args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
     try:
@@ -220,7 +238,7 @@ def _report(args, adapter, info, results, warnings, elapsed, complete=True) -> N
     if args.report:
         from .certificate import write_report
 
-        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles)
+        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles, args.explored)
         core = data["level"].get("core", {})
         print(f"certificate: {data['verdict']} ({core.get('why', '')}); written to {args.report}")
     if args.json:

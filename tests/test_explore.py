@@ -186,3 +186,19 @@ def test_the_plugin_explores_only_when_asked(tmp_path):
     proc = _pytest(tmp_path, *args, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "1 failed" in proc.stdout and "deviations;" in proc.stdout and "--replay s1." in proc.stdout
+
+
+def test_the_certificate_shows_an_exploration(explored, tmp_path):
+    _, section, _ = explored
+    report = tmp_path / "explore.json"
+    report.write_text(json.dumps({"explore": section}))
+    case = "OPT-KEYS-1[single-adamw-sharded]"
+    args = ["--impl", "hyperdsd", "-k", case, "--report", str(tmp_path / "cert"), "--explore-report", str(report)]
+    proc, _ = run_cli(args, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (tmp_path / "cert" / "report.md").read_text()
+    assert "## Explored scenarios" in text and f"{section['ran']} generated scenarios" in text
+    assert _planted(section["findings"])[0]["token"] in text
+    assert json.loads((tmp_path / "cert" / "report.json").read_text())["explore"] == section
+    proc, _ = run_cli(["-k", case, "--report", str(tmp_path / "c2"), "--explore-report", os.devnull], timeout=60)
+    assert proc.returncode == 2 and "not an exploration's JSON report" in proc.stderr
