@@ -202,3 +202,18 @@ def test_the_certificate_shows_an_exploration(explored, tmp_path):
     assert json.loads((tmp_path / "cert" / "report.json").read_text())["explore"] == section
     proc, _ = run_cli(["-k", case, "--report", str(tmp_path / "c2"), "--explore-report", os.devnull], timeout=60)
     assert proc.returncode == 2 and "not an exploration's JSON report" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--budget", "soon"], "expected a budget"),
+        (["--replay", "s1.xyz"], "does not decode"),
+        (["--replay", "nope"], "not a scenario token"),
+        (["--world-sizes", "0"], "positive"),
+        (["--impl", "no_such_module_here"], "cannot import"),
+    ],
+)
+def test_explore_usage_errors(args, needle):
+    proc, _ = run_cli(["explore", *args], timeout=60)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
