@@ -221,6 +221,7 @@ def normalise(message: str) -> str:
             line = re.sub(r"^\s*[\w.]*(\[[^\]]*\])+:\s*", "", line)
         line = re.sub(r"(values differ|received|expected a|dtype|shape) .*", r"\1 ...", line)
         line = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", line).strip()
+        line = re.sub(r"N(, ?N)+", "N", line)  # lists of ranks or sizes, whatever their length
         if line and line not in out:
             out.append(line)
         if len(out) == 2:
@@ -429,6 +430,16 @@ def explore(
     return report
 
 
+def kinds(findings: list[Finding]) -> dict[str, list[Finding]]:
+    """Findings grouped by their signature with the mode left out: one
+    deviation found in several modes is one line of the summary."""
+    out: dict[str, list[Finding]] = {}
+    for f in findings:
+        key = f.verdict.signature.replace(f" {f.scenario.mode}: ", " ", 1)
+        out.setdefault(key, []).append(f)
+    return out
+
+
 def _deviations_in(exc: BaseException) -> list[_Deviation]:
     if isinstance(exc, _Deviation):
         return [exc]
@@ -523,6 +534,9 @@ def run_command(args, adapter, runner: Runner, info) -> int:
         f"{report.rounds} rounds; {len(report.findings)} deviations"
         + (f": {', '.join(f'{k} {n}' for k, n in report.by_clause().items())}" if report.findings else "")
     )
+    for kind, found in kinds(report.findings).items():
+        modes = sorted({f.scenario.mode for f in found})
+        print(f"  {len(found)} x {kind} (modes {', '.join(modes)})")
     if args.json:
         _write(args.json, info, impl, report, report.findings, None)
     return 1 if report.findings else 0
