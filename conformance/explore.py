@@ -37,6 +37,7 @@ from .scenarios import (
     clause_cases,
     found_record,
     reshard_problems,
+    scenario_case,
     write_found,
 )
 
@@ -83,7 +84,7 @@ def choices(adapter, world_sizes) -> Choices:
         if parse_layout(layout).world_size not in allowed:
             continue
         modes = tuple(
-            m for m in MODES if not undeclared(adapter, clause_cases(Scenario(layout=layout, mode=m, n_layers=2))[-1])
+            m for m in MODES if not undeclared(adapter, scenario_case(Scenario(layout=layout, mode=m), "OPT-RT-1"))
         )
         if modes:
             modes_of.append((layout, modes))

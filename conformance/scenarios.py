@@ -38,7 +38,7 @@ FOUND_DIR = os.path.join(os.path.dirname(__file__), "found")
 
 # The layouts and optimizers scenarios draw from: the matrix's own.
 LAYOUTS = ("single", "ddp", "fsdp2", "pp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
-OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain")
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
 DTYPES = ("float32", "float64", "bfloat16")
 EXTRA_STATE = ("", "tensor", "dict", "object")
 # Layouts whose model is sharded over more than one rank: a broadcast load
@@ -242,6 +242,9 @@ CLAUSE_ORDER = (
     "OPT-EMPTY-1",
     "OPT-SCHED-2",
     "MODEL-1",
+    "OPT-PURE-1",
+    "OPT-PURE-2",
+    "OPT-PURE-3",
     "OPT-RT-5",
     "OPT-RT-1",
     "OPT-RESHARD-1",
@@ -285,12 +288,21 @@ def clauses_of(s: Scenario) -> tuple[str, ...]:
         out.add("OPT-SCHED-2")
     if s.reshard_to:
         out.add(RESHARD_CLAUSE[s.mode])
+    out.add(_purity_clause(s))
     return tuple(c for c in CLAUSE_ORDER if c in out)
+
+
+def _purity_clause(s: Scenario) -> str:
+    """get changes nothing: on a never-stepped optimizer (before=0) OPT-PURE-1,
+    or OPT-PURE-3 in the full and flat layouts; after steps, OPT-PURE-2."""
+    if s.before:
+        return "OPT-PURE-2"
+    return "OPT-PURE-1" if s.mode in ("sharded", "dcp") else "OPT-PURE-3"
 
 
 def _check(s: Scenario, clause: str):
     """The section's check function for ``clause`` and its arguments on ``s``."""
-    from .sections import empty_groups, model, roundtrip, scheduler
+    from .sections import empty_groups, model, purity, roundtrip, scheduler
 
     cfg = s.cfg()
     if clause == "OPT-RT-1":
@@ -312,6 +324,16 @@ def _check(s: Scenario, clause: str):
             "warm": s.warm,
             "how": s.recipe(),
         }
+    if clause in ("OPT-PURE-1", "OPT-PURE-3"):
+        return purity.pure_1, {
+            "layout": s.layout,
+            "opt": s.optimizer,
+            "mode": s.mode,
+            "grads": False,
+            "how": s.recipe(),
+        }
+    if clause == "OPT-PURE-2":
+        return purity.pure_2, {"layout": s.layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe()}
     if clause == "MODEL-1":
         return model.model_1, {"layout": s.layout, "mode": s.mode, "cfg": cfg}
     if clause == "MODEL-3":

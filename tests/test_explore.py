@@ -69,9 +69,10 @@ def test_tokens_round_trip_and_bad_ones_are_named():
 
 
 def test_a_scenario_runs_the_checks_of_the_clauses_it_contains():
-    assert clauses_of(Scenario()) == ("MODEL-1", "OPT-RT-1")
-    busy = Scenario(layout="fsdp2", mode="bcast", extra_state="dict", empty_at=(1,), scheduler=True, warm=1)
-    assert clauses_of(busy) == ("MODEL-3", "MODEL-5", "OPT-EMPTY-1", "OPT-SCHED-2", "MODEL-1", "OPT-RT-5")
+    assert clauses_of(Scenario()) == ("MODEL-1", "OPT-PURE-2", "OPT-RT-1")
+    assert clauses_of(Scenario(before=0)) == ("MODEL-1", "OPT-PURE-1", "OPT-RT-1")
+    busy = Scenario(layout="fsdp2", mode="bcast", extra_state="dict", empty_at=(1,), scheduler=True, warm=1, before=0)
+    assert clauses_of(busy) == ("MODEL-3", "MODEL-5", "OPT-EMPTY-1", "OPT-SCHED-2", "MODEL-1", "OPT-PURE-3", "OPT-RT-5")
     case = scenario_case(busy, "OPT-RT-5")
     assert case.id == f"OPT-RT-5[explore-{busy.digest}]" and case.mode == "bcast" and case.world_sizes == (2,)
 
