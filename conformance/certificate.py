@@ -197,7 +197,7 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
             mark = {Status.ERROR: " ERROR", Status.FAILED: " FAIL", Status.XFAIL: " xfail", Status.XPASS: " xpass"}.get(
                 worst(c), ""
             )
-            row.append(f"{c[Status.PASSED]}/{ran}{mark}" if ran else "n/a")
+            row.append(f"{c[Status.PASSED]}/{ran}{mark}" if ran else Status.NOT_APPLICABLE.value)
         lines.append(f"| {clause} | " + " | ".join(row) + " |")
     texts = data.get("clauses", {})
     if texts:
@@ -234,6 +234,9 @@ pre{background:#f7f7f7;padding:8px;overflow:auto;white-space:pre-wrap}
 details.deviation{border-left:4px solid #e57373;padding-left:8px}details.deviation.xfail{border-color:#ffe082}
 """
 
+# The page's script takes the status names from the enum, not from literals of its own.
+_STATUSES = f"const S = {json.dumps({m.name: m.value for m in Status})};"
+
 _JS = """
 const data = JSON.parse(document.getElementById('report-data').textContent);
 const el = (tag, attrs = {}, text) => {
@@ -242,7 +245,7 @@ const el = (tag, attrs = {}, text) => {
   if (text !== undefined) e.textContent = text;
   return e;
 };
-const worstOf = (c) => ['error','failed','xfail','xpass','n/a','passed'].find(s => c[s]) || '';
+const worstOf = (c) => [S.ERROR, S.FAILED, S.XFAIL, S.XPASS, S.NOT_APPLICABLE, S.PASSED].find(s => c[s]) || '';
 const clauses = [], layouts = [], cells = {};
 for (const c of data.cases) {
   if (!clauses.includes(c.clause)) clauses.push(c.clause);
@@ -273,11 +276,11 @@ for (const clause of clauses) {
     const c = cells[clause + '|' + layout];
     if (!c) { tr.appendChild(el('td', {class: 'empty', 'data-clause': clause, 'data-layout': layout}, '')); continue; }
     const total = Object.values(c).reduce((a, b) => a + b, 0);
-    const ran = total - (c['n/a'] || 0);
+    const ran = total - (c[S.NOT_APPLICABLE] || 0);
     const w = worstOf(c);
-    const text = ran ? `${(c.passed || 0) + (c.xpass || 0)}/${ran}` : 'n/a';
+    const text = ran ? `${(c[S.PASSED] || 0) + (c[S.XPASS] || 0)}/${ran}` : S.NOT_APPLICABLE;
     const title = Object.entries(c).map(([s, n]) => `${n} ${s}`).join(', ');
-    tr.appendChild(el('td', {class: w === 'n/a' ? 'na' : w, 'data-clause': clause, \
+    tr.appendChild(el('td', {class: w === S.NOT_APPLICABLE ? 'na' : w, 'data-clause': clause, \
 'data-layout': layout, 'data-status': w, title}, text));
   }
   table.appendChild(tr);
@@ -299,7 +302,7 @@ ${d.clauses.join(', ')}${d.xfail_reason ? '  (expected: ' + d.xfail_reason + ')'
   box.appendChild(list);
   devs.appendChild(box);
 });
-const failures = data.cases.filter(c => ['failed','error','xfail','xpass'].includes(c.status));
+const failures = data.cases.filter(c => [S.FAILED, S.ERROR, S.XFAIL, S.XPASS].includes(c.status));
 const list = document.getElementById('failures');
 if (!failures.length) list.appendChild(el('p', {}, 'Every case that ran passed or did not apply.'));
 for (const c of failures) {
@@ -371,6 +374,6 @@ report.md and report.json hold the same data.</noscript></div>
 <h2>Cases that did not pass</h2>
 <div id="failures"></div>
 <script type="application/json" id="report-data">{payload}</script>
-<script>{_JS}</script>
+<script>{_STATUSES}{_JS}</script>
 </body></html>
 """

@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
     p.add_argument(
+        "--deadline-scale",
+        type=_positive,
+        default=float(os.environ.get("CONFORMANCE_DEADLINE_SCALE", "1")),
+        help="multiply each case's own deadline, for a slow or busy machine (default: $CONFORMANCE_DEADLINE_SCALE "
+        "or 1); ignored with --timeout",
+    )
+    p.add_argument(
         "--workdir", help="where cases keep checkpoints (must be shared by all nodes under multi-node torchrun)"
     )
     p.add_argument(
@@ -251,27 +258,12 @@ def _executor(args):
     """Spawned pools, or the world torchrun launched: the runner does not care which."""
     from hyperdsd.testing import PoolSet, TorchrunWorld, launched_by_torchrun
 
-    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0))
+    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0 * args.deadline_scale))
     if launched_by_torchrun():
         return TorchrunWorld(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
     return PoolSet(
         gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
     )
-
-
-def _workdir(args, executor) -> str:
-    """The run's directory; every rank of a case must see its case directory."""
-    import tempfile
-
-    if executor.launcher == "torchrun":
-        # Every rank names the same directory: on a filesystem all nodes share
-        # when the world spans machines (--workdir).
-        base = os.path.join(
-            args.workdir or tempfile.gettempdir(), f"conformance-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
-        )
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        return base
-    return tempfile.mkdtemp(prefix="conformance-", dir=args.workdir)
 
 
 def _run_cases(args, cases, adapter, xfails, warnings) -> int:
@@ -283,13 +275,11 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     from .runner import Runner
 
     executor = _executor(args)
-    if args.exitfirst and executor.launcher == "torchrun":
+    if args.exitfirst and executor.exitfirst_refusal:
         executor.close()
-        raise UsageError("-x/--exitfirst is not supported under torchrun: every rank must run the same cases")
+        raise UsageError(f"-x/--exitfirst is not supported here: {executor.exitfirst_refusal}")
     reporter = executor.reporter
-    world_sizes = sorted({w for c in cases for w in c.world_sizes})
-    if executor.launcher == "torchrun":
-        world_sizes = [w for w in world_sizes if w <= executor.world_size]
+    world_sizes = sorted({w for c in cases for w in c.world_sizes if not executor.unfit([w])})
     info = RunInfo(
         adapter.name,
         adapter.version,
@@ -304,9 +294,10 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     console = ConsoleReporter(len(cases), verbose=args.verbose)
     results: list = []
     start = time.monotonic()
-    workdir = _workdir(args, executor)
-    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None if executor.launcher == "torchrun" else None
-    runner = Runner(adapter, executor, timeout=args.timeout, xfails=xfails, workdir=workdir, torchrun_nproc=nproc)
+    workdir = executor.run_workdir(args.workdir, "conformance-")
+    runner = Runner(
+        adapter, executor, timeout=args.timeout, xfails=xfails, workdir=workdir, deadline_scale=args.deadline_scale
+    )
     if reporter:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
@@ -325,8 +316,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
         results.append(r)
         console.case_done(r)
 
-    if executor.launcher == "torchrun":
-        executor.on_expiry = hung if reporter else None
+    executor.on_expiry = hung if reporter else None
     # SIGTERM ends the run like Ctrl-C: ranks stopped, partial report written.
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -379,6 +369,12 @@ def build_explore_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", help="write the JSON report (its 'explore' section) here")
     p.add_argument("--timeout", type=_positive, help="per-check deadline in seconds (default: each clause's own)")
+    p.add_argument(
+        "--deadline-scale",
+        type=_positive,
+        default=float(os.environ.get("CONFORMANCE_DEADLINE_SCALE", "1")),
+        help="multiply each check's own deadline (default: $CONFORMANCE_DEADLINE_SCALE or 1); ignored with --timeout",
+    )
     p.add_argument("--workdir", help="where scenarios keep checkpoints")
     p.add_argument("--device", default="cpu", help="device every rank computes on (default: cpu)")
     p.add_argument("--backend", default=None, help="process-group backend (default: the device's)")
@@ -430,12 +426,12 @@ def _explore(args) -> int:
         adapter = load_adapter(args.impl)
     except AdapterError as exc:
         raise UsageError(str(exc)) from None
-    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0))
+    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0 * args.deadline_scale))
     executor = PoolSet(
         gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
     )
-    workdir = _workdir(args, executor)
-    runner = Runner(adapter, executor, timeout=args.timeout, workdir=workdir)
+    workdir = executor.run_workdir(args.workdir, "conformance-explore-")
+    runner = Runner(adapter, executor, timeout=args.timeout, workdir=workdir, deadline_scale=args.deadline_scale)
     info = RunInfo(
         adapter.name,
         adapter.version,

@@ -64,8 +64,11 @@ class JudgedAdapter:
 
 
 class CaseContext:
-    def __init__(self, rank_ctx: RankContext, case: Case, phase: int, iut: Adapter, workdir: str):
+    def __init__(
+        self, rank_ctx: RankContext, case: Case, phase: int, iut: Adapter, workdir: str, deadline_s: float = 60.0
+    ):
         self.rank_ctx = rank_ctx
+        self.deadline_s = deadline_s  # this phase's, as the runner enforces it
         self.case = case
         self.phase = phase
         self.adapter = iut

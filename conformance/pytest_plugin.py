@@ -39,6 +39,12 @@ def pytest_addoption(parser):
         "--dsd-timeout", type=float, default=None, help="per-case deadline in seconds (default: each case's own)"
     )
     group.addoption(
+        "--dsd-deadline-scale",
+        type=float,
+        default=1.0,
+        help="multiply each case's own deadline (a slow or busy machine); ignored with --dsd-timeout",
+    )
+    group.addoption(
         "--dsd-explore",
         default=None,
         metavar="BUDGET",
@@ -100,7 +106,13 @@ def dsd_runner(request):
         raise pytest.UsageError(problem)
     impl = request.config.getoption("--dsd-impl")
     pools = PoolSet(preload=("conformance.runner",))
-    runner = Runner(load_adapter(impl), pools, timeout=request.config.getoption("--dsd-timeout"))
+    options = request.config.getoption
+    runner = Runner(
+        load_adapter(impl),
+        pools,
+        timeout=options("--dsd-timeout"),
+        deadline_scale=options("--dsd-deadline-scale"),
+    )
     yield runner
     pools.kill()
     runner.close()

@@ -207,7 +207,7 @@ def render_matrix(results: list[CaseResult]) -> str:
             return "."
         total = sum(counter.values()) - counter[Status.NOT_APPLICABLE]
         if total == 0:
-            return "n/a"
+            return Status.NOT_APPLICABLE.value
         ok = counter[Status.PASSED] + counter[Status.XPASS]
         mark = "!" if counter[Status.FAILED] or counter[Status.ERROR] else ("x" if counter[Status.XFAIL] else "")
         return f"{ok}/{total}{mark}"
@@ -294,9 +294,10 @@ def write_junit(path: str, info: RunInfo, results: list[CaseResult], elapsed_s: 
         elif r.status == Status.ERROR:
             ET.SubElement(tc, "error", message=_first_line(r.message)).text = text
         elif r.status == Status.XFAIL:
-            ET.SubElement(tc, "skipped", type="xfail", message=f"expected failure: {r.xfail_reason}").text = text
+            why = f"expected failure: {r.xfail_reason}"
+            ET.SubElement(tc, "skipped", type=Status.XFAIL.value, message=why).text = text
         elif r.status == Status.NOT_APPLICABLE:
-            ET.SubElement(tc, "skipped", type="n/a", message=f"not applicable: {r.message}")
+            ET.SubElement(tc, "skipped", type=Status.NOT_APPLICABLE.value, message=f"not applicable: {r.message}")
         elif r.status == Status.XPASS:
             ET.SubElement(tc, "system-out").text = f"unexpectedly passed; xfail entry: {r.xfail_reason}"
     root = ET.Element("testsuites")

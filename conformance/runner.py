@@ -11,7 +11,6 @@ import hashlib
 import os
 import shlex
 import shutil
-import tempfile
 import time
 from typing import Callable, Iterable
 
@@ -23,9 +22,18 @@ from .results import CaseResult
 from .xfails import Xfails
 
 
-def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir: str, source: str | None = None):
-    """Task entry point on every rank: run one phase of one case (``source``:
-    a generated case, rebuilt from its scenario)."""
+def run_phase(
+    ctx: RankContext,
+    *,
+    case_id: str,
+    phase: int,
+    impl: str,
+    workdir: str,
+    deadline_s: float = 60.0,
+    source: str | None = None,
+):
+    """Task entry point on every rank: run one phase of one case (``deadline_s``:
+    the phase's; ``source``: a generated case, rebuilt from its scenario)."""
     from .context import CaseContext
 
     if source is not None:
@@ -35,16 +43,13 @@ def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir:
     else:
         case = by_id()[case_id]
     set_rank_device(ctx.device)
-    c = CaseContext(ctx, case, phase, load_adapter(impl), workdir)
+    c = CaseContext(ctx, case, phase, load_adapter(impl), workdir, deadline_s)
     spec = case.phases[phase]
     return spec.fn(c, **spec.params)
 
 
-def repro_command(impl: str, case_id: str, timeout: float | None, torchrun_nproc: int | None = None) -> str:
-    launcher = (
-        f"torchrun --nproc-per-node {torchrun_nproc} -m conformance" if torchrun_nproc else "python -m conformance"
-    )
-    cmd = f"{launcher} --impl {shlex.quote(impl)} -k {shlex.quote(case_id)}"
+def repro_command(impl: str, case_id: str, timeout: float | None, prefix: str = "python -m conformance") -> str:
+    cmd = f"{prefix} --impl {shlex.quote(impl)} -k {shlex.quote(case_id)}"
     if timeout is not None:
         cmd += f" --timeout {timeout:g}"
     return cmd
@@ -84,17 +89,19 @@ class Runner:
         timeout: float | None = None,
         xfails: Xfails | None = None,
         workdir: str | None = None,
-        torchrun_nproc: int | None = None,
+        deadline_scale: float = 1.0,
     ):
         self.adapter = adapter
         self.executor = executor
         self.timeout = timeout
+        # Cases' own deadlines times this (a slow machine's test run); an
+        # explicit ``timeout`` is taken as given.
+        self.deadline_scale = deadline_scale
         self.xfails = xfails
         # Every rank of a case must see its directory: under torchrun every
         # rank names the same one (on a shared filesystem across machines).
         self._own_workdir = workdir is None
-        self.workdir = workdir or tempfile.mkdtemp(prefix="conformance-")
-        self.torchrun_nproc = torchrun_nproc
+        self.workdir = workdir or executor.run_workdir(None, "conformance-")
         self.current: Case | None = None
 
     @property
@@ -106,7 +113,7 @@ class Runner:
         return undeclared(self.adapter, case) or self.executor.unfit(case.world_sizes)
 
     def repro(self, case: Case) -> str:
-        return repro_command(self.impl, case.id, self.timeout, self.torchrun_nproc)
+        return repro_command(self.impl, case.id, self.timeout, self.executor.repro_prefix)
 
     def run_case(self, case: Case) -> CaseResult | None:
         """Run every phase; a process that does not report gets None."""
@@ -123,8 +130,8 @@ class Runner:
         notes: list[str] = []
         try:
             for i, phase in enumerate(case.phases):
-                deadline = self.timeout if self.timeout is not None else case.deadline_s
-                args = {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir}
+                deadline = self.timeout if self.timeout is not None else case.deadline_s * self.deadline_scale
+                args = {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir, "deadline_s": deadline}
                 if case.source is not None:
                     args["source"] = case.source
                 task = Task(

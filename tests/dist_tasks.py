@@ -328,7 +328,6 @@ def compat_fsdp2_on_cpu(ctx):
     return seen
 
 
-
 def compat_root_mesh(ctx):
     """The root of a slice of a 2-D mesh, and of the root itself."""
     from hyperdsd import _compat

@@ -172,7 +172,13 @@ def run_cli(args, *, timeout=600, env=None, mark=None):
     Its output goes to files, not pipes: a pipe is held open by whatever
     the run started too, and reading it to the end would wait for them."""
     mark = mark or uuid.uuid4().hex
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark, **(env or {}))
+    full_env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([TESTS, ROOT]),
+        HYPERDSD_TEST_MARK=mark,
+        CONFORMANCE_DEADLINE_SCALE=f"{slowness():.2f}",  # cases' own deadlines; an explicit --timeout is kept
+        **(env or {}),
+    )
     command = [sys.executable, "-m", "conformance", *args]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=out, stderr=err, text=True)

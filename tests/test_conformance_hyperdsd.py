@@ -6,6 +6,7 @@ reported as skipped with its reason, never as passed.
 """
 
 import pytest
+from helpers import slowness
 
 from conformance.adapters import load_adapter
 from conformance.pytest_plugin import check_case
@@ -17,7 +18,7 @@ from hyperdsd.testing import PoolSet
 @pytest.fixture(scope="session")
 def runner():
     pools = PoolSet()
-    runner = Runner(load_adapter("hyperdsd"), pools)
+    runner = Runner(load_adapter("hyperdsd"), pools, deadline_scale=slowness())
     yield runner
     pools.kill()
     runner.close()

@@ -4,7 +4,7 @@ pass is the implementation's own (§4); extra state is MODEL-5's alone."""
 import json
 
 import pytest
-from helpers import run_cli
+from helpers import run_cli, slowness
 
 from conformance.adapters import Adapter, AdapterError, load_adapter
 from conformance.registry import all_cases, by_id
@@ -78,7 +78,7 @@ def pools():
 
 
 def _run(pools, impl, case_id):
-    runner = Runner(load_adapter(impl), pools)
+    runner = Runner(load_adapter(impl), pools, deadline_scale=slowness())
     try:
         return runner.run_case(by_id()[case_id])
     finally:

@@ -39,7 +39,7 @@ def pools():
 
 def run(pools, fn, world_size=4, deadline=DEADLINE, scope="task", **kwargs):
     start = time.monotonic()
-    outcome = pools.run(world_size, Task(getattr(harness_tasks, fn), kwargs, scope=scope), deadline)
+    outcome = pools.run(world_size, Task(fn, kwargs, scope=scope), deadline)
     return outcome, time.monotonic() - start
 
 
@@ -48,15 +48,15 @@ def by_rank(outcome):
 
 
 def test_every_rank_reports(pools):
-    outcome, _ = run(pools, "all_reduce_rank")
+    outcome, _ = run(pools, harness_tasks.all_reduce_rank)
     assert outcome.status == "passed"
     assert outcome.values == [6.0] * 4
 
 
 def test_pool_is_reused_between_tasks(pools):
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     pids = pools.pool(4).pids
-    outcome, _ = run(pools, "noop")
+    outcome, _ = run(pools, harness_tasks.noop)
     assert outcome.values == [0, 1, 2, 3]
     assert pools.pool(4).pids == pids
 
@@ -78,7 +78,7 @@ def test_ranks_are_forked_from_the_fork_server_or_spawned_when_asked(monkeypatch
 
 def assert_recovers(pools, old_pids):
     """The next task runs on a fresh pool, and the old ranks are gone."""
-    outcome, _ = run(pools, "all_reduce_rank")
+    outcome, _ = run(pools, harness_tasks.all_reduce_rank)
     assert outcome.status == "passed", outcome.describe()
     assert not set(pools.pool(4).pids) & set(old_pids), "the next task must run on a fresh pool"
     for pid in old_pids:
@@ -88,28 +88,28 @@ def assert_recovers(pools, old_pids):
 def assert_regrouped(pools, outcome, old_pids):
     """The same ranks formed new process groups, and the next task runs on them."""
     assert outcome.regrouped and not outcome.recycled, (outcome.regrouped, outcome.recycled)
-    again, _ = run(pools, "all_reduce_rank")
+    again, _ = run(pools, harness_tasks.all_reduce_rank)
     assert again.status == "passed" and again.values == [6.0] * 4, again.describe()
     assert pools.pool(4).pids == old_pids, "the pool must be kept"
 
 
 def test_rank_hanging_in_collective(pools):
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     _ = pools.pool(4).pids
-    outcome, took = run(pools, "hang_in_collective", rank=1)
+    outcome, took = run(pools, harness_tasks.hang_in_collective, rank=1)
     assert outcome.status == "failed"
     assert by_rank(outcome)[1].status in ("raised", "timeout")
     assert took <= DEADLINE + EVENT_LIMIT_S
     assert "rank 1" in outcome.describe()
     assert outcome.recycled or outcome.regrouped
-    again, _ = run(pools, "all_reduce_rank")
+    again, _ = run(pools, harness_tasks.all_reduce_rank)
     assert again.status == "passed", again.describe()
 
 
 def test_rank_missing_deadline_gets_stacks(pools):
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     old = pools.pool(4).pids
-    outcome, took = run(pools, "sleep_forever", rank=1, deadline=SHORT_DEADLINE)
+    outcome, took = run(pools, harness_tasks.sleep_forever, rank=1, deadline=SHORT_DEADLINE)
     assert outcome.status == "failed"  # the whole task is under test: its hang is its verdict
     r1 = by_rank(outcome)[1]
     assert r1.status in ("timeout", "stuck")
@@ -119,9 +119,9 @@ def test_rank_missing_deadline_gets_stacks(pools):
 
 
 def test_nonzero_rank_exit_code(pools):
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     old = pools.pool(4).pids
-    outcome, took = run(pools, "exit_code", rank=2, code=3)
+    outcome, took = run(pools, harness_tasks.exit_code, rank=2, code=3)
     assert outcome.status == "failed"
     r2 = by_rank(outcome)[2]
     assert r2.status == "died" and "exited with code 3" in r2.message
@@ -131,9 +131,9 @@ def test_nonzero_rank_exit_code(pools):
 
 
 def test_nonzero_rank_sigkill(pools):
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     old = pools.pool(4).pids
-    outcome, took = run(pools, "sigkill", rank=3)
+    outcome, took = run(pools, harness_tasks.sigkill, rank=3)
     assert outcome.status == "failed"
     r3 = by_rank(outcome)[3]
     assert r3.status == "died" and "SIGKILL" in r3.message
@@ -142,9 +142,9 @@ def test_nonzero_rank_sigkill(pools):
 
 
 def test_rank_raises_while_others_wait(pools):
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     old = pools.pool(4).pids
-    outcome, took = run(pools, "raise_while_others_wait", rank=1)
+    outcome, took = run(pools, harness_tasks.raise_while_others_wait, rank=1)
     assert outcome.status == "failed"
     r = by_rank(outcome)
     assert r[1].status == "raised" and r[1].exc_type == "ValueError" and "rank 1" in r[1].message
@@ -161,16 +161,16 @@ def test_rank_raises_while_others_wait(pools):
 def test_a_failed_rank_releases_the_others_even_when_torch_keeps_its_groups(pools):
     # Once FSDP's modules are imported, a destroyed process group is kept
     # alive by torch; leaving must still close its connections.
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     old = pools.pool(4).pids
-    outcome, _ = run(pools, "raise_after_importing_fsdp", rank=1)
+    outcome, _ = run(pools, harness_tasks.raise_after_importing_fsdp, rank=1)
     assert outcome.status == "failed"
     assert [r.status for r in outcome.results] == ["stuck", "raised", "stuck", "stuck"], outcome.describe()
     assert_regrouped(pools, outcome, old)
 
 
 def test_regions_tell_the_code_under_test_from_the_task(pools):
-    outcome, _ = run(pools, "fail_in_region", scope=REGIONS, rank=1, label="set_optimizer_state_dict")
+    outcome, _ = run(pools, harness_tasks.fail_in_region, scope=REGIONS, rank=1, label="set_optimizer_state_dict")
     assert outcome.status == "failed"
     lines = outcome.describe().splitlines()
     assert lines[0] == "rank 1 raised ValueError in set_optimizer_state_dict: the code under test fails", lines
@@ -178,18 +178,23 @@ def test_regions_tell_the_code_under_test_from_the_task(pools):
         lines[1]
         == "ranks 0,2,3 blocked in a collective until rank 1 left the process group in set_optimizer_state_dict"
     ), lines
-    outcome, _ = run(pools, "fail_outside_region", scope=REGIONS)
+    outcome, _ = run(pools, harness_tasks.fail_outside_region, scope=REGIONS)
     assert outcome.status == "error", outcome.describe()
     assert all(r.region == "" for r in outcome.results)
-    outcome, _ = run(pools, "check_fails_outside_region", scope=REGIONS)
+    outcome, _ = run(pools, harness_tasks.check_fails_outside_region, scope=REGIONS)
     assert outcome.status == "failed", outcome.describe()  # a failed check is a verdict
-    outcome, _ = run(pools, "fail_outside_region")  # the whole task under test
+    outcome, _ = run(pools, harness_tasks.fail_outside_region)  # the whole task under test
     assert outcome.status == "failed"
 
 
 def test_a_hang_inside_the_code_under_test_is_a_failure_naming_where(pools):
     outcome, _ = run(
-        pools, "hang_in_region", scope=REGIONS, deadline=SHORT_DEADLINE, rank=1, label="get_optimizer_state_dict"
+        pools,
+        harness_tasks.hang_in_region,
+        scope=REGIONS,
+        deadline=SHORT_DEADLINE,
+        rank=1,
+        label="get_optimizer_state_dict",
     )
     assert outcome.status == "failed", outcome.describe()
     r1 = by_rank(outcome)[1]
@@ -201,26 +206,26 @@ def test_a_hang_inside_the_code_under_test_is_a_failure_naming_where(pools):
 
 
 def test_out_of_step_groups_recycle_the_pool(pools):
-    run(pools, "noop")
+    run(pools, harness_tasks.noop)
     old = pools.pool(4).pids
-    outcome, _ = run(pools, "mismatched_count")
+    outcome, _ = run(pools, harness_tasks.mismatched_count)
     assert outcome.status == "failed"
     assert "out of step" in outcome.regrouped or outcome.regrouped.startswith("ranks left")
     assert_regrouped(pools, outcome, old)
 
 
 def test_not_applicable(pools):
-    outcome, _ = run(pools, "not_applicable")
+    outcome, _ = run(pools, harness_tasks.not_applicable)
     assert outcome.status == "n/a"
 
 
 def test_two_dim_mesh(pools):
-    outcome, _ = run(pools, "mesh_sum", spec="2x2", dim="shard")
+    outcome, _ = run(pools, harness_tasks.mesh_sum, spec="2x2", dim="shard")
     assert outcome.status == "passed" and outcome.values == [2.0] * 4
 
 
 def test_rank_output_is_attached_to_failures(pools):
-    outcome, _ = run(pools, "print_and_fail", world_size=2)
+    outcome, _ = run(pools, harness_tasks.print_and_fail, world_size=2)
     assert outcome.status == "failed"
     r1 = by_rank(outcome)[1]
     assert "hello from rank 1" in r1.log
@@ -229,7 +234,7 @@ def test_rank_output_is_attached_to_failures(pools):
 
 def test_grandchildren_are_killed_with_the_pool(pools):
     mark = uuid.uuid4().hex
-    outcome, _ = run(pools, "spawn_child", world_size=2, deadline=SHORT_DEADLINE, marker=mark)
+    outcome, _ = run(pools, harness_tasks.spawn_child, world_size=2, deadline=SHORT_DEADLINE, marker=mark)
     assert outcome.status == "failed"
     assert [r.region for r in outcome.results] == ["child started", ""], "rank 0 had not started its child"
     assert wait_for(lambda: not marked_processes(mark), EVENT_LIMIT_S), marked_processes(mark)
@@ -247,12 +252,12 @@ def test_parse_mesh():
 
 
 def test_leaked_threads_and_processes_are_reported_and_processes_killed(pools):
-    outcome, _ = run(pools, "leak_thread", world_size=2)
+    outcome, _ = run(pools, harness_tasks.leak_thread, world_size=2)
     assert outcome.status == "passed"
     assert all(any("thread" in leak for leak in r.leaks) for r in outcome.results)
     assert outcome.faults() == {"ranks that leaked threads or processes": 2}
     mark = uuid.uuid4().hex
-    outcome, _ = run(pools, "leak_child", world_size=2, marker=mark)
+    outcome, _ = run(pools, harness_tasks.leak_child, world_size=2, marker=mark)
     assert outcome.status == "passed"
     assert any("process" in leak and "killed" in leak for leak in outcome.results[0].leaks)
     assert wait_for(lambda: not marked_processes(mark), EVENT_LIMIT_S), marked_processes(mark)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import safety_tasks
-from helpers import scaled
+from helpers import scaled, slowness
 
 from conformance.flows import read_full
 from hyperdsd.testing import PoolSet, Task
@@ -73,7 +73,7 @@ def test_pool_and_case_directories_are_private_and_removed(pools, tmp_path):
     outcome = pools.run(2, Task(safety_tasks.workdir_mode), scaled(30))
     assert [v["pool"] for v in outcome.values] == [0o700, 0o700]
     pool_dir = pools.pool(2).workdir
-    runner = Runner(load_adapter("hyperdsd"), pools, workdir=str(tmp_path))
+    runner = Runner(load_adapter("hyperdsd"), pools, workdir=str(tmp_path), deadline_scale=slowness())
     case_dir = runner._case_dir(by_id()["OPT-KEYS-1[single-adamw-sharded]"])
     assert os.stat(case_dir).st_mode & 0o777 == 0o700
     os.rmdir(case_dir)

@@ -32,7 +32,6 @@ def test_fsdp2_on_cpu_changes_nothing_on_this_torch():
     assert (torch.cpu.Stream.__dict__.copy(), collectives._get_gradient_divide_factors) == before
 
 
-
 def test_root_mesh_of_a_slice(pools):
     assert run_task(pools, 4, dist_tasks.compat_root_mesh) == [True] * 4
 
@@ -60,8 +59,10 @@ def test_import_on_torch_below_the_floor_names_the_release_needed(package, versi
 
     from helpers import ROOT
 
-    code = f"import torch; torch.__version__ = {version!r}\ntry:\n    import {package}\nexcept ImportError as e:\n" \
-           "    print(e)\nelse:\n    print('imported')"
+    code = (
+        f"import torch; torch.__version__ = {version!r}\ntry:\n    import {package}\nexcept ImportError as e:\n"
+        "    print(e)\nelse:\n    print('imported')"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     if version.startswith("2.5"):
@@ -83,8 +84,10 @@ def test_pipeline_start_sends_float32_like_its_receive_buffer(monkeypatch):
     from conformance import _compat
 
     def torch_29_ops(self):
-        return [types.SimpleNamespace(op=dist.irecv, tensor=torch.zeros(1)),
-                types.SimpleNamespace(op=dist.isend, tensor=torch.tensor(1))]
+        return [
+            types.SimpleNamespace(op=dist.irecv, tensor=torch.zeros(1)),
+            types.SimpleNamespace(op=dist.isend, tensor=torch.tensor(1)),
+        ]
 
     monkeypatch.setattr(stage._PipelineStageBase, "_get_init_p2p_neighbors_ops", torch_29_ops)
     _compat.gloo_safe_pipeline_start()

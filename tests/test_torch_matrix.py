@@ -9,19 +9,37 @@ from tools import torch_matrix
 
 
 def _report(torch_version, impl, statuses):
-    cases = [{"id": cid, "clause": cid.split("[")[0], "layout": cid.split("[")[1].split("-")[0], "status": status,
-              "message": message} for cid, (status, message) in statuses.items()]
+    cases = [
+        {
+            "id": cid,
+            "clause": cid.split("[")[0],
+            "layout": cid.split("[")[1].split("-")[0],
+            "status": status,
+            "message": message,
+        }
+        for cid, (status, message) in statuses.items()
+    ]
     summary = {s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "xfail", "xpass", "n/a", "error")}
-    return {"impl": {"name": impl, "version": "x"}, "torch_version": torch_version, "suite_version": "0.2.0",
-            "spec_version": "1.1", "started": "2026-12-01T06:00:00Z", "summary": summary, "cases": cases,
-            "deviations": []}
+    return {
+        "impl": {"name": impl, "version": "x"},
+        "torch_version": torch_version,
+        "suite_version": "0.2.0",
+        "spec_version": "1.1",
+        "started": "2026-12-01T06:00:00Z",
+        "summary": summary,
+        "cases": cases,
+        "deviations": [],
+    }
 
 
 def test_the_summary_counts_clauses_traces_causes_and_diffs_releases(tmp_path):
     sgd = ("failed", "plain SGD: Expected device to be set")
-    old = {"OPT-RT-1[single-sgd-full]": sgd, "OPT-RT-1[single-adamw-full]": ("passed", None),
-           "MODEL-1[single-sharded]": ("failed", "something no cause explains"),
-           "OPT-DT-4[single-sharded]": ("n/a", None)}
+    old = {
+        "OPT-RT-1[single-sgd-full]": sgd,
+        "OPT-RT-1[single-adamw-full]": ("passed", None),
+        "MODEL-1[single-sharded]": ("failed", "something no cause explains"),
+        "OPT-DT-4[single-sharded]": ("n/a", None),
+    }
     new = dict(old, **{"OPT-RT-1[single-sgd-full]": ("passed", None)})
     for version, cases in (("2.6.0", old), ("2.7.1", new)):
         (tmp_path / f"{version}-torch.json").write_text(json.dumps(_report(version + "+cu124", "torch", cases)))
@@ -46,8 +64,11 @@ def test_the_summary_counts_clauses_traces_causes_and_diffs_releases(tmp_path):
 
 
 def test_a_release_without_reports_keeps_its_shipped_entry(tmp_path):
-    shipped = {"releases": [{"version": "2.6.0", "impls": {"hyperdsd": {"kept": True}}, "env": None}],
-               "diffs": [], "cause_links": {}}
+    shipped = {
+        "releases": [{"version": "2.6.0", "impls": {"hyperdsd": {"kept": True}}, "env": None}],
+        "diffs": [],
+        "cause_links": {},
+    }
     (tmp_path / "2.7.1-hyperdsd.json").write_text(json.dumps(_report("2.7.1", "hyperdsd", {})))
     summary = torch_matrix.build(str(tmp_path), shipped)
     assert [r["version"] for r in summary["releases"]] == ["2.6.0", "2.7.1"]

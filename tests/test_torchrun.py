@@ -10,7 +10,7 @@ import sys
 import uuid
 from unittest import mock
 
-from helpers import ROOT, TESTS, lingering, run_cli, scaled, wait_for
+from helpers import ROOT, TESTS, lingering, run_cli, scaled, slowness, wait_for
 
 # Waits on an event (a process exits, a thread acts): only a hang reaches these.
 EVENT_LIMIT_S = scaled(600)
@@ -42,7 +42,12 @@ def _free_port() -> int:
 
 
 def _torchrun(args, cwd, mark, launcher_args=("--standalone", "--nproc-per-node", "4")):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([TESTS, ROOT]),
+        HYPERDSD_TEST_MARK=mark,
+        CONFORMANCE_DEADLINE_SCALE=f"{slowness():.2f}",
+    )
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "conformance", *args],
         cwd=cwd,

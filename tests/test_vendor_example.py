@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn as nn
+from helpers import slowness
 
 from conformance.adapters import Unsupported, load_adapter
 from conformance.certificate import level, verdict
@@ -61,7 +62,7 @@ def pools():
 
 @pytest.fixture(scope="module")
 def runners(pools):
-    made = {impl: Runner(load_adapter(impl), pools) for impl in (VENDOR, FULL_STATE)}
+    made = {impl: Runner(load_adapter(impl), pools, deadline_scale=slowness()) for impl in (VENDOR, FULL_STATE)}
     yield made
     for runner in made.values():
         runner.close()
@@ -82,7 +83,7 @@ def test_verdict_on_the_examples(runners, impl, case_id):
 def test_unclaimed_profile_is_not_applicable(pools):
     case = by_id()["OPT-DT-4[single-adamw-sharded]"]
     assert load_adapter(VENDOR).claims("inplace") and not load_adapter(VENDOR).claims("multi-optimizer")
-    result = Runner(load_adapter("torch"), pools).run_case(replace(case))
+    result = Runner(load_adapter("torch"), pools, deadline_scale=slowness()).run_case(replace(case))
     assert result.status == "n/a" and "does not claim the 'inplace' profile" in result.message
 
 

@@ -123,11 +123,11 @@ def main() -> None:
 
     import torch
 
-    from hyperdsd.testing import PoolSet, Task
+    from hyperdsd.testing import PoolSet, Status, Task
 
     with PoolSet(gloo_timeout_s=900) as pools:
         outcome = pools.run(4, Task("tools.bench_commit:time_saves", {"size": args.size, "reps": args.reps}), 3600)
-    if outcome.status != "passed":
+    if outcome.status != Status.PASSED:
         sys.exit(f"failed: {outcome.describe()}")
     t = outcome.values[0]
     print(

@@ -38,6 +38,11 @@ from collections import Counter
 
 from hyperdsd.testing import Status
 
+# A report's summary is keyed by the statuses' values (JSON keys are plain strings).
+PASSED, XPASS, FAILED, ERROR, NA = (
+    s.value for s in (Status.PASSED, Status.XPASS, Status.FAILED, Status.ERROR, Status.NOT_APPLICABLE)
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The newest patch of every minor release in pyproject's range.
 ALL_VERSIONS = ("2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
@@ -239,7 +244,7 @@ def render(summary: dict, preamble: str) -> str:
             n = s["summary"]
             out.append(
                 f"| {r['version']} | {s['torch_build']} | {impl} | {s['suite_version']} | {s['started'][:10]} "
-                f"| {n['passed'] + n.get('xpass', 0)} | {n['failed']} | {n['error']} | {n['n/a']} "
+                f"| {n[PASSED] + n.get(XPASS, 0)} | {n[FAILED]} | {n[ERROR]} | {n[NA]} "
                 f"| {_fmt_s(s['wall_s'])} | {_fmt_s(env.get('install_s'))} | {disk} |"
             )
     for impl in IMPLS:
@@ -263,7 +268,7 @@ def render(summary: dict, preamble: str) -> str:
             cells, causes = [], {}
             for r in cols:
                 c = r["impls"][impl]["clauses"].get(clause)
-                cells.append("" if c is None else f"{c['passed']}/{c['ran']}" if c["ran"] else "n/a")
+                cells.append("" if c is None else f"{c['passed']}/{c['ran']}" if c["ran"] else NA)
                 for title, n in (c or {}).get("causes", {}).items():
                     causes.setdefault(title, {})[r["version"]] = n
             notes = []

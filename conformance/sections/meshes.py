@@ -27,9 +27,9 @@ OPT = "adamw"
 # sub-meshes to another world size.
 RESHARD = (("fsdp4+ep2x2", "fsdp4+ep4x1"), ("fsdp4+ep2x2", "fsdp4+ep1"), ("fsdp4+rep2", "fsdp2+ep1"))
 DEADLINE_S = 30.0
-# How long the ranks of one part wait for the other's: longer than the
-# case's deadline, so that a hang is reported where it is (in the call
-# under test on the other part), not as this wait giving up.
+# How long the ranks of one part wait for the other's, at least: longer
+# than the case's deadline, so that a hang is reported where it is (in the
+# call under test on the other part), not as this wait giving up.
 PART_WAIT_S = 120.0
 
 
@@ -60,7 +60,7 @@ def mesh_2(c, layout, mode):
     for part in reversed(range(len(spans))):
         done = c.path(f"part{part}-done")
         if c.rank not in spans[part]:
-            _wait_for(done, spans[part])
+            _wait_for(done, spans[part], max(PART_WAIT_S, 2 * c.deadline_s))
             continue
         try:
             resume_checked(c, layout, mode).barrier()
@@ -69,12 +69,12 @@ def mesh_2(c, layout, mode):
                 open(done, "w").close()
 
 
-def _wait_for(path: str, ranks: tuple[int, ...]) -> None:
+def _wait_for(path: str, ranks: tuple[int, ...], wait_s: float) -> None:
     """Outside any collective, until the ranks of another part are done."""
-    deadline = time.monotonic() + PART_WAIT_S
+    deadline = time.monotonic() + wait_s
     while not os.path.exists(path):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks {list(ranks)} did not finish their model within {PART_WAIT_S:g} s")
+            raise TimeoutError(f"ranks {list(ranks)} did not finish their model within {wait_s:g} s")
         time.sleep(0.01)
 
 

@@ -109,6 +109,11 @@ def cases():
             yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4"):  # nested state (dicts and lists) must be copies too
         yield make_case("OPT-PURE-2", layout, pure_2, opt="custom", mode="sharded")
+    # The same clauses for an implementation whose get only gathers to rank 0 (SPEC §1:
+    # get-side clauses run with any declared get mode).
+    for layout in ("single", "fsdp4"):
+        yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="full_cpu", variant="fresh", grads=False)
+        yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode="full_cpu")
     for layout in LAYOUTS:
         for mode in ("full", "full_cpu", "flat"):
             yield make_case("OPT-PURE-3", layout, pure_1, opt="adamw", mode=mode, variant="fresh", grads=False)

@@ -400,7 +400,10 @@ class PoolSet:
     """
 
     launcher = "pools"
+    repro_prefix = "python -m conformance"
+    exitfirst_refusal = ""
     reporter = True
+    on_expiry = None  # the controller is no rank: a hang comes back as an outcome
 
     def __init__(
         self,
@@ -447,6 +450,9 @@ class PoolSet:
             pool.start()
         self._pools[world_size] = pool  # most recently used last
         return pool
+
+    def run_workdir(self, base: str | None, prefix: str) -> str:
+        return tempfile.mkdtemp(prefix=prefix, dir=base)  # the ranks are forked on this machine
 
     def unfit(self, world_sizes) -> str:
         big = [w for w in world_sizes if w > self.max_ranks]

@@ -21,6 +21,7 @@ import faulthandler
 import os
 import pickle
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -120,8 +121,6 @@ def _quietly(fn: Callable[[], None]) -> None:
 
 
 def _stacks_now() -> str:
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.seek(0)
@@ -132,6 +131,7 @@ class TorchrunWorld:
     """The torchrun world as an :class:`~hyperdsd.testing.executor.Executor`."""
 
     launcher = "torchrun"
+    exitfirst_refusal = "every rank of a torchrun world must run the same cases"
 
     def __init__(
         self, gloo_timeout_s: float = 45.0, *, device_type: str = "cpu", backend: str = "gloo", workdir: str = ""
@@ -159,10 +159,19 @@ class TorchrunWorld:
             self.rank, self.world_size, workdir="", device_type=device_type, local_rank=self.local_rank
         )
         self.on_expiry: Callable[[TaskOutcome | None], None] | None = None
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or self.world_size
+        self.repro_prefix = f"torchrun --nproc-per-node {nproc} -m conformance"
 
     @property
     def reporter(self) -> bool:
         return self.rank == 0
+
+    def run_workdir(self, base: str | None, prefix: str) -> str:
+        # Every rank names the same directory, on a filesystem all nodes share
+        # when the world spans machines (``base``).
+        path = os.path.join(base or tempfile.gettempdir(), prefix + os.environ.get("TORCHELASTIC_RUN_ID", "run"))
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
 
     def unfit(self, world_sizes) -> str:
         big = [w for w in world_sizes if w > self.world_size]
