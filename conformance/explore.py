@@ -292,6 +292,7 @@ def _deviation(verdict: Verdict) -> _Deviation:
 class Finding:
     verdict: Verdict
     saved_to: str | None = None
+    shrunk: bool = True  # False: seen as the run was interrupted, before hypothesis shrank it
 
     @property
     def scenario(self) -> Scenario:
@@ -311,6 +312,7 @@ class Finding:
             "token": self.scenario.token,
             "repro": replay_command(impl, self.scenario),
             "saved_to": self.saved_to,
+            "shrunk": self.shrunk,
         }
 
 
@@ -324,6 +326,7 @@ class Exploration:
     elapsed_s: float = 0.0
     findings: list[Finding] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
+    interrupted: bool = False
 
     @property
     def per_minute(self) -> float:
@@ -346,6 +349,7 @@ class Exploration:
             "scenarios_per_minute": round(self.per_minute, 2),
             "statuses": dict(sorted(self.statuses.items())),
             "failures_by_clause": self.by_clause(),
+            "complete": not self.interrupted,
             "findings": [f.to_json(impl) for f in self.findings],
         }
 
@@ -412,6 +416,18 @@ def explore(
         raised: list[_Deviation] = []
         try:
             test()
+        except KeyboardInterrupt:
+            # Ctrl-C or SIGTERM: what this round saw, unshrunk, and the report so far.
+            report.interrupted = True
+            for sig in found_this_round:
+                if sig not in known:
+                    seen = [v for v in scenario_runner.verdicts.values() if v.signature == sig]
+                    known.add(sig)
+                    finding = Finding(min(seen, key=lambda v: len(v.scenario.to_json())), shrunk=False)
+                    report.findings.append(finding)
+                    if on_finding is not None:
+                        on_finding(finding)
+            break
         except BaseException as exc:  # noqa: BLE001 - hypothesis raises what the test raised, grouped
             raised = _deviations_in(exc)
             if not raised:
@@ -459,7 +475,7 @@ def describe_finding(f: Finding, impl: str) -> str:
     ranks = f" on ranks {bad.ranks}" if bad and bad.ranks else ""
     lines = [
         f"{v.status.value.upper()} {v.clause}{ranks}",
-        "  scenario (shrunk):",
+        f"  scenario ({'shrunk' if f.shrunk else 'not shrunk: the run was interrupted'}):",
         *("    " + line for line in f.scenario.describe().splitlines()),
         "  what differed:",
         *("    " + line for line in v.message.splitlines()[:12]),
@@ -530,6 +546,8 @@ def run_command(args, adapter, runner: Runner, info) -> int:
         on_finding=on_finding,
         max_rounds=args.rounds,
     )
+    if report.interrupted:
+        print("\nexploration interrupted: the report covers what ran; all ranks stopped")
     print(
         f"\n{report.ran} scenarios in {report.elapsed_s:.0f}s ({report.per_minute:.1f} per minute), "
         f"{report.rounds} rounds; {len(report.findings)} deviations"
@@ -540,7 +558,7 @@ def run_command(args, adapter, runner: Runner, info) -> int:
         print(f"  {len(found)} x {kind} (modes {', '.join(modes)})")
     if args.json:
         _write(args.json, info, impl, report, report.findings, None)
-    return 1 if report.findings else 0
+    return 1 if report.findings or report.interrupted else 0
 
 
 def _write(path: str, info, impl: str, report: Exploration | None, findings, replayed: Verdict | None) -> None:

@@ -218,3 +218,36 @@ def test_the_certificate_shows_an_exploration(explored, tmp_path):
 def test_explore_usage_errors(args, needle):
     proc, _ = run_cli(["explore", *args], timeout=60)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_sigterm_ends_an_exploration_with_a_report_and_no_rank_left(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from helpers import ROOT, TESTS, kill_marked, marked_processes, wait_for
+
+    mark = uuid.uuid4().hex
+    out, report = tmp_path / "out.txt", tmp_path / "explore.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), HYPERDSD_TEST_MARK=mark)
+    # One world size: its pool starts with the first scenario, so the signal finds warm ranks.
+    command = [sys.executable, "-u", "-m", "conformance", "explore", "--impl", PLANTED, "--world-sizes", "1"]
+    command += ["--budget", "10m", "--json", str(report)]
+    with open(out, "w") as f:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        # A few scenarios ran (a mark each, on the line after the one that starts the run).
+        ran = lambda: sum(out.read_text().partition("modes\n")[2].count(m) for m in ".FEs") >= 3  # noqa: E731
+        assert wait_for(ran, scaled(120)), out.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=scaled(60)) == 1, out.read_text()
+        assert wait_for(lambda: not marked_processes(mark), scaled(30)), marked_processes(mark)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_marked(mark)
+    section = json.loads(report.read_text())["explore"]
+    assert section["complete"] is False and section["ran"] >= 1
+    assert "exploration interrupted" in out.read_text()

@@ -127,12 +127,17 @@ def load_phase(c, src, dst, opt, kind, lazy=None, cfg=None, groups=None):
         for k in ref["state"]
         if k in got["params"] and k not in got["state"]
     ]
+    empty = iter([r for r in ref["groups"] if not r["params"]])
     for g in got["groups"]:
         # Stages group differently from whole models: compare the fields of
-        # the group that held the same first parameter.
-        match = [r for r in ref["groups"] if g["params"] and g["params"][0] in r["params"]] or [
-            r for r in ref["groups"] if r["params"] == g["params"]
-        ]
+        # the group that held the same first parameter; groups without
+        # parameters in their order.
+        if g["params"]:
+            match = [r for r in ref["groups"] if g["params"][0] in r["params"]] or [
+                r for r in ref["groups"] if r["params"] == g["params"]
+            ]
+        else:
+            match = [r for r in [next(empty, None)] if r is not None]
         check(bool(match), f"group over {g['params'][:3]} has no counterpart in the uninterrupted run")
         fields = lambda grp: {k: v for k, v in grp.items() if k != "params"}  # noqa: E731
         problems += diff_values(fields(match[0]), fields(g), f"group of {g['params'][:1]}", RTOL)
