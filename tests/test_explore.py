@@ -210,8 +210,6 @@ def test_the_certificate_shows_an_exploration(explored, tmp_path):
     [
         (["--budget", "soon"], "expected a budget"),
         (["--replay", "s1.xyz"], "does not decode"),
-        (["--replay", "nope"], "not a scenario token"),
-        (["--world-sizes", "0"], "positive"),
         (["--impl", "no_such_module_here"], "cannot import"),
     ],
 )
