@@ -32,6 +32,8 @@ from .scenarios import (
     DTYPES,
     EXTRA_STATE,
     LAYOUTS,
+    MODEL_KEYS,
+    MODEL_KEYS_MODES,
     OPTIMIZERS,
     Scenario,
     clause_cases,
@@ -128,6 +130,7 @@ def strategy(ch: Choices):
         warm = draw(st.sampled_from((0, 1, 2)))
         reshard = draw(st.booleans())
         target = draw(st.sampled_from(ch.layouts))
+        model_keys = draw(st.sampled_from(MODEL_KEYS))
         s = Scenario(
             layout=layout,
             mode=mode,
@@ -154,6 +157,8 @@ def strategy(ch: Choices):
             after=after,
             warm=warm,
         )
+        if model_keys and mode in MODEL_KEYS_MODES and pp == 1:
+            s = replace(s, model_keys=model_keys)
         if reshard:
             resharded = replace(s, reshard_to=target)
             if not reshard_problems(resharded):

@@ -41,6 +41,8 @@ LAYOUTS = ("single", "ddp", "fsdp2", "pp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfs
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
 DTYPES = ("float32", "float64", "bfloat16")
 EXTRA_STATE = ("", "tensor", "dict", "object")
+MODEL_KEYS = ("", "strict", "nonstrict")
+MODEL_KEYS_MODES = ("sharded", "full", "bcast", "file")  # MODEL-2's: a model dict that a rank can edit
 # Layouts whose model is sharded over more than one rank: a broadcast load
 # there must send each rank its own shard, not the whole (MODEL-3).
 _SHARDED_KINDS = ("fsdp", "hsdp", "ppfsdp")
@@ -79,6 +81,8 @@ class Scenario:
     warm: int = 0  # steps the target trains on its own before the load (0: fresh)
     # Resharding: a second layout the checkpoint is also loaded on (dcp and bcast only); "": none
     reshard_to: str = ""
+    # MODEL-2: the model dict loses a key and gains one before a "strict" or "nonstrict" load; "": not checked
+    model_keys: str = ""
 
     # -- serialisation -----------------------------------------------------
     def to_dict(self) -> dict:
@@ -154,6 +158,10 @@ class Scenario:
             problems.append("router_group needs router")
         if self.reshard_to:
             problems += reshard_problems(self)
+        if self.model_keys not in MODEL_KEYS:
+            problems.append(f"model_keys {self.model_keys!r} is not one of {MODEL_KEYS}")
+        elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in LAYOUTS or self.pp > 1):
+            problems.append(f"model_keys are checked in the modes {MODEL_KEYS_MODES} without pipeline stages")
         if problems:
             raise ValueError("invalid scenario: " + "; ".join(problems))
 
@@ -198,6 +206,10 @@ class Scenario:
     def world_size(self) -> int:
         return parse_layout(self.layout).world_size
 
+    @property
+    def pp(self) -> int:
+        return parse_layout(self.layout).pp
+
     def describe(self) -> str:
         """What differs from the base scenario, in words."""
         base = Scenario()
@@ -219,6 +231,8 @@ class Scenario:
         if self.scheduler:
             groups.append("an lr scheduler")
         target = f"a warm target ({self.warm} steps of its own)" if self.warm else "a fresh target"
+        if self.model_keys:
+            target += f"; the model dict loses a key and gains one ({self.model_keys} load)"
         if self.reshard_to:
             target += f"; also resharded to {self.reshard_to} ({parse_layout(self.reshard_to).world_size} ranks)"
         lines = [
@@ -239,6 +253,7 @@ class Scenario:
 CLAUSE_ORDER = (
     "MODEL-3",
     "MODEL-5",
+    "MODEL-2",
     "OPT-EMPTY-1",
     "OPT-SCHED-2",
     "MODEL-1",
@@ -282,6 +297,8 @@ def clauses_of(s: Scenario) -> tuple[str, ...]:
         out.add("MODEL-3")
     if s.extra_state:
         out.add("MODEL-5")
+    if s.model_keys:
+        out.add("MODEL-2")
     if s.empty_at:
         out.add("OPT-EMPTY-1")
     if s.scheduler:
@@ -336,6 +353,8 @@ def _check(s: Scenario, clause: str):
         return purity.pure_2, {"layout": s.layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe()}
     if clause == "MODEL-1":
         return model.model_1, {"layout": s.layout, "mode": s.mode, "cfg": cfg}
+    if clause == "MODEL-2":
+        return model.model_2, {"layout": s.layout, "mode": s.mode, "strict": s.model_keys == "strict", "cfg": cfg}
     if clause == "MODEL-3":
         return model.model_3, {"layout": s.layout, "cfg": cfg}
     if clause == "MODEL-5":

@@ -73,6 +73,10 @@ def test_a_scenario_runs_the_checks_of_the_clauses_it_contains():
     assert clauses_of(Scenario(before=0)) == ("MODEL-1", "OPT-PURE-1", "OPT-RT-1")
     busy = Scenario(layout="fsdp2", mode="bcast", extra_state="dict", empty_at=(1,), scheduler=True, warm=1, before=0)
     assert clauses_of(busy) == ("MODEL-3", "MODEL-5", "OPT-EMPTY-1", "OPT-SCHED-2", "MODEL-1", "OPT-PURE-3", "OPT-RT-5")
+    keys = Scenario(layout="fsdp2", mode="bcast", model_keys="nonstrict", reshard_to="single")
+    assert clauses_of(keys) == ("MODEL-3", "MODEL-2", "MODEL-1", "OPT-PURE-2", "OPT-RT-1", "OPT-RESHARD-3")
+    with pytest.raises(ValueError, match="model_keys are checked"):
+        Scenario(layout="pp2", mode="bcast", model_keys="strict").validate()
     case = scenario_case(busy, "OPT-RT-5")
     assert case.id == f"OPT-RT-5[explore-{busy.digest}]" and case.mode == "bcast" and case.world_sizes == (2,)
 

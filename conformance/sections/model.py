@@ -89,18 +89,19 @@ def _all_ranks_keys(keys: list[str]) -> list[str]:
     return sorted({k for ks in everyone for k in ks})
 
 
-def model_2(c, layout, mode, strict):
-    """Missing and unexpected keys: strict raises naming them; strict=False returns them."""
-    a = Setup(c, layout, "adamw")
+def model_2(c, layout, mode, strict, cfg=None):
+    """Missing and unexpected keys: strict raises naming them; strict=False returns them.
+    ``cfg``: another model than the base one (a generated scenario's); its last block loses a key."""
+    a = Setup(c, layout, "adamw", cfg=cfg)
     if mode == "file":  # every rank reads the file rank 0 saved
         msd = flows.read_full(flows.save(c, a, mode, model="iut", optim=False).path)["model"]
     else:
         msd = clone_tree(c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode)))
-    gone = "layers.1.fc2.bias"
+    gone = f"layers.{a.cfg.n_layers - 1}.fc2.bias"
     if mode != "bcast" or c.rank == 0:  # bcast: only rank 0's dict is read (the others got {})
         msd.pop(gone)
         msd["ghost.weight"] = torch.zeros(2)
-    b = Setup(c, layout, "adamw", seed=1)
+    b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     opts = set_options(c.iut, mode, strict=strict)
     if strict:
         expect_error(
