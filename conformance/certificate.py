@@ -118,9 +118,13 @@ def write_report(
     warnings: list[str],
     elapsed_s: float,
     profiles: frozenset[str],
+    explore: dict | None = None,
 ) -> dict:
+    """``explore``: the ``explore`` section of an exploration's JSON report, shown beside the matrix."""
     os.makedirs(directory, exist_ok=True)
     data = to_json(info, results, warnings, elapsed_s)
+    if explore is not None:
+        data["explore"] = explore
     data["level"] = level(results, profiles)
     data["verdict"] = verdict(data["level"], info.declaration)
     texts = spec.clauses()
@@ -199,6 +203,8 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
     if texts:
         lines += ["", "## Clauses", ""]
         lines += [f"- **{c}** {t}" for c, t in texts.items()]
+    if data.get("explore"):
+        lines += ["", *explore_markdown(data["explore"])]
     bad = [r for r in results if r.status in (Status.FAILED, Status.ERROR, Status.XFAIL, Status.XPASS)]
     if bad:
         lines += ["", "## Cases that did not pass", ""]
@@ -308,6 +314,28 @@ for (const c of failures) {
 }
 document.body.setAttribute('data-rendered', 'yes');
 """
+
+
+def explore_markdown(section: dict) -> list[str]:
+    """The explored-scenarios section (python -m conformance explore): what ran, and each shrunk deviation."""
+    lines = ["## Explored scenarios", ""]
+    if section.get("replay"):
+        lines.append(f"One scenario replayed: {section.get('verdict', '?')}.")
+    else:
+        by_clause = section.get("failures_by_clause") or {}
+        lines.append(
+            f"{section['ran']} generated scenarios in {section['elapsed_s']:.0f} s (budget {section['budget_s']:g} s, "
+            f"seed {section['seed']}, world sizes {', '.join(map(str, section['world_sizes']))}; "
+            f"{section['scenarios_per_minute']:.1f} per minute): {len(section['findings'])} deviations"
+            + (f" ({', '.join(f'{c}: {n}' for c, n in by_clause.items())})" if by_clause else "")
+            + "."
+        )
+    for i, f in enumerate(section.get("findings", []), 1):
+        lines.append(f"{i}. **{f['status']}** {f['clause']}")
+        lines += [f"   - {line}" for line in f["description"].splitlines()]
+        lines += [f"   - {line}" for line in f["message"].splitlines()[:4]]
+        lines.append(f"   - replay: `{f['repro']}`")
+    return lines
 
 
 def render_html(data: dict) -> str:

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m conformance",
         description="Run the distributed state-dict conformance matrix (SPEC.md) against an implementation.",
         epilog="Exit status: 0 when nothing failed or errored unexpectedly, 1 otherwise, 2 for usage errors. "
-        "'python -m conformance diff OLD.json NEW.json' compares two runs' JSON reports.",
+        "'python -m conformance diff OLD.json NEW.json' compares two runs' JSON reports; "
+        "'python -m conformance explore --impl X' explores generated scenarios (see explore --help).",
     )
     p.add_argument(
         "--impl",
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--junit", help="write a JUnit XML report here")
     p.add_argument(
         "--report", metavar="DIR", help="write report.json, junit.xml, report.html and report.md (the certificate) here"
+    )
+    p.add_argument(
+        "--explore-report",
+        metavar="JSON",
+        help="with --report: include this exploration's JSON report (python -m conformance explore --json) "
+        "in the certificate",
     )
     p.add_argument(
         "--list",
@@ -107,12 +114,26 @@ def main(argv: list[str] | None = None) -> int:
         from .diff import main as diff_main
 
         return diff_main(argv[1:])
+    if argv[:1] == ["explore"]:
+        return explore_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     args.impl_given = args.impl is not None
+    args.explored = None
+    if args.explore_report:
+        try:
+            with open(args.explore_report) as f:
+                args.explored = json.load(f)["explore"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(
+                f"python -m conformance: error: --explore-report {args.explore_report}: not an exploration's JSON "
+                f"report ({type(exc).__name__}: {exc})",
+                file=sys.stderr,
+            )
+            return 2
     if args.impl is None:
         args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
     try:
@@ -224,7 +245,7 @@ def _report(args, adapter, info, results, warnings, elapsed, complete=True) -> N
     if args.report:
         from .certificate import write_report
 
-        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles)
+        data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles, args.explored)
         core = data["level"].get("core", {})
         print(f"certificate: {data['verdict']} ({core.get('why', '')}); written to {args.report}")
     if args.json:
@@ -328,3 +349,110 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     console.finish(results, elapsed, warnings)
     _report(args, adapter, info, results, warnings, elapsed)
     return 1 if any(r.unexpected for r in results) else 0
+
+
+def build_explore_parser() -> argparse.ArgumentParser:
+    from .explore import add_arguments
+
+    p = argparse.ArgumentParser(
+        prog="python -m conformance explore",
+        description="Draw scenarios (model sizes and features, optimizer and groups, layout, mode, steps, a fresh "
+        "or warm target) with hypothesis, run the checks of every clause each contains, and shrink each deviation "
+        "to a minimal scenario with a replay token.",
+        epilog="Exit status: 0 when no scenario deviated, 1 otherwise, 2 for usage errors.",
+    )
+    p.add_argument(
+        "--impl", default=None, help=f"implementation under test (default: $CONFORMANCE_IMPL or {DEFAULT_IMPL})"
+    )
+    p.add_argument(
+        "--world-sizes", type=_int_list, help="only layouts of these world sizes, e.g. 1,2 (default: 1,2,3,4)"
+    )
+    p.add_argument("--json", help="write the JSON report (its 'explore' section) here")
+    p.add_argument("--timeout", type=_positive, help="per-check deadline in seconds (default: each clause's own)")
+    p.add_argument(
+        "--deadline-scale",
+        type=_positive,
+        default=float(os.environ.get("CONFORMANCE_DEADLINE_SCALE", "1")),
+        help="multiply each check's own deadline (default: $CONFORMANCE_DEADLINE_SCALE or 1); ignored with --timeout",
+    )
+    p.add_argument("--workdir", help="where scenarios keep checkpoints")
+    p.add_argument("--device", default="cpu", help="device every rank computes on (default: cpu)")
+    p.add_argument("--backend", default=None, help="process-group backend (default: the device's)")
+    add_arguments(p)
+    return p
+
+
+def explore_main(argv: list[str]) -> int:
+    parser = build_explore_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.impl is None:
+        args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
+    try:
+        return _explore(args)
+    except UsageError as exc:
+        print(f"python -m conformance explore: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _explore(args) -> int:
+    import shutil
+
+    from hyperdsd.testing import PoolSet, environment_problems, launched_by_torchrun, stop_fork_server
+
+    from .explore import ExploreUsageError, parse_budget, run_command
+    from .reporting import RunInfo
+    from .runner import Runner
+    from .scenarios import Scenario
+
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        raise UsageError("exploring needs hypothesis: pip install hypothesis (or hyperdsd[explore])") from None
+    if launched_by_torchrun():
+        raise UsageError("explore runs its own rank pools; run it with python, not torchrun")
+    try:
+        parse_budget(args.budget)
+        if args.replay:
+            Scenario.from_token(args.replay)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for problem in environment_problems():
+        raise UsageError(problem)
+    args.backend = _check_device(args.device, args.backend)
+    try:
+        adapter = load_adapter(args.impl)
+    except AdapterError as exc:
+        raise UsageError(str(exc)) from None
+    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0 * args.deadline_scale))
+    executor = PoolSet(
+        gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
+    )
+    workdir = executor.run_workdir(args.workdir, "conformance-explore-")
+    runner = Runner(adapter, executor, timeout=args.timeout, workdir=workdir, deadline_scale=args.deadline_scale)
+    info = RunInfo(
+        adapter.name,
+        adapter.version,
+        adapter.spec,
+        args.world_sizes or [1, 2, 3, 4],
+        [],
+        launcher=executor.launcher,
+        device=args.device,
+        backend=args.backend,
+        declaration=adapter.declaration(),
+    )
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return run_command(args, adapter, runner, info)
+    except KeyboardInterrupt:
+        print("\nexploration interrupted; all ranks stopped", file=sys.stderr)
+        return 1
+    except ExploreUsageError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        executor.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+        stop_fork_server()

@@ -4,6 +4,10 @@ One pytest test per case ID, so ``-k``, ``-n`` (pytest-xdist: every worker
 keeps its own pools in private directories), ``--junitxml`` and
 pytest-timeout work as usual. ``--dsd-xfails FILE`` marks matching cases as
 expected failures: they still run and report XFAIL or XPASS.
+``--dsd-explore 2m`` adds one test, ``test_explore``, that explores
+generated scenarios for that long (``python -m conformance explore``) and
+fails with each shrunk deviation and its replay command; without the
+option that test is deselected, not skipped.
 
 Installing hyperdsd registers this plugin in every pytest run of the
 environment, so this module imports only the standard library and pytest:
@@ -40,13 +44,31 @@ def pytest_addoption(parser):
         default=1.0,
         help="multiply each case's own deadline (a slow or busy machine); ignored with --dsd-timeout",
     )
+    group.addoption(
+        "--dsd-explore",
+        default=None,
+        metavar="BUDGET",
+        help="also explore generated scenarios for BUDGET (90s, 2m): test_explore fails on any deviation",
+    )
+    group.addoption("--dsd-explore-seed", type=int, default=0, help="the exploration's seed (default 0)")
+    group.addoption(
+        "--dsd-explore-world-sizes",
+        default="1,2,3,4",
+        help="the world sizes exploration draws layouts of (default 1,2,3,4)",
+    )
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "dsd_case(case_id): a conformance case")
+    config.addinivalue_line("markers", "dsd_explore: the bounded exploration (runs with --dsd-explore only)")
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--dsd-explore"):
+        explore = [i for i in items if i.get_closest_marker("dsd_explore")]
+        if explore:
+            items[:] = [i for i in items if not i.get_closest_marker("dsd_explore")]
+            config.hook.pytest_deselected(items=explore)
     path = config.getoption("--dsd-xfails")
     if not path:
         return
@@ -110,3 +132,24 @@ def check_case(runner: Runner, case: Case) -> None:
         pytest.fail(
             f"{case.id}: {result.status}\n{result.message}\nrepro: {result.repro}\n\n{result.details}", pytrace=False
         )
+
+
+def check_exploration(runner: Runner, budget: str, seed: int, world_sizes: str) -> None:
+    """Explore for ``budget``; fail with every shrunk deviation found."""
+    from .explore import ExploreUsageError, ScenarioRunner, choices, describe_finding, explore, parse_budget
+
+    try:
+        sizes = [int(x) for x in world_sizes.split(",") if x.strip()]
+        report = explore(
+            ScenarioRunner(runner),
+            choices(runner.adapter, sizes),
+            budget_s=parse_budget(budget),
+            seed=seed,
+            world_sizes=sizes,
+        )
+    except (ExploreUsageError, ValueError) as exc:
+        raise pytest.UsageError(f"--dsd-explore: {exc}") from None
+    summary = f"{report.ran} scenarios in {report.elapsed_s:.0f}s ({report.per_minute:.1f} per minute), seed {seed}"
+    if report.findings:
+        text = "\n\n".join(describe_finding(f, runner.impl) for f in report.findings)
+        pytest.fail(f"{len(report.findings)} deviations; {summary}\n\n{text}", pytrace=False)

@@ -56,6 +56,9 @@ class Case:
     rtol: float = 0.0
     meshes: tuple[str, ...] = ()
     mode: str | None = None  # the mode the case runs in (None: modes do not apply)
+    # A case built from a scenario (conformance.scenarios): the JSON every
+    # rank rebuilds it from, since no registry lists a generated case.
+    source: str | None = field(default=None, compare=False)
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
@@ -170,6 +173,13 @@ def all_cases() -> tuple[Case, ...]:
                 raise RuntimeError(f"duplicate case id {case.id}")
             seen.add(case.id)
             cases.append(case)
+    from .scenarios import found_cases
+
+    for case in found_cases():  # scenarios exploration found: cases like any other
+        if case.id in seen:
+            raise RuntimeError(f"duplicate case id {case.id}")
+        seen.add(case.id)
+        cases.append(case)
     return tuple(cases)
 
 

@@ -22,11 +22,26 @@ from .results import CaseResult
 from .xfails import Xfails
 
 
-def run_phase(ctx: RankContext, *, case_id: str, phase: int, impl: str, workdir: str, deadline_s: float = 60.0):
-    """Task entry point on every rank: run one phase of one case (``deadline_s``: the phase's)."""
+def run_phase(
+    ctx: RankContext,
+    *,
+    case_id: str,
+    phase: int,
+    impl: str,
+    workdir: str,
+    deadline_s: float = 60.0,
+    source: str | None = None,
+):
+    """Task entry point on every rank: run one phase of one case (``deadline_s``:
+    the phase's; ``source``: a generated case, rebuilt from its scenario)."""
     from .context import CaseContext
 
-    case = by_id()[case_id]
+    if source is not None:
+        from .scenarios import case_from_source
+
+        case = case_from_source(source)
+    else:
+        case = by_id()[case_id]
     set_rank_device(ctx.device)
     c = CaseContext(ctx, case, phase, load_adapter(impl), workdir, deadline_s)
     spec = case.phases[phase]
@@ -116,9 +131,12 @@ class Runner:
         try:
             for i, phase in enumerate(case.phases):
                 deadline = self.timeout if self.timeout is not None else case.deadline_s * self.deadline_scale
+                args = {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir, "deadline_s": deadline}
+                if case.source is not None:
+                    args["source"] = case.source
                 task = Task(
                     run_phase,
-                    {"case_id": case.id, "phase": i, "impl": self.impl, "workdir": workdir, "deadline_s": deadline},
+                    args,
                     name=case.id,
                     scope=REGIONS,
                 )

@@ -76,3 +76,23 @@ def sigkill():
 
 def raises():
     return _faulty("raises", _raises)
+
+
+def halves_router_state():
+    """hyperdsd, but a load into a model with routers (a feature the base
+    model lacks) halves every floating-point tensor of optimizer state: a
+    bug no base-model case can reach, for exploration to find and shrink."""
+    base = replace(load_adapter("hyperdsd"), functions_are_iut=False)
+
+    def set_optimizer_state_dict(model, optimizers, osd, *, options=None):
+        from conformance.adapters import iut_call
+
+        if any(".router." in name for name, _ in model.named_parameters()):
+            for entry in osd.get("state", {}).values():
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                        entry[key] = value * 0.5
+        with iut_call():
+            return base.set_optimizer_state_dict(model, optimizers, osd, options=options)
+
+    return replace(base, name="halves-router-state", version="0", set_optimizer_state_dict=set_optimizer_state_dict)

@@ -15,15 +15,19 @@ def _groups_without_params(snap) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in snap["groups"]]
 
 
-def empty_1(c, layout, opt, mode, n_optimizers=1):
-    """Groups without parameters, anywhere, survive: count, order, every field; step() works."""
-    spec = GroupSpec(empty_at=EMPTY_AT)
-    kept = flows.trained_source(c, flows.recipe(layout, opt, groups=spec, n_optimizers=n_optimizers), 2)
+def empty_1(c, layout, opt, mode, n_optimizers=1, empty_at=EMPTY_AT, cfg=None, split=True):
+    """Groups without parameters, anywhere, survive: count, order, every field; step() works.
+    ``empty_at``, ``cfg``, ``split``: where the empty groups go, the model, and
+    whether its parameters are split by role (a generated scenario's)."""
+    spec = GroupSpec(empty_at=empty_at, split=split)
+    model = {"cfg": cfg} if cfg is not None else {}
+    kept = flows.trained_source(c, flows.recipe(layout, opt, groups=spec, n_optimizers=n_optimizers, **model), 2)
     saved = kept.save(c, mode)
     want = snapshot(kept.setup)
     # The target's empty groups carry values of their own, so that a load
     # that ignores them shows.
-    b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=EMPTY_AT, scale=3.0), n_optimizers=n_optimizers)
+    target_groups = GroupSpec(empty_at=empty_at, split=split, scale=3.0)
+    b = Setup(c, layout, opt, seed=1, groups=target_groups, n_optimizers=n_optimizers, cfg=cfg)
     b.set_steps_done(2)
     own = snapshot(b)
     flows.load(c, b, saved)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -24,10 +26,12 @@ def _model_view(s) -> dict:
     return {".".join(p for p in k.split(".") if p != "_checkpoint_wrapped_module"): v for k, v in out.items()}
 
 
-def model_1(c, layout, mode, wrappers=(), tie=False):
+def model_1(c, layout, mode, wrappers=(), tie=False, cfg=None):
     """Round trip in every mode; keys are those of the unwrapped model's state_dict
-    (wrapper segments left out, a tied parameter under each of its names)."""
-    a = Setup(c, layout, "adamw", wrappers=wrappers, cfg=ModelConfig(tie=tie))
+    (wrapper segments left out, a tied parameter under each of its names).
+    ``cfg``: another model than the base one (a generated scenario's)."""
+    cfg = replace(cfg, tie=cfg.tie or tie) if cfg is not None else ModelConfig(tie=tie)
+    a = Setup(c, layout, "adamw", wrappers=wrappers, cfg=cfg)
     a.train(1)
     plain = ToyModel(a.cfg)
     if a.layout.pp > 1:
@@ -38,7 +42,7 @@ def model_1(c, layout, mode, wrappers=(), tie=False):
     want_keys = _all_ranks_keys(expected_keys) if rank0_holds_all else expected_keys  # a collective: every rank
     want = _model_view(a)
     saved = flows.save(c, a, mode, model="iut", optim=False)
-    b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers, cfg=ModelConfig(tie=tie))
+    b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers, cfg=cfg)
     flows.load(c, b, saved, optim=False)
     fail_if(diff_values(want, _model_view(b), "model"), f"{mode}: the model does not round-trip")
     if not rank0_holds_all or c.rank == 0:
@@ -51,9 +55,9 @@ def model_1(c, layout, mode, wrappers=(), tie=False):
         check(not msd, f"{mode}: rank {c.rank} must get an empty dict, got {len(msd)} keys")
 
 
-def model_5(c, layout, mode, kind):
+def model_5(c, layout, mode, kind, cfg=None):
     """Extra state of ``kind`` (a tensor, a dict, a picklable object) round-trips under its ``_extra_state`` key."""
-    cfg = ModelConfig(extra_state=kind)
+    cfg = replace(cfg or ModelConfig(), extra_state=kind)
     a = Setup(c, layout, "adamw", cfg=cfg)
     a.train(1)
     msd = c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode))
@@ -85,18 +89,19 @@ def _all_ranks_keys(keys: list[str]) -> list[str]:
     return sorted({k for ks in everyone for k in ks})
 
 
-def model_2(c, layout, mode, strict):
-    """Missing and unexpected keys: strict raises naming them; strict=False returns them."""
-    a = Setup(c, layout, "adamw")
+def model_2(c, layout, mode, strict, cfg=None):
+    """Missing and unexpected keys: strict raises naming them; strict=False returns them.
+    ``cfg``: another model than the base one (a generated scenario's); its last block loses a key."""
+    a = Setup(c, layout, "adamw", cfg=cfg)
     if mode == "file":  # every rank reads the file rank 0 saved
         msd = flows.read_full(flows.save(c, a, mode, model="iut", optim=False).path)["model"]
     else:
         msd = clone_tree(c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode)))
-    gone = "layers.1.fc2.bias"
+    gone = f"layers.{a.cfg.n_layers - 1}.fc2.bias"
     if mode != "bcast" or c.rank == 0:  # bcast: only rank 0's dict is read (the others got {})
         msd.pop(gone)
         msd["ghost.weight"] = torch.zeros(2)
-    b = Setup(c, layout, "adamw", seed=1)
+    b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     opts = set_options(c.iut, mode, strict=strict)
     if strict:
         expect_error(
@@ -114,7 +119,7 @@ def model_2(c, layout, mode, strict):
     fail_if(diff_values(want, got, "model"), "MODEL-2: strict=False did not load the other keys")
 
 
-def model_3(c, layout):
+def model_3(c, layout, cfg=None):
     """broadcast from rank 0 into a sharded model: values, DTensors kept, bounded memory in flight.
 
     The bound counts the state bytes a non-root rank receives in total
@@ -122,11 +127,11 @@ def model_3(c, layout):
     bound on the largest receive alone never binds on the suite's small
     models, and a load that sends every rank whole tensors, each cutting its
     own shard, gets every value right."""
-    a = Setup(c, layout, "adamw")
+    a = Setup(c, layout, "adamw", cfg=cfg)
     a.train(1)
     want = _model_view(a)
     saved = flows.save(c, a, "bcast", model="iut", optim=False)
-    b = Setup(c, layout, "adamw", seed=1)
+    b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     data = flows.read_full(saved.path) if c.rank == 0 else {"model": {}}
     largest_full = max(
         (v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0

@@ -6,7 +6,6 @@ import torch
 
 from .. import flows
 from ..flows import get_options, optimizers_arg
-from ..layouts import Setup
 from ..models import batch, loss_fn
 from ..oracle import diff_snapshots, diff_values, expect_unchanged, fail_if, grads_view, optimizer_view, snapshot
 from ..registry import make_case
@@ -30,16 +29,18 @@ def _get_changes_nothing(c, s, mode):
     fail_if(diff_values(grads, grads_view(s), "grad"), f"get ({mode}) changed the gradients")
 
 
-def pure_1(c, layout, opt, mode, grads):
-    """Never stepped: get leaves it so, and training afterwards is unaffected."""
-    a = Setup(c, layout, opt)
+def pure_1(c, layout, opt, mode, grads, how=None):
+    """Never stepped: get leaves it so, and training afterwards is unaffected.
+    ``how``: the recipe to build (a generated scenario's), instead of the base model with ``opt``."""
+    how = how or flows.recipe(layout, opt)
+    a = how.build(c, 0)
     if grads:
         _accumulate(a)
     _get_changes_nothing(c, a, mode)
     _zero_grad(a)
     a.train(2)
     # The same run without the get (kept per rank: no implementation touched it).
-    b = flows.kept_run(c, flows.recipe(layout, opt), 2, prepare=_accumulate_then_zero if grads else None)
+    b = flows.kept_run(c, how, 2, prepare=_accumulate_then_zero if grads else None)
     fail_if(diff_snapshots(b, snapshot(a)), "training after get differs from training without it")
 
 
@@ -53,9 +54,10 @@ def _accumulate_then_zero(s) -> None:
     _zero_grad(s)
 
 
-def pure_2(c, layout, opt, mode):
+def pure_2(c, layout, opt, mode, how=None):
     """After steps: get changes nothing, and changing what it returned does not reach the optimizer."""
-    a = Setup(c, layout, opt)
+    how = how or flows.recipe(layout, opt)
+    a = how.build(c, 0)
     a.train(2)
     _get_changes_nothing(c, a, mode)
     osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode))
@@ -63,7 +65,7 @@ def pure_2(c, layout, opt, mode):
     _vandalise(osd)
     expect_unchanged(before, optimizer_view(a), "changing the returned dict changed the optimizer")
     a.train(1)
-    b = flows.kept_run(c, flows.recipe(layout, opt), 3)  # the same run without the gets
+    b = flows.kept_run(c, how, 3)  # the same run without the gets
     fail_if(diff_snapshots(b, snapshot(a)), "training after get differs from training without it")
 
 

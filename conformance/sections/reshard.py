@@ -20,6 +20,7 @@ out of its optimizer (which would leave a group out).
 from __future__ import annotations
 
 import glob
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -39,9 +40,17 @@ only_layers = lambda fqn: fqn.startswith("layers.")  # noqa: E731
 ROUTERS = ("shared", "group")  # OPT-PART-5: routers in groups with others, or in their own
 
 
-def _setup(c, layout: str, opt: str, seed: int, lazy: str | None) -> Setup:
-    cfg = ModelConfig(dtype=torch.float64, router=lazy in ROUTERS, lazy_aux=lazy == "aux")
-    return Setup(c, layout, opt, seed=seed, cfg=cfg, groups=GroupSpec.for_seed(seed, router_group=lazy == "group"))
+def _setup(c, layout: str, opt: str, seed: int, lazy: str | None, cfg=None, groups=None) -> Setup:
+    """``cfg``, ``groups``: a generated scenario's model (in float64) and groups, instead of the base ones."""
+    if cfg is not None:
+        cfg = replace(cfg, dtype=torch.float64)
+    else:
+        cfg = ModelConfig(dtype=torch.float64, router=lazy in ROUTERS, lazy_aux=lazy == "aux")
+    if groups is not None:
+        groups = replace(groups, scale=groups.scale * GroupSpec.for_seed(seed).scale)
+    else:
+        groups = GroupSpec.for_seed(seed, router_group=lazy == "group")
+    return Setup(c, layout, opt, seed=seed, cfg=cfg, groups=groups)
 
 
 def _without_state(fqn: str, lazy: str | None) -> bool:
@@ -59,8 +68,8 @@ def _mode_on(layout: str, kind: str) -> str:
     return "flat_dcp" if parse_layout(layout).pp > 1 else "dcp"
 
 
-def save_phase(c, src, dst, opt, kind, lazy=None):
-    a = _setup(c, src, opt, 0, lazy)
+def save_phase(c, src, dst, opt, kind, lazy=None, cfg=None, groups=None):
+    a = _setup(c, src, opt, 0, lazy, cfg, groups)
     if lazy == "subset":
         a.freeze([f for f, _ in a.named_parameters() if not only_layers(f)])
     a.train(BEFORE)
@@ -80,8 +89,8 @@ def _reference(c) -> dict:
     return ref
 
 
-def load_phase(c, src, dst, opt, kind, lazy=None):
-    b = _setup(c, dst, opt, 1, lazy)
+def load_phase(c, src, dst, opt, kind, lazy=None, cfg=None, groups=None):
+    b = _setup(c, dst, opt, 1, lazy, cfg, groups)
     b.set_steps_done(BEFORE)
     saved = Saved(
         _mode_on(src, kind), path=c.path("full.pt") if kind == "bcast" else c.path(f"dcp-{_mode_on(src, kind)}")
@@ -118,12 +127,17 @@ def load_phase(c, src, dst, opt, kind, lazy=None):
         for k in ref["state"]
         if k in got["params"] and k not in got["state"]
     ]
+    empty = iter([r for r in ref["groups"] if not r["params"]])
     for g in got["groups"]:
         # Stages group differently from whole models: compare the fields of
-        # the group that held the same first parameter.
-        match = [r for r in ref["groups"] if g["params"] and g["params"][0] in r["params"]] or [
-            r for r in ref["groups"] if r["params"] == g["params"]
-        ]
+        # the group that held the same first parameter; groups without
+        # parameters in their order.
+        if g["params"]:
+            match = [r for r in ref["groups"] if g["params"][0] in r["params"]] or [
+                r for r in ref["groups"] if r["params"] == g["params"]
+            ]
+        else:
+            match = [r for r in [next(empty, None)] if r is not None]
         check(bool(match), f"group over {g['params'][:3]} has no counterpart in the uninterrupted run")
         fields = lambda grp: {k: v for k, v in grp.items() if k != "params"}  # noqa: E731
         problems += diff_values(fields(match[0]), fields(g), f"group of {g['params'][:1]}", RTOL)

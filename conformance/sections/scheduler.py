@@ -40,9 +40,10 @@ def sched_1(c, layout, mode):
     )
 
 
-def sched_2(c, layout, mode, n_optimizers=1):
-    """A scheduler resumed from its state_dict plus the loaded optimizer repeats the lr sequence."""
-    a = Setup(c, layout, "adamw", scheduler=True, n_optimizers=n_optimizers)
+def sched_2(c, layout, mode, n_optimizers=1, opt="adamw", cfg=None):
+    """A scheduler resumed from its state_dict plus the loaded optimizer repeats the lr sequence.
+    ``opt``, ``cfg``: another optimizer and model (a generated scenario's)."""
+    a = Setup(c, layout, opt, scheduler=True, n_optimizers=n_optimizers, cfg=cfg)
     a.train(2)
     saved = flows.save(c, a, mode)
     sched_states = [s.state_dict() for s in a.schedulers]
@@ -50,7 +51,7 @@ def sched_2(c, layout, mode, n_optimizers=1):
     for _ in range(3):
         a.train(1)
         lrs_a.append([g["lr"] for o in a.optimizers for g in o.param_groups])
-    b = Setup(c, layout, "adamw", seed=1, scheduler=True, n_optimizers=n_optimizers)
+    b = Setup(c, layout, opt, seed=1, scheduler=True, n_optimizers=n_optimizers, cfg=cfg)
     b.set_steps_done(2)
     flows.load(c, b, saved)
     for sched, st in zip(b.schedulers, sched_states):

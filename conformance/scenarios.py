@@ -1,0 +1,495 @@
+"""Generated scenarios: one model, optimizer, layout and mode as data, and
+the checks of every clause whose features it contains.
+
+A :class:`Scenario` is a small frozen record, JSON-serialisable: the model's
+sizes and features, the optimizer and its parameter groups, the layout and
+mode, the steps before and after the save, a fresh or a warm target.
+:func:`clause_cases` turns one into cases of the clauses it exercises, each
+running the clause's own check function from ``conformance/sections`` on
+the scenario's model (the same oracle and deadlines as the matrix), so that
+a failure is a failure of that clause. ``python -m conformance explore``
+draws scenarios (conformance.explore); a shrunk failure saved with
+``--save-found`` becomes a regular case, ``CLAUSE[found-<hash>]``, loaded
+from ``conformance/found/*.json`` and from the directories in
+``$CONFORMANCE_FOUND`` (``os.pathsep``-separated).
+
+This module is imported on every rank: it needs nothing beyond the suite.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import zlib
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+from .layouts import parse_layout
+from .registry import DEFAULT_DEADLINE_S, Case, Phase
+
+FORMAT = 1
+TOKEN_PREFIX = "s1."
+FOUND_ENV = "CONFORMANCE_FOUND"
+FOUND_DIR = os.path.join(os.path.dirname(__file__), "found")
+
+# The layouts and optimizers scenarios draw from: the matrix's own.
+LAYOUTS = ("single", "ddp", "fsdp2", "pp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
+DTYPES = ("float32", "float64", "bfloat16")
+EXTRA_STATE = ("", "tensor", "dict", "object")
+MODEL_KEYS = ("", "strict", "nonstrict")
+MODEL_KEYS_MODES = ("sharded", "full", "bcast", "file")  # MODEL-2's: a model dict that a rank can edit
+# Layouts whose model is sharded over more than one rank: a broadcast load
+# there must send each rank its own shard, not the whole (MODEL-3).
+_SHARDED_KINDS = ("fsdp", "hsdp", "ppfsdp")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One generated scenario. Defaults are the matrix's base model and setup."""
+
+    layout: str = "single"
+    mode: str = "sharded"
+    optimizer: str = "adamw"
+    # The model (conformance.models.ModelConfig)
+    vocab: int = 16
+    dim: int = 8
+    hidden: int = 12
+    n_layers: int = 2
+    aux_out: int = 3
+    dtype: str = "float32"
+    tie: bool = False
+    lazy: bool = False
+    frozen: bool = False
+    adapter: bool = False
+    router: bool = False
+    extra_state: str = ""
+    # Parameter groups (conformance.models.GroupSpec)
+    one_group: bool = False  # every parameter in one group, instead of split by role
+    empty_at: tuple[int, ...] = ()  # positions of groups without parameters
+    router_group: bool = False
+    custom_fields: bool = False  # extra fields on every group
+    scale: float = 1.0  # every group's lr and weight decay, scaled
+    scheduler: bool = False
+    # Steps
+    before: int = 1
+    after: int = 1
+    warm: int = 0  # steps the target trains on its own before the load (0: fresh)
+    # Resharding: a second layout the checkpoint is also loaded on (dcp and bcast only); "": none
+    reshard_to: str = ""
+    # MODEL-2: the model dict loses a key and gains one before a "strict" or "nonstrict" load; "": not checked
+    model_keys: str = ""
+
+    # -- serialisation -----------------------------------------------------
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["empty_at"] = list(self.empty_at)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Scenario":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"scenario has unknown fields {unknown}")
+        data = dict(data)
+        if "empty_at" in data:
+            data["empty_at"] = tuple(int(i) for i in data["empty_at"])
+        s = cls(**data)
+        s.validate()
+        return s
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def token(self) -> str:
+        """The replay token: ``s1.`` and the compressed JSON, URL-safe base64."""
+        return TOKEN_PREFIX + base64.urlsafe_b64encode(zlib.compress(self.to_json().encode(), 9)).decode().rstrip("=")
+
+    @classmethod
+    def from_token(cls, token: str) -> "Scenario":
+        token = token.strip()
+        if not token.startswith(TOKEN_PREFIX):
+            raise ValueError(f"not a scenario token (expected it to start with {TOKEN_PREFIX!r}): {token[:40]!r}")
+        body = token[len(TOKEN_PREFIX) :]
+        try:
+            text = zlib.decompress(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))).decode()
+            data = json.loads(text)
+        except (ValueError, zlib.error) as exc:
+            raise ValueError(f"scenario token does not decode: {exc}") from None
+        return cls.from_dict(data)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha1(self.to_json().encode()).hexdigest()[:10]
+
+    # -- what it builds ----------------------------------------------------
+    def validate(self) -> None:
+        from .adapters import MODES
+
+        problems = []
+        if self.layout not in LAYOUTS:
+            problems.append(f"layout {self.layout!r} is not one of {LAYOUTS}")
+        if self.mode not in MODES:
+            problems.append(f"mode {self.mode!r} is not one of {MODES}")
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.extra_state not in EXTRA_STATE:
+            problems.append(f"extra_state {self.extra_state!r} is not one of {EXTRA_STATE}")
+        for name in ("vocab", "dim", "hidden", "n_layers", "aux_out", "after"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1")
+        if self.before < 0 or self.warm < 0:
+            problems.append("before and warm must not be negative")
+        if self.layout in LAYOUTS:
+            pp = parse_layout(self.layout).pp
+            if self.tie and pp > 1:
+                problems.append(f"a tied model cannot be split into pipeline stages ({self.layout})")
+            if self.n_layers < pp:
+                problems.append(f"{self.layout} needs at least {pp} layers")
+        if self.router_group and not self.router:
+            problems.append("router_group needs router")
+        if self.reshard_to:
+            problems += reshard_problems(self)
+        if self.model_keys not in MODEL_KEYS:
+            problems.append(f"model_keys {self.model_keys!r} is not one of {MODEL_KEYS}")
+        elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in LAYOUTS or self.pp > 1):
+            problems.append(f"model_keys are checked in the modes {MODEL_KEYS_MODES} without pipeline stages")
+        if problems:
+            raise ValueError("invalid scenario: " + "; ".join(problems))
+
+    def cfg(self):
+        import torch
+
+        from .models import ModelConfig
+
+        return ModelConfig(
+            vocab=self.vocab,
+            dim=self.dim,
+            hidden=self.hidden,
+            n_layers=self.n_layers,
+            aux_out=self.aux_out,
+            dtype=getattr(torch, self.dtype),
+            tie=self.tie,
+            lazy_aux=self.lazy,
+            frozen=self.frozen,
+            adapter=self.adapter,
+            router=self.router,
+            extra_state=self.extra_state,
+        )
+
+    def groups(self):
+        from .models import GroupSpec
+
+        extra = (("custom", 7), ("tag", "scenario")) if self.custom_fields else ()
+        return GroupSpec(
+            split=not self.one_group,
+            empty_at=self.empty_at,
+            scale=self.scale,
+            extra=extra,
+            router_group=self.router_group,
+        )
+
+    def recipe(self):
+        from . import flows
+
+        return flows.recipe(self.layout, self.optimizer, cfg=self.cfg(), groups=self.groups())
+
+    @property
+    def world_size(self) -> int:
+        return parse_layout(self.layout).world_size
+
+    @property
+    def pp(self) -> int:
+        return parse_layout(self.layout).pp
+
+    def describe(self) -> str:
+        """What differs from the base scenario, in words."""
+        base = Scenario()
+        model = [f"{n}={getattr(self, n)}" for n in ("vocab", "dim", "hidden", "n_layers", "aux_out")]
+        features = [n for n in ("tie", "lazy", "frozen", "adapter", "router") if getattr(self, n)]
+        if self.extra_state:
+            features.append(f"extra_state={self.extra_state}")
+        groups = []
+        if self.one_group:
+            groups.append("one group")
+        if self.empty_at:
+            groups.append(f"empty groups at {list(self.empty_at)}")
+        if self.router_group:
+            groups.append("routers in a group of their own")
+        if self.custom_fields:
+            groups.append("custom group fields")
+        if self.scale != base.scale:
+            groups.append(f"lr and weight decay x{self.scale:g}")
+        if self.scheduler:
+            groups.append("an lr scheduler")
+        target = f"a warm target ({self.warm} steps of its own)" if self.warm else "a fresh target"
+        if self.model_keys:
+            target += f"; the model dict loses a key and gains one ({self.model_keys} load)"
+        if self.reshard_to:
+            target += f"; also resharded to {self.reshard_to} ({parse_layout(self.reshard_to).world_size} ranks)"
+        lines = [
+            f"layout {self.layout} ({self.world_size} ranks), mode {self.mode}, optimizer {self.optimizer}",
+            f"model: {', '.join(model)}, {self.dtype}; features: {', '.join(features) or 'none'}",
+            f"groups: {', '.join(groups) or 'by role, as the base model'}",
+            f"steps: {self.before} before the save, {self.after} after; {target}",
+        ]
+        return "\n".join(lines)
+
+
+# -- the clauses a scenario exercises ----------------------------------------
+
+# The order checks run in, most specific first: the first that fails names
+# the scenario's failure (a round trip that fails because of an empty group
+# is OPT-EMPTY-1's deviation before it is OPT-RT-1's).
+# Resharding comes last: it counts only where the scenario round-trips on its own layout.
+CLAUSE_ORDER = (
+    "MODEL-3",
+    "MODEL-5",
+    "MODEL-2",
+    "OPT-EMPTY-1",
+    "OPT-SCHED-2",
+    "MODEL-1",
+    "OPT-PURE-1",
+    "OPT-PURE-2",
+    "OPT-PURE-3",
+    "OPT-RT-5",
+    "OPT-RT-1",
+    "OPT-RESHARD-1",
+    "OPT-RESHARD-3",
+)
+RESHARD_CLAUSE = {"dcp": "OPT-RESHARD-1", "bcast": "OPT-RESHARD-3"}
+
+
+def reshard_problems(s: "Scenario") -> list[str]:
+    """Why ``s`` cannot also be resharded to ``s.reshard_to``, in words ([] when it can)."""
+    if s.reshard_to not in LAYOUTS:
+        return [f"reshard_to {s.reshard_to!r} is not one of {LAYOUTS}"]
+    if s.reshard_to == s.layout:
+        return ["reshard_to is the layout itself"]
+    if s.mode not in RESHARD_CLAUSE:
+        return [f"resharding goes through dcp or bcast, not {s.mode}"]
+    a, b = parse_layout(s.layout).pp, parse_layout(s.reshard_to).pp
+    out = []
+    if s.mode == "dcp" and (a > 1) != (b > 1):
+        out.append("through dcp, a pipeline checkpoint (flat) loads only on pipeline stages")
+    if s.n_layers < b:
+        out.append(f"{s.reshard_to} needs at least {b} layers")
+    if s.tie and b > 1:
+        out.append(f"a tied model cannot be split into pipeline stages ({s.reshard_to})")
+    if s.empty_at and max(a, b) > 1:
+        out.append("empty groups do not travel in a pipeline's flat layout")
+    return out
+
+
+def clauses_of(s: Scenario) -> tuple[str, ...]:
+    """The clauses whose features ``s`` contains, in :data:`CLAUSE_ORDER`."""
+    lay = parse_layout(s.layout)
+    out = {"OPT-RT-5" if s.warm else "OPT-RT-1", "MODEL-1"}
+    if s.mode == "bcast" and lay.kind.name in _SHARDED_KINDS and lay.world_size > 1:
+        out.add("MODEL-3")
+    if s.extra_state:
+        out.add("MODEL-5")
+    if s.model_keys:
+        out.add("MODEL-2")
+    if s.empty_at:
+        out.add("OPT-EMPTY-1")
+    if s.scheduler:
+        out.add("OPT-SCHED-2")
+    if s.reshard_to:
+        out.add(RESHARD_CLAUSE[s.mode])
+    out.add(_purity_clause(s))
+    return tuple(c for c in CLAUSE_ORDER if c in out)
+
+
+def _purity_clause(s: Scenario) -> str:
+    """get changes nothing: on a never-stepped optimizer (before=0) OPT-PURE-1,
+    or OPT-PURE-3 in the full and flat layouts; after steps, OPT-PURE-2."""
+    if s.before:
+        return "OPT-PURE-2"
+    return "OPT-PURE-1" if s.mode in ("sharded", "dcp") else "OPT-PURE-3"
+
+
+def _check(s: Scenario, clause: str):
+    """The section's check function for ``clause`` and its arguments on ``s``."""
+    from .sections import empty_groups, model, purity, roundtrip, scheduler
+
+    cfg = s.cfg()
+    if clause == "OPT-RT-1":
+        return roundtrip.rt_1, {
+            "layout": s.layout,
+            "opt": s.optimizer,
+            "mode": s.mode,
+            "before": s.before,
+            "after": s.after,
+            "how": s.recipe(),
+        }
+    if clause == "OPT-RT-5":
+        return roundtrip.rt_5, {
+            "layout": s.layout,
+            "opt": s.optimizer,
+            "mode": s.mode,
+            "before": s.before,
+            "after": s.after,
+            "warm": s.warm,
+            "how": s.recipe(),
+        }
+    if clause in ("OPT-PURE-1", "OPT-PURE-3"):
+        return purity.pure_1, {
+            "layout": s.layout,
+            "opt": s.optimizer,
+            "mode": s.mode,
+            "grads": False,
+            "how": s.recipe(),
+        }
+    if clause == "OPT-PURE-2":
+        return purity.pure_2, {"layout": s.layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe()}
+    if clause == "MODEL-1":
+        return model.model_1, {"layout": s.layout, "mode": s.mode, "cfg": cfg}
+    if clause == "MODEL-2":
+        return model.model_2, {"layout": s.layout, "mode": s.mode, "strict": s.model_keys == "strict", "cfg": cfg}
+    if clause == "MODEL-3":
+        return model.model_3, {"layout": s.layout, "cfg": cfg}
+    if clause == "MODEL-5":
+        return model.model_5, {"layout": s.layout, "mode": s.mode, "kind": s.extra_state, "cfg": cfg}
+    if clause == "OPT-EMPTY-1":
+        return empty_groups.empty_1, {
+            "layout": s.layout,
+            "opt": s.optimizer,
+            "mode": s.mode,
+            "empty_at": s.empty_at,
+            "cfg": cfg,
+            "split": not s.one_group,
+        }
+    if clause == "OPT-SCHED-2":
+        return scheduler.sched_2, {"layout": s.layout, "mode": s.mode, "opt": s.optimizer, "cfg": cfg}
+    raise ValueError(f"no scenario check for clause {clause!r}")
+
+
+def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
+    """``clause``'s check on ``s`` as a case: ``CLAUSE[<tag or explore-<digest>>]``."""
+    case_id = f"{clause}[{tag or 'explore-' + s.digest}]"
+    source = json.dumps({"format": FORMAT, "id": case_id, "clause": clause, "scenario": s.to_dict()}, sort_keys=True)
+    if clause in RESHARD_CLAUSE.values():
+        return _resharded(s, clause, case_id, source)
+    fn, params = _check(s, clause)
+    lay = parse_layout(s.layout)
+    mode = "bcast" if clause == "MODEL-3" else s.mode
+    return Case(
+        id=case_id,
+        clause=clause,
+        layout=s.layout,
+        phases=(Phase(lay.world_size, fn, params),),
+        deadline_s=DEFAULT_DEADLINE_S,
+        meshes=lay.mesh_specs,
+        mode=mode,
+        source=source,
+    )
+
+
+def _resharded(s: Scenario, clause: str, case_id: str, source: str) -> Case:
+    """Save on the scenario's layout, load on ``reshard_to``: the section's two phases."""
+    from .sections import reshard
+
+    a, b = parse_layout(s.layout), parse_layout(s.reshard_to)
+    params = {"src": s.layout, "dst": s.reshard_to, "opt": s.optimizer, "kind": s.mode}
+    params |= {"cfg": s.cfg(), "groups": s.groups()}
+    return Case(
+        id=case_id,
+        clause=clause,
+        layout=f"{s.layout}_to_{s.reshard_to}",
+        phases=(Phase(a.world_size, reshard.save_phase, params), Phase(b.world_size, reshard.load_phase, params)),
+        deadline_s=90,
+        rtol=reshard.RTOL,
+        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
+        mode=s.mode,
+        source=source,
+    )
+
+
+def clause_cases(s: Scenario) -> list[Case]:
+    return [scenario_case(s, clause) for clause in clauses_of(s)]
+
+
+@lru_cache(maxsize=64)
+def case_from_source(source: str) -> Case:
+    """The case ``source`` (:attr:`Case.source`) describes, rebuilt on a rank."""
+    data = json.loads(source)
+    s = Scenario.from_dict(data["scenario"])
+    clause, case_id = data["clause"], data["id"]
+    tag = case_id[len(clause) + 1 : -1]
+    return scenario_case(s, clause, tag)
+
+
+# -- found scenarios: cases of the regression matrix --------------------------
+
+
+def found_id(clause: str, s: Scenario) -> str:
+    return f"{clause}[found-{s.digest}]"
+
+
+def found_record(clause: str, s: Scenario, *, impl: str, status: str, message: str) -> dict:
+    return {
+        "format": FORMAT,
+        "id": found_id(clause, s),
+        "clause": clause,
+        "scenario": s.to_dict(),
+        "token": s.token,
+        "found_on": impl,
+        "status": status,
+        "message": message,
+        "description": s.describe(),
+    }
+
+
+def write_found(directory: str, record: dict) -> str:
+    """Write ``record`` as ``<directory>/<clause>-found-<digest>.json``; returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    name = record["id"].replace("[", "-").replace("]", "") + ".json"
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return path
+
+
+def found_dirs() -> list[str]:
+    extra = [d for d in os.environ.get(FOUND_ENV, "").split(os.pathsep) if d]
+    return [FOUND_DIR, *extra]
+
+
+def load_found(path: str) -> Case:
+    """The case a found-scenario file describes; a clear error naming the file otherwise."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        s = Scenario.from_dict(data["scenario"])
+        clause = data["clause"]
+        if clause not in clauses_of(s):
+            raise ValueError(f"clause {clause!r} is not one the scenario exercises ({', '.join(clauses_of(s))})")
+        case = scenario_case(s, clause, f"found-{s.digest}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"found-scenario file {path}: {exc}") from None
+    if data.get("id", case.id) != case.id:
+        raise ValueError(f"found-scenario file {path}: its id {data['id']!r} is not {case.id!r} (edited scenario?)")
+    return case
+
+
+def found_cases() -> list[Case]:
+    """Every found-scenario case in :func:`found_dirs`, sorted by file name within each directory."""
+    out: list[Case] = []
+    seen: set[str] = set()
+    for directory in found_dirs():
+        for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+            case = load_found(path)
+            if case.id not in seen:
+                seen.add(case.id)
+                out.append(case)
+    return out
