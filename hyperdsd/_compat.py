@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 from typing import Callable, NamedTuple
 
 import torch
@@ -268,3 +269,56 @@ def _has_src_data_rank() -> bool:
 
 
 _HAS_SRC_DATA_RANK = _has_src_data_rank()
+
+
+def caching_save_planner(key: str):
+    """DCP's default save planner with plan caching under ``key``, or None where DCP cannot cache plans."""
+    # DefaultSavePlanner(enable_plan_caching=True) keeps each rank's local
+    # plan, and on the coordinator every rank's plan, the global plan and the
+    # metadata, in class-level dicts keyed by the class name; a save whose
+    # local plans all equal the cached ones exchanges empty plans. The key
+    # has no public setter: hyperdsd gives each world its own.
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner.__init__).parameters:
+        return None
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    if not hasattr(planner, "_cached_plans_key"):
+        return None
+    planner._cached_plans_key = key
+    return planner
+
+
+def drop_save_plans(key: str) -> None:
+    """Forget what DCP's save planners cached under ``key`` (every rank does, after a failed save)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan"):
+        getattr(SavePlanner, name, {}).pop(key, None)
+    getattr(SavePlanner, "_cached_metadata", {}).pop(key, None)
+
+
+def storage_dtypes() -> dict:
+    """The storage classes ``torch.save`` names in an archive (``torch.FloatStorage``, ...), with their dtypes."""
+    # The unpickler that rebuilds DCP's items must allow exactly these; the
+    # map is torch's own, and asking each class for its dtype warns.
+    return {
+        getattr(torch, name): dtype
+        for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+        if hasattr(torch, name)
+    }
+
+
+def tensor_archive(data):
+    """The archive ``torch.save`` wrote into ``data``, for its records (``get_record``, ``get_storage_from_record``)."""
+    # torch.load's own C++ archive reader; torch.load around it costs ~100 us
+    # an item in Python (an unpickler class per call, the weights-only
+    # unpickler in Python), most of the time for small tensors.
+    return torch._C.PyTorchFileReader(io.BytesIO(data))
+
+
+def file_window(reader, stream, info):
+    """DCP's view of one item in an open data file (as its reader reads an item)."""
+    # FileSystemReader._slice_file: a seekable window that torch.load reads
+    # from without copying the item first.
+    return reader._slice_file(stream, info)
