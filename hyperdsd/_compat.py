@@ -271,33 +271,6 @@ def _has_src_data_rank() -> bool:
 _HAS_SRC_DATA_RANK = _has_src_data_rank()
 
 
-def caching_save_planner(key: str):
-    """DCP's default save planner with plan caching under ``key``, or None where DCP cannot cache plans."""
-    # DefaultSavePlanner(enable_plan_caching=True) keeps each rank's local
-    # plan, and on the coordinator every rank's plan, the global plan and the
-    # metadata, in class-level dicts keyed by the class name; a save whose
-    # local plans all equal the cached ones exchanges empty plans. The key
-    # has no public setter: hyperdsd gives each world its own.
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner.__init__).parameters:
-        return None
-    planner = DefaultSavePlanner(enable_plan_caching=True)
-    if not hasattr(planner, "_cached_plans_key"):
-        return None
-    planner._cached_plans_key = key
-    return planner
-
-
-def drop_save_plans(key: str) -> None:
-    """Forget what DCP's save planners cached under ``key`` (every rank does, after a failed save)."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan"):
-        getattr(SavePlanner, name, {}).pop(key, None)
-    getattr(SavePlanner, "_cached_metadata", {}).pop(key, None)
-
-
 def storage_dtypes() -> dict:
     """The storage classes ``torch.save`` names in an archive (``torch.FloatStorage``, ...), with their dtypes."""
     # The unpickler that rebuilds DCP's items must allow exactly these; the

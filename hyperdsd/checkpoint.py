@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from . import _compat, api, commit
+from . import api, commit
 from .dcp_reader import Reader
 from .errors import StateDictError
 from .options import StateDictOptions, resolve_options
@@ -540,21 +540,16 @@ def _save_now(
     state = _state(model, optimizers, _as_list(schedulers), extra, opts)
     staging = commit.staging_of(path)
     writer = commit.CommittingWriter(storage_writer or FileSystemWriter(str(staging)), path, after_commit)
-    key = _plan_key()
-    planner = _compat.caching_save_planner(key)
     if not async_save:
         try:
-            dcp.save(state, checkpoint_id=str(staging), storage_writer=writer, planner=planner)
+            dcp.save(state, checkpoint_id=str(staging), storage_writer=writer)
         except CheckpointException as exc:
-            _compat.drop_save_plans(key)
             _clean(path)
             raise _save_error(path, exc) from None
         _sweep(path)
         return None
     stager = storage_writer if isinstance(storage_writer, AsyncStager) else None
-    upload = dcp.async_save(
-        state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager, planner=planner
-    )
+    upload = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager)
     upload = getattr(upload, "upload_completion", upload)
     fut = SaveFuture(path)
     _pending.append(fut)
@@ -565,7 +560,6 @@ def _save_now(
             _sweep(path)
             fut.set_result(None)
             return
-        _compat.drop_save_plans(key)
         _clean(path)
         fut.error = _save_error(path, exc) if isinstance(exc, CheckpointException) else exc
         fut.set_exception(fut.error)
@@ -590,24 +584,6 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-_plan_keys: set[str] = set()
-
-
-def _plan_key() -> str:
-    """Under what DCP caches save plans: one key per world (size, and this process's group object).
-
-    A save whose every rank's plan equals the one it cached exchanges no
-    plans and reuses the global plan and metadata (DCP's plan caching). A
-    failed save forgets them on every rank; so does a new world."""
-    world = (dist.get_world_size(), id(dist.group.WORLD)) if dist.is_initialized() else (1, 0)
-    key = f"hyperdsd.checkpoint:{world[0]}:{world[1]:x}"
-    for old in _plan_keys - {key}:
-        _compat.drop_save_plans(old)
-    _plan_keys.clear()
-    _plan_keys.add(key)
-    return key
 
 
 def _clean(path: Path) -> None:

@@ -499,7 +499,7 @@ def manager_on_ranks(ctx, layout: str):
     return True
 
 
-# -- repeated saves (cached plans) that plain DCP reads ---------------------------
+# -- repeated saves that plain DCP reads ----------------------------------------------
 
 
 def _torch_load(path: str, setup) -> None:
@@ -512,7 +512,7 @@ def _torch_load(path: str, setup) -> None:
 
 
 def saves_that_plain_dcp_loads(ctx, layout: str):
-    """Saves of the same shapes (DCP's cached plans), of another model in between and after a failed
+    """Saves of the same shapes, of another model in between and after a failed
     save, each read back by torch's plain dcp.load and by hyperdsd's load, equal to what was saved."""
     # No routers: torch's own flow cannot load lazy optimizer state.
     a = _setup(ctx, layout, 0, cfg={"router": False})
@@ -541,12 +541,6 @@ def saves_that_plain_dcp_loads(ctx, layout: str):
             checkpoint.load(path, c.model, c.optimizers)
             diffs = _diff(saved, _snapshot(c))
             assert not diffs, f"round {round_}, hyperdsd load:\n" + "\n".join(diffs[:10])
-        from torch.distributed.checkpoint.planner import SavePlanner
-
-        from hyperdsd import _compat
-
-        if _compat.caching_save_planner("probe") is not None:  # DCP caches plans: the saves above used it
-            assert any(k.startswith("hyperdsd.checkpoint:") for k in SavePlanner._cached_save_plan), "no cached plan"
         o = _setup(ctx, layout, 4, cfg={"router": False, "hidden": 24})
         checkpoint.load(os.path.join(root, "other"), o.model, o.optimizers)
     return True

@@ -199,7 +199,7 @@ def clone_floor(ctx, size: str, mesh: str = "4", reps: int = 3):
     return times
 
 
-def profile_resume(ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top: int = 40):
+def profile_resume(ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top: int = 40, dump: str = ""):
     """One resume after a warm-up: per-phase wall times on every rank and,
     on rank 0, cProfile's top functions by cumulative and by own time."""
     import cProfile
@@ -213,9 +213,23 @@ def profile_resume(ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top:
     def timer(name):
         marks.append((name, time.perf_counter()))
 
+    gc_s = [0.0, 0.0, 0.0]
+    began = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            gc_s[info["generation"]] += time.perf_counter() - began[0]
+
     dist.barrier()
-    _resume(ctx, impl, model, opt, timer)
+    gc.callbacks.append(on_gc)
+    try:
+        _resume(ctx, impl, model, opt, timer)
+    finally:
+        gc.callbacks.remove(on_gc)
     phases = {b[0]: b[1] - a[1] for a, b in zip(marks, marks[1:])}
+    phases.update({f"gc{g}": s for g, s in enumerate(gc_s)})
     out = {"rank": ctx.rank, "phases": phases}
     dist.barrier()
     prof = cProfile.Profile()
@@ -224,6 +238,8 @@ def profile_resume(ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top:
     _resume(ctx, impl, model, opt)
     if ctx.rank == 0:
         prof.disable()
+        if dump:
+            prof.dump_stats(dump)
         for order in ("cumulative", "tottime"):
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
