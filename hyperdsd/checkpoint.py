@@ -46,7 +46,6 @@ from torch.distributed.checkpoint import (
     CheckpointException,
     DefaultLoadPlanner,
     FileSystemReader,
-    FileSystemWriter,
 )
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
@@ -54,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from . import api, commit
 from .dcp_reader import Reader
+from .dcp_writer import Writer
 from .errors import StateDictError
 from .options import StateDictOptions, resolve_options
 from .state.dcp_template import judge, optimizer_entries, unexpected
@@ -539,7 +539,7 @@ def _save_now(
     _check_extra(extra)
     state = _state(model, optimizers, _as_list(schedulers), extra, opts)
     staging = commit.staging_of(path)
-    writer = commit.CommittingWriter(storage_writer or FileSystemWriter(str(staging)), path, after_commit)
+    writer = commit.CommittingWriter(storage_writer or Writer(str(staging)), path, after_commit)
     if not async_save:
         try:
             dcp.save(state, checkpoint_id=str(staging), storage_writer=writer)

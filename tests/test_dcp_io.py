@@ -1,4 +1,5 @@
-"""hyperdsd's DCP reader: what it loads is what DCP's own reader and torch.load load, in one process."""
+"""hyperdsd's DCP reader and writer, in one process: what the reader loads is what DCP's own reader and
+torch.load load; what the writer writes is what torch.save writes, byte for byte."""
 
 import io
 
@@ -9,6 +10,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 
 from hyperdsd import dcp_reader
 from hyperdsd.dcp_reader import Reader, tensor_from_bytes
+from hyperdsd.dcp_writer import Writer, save_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -119,3 +121,35 @@ def test_metadata_read_before_is_used_once_and_only_while_unchanged(tmp_path, mo
     assert reader.read_metadata() is not metadata  # once
     stale = Reader(str(tmp_path), metadata, (0, 0, 0))
     assert stale.read_metadata() is not metadata
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_save_tensor_writes_what_torch_save_writes(case):
+    value = CASES[case]()
+    for _ in range(2):  # the first of a kind, then from the records kept for it
+        ours = io.BytesIO()
+        save_tensor(value, ours)
+        assert ours.getvalue() == _saved(value)
+    value.data.add_(1) if value.dtype != torch.bool else value.data.logical_not_()
+    ours = io.BytesIO()
+    save_tensor(value, ours)
+    assert ours.getvalue() == _saved(value)
+
+
+def test_writer_writes_what_dcps_writer_writes(tmp_path):
+    state = _state()
+    dcp.save(state, storage_writer=Writer(str(tmp_path / "ours")))
+    dcp.save(state, checkpoint_id=str(tmp_path / "theirs"))
+    ours, theirs = (FileSystemReader(str(tmp_path / name)).read_metadata() for name in ("ours", "theirs"))
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert set(ours.storage_data) == set(theirs.storage_data)
+    for name in ("ours", "theirs"):
+        loaded = _template()
+        dcp.load(loaded, storage_reader=FileSystemReader(str(tmp_path / name)))  # torch's reader
+        assert loaded["step"] == 7 and loaded["name"] == "run-1"
+        for key in ("large", "view"):
+            assert torch.equal(loaded[key], state[key]), (name, key)
+        for key, value in state["small"].items():
+            assert torch.equal(loaded["small"][key], value), (name, key)
+    files = lambda name: sorted(p.name for p in (tmp_path / name).iterdir())  # noqa: E731
+    assert files("ours") == files("theirs")
