@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from . import api, commit
+from .dcp_plans import SavePlanner, local_load_plan
 from .dcp_reader import Reader
 from .dcp_writer import Writer
 from .errors import StateDictError
@@ -110,7 +111,10 @@ class LoadPlanner(DefaultLoadPlanner):
             del self.state_dict[key]
 
     def create_local_plan(self):
-        plan = super().create_local_plan()
+        if self.flatten_state_dict and not set(self.metadata.state_dict_metadata) - set(self.state_dict):
+            plan = local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+        else:  # keys of the checkpoint no rank asks for: DCP's default planner tells an old checkpoint
+            plan = super().create_local_plan()
         if self.local_items:
             self._items = plan.items
             plan = dataclasses.replace(plan, items=[])
@@ -542,14 +546,16 @@ def _save_now(
     writer = commit.CommittingWriter(storage_writer or Writer(str(staging)), path, after_commit)
     if not async_save:
         try:
-            dcp.save(state, checkpoint_id=str(staging), storage_writer=writer)
+            dcp.save(state, checkpoint_id=str(staging), storage_writer=writer, planner=SavePlanner())
         except CheckpointException as exc:
             _clean(path)
             raise _save_error(path, exc) from None
         _sweep(path)
         return None
     stager = storage_writer if isinstance(storage_writer, AsyncStager) else None
-    upload = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager)
+    upload = dcp.async_save(
+        state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager, planner=SavePlanner()
+    )
     upload = getattr(upload, "upload_completion", upload)
     fut = SaveFuture(path)
     _pending.append(fut)

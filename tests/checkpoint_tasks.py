@@ -544,3 +544,35 @@ def saves_that_plain_dcp_loads(ctx, layout: str):
         o = _setup(ctx, layout, 4, cfg={"router": False, "hidden": 24})
         checkpoint.load(os.path.join(root, "other"), o.model, o.optimizers)
     return True
+
+
+def bulk_plans_match_dcp(ctx, layout: str):
+    """hyperdsd's local save and load plans, built once per kind of DTensor, are DCP's own."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.default_planner import (
+        create_default_local_load_plan,
+        create_default_local_save_plan,
+    )
+
+    from hyperdsd.dcp_plans import local_load_plan, local_save_plan
+
+    a = _setup(ctx, layout, 0)
+    a.train(1)
+    opts = _options(a)
+    with _checkpoint_dir(ctx) as path:
+        msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
+        saver = DefaultSavePlanner()
+        saver.set_up_planner({"model": msd, "optim": osd}, is_coordinator=ctx.rank == 0)
+        ours = local_save_plan(saver.state_dict, ctx.rank == 0).items
+        theirs = create_default_local_save_plan(saver.state_dict, ctx.rank == 0).items
+        assert sorted(map(repr, ours)) == sorted(map(repr, theirs)), (len(ours), len(theirs))
+        assert [i.index.fqn for i in ours] != [] and all(i.index.fqn in saver.state_dict for i in ours)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        metadata = FileSystemReader(path).read_metadata()
+        msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
+        loader = DefaultLoadPlanner()
+        loader.set_up_planner({"model": msd, "optim": osd}, metadata, ctx.rank == 0)
+        ours = local_load_plan(loader.state_dict, metadata, True).items
+        theirs = create_default_local_load_plan(loader.state_dict, metadata, True).items
+        assert sorted(map(repr, ours)) == sorted(map(repr, theirs)), (len(ours), len(theirs))
+    return True
