@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from . import api, commit
-from .dcp_plans import SavePlanner, local_load_plan
+from .dcp_plans import SavePlanner, local_load_plan, local_shard
 from .dcp_reader import Reader
 from .dcp_writer import Writer
 from .errors import StateDictError
@@ -143,6 +143,10 @@ class LoadPlanner(DefaultLoadPlanner):
                 f"{extra[:_SHOWN]}{more}"
             )
         return [dataclasses.replace(plan, planner_data=None) for plan in plans]
+
+    def lookup_tensor(self, index):
+        found = local_shard(self.state_dict, index)
+        return found if found is not None else super().lookup_tensor(index)
 
     def finish_plan(self, new_plan):
         plan = super().finish_plan(new_plan)

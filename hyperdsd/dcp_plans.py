@@ -105,8 +105,19 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
     return LoadPlan(items)
 
 
+def local_shard(state_dict: dict[str, Any], index: MetadataIndex) -> torch.Tensor | None:
+    """The tensor DCP's ``find_state_dict_object`` finds for a plain DTensor's key (its local tensor, without
+    going through autograd as ``to_local()`` does); None for anything else."""
+    obj = state_dict.get(index.fqn)
+    return obj._local_tensor if _plain_dtensor(obj) else None
+
+
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner, its local plan built by :func:`local_save_plan`."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        found = local_shard(self.state_dict, index)
+        return found if found is not None else super().lookup_object(index)
 
     def create_local_plan(self) -> SavePlan:
         if getattr(self, "_enable_plan_caching", False):
