@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from . import _compat
+
 __all__ = ["SavePlanner", "local_load_plan", "local_save_plan"]
 
 
@@ -34,7 +36,7 @@ def _plain_dtensor(obj: Any) -> bool:
     geometry alone."""
     return (
         type(obj) is DTensor
-        and type(obj._local_tensor) is torch.Tensor
+        and type(_compat.local_tensor(obj)) is torch.Tensor
         and not any(p.is_partial() for p in obj.placements)
     )
 
@@ -49,7 +51,7 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
         if not _plain_dtensor(obj):
             rest[fqn] = obj
             continue
-        local = obj._local_tensor
+        local = _compat.local_tensor(obj)
         kind = (obj.shape, obj.device_mesh, obj.placements, local.dtype, local.layout, obj.requires_grad, grad)
         if kind not in made:
             mine = create_default_local_save_plan({fqn: obj}, is_coordinator).items
@@ -109,7 +111,7 @@ def local_shard(state_dict: dict[str, Any], index: MetadataIndex) -> torch.Tenso
     """The tensor DCP's ``find_state_dict_object`` finds for a plain DTensor's key (its local tensor, without
     going through autograd as ``to_local()`` does); None for anything else."""
     obj = state_dict.get(index.fqn)
-    return obj._local_tensor if _plain_dtensor(obj) else None
+    return _compat.local_tensor(obj) if _plain_dtensor(obj) else None
 
 
 class SavePlanner(DefaultSavePlanner):

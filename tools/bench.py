@@ -173,7 +173,7 @@ def main() -> None:
                 relative = f"{b / own_get[size]:10.1f}" if mode in RELATIVE_TO_GET and size in own_get else f"{'':>10}"
                 per_key = b / bench_tasks.keys_of(size) * 1000
                 floor_x = f"{b / clone_ms[size]:8.1f}" if size in clone_ms else f"{'-':>8}"
-                extra = f" {per_key:11.1f} {per_key * 1000:8.1f} {floor_x} {relative}"
+                extra = f" {per_key:11.1f} {b / bench_tasks.keys_of(size) * 1000:8.1f} {floor_x} {relative}"
             print(f"{size:>5} {mesh:>4} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
             if mode == "resume":
                 ratio = f", torch {a / 1000:.1f} s, ratio {b / a:.2f}" if torch_too else ""

@@ -199,22 +199,25 @@ def clone_floor(ctx, size: str, mesh: str = "4", reps: int = 3):
     return times
 
 
-def profile_resume(ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top: int = 40, dump: str = ""):
-    """One resume after a warm-up: per-phase wall times on every rank and,
-    on rank 0, cProfile's top functions by cumulative and by own time."""
+def profile_resume(
+    ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top: int = 40, dump: str = "", timed: bool = True
+):
+    """Per-phase wall times (and the GC's, by generation) on every rank of one resume after a warm-up, then
+    cProfile's top functions of another on rank 0, by cumulative and by own time (written to ``dump`` too).
+    Without ``timed``: one resume, profiled, and its phases."""
     import cProfile
     import io
     import pstats
 
     model, opt = _build(ctx, size, mesh)
-    _resume(ctx, impl, model, opt)  # warm up
+    if timed:
+        _resume(ctx, impl, model, opt)  # warm up
     marks: list[tuple[str, float]] = []
+    gc_s = [0.0, 0.0, 0.0]
+    began = [0.0]
 
     def timer(name):
         marks.append((name, time.perf_counter()))
-
-    gc_s = [0.0, 0.0, 0.0]
-    began = [0.0]
 
     def on_gc(phase, info):
         if phase == "start":
@@ -222,22 +225,26 @@ def profile_resume(ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top:
         else:
             gc_s[info["generation"]] += time.perf_counter() - began[0]
 
+    prof = cProfile.Profile()
     dist.barrier()
     gc.callbacks.append(on_gc)
     try:
-        _resume(ctx, impl, model, opt, timer)
+        if timed:
+            _resume(ctx, impl, model, opt, timer)
+            gc.callbacks.remove(on_gc)
+            dist.barrier()
+        if ctx.rank == 0:
+            prof.enable()
+        _resume(ctx, impl, model, opt, None if timed else timer)
+        if ctx.rank == 0:
+            prof.disable()
     finally:
-        gc.callbacks.remove(on_gc)
+        if on_gc in gc.callbacks:
+            gc.callbacks.remove(on_gc)
     phases = {b[0]: b[1] - a[1] for a, b in zip(marks, marks[1:])}
     phases.update({f"gc{g}": s for g, s in enumerate(gc_s)})
     out = {"rank": ctx.rank, "phases": phases}
-    dist.barrier()
-    prof = cProfile.Profile()
     if ctx.rank == 0:
-        prof.enable()
-    _resume(ctx, impl, model, opt)
-    if ctx.rank == 0:
-        prof.disable()
         if dump:
             prof.dump_stats(dump)
         for order in ("cumulative", "tottime"):
