@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import gc
 import os
 import re
 import shutil
@@ -44,13 +45,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (
     CheckpointException,
     DefaultLoadPlanner,
-    FileSystemWriter,
+    FileSystemReader,
 )
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from . import api, commit
+from .dcp_plans import SavePlanner, local_load_plan, local_shard
+from .dcp_reader import Reader
+from .dcp_writer import Writer
 from .errors import StateDictError
 from .options import StateDictOptions, resolve_options
 from .state.dcp_template import judge, optimizer_entries, unexpected
@@ -89,6 +93,11 @@ class LoadPlanner(DefaultLoadPlanner):
         self.strict = strict
         self.asked: set[str] = set()
         self.tops: set[str] = set()
+        # Keep the read items on their rank: the plans exchanged carry none, and
+        # finish_plan puts them back. Only for readers whose global and local
+        # planning do not look at the items (see _plain_plans).
+        self.local_items = False
+        self._items: list | None = None
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -102,7 +111,13 @@ class LoadPlanner(DefaultLoadPlanner):
             del self.state_dict[key]
 
     def create_local_plan(self):
-        plan = super().create_local_plan()
+        if self.flatten_state_dict and not set(self.metadata.state_dict_metadata) - set(self.state_dict):
+            plan = local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+        else:  # keys of the checkpoint no rank asks for: DCP's default planner tells an old checkpoint
+            plan = super().create_local_plan()
+        if self.local_items:
+            self._items = plan.items
+            plan = dataclasses.replace(plan, items=[])
         if not self.strict:
             return plan
         # Every rank's keys go to the coordinator, which alone can tell a key
@@ -128,6 +143,26 @@ class LoadPlanner(DefaultLoadPlanner):
                 f"{extra[:_SHOWN]}{more}"
             )
         return [dataclasses.replace(plan, planner_data=None) for plan in plans]
+
+    def lookup_tensor(self, index):
+        found = local_shard(self.state_dict, index)
+        return found if found is not None else super().lookup_tensor(index)
+
+    def finish_plan(self, new_plan):
+        plan = super().finish_plan(new_plan)
+        if self._items is not None:
+            plan = dataclasses.replace(plan, items=self._items)
+        return plan
+
+
+def _plain_plans(reader) -> bool:
+    """Whether ``reader`` plans as DCP's file-system reader does: it leaves plans as they are."""
+    cls = type(reader)
+    return (
+        isinstance(reader, FileSystemReader)
+        and cls.prepare_local_plan is FileSystemReader.prepare_local_plan
+        and cls.prepare_global_plan is FileSystemReader.prepare_global_plan
+    )
 
 
 # -- the model, optimizers and schedulers as one state dict ------------------
@@ -253,15 +288,22 @@ def load(
     rank. ``storage_reader`` is DCP's (a ``FileSystemReader`` or subclass).
     """
     settle()
+    with _gc_paused():
+        _load(checkpoint_id, model, optimizers, schedulers, extra, options, storage_reader)
+
+
+def _load(checkpoint_id, model, optimizers, schedulers, extra, options, storage_reader) -> None:
     opts = resolve_options(options)
     _check_extra(extra)
     schedulers = _as_list(schedulers)
     folder = _committed(checkpoint_id)
     state = _state(model, optimizers, schedulers, extra, opts)
+    if storage_reader is None:
+        storage_reader = Reader(str(folder), *commit.take_metadata(folder))
+    planner = LoadPlanner(strict=opts.strict)
+    planner.local_items = _plain_plans(storage_reader)
     try:
-        dcp.load(
-            state, checkpoint_id=str(folder), storage_reader=storage_reader, planner=LoadPlanner(strict=opts.strict)
-        )
+        dcp.load(state, checkpoint_id=str(folder), storage_reader=storage_reader, planner=planner)
     except CheckpointException as exc:
         raise _one_error(checkpoint_id, exc) from None
     _apply(state, model, optimizers, schedulers, extra, opts)
@@ -410,7 +452,7 @@ def _committed(checkpoint_id) -> Path:
 
     def look():
         try:
-            folder, why = commit.resolve(_path(checkpoint_id))
+            folder, why = commit.resolve(_path(checkpoint_id), keep=True)
         except OSError as exc:
             folder, why = None, f"{type(exc).__name__}: {exc}"
         return (str(folder) if folder else None), why
@@ -481,7 +523,14 @@ def _join_sweepers() -> None:
 atexit.register(_join_sweepers)  # a script that ends after a save leaves no garbage beside it
 
 
-def _save(
+def _save(*args, **kwargs):
+    """What :func:`save` and :meth:`Manager.save` do (see :func:`_save_now`), without cyclic garbage collection."""
+    settle()
+    with _gc_paused():
+        return _save_now(*args, **kwargs)
+
+
+def _save_now(
     path: Path,
     model,
     optimizers,
@@ -494,22 +543,23 @@ def _save(
 ):
     """What :func:`save` and :meth:`Manager.save` do: earlier async saves settled, the state read, then written
     into the staging directory and committed (in the background with ``async_save``)."""
-    settle()
     opts = resolve_options(options)
     _check_extra(extra)
     state = _state(model, optimizers, _as_list(schedulers), extra, opts)
     staging = commit.staging_of(path)
-    writer = commit.CommittingWriter(storage_writer or FileSystemWriter(str(staging)), path, after_commit)
+    writer = commit.CommittingWriter(storage_writer or Writer(str(staging)), path, after_commit)
     if not async_save:
         try:
-            dcp.save(state, checkpoint_id=str(staging), storage_writer=writer)
+            dcp.save(state, checkpoint_id=str(staging), storage_writer=writer, planner=SavePlanner())
         except CheckpointException as exc:
             _clean(path)
             raise _save_error(path, exc) from None
         _sweep(path)
         return None
     stager = storage_writer if isinstance(storage_writer, AsyncStager) else None
-    upload = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager)
+    upload = dcp.async_save(
+        state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager, planner=SavePlanner()
+    )
     upload = getattr(upload, "upload_completion", upload)
     fut = SaveFuture(path)
     _pending.append(fut)
@@ -526,6 +576,24 @@ def _save(
 
     upload.add_done_callback(finished)
     return fut
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector paused for a save or load.
+
+    DCP builds and unpickles several objects per tensor (plans, metadata,
+    write results); at tens of thousands of tensors the collections these
+    allocations trigger scan them again and again, seconds per save or load.
+    What becomes garbage meanwhile is collected once the collector resumes.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _clean(path: Path) -> None:

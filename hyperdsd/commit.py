@@ -102,6 +102,24 @@ def empty_trash(parent: Path, rank: int, coordinator: bool) -> None:
                 os.rmdir(folder)  # fails while other ranks are still at it: the next save removes it
 
 
+_read: dict[str, tuple] = {}  # the metadata check() read last: folder -> (stamp, metadata)
+
+
+def metadata_stamp(folder) -> tuple | None:
+    """What tells whether ``folder``'s ``.metadata`` changed: its inode, size and modification time."""
+    try:
+        st = os.stat(os.path.join(folder, METADATA))
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def take_metadata(folder: Path) -> tuple[Any, tuple | None]:
+    """The metadata :func:`check` read from ``folder`` last and its stamp, once; (None, None) if none."""
+    stamp, metadata = _read.pop(str(folder), (None, None))
+    return metadata, stamp
+
+
 def _data_files(folder: Path) -> dict[str, int]:
     """Every file of a checkpoint directory but its metadata and commit record, with its size."""
     return {
@@ -111,8 +129,11 @@ def _data_files(folder: Path) -> dict[str, int]:
     }
 
 
-def check(folder: Path) -> str | None:
+def check(folder: Path, keep: bool = False) -> str | None:
     """Why ``folder`` holds no complete checkpoint, or None when it does.
+
+    With ``keep``, the metadata read is kept for :func:`take_metadata`
+    (the load that follows reads it once, not twice).
 
     It needs ``.metadata``; every file the metadata points into must be
     there and long enough; with a commit record, every data file must have
@@ -126,6 +147,7 @@ def check(folder: Path) -> str | None:
     if not (folder / METADATA).is_file():
         return f"{folder} has no {METADATA}: not a DCP checkpoint, or one whose save did not finish"
     try:
+        stamp = metadata_stamp(folder)
         metadata = FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a torn or foreign file: say which
         return f"{folder / METADATA} cannot be read ({type(exc).__name__}: {exc})"
@@ -141,7 +163,11 @@ def check(folder: Path) -> str | None:
                 return f"{folder} lacks {name}, which its commit recorded ({size} bytes)"
             if files[name] != size:
                 return f"{folder / name} is {files[name]} bytes; its commit recorded {size}"
-    return _against_metadata(folder, metadata, files)
+    problem = _against_metadata(folder, metadata, files)
+    if problem is None and keep:
+        _read.clear()  # one at a time: the load that follows takes it
+        _read[str(folder)] = (stamp, metadata)
+    return problem
 
 
 def _against_metadata(folder: Path, metadata: Any, files: dict[str, int]) -> str | None:
@@ -157,13 +183,15 @@ def _against_metadata(folder: Path, metadata: Any, files: dict[str, int]) -> str
     return None
 
 
-def resolve(path: Path) -> tuple[Path | None, str]:
-    """The directory holding the checkpoint committed at ``path`` and "", or None and why there is none."""
+def resolve(path: Path, keep: bool = False) -> tuple[Path | None, str]:
+    """The directory holding the checkpoint committed at ``path`` and "", or None and why there is none.
+
+    ``keep``: as :func:`check`'s."""
     previous, staging = previous_of(path), staging_of(path)
     if path.exists():
-        problem = check(path)
+        problem = check(path, keep)
         return (None, problem) if problem else (path, "")
-    if previous.is_dir() and check(previous) is None:
+    if previous.is_dir() and check(previous, keep) is None:
         return previous, ""  # a commit was cut short after setting the previous checkpoint aside
     if staging.exists():
         return None, f"nothing was committed at {path}: {staging.name} is what a save that did not finish left"

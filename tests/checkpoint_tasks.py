@@ -40,7 +40,7 @@ def _setup(ctx, layout: str, seed: int, **kw):
     from conformance.layouts import Setup
     from conformance.models import GroupSpec, ModelConfig
 
-    cfg = ModelConfig(router=True, **kw.pop("cfg", {}))
+    cfg = ModelConfig(**{"router": True, **kw.pop("cfg", {})})
     groups = GroupSpec.for_seed(seed, **kw.pop("groups", {}))
     return Setup(_c(ctx), layout, "adamw", seed=seed, cfg=cfg, groups=groups, **kw)
 
@@ -496,4 +496,83 @@ def manager_on_ranks(ctx, layout: str):
         if dist.is_initialized():
             dist.barrier()
         assert left_in(root) == ["step-3", "step-5"], left_in(root)
+    return True
+
+
+# -- repeated saves that plain DCP reads ----------------------------------------------
+
+
+def _torch_load(path: str, setup) -> None:
+    """Load ``path`` with nothing of hyperdsd: torch's state-dict functions and plain dcp.load."""
+    from torch.distributed.checkpoint import state_dict as tsd
+
+    msd, osd = tsd.get_state_dict(setup.model, setup.optimizers[0])
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    tsd.set_state_dict(setup.model, setup.optimizers[0], model_state_dict=msd, optim_state_dict=osd)
+
+
+def saves_that_plain_dcp_loads(ctx, layout: str):
+    """Saves of the same shapes, of another model in between and after a failed
+    save, each read back by torch's plain dcp.load and by hyperdsd's load, equal to what was saved."""
+    # No routers: torch's own flow cannot load lazy optimizer state.
+    a = _setup(ctx, layout, 0, cfg={"router": False})
+    other = _setup(ctx, layout, 3, cfg={"router": False, "hidden": 24})  # other shapes: other plans
+    with _checkpoint_dir(ctx) as root:
+        path = os.path.join(root, "ckpt")
+        for round_ in range(3):
+            a.train(1)
+            if round_ == 1:
+                checkpoint.save(os.path.join(root, "other"), other.model, other.optimizers)
+            if round_ == 2:
+                writer = FailingWriter(os.path.join(root, ".bad.staging"), "write", ranks=(ctx.world_size - 1,))
+                try:
+                    checkpoint.save(os.path.join(root, "bad"), a.model, a.optimizers, storage_writer=writer)
+                except hyperdsd.StateDictError:
+                    pass
+                else:
+                    raise AssertionError("the failing save did not raise")
+            checkpoint.save(path, a.model, a.optimizers)
+            saved = _snapshot(a)
+            b = _setup(ctx, layout, 1, cfg={"router": False})
+            _torch_load(path, b)
+            diffs = _diff(saved, _snapshot(b))
+            assert not diffs, f"round {round_}, plain dcp.load:\n" + "\n".join(diffs[:10])
+            c = _setup(ctx, layout, 2, cfg={"router": False})
+            checkpoint.load(path, c.model, c.optimizers)
+            diffs = _diff(saved, _snapshot(c))
+            assert not diffs, f"round {round_}, hyperdsd load:\n" + "\n".join(diffs[:10])
+        o = _setup(ctx, layout, 4, cfg={"router": False, "hidden": 24})
+        checkpoint.load(os.path.join(root, "other"), o.model, o.optimizers)
+    return True
+
+
+def bulk_plans_match_dcp(ctx, layout: str):
+    """hyperdsd's local save and load plans, built once per kind of DTensor, are DCP's own."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.default_planner import (
+        create_default_local_load_plan,
+        create_default_local_save_plan,
+    )
+
+    from hyperdsd.dcp_plans import local_load_plan, local_save_plan
+
+    a = _setup(ctx, layout, 0)
+    a.train(1)
+    opts = _options(a)
+    with _checkpoint_dir(ctx) as path:
+        msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
+        saver = DefaultSavePlanner()
+        saver.set_up_planner({"model": msd, "optim": osd}, is_coordinator=ctx.rank == 0)
+        ours = local_save_plan(saver.state_dict, ctx.rank == 0).items
+        theirs = create_default_local_save_plan(saver.state_dict, ctx.rank == 0).items
+        assert sorted(map(repr, ours)) == sorted(map(repr, theirs)), (len(ours), len(theirs))
+        assert [i.index.fqn for i in ours] != [] and all(i.index.fqn in saver.state_dict for i in ours)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        metadata = FileSystemReader(path).read_metadata()
+        msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0], options=opts)
+        loader = DefaultLoadPlanner()
+        loader.set_up_planner({"model": msd, "optim": osd}, metadata, ctx.rank == 0)
+        ours = local_load_plan(loader.state_dict, metadata, True).items
+        theirs = create_default_local_load_plan(loader.state_dict, metadata, True).items
+        assert sorted(map(repr, ours)) == sorted(map(repr, theirs)), (len(ours), len(theirs))
     return True

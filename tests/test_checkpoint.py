@@ -79,6 +79,16 @@ def test_schedulers_and_extra_stateful_objects_round_trip(pools, layout, world_s
     assert run(pools, world_size, "schedulers_and_extra", layout=layout) == [True] * world_size
 
 
+@pytest.mark.parametrize("layout, world_size", [("single", 1), ("fsdp2", 2)])
+def test_repeated_saves_load_with_plain_dcp(pools, layout, world_size):
+    assert run(pools, world_size, "saves_that_plain_dcp_loads", layout=layout) == [True] * world_size
+
+
+@pytest.mark.parametrize("layout, world_size", [("fsdp3", 3), ("halves2+2", 4), ("fsdp4+rep2", 4), ("pp2", 2)])
+def test_bulk_plans_are_dcps_own(pools, layout, world_size):
+    assert run(pools, world_size, "bulk_plans_match_dcp", layout=layout) == [True] * world_size
+
+
 def test_async_save_writes_a_checkpoint_that_loads(pools):
     assert run(pools, 2, "schedulers_and_extra", layout="fsdp2", async_save=True) == [True, True]
 

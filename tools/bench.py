@@ -13,8 +13,15 @@ rank 0; for bcast_set, one gloo scatter of them from rank 0. The other modes
 have no such floor (get is local; dcp is dominated by DCP's own save and
 load). On the models with many small parameters (10k, 50k) the table adds
 hyperdsd's time per 1,000 keys (parameters; each also has three AdamW state
-values) and, for the modes whose target is relative to it, the ratio to
-hyperdsd's own sharded get.
+values), per key, and as a multiple of the per-tensor floor: one ``clone()``
+of every local tensor (a parameter's shard and its optimizer state values)
+in a Python loop, slowest rank, measured in the same run; and, for the modes
+whose target is relative to it, the ratio to hyperdsd's own sharded get.
+``resume`` is a save and a load of the model and optimizer:
+``hyperdsd.checkpoint.save`` then ``load``, against torch's
+``get_state_dict``, plain ``dcp.save``, ``get_state_dict``, ``dcp.load`` and
+``set_state_dict``; not on the 268m model (as ``dcp``: gigabytes of files),
+nor by default on the 50k one (``--resume-50k`` adds it; torch takes long there).
 
 Then, unless ``--no-breakdown``, where a key's time goes: hyperdsd's CPU
 time per key of the slowest rank, by category (cProfile shares scaled to the
@@ -25,6 +32,7 @@ own processes, in the full and broadcast modes.
     python -m tools.bench --reps 3 --budget 60 # fewer repetitions: still over an hour
     python -m tools.bench --sizes 4m --reps 3 --no-memory --no-breakdown
     python -m tools.bench --sizes 10k --modes get,set --no-memory --breakdown-sizes 10k
+    python -m tools.bench --sizes 10k,50k --modes resume --resume-50k --reps 3 --no-memory --no-breakdown
 
 ``--torch-skip SIZE:MODE,...`` leaves torch out where it takes many minutes
 per repetition (by default: full get and broadcast sets on the 50k model;
@@ -71,8 +79,11 @@ def main() -> None:
     )
     parser.add_argument("--hsdp-sizes", default="4m,17m", help="sizes also run on a 2x2 mesh (full_get, bcast_set)")
     parser.add_argument(
-        "--skip", default="50k:dcp,268m:dcp,67m:bcast_both,268m:bcast_both", help="SIZE:MODE pairs not run at all"
+        "--skip",
+        default="50k:dcp,268m:dcp,67m:bcast_both,268m:bcast_both,50k:resume,268m:resume",
+        help="SIZE:MODE pairs not run at all",
     )
+    parser.add_argument("--resume-50k", action="store_true", help="run resume on the 50k model too")
     parser.add_argument(
         "--torch-skip",
         default="50k:full_get,50k:bcast_set,50k:bcast_both",
@@ -98,6 +109,8 @@ def main() -> None:
     sizes = [s for s in args.sizes.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     skip, torch_skip = _pairs(args.skip), _pairs(args.torch_skip)
+    if args.resume_50k:
+        skip.discard(("50k", "resume"))
     runs = [(s, m, "4") for s in sizes for m in modes if (s, m) not in skip]
     runs += [(s, m, "2x2") for s in args.hsdp_sizes.split(",") if s for m in ("full_get", "bcast_set")]
     print(
@@ -108,11 +121,23 @@ def main() -> None:
     print(
         f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10}"
         f" {'hyperdsd/floor':>15} {'reps':>5}"
-        f" {'ms/1k keys':>11} {'x own get':>10}"
+        f" {'ms/1k keys':>11} {'us/key':>8} {'x clone':>8} {'x own get':>10}"
     )
     own_get: dict[str, float] = {}
+    clone_ms: dict[str, float] = {}
     with PoolSet(gloo_timeout_s=900) as pools:
         for size, mode, mesh in runs:
+            if size in MANY_KEYS and size not in clone_ms:
+                outcome = pools.run(4, Task(bench_tasks.clone_floor, {"size": size, "reps": args.reps}), 3600)
+                if outcome.status == Status.PASSED:
+                    # slowest rank per repetition, then the median
+                    clone_ms[size] = statistics.median(max(per) for per in zip(*outcome.values))
+                    keys = bench_tasks.keys_of(size)
+                    print(
+                        f"{size:>5} per-tensor floor (clone of every local tensor, slowest rank): "
+                        f"{clone_ms[size]:.1f} ms, {clone_ms[size] / keys * 1000:.1f} us/key",
+                        flush=True,
+                    )
             torch_too = (size, mode) not in torch_skip
             task = Task(
                 bench_tasks.time_mode,
@@ -146,8 +171,13 @@ def main() -> None:
                 if mode == "get":
                     own_get[size] = b
                 relative = f"{b / own_get[size]:10.1f}" if mode in RELATIVE_TO_GET and size in own_get else f"{'':>10}"
-                extra = f" {b / bench_tasks.keys_of(size) * 1000:11.1f} {relative}"
+                per_key = b / bench_tasks.keys_of(size) * 1000
+                floor_x = f"{b / clone_ms[size]:8.1f}" if size in clone_ms else f"{'-':>8}"
+                extra = f" {per_key:11.1f} {b / bench_tasks.keys_of(size) * 1000:8.1f} {floor_x} {relative}"
             print(f"{size:>5} {mesh:>4} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
+            if mode == "resume":
+                ratio = f", torch {a / 1000:.1f} s, ratio {b / a:.2f}" if torch_too else ""
+                print(f"{'':>5} resume {size}: hyperdsd {b / 1000:.1f} s{ratio}", flush=True)
         if not args.no_breakdown:
             _breakdown(
                 pools,

@@ -21,6 +21,7 @@ SIZES = {  # name -> (layers, blocks of layers, width): about 4M, 17M, 67M, 268M
     "268m": (4, 1, 8192),
     "10k": (50, 100, 4),  # 100 FSDP units of 50 Linear(4, 4): 10,000 parameters
     "50k": (50, 500, 4),  # 500 units of 50: 50,000 parameters
+    "2k": (50, 20, 4),  # 20 units of 50: 2,000 parameters (quick profiles)
 }
 # Built on the meta device and materialised after sharding: a rank never holds the whole model.
 ON_META = ("268m",)
@@ -35,7 +36,9 @@ def keys_of(size: str) -> int:
 # bcast_both: hyperdsd loads model and optimizer in one set_state_dict (one
 # manifest, one exchange); torch in two calls as in bcast_set (its
 # set_state_dict hangs in this mode when other ranks pass an empty model dict).
-MODES = ("get", "set", "full_get", "bcast_set", "bcast_both", "flat_get", "flat_set", "dcp")
+# resume: hyperdsd.checkpoint.save then load, against torch's get_state_dict,
+# plain dcp.save, get_state_dict, dcp.load and set_state_dict.
+MODES = ("get", "set", "full_get", "bcast_set", "bcast_both", "flat_get", "flat_set", "dcp", "resume")
 
 
 def _impl(name):
@@ -119,6 +122,8 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
         opts = _options(impl, full_state_dict=True, broadcast_from_rank0=True)
         impl.set_model_state_dict(model, msd, options=opts)
         impl.set_optimizer_state_dict(model, opt, osd, options=opts)
+    elif mode == "resume":
+        _resume(ctx, impl_name, model, opt)
     elif mode == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -137,6 +142,116 @@ def _op(ctx, impl_name, mode, model, opt, inputs):
         dist.barrier()
         if ctx.rank == 0:
             shutil.rmtree(box[0], ignore_errors=True)
+
+
+def _resume(ctx, impl_name, model, opt, timer=None) -> None:
+    """Save the model and optimizer as a DCP checkpoint and load it back: through
+    hyperdsd.checkpoint, or torch's state-dict functions with plain DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    timer = timer or (lambda name: None)
+    box = [tempfile.mkdtemp(prefix="bench-resume-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = f"{box[0]}/ckpt"
+    timer("start")
+    if impl_name == "hyperdsd":
+        import hyperdsd.checkpoint
+
+        hyperdsd.checkpoint.save(path, model, opt)
+        timer("save")
+        hyperdsd.checkpoint.load(path, model, opt)
+        timer("load")
+    else:
+        impl = _impl("torch")
+        msd, osd = impl.get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        timer("save")
+        msd, osd = impl.get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        timer("load")
+    dist.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+
+
+def clone_floor(ctx, size: str, mesh: str = "4", reps: int = 3):
+    """The per-tensor floor: one ``clone()`` of every local tensor (each
+    parameter's shard and its optimizer state values) in a Python loop; this
+    rank's ms per repetition."""
+    from torch.distributed.tensor import DTensor
+
+    model, opt = _build(ctx, size, mesh)
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        for p in model.parameters():
+            local(p).clone()
+            for v in opt.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    local(v).clone()
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def profile_resume(
+    ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top: int = 40, dump: str = "", timed: bool = True
+):
+    """Per-phase wall times (and the GC's, by generation) on every rank of one resume after a warm-up, then
+    cProfile's top functions of another on rank 0, by cumulative and by own time (written to ``dump`` too).
+    Without ``timed``: one resume, profiled, and its phases."""
+    import cProfile
+    import io
+    import pstats
+
+    model, opt = _build(ctx, size, mesh)
+    if timed:
+        _resume(ctx, impl, model, opt)  # warm up
+    marks: list[tuple[str, float]] = []
+    gc_s = [0.0, 0.0, 0.0]
+    began = [0.0]
+
+    def timer(name):
+        marks.append((name, time.perf_counter()))
+
+    def on_gc(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            gc_s[info["generation"]] += time.perf_counter() - began[0]
+
+    prof = cProfile.Profile()
+    dist.barrier()
+    gc.callbacks.append(on_gc)
+    try:
+        if timed:
+            _resume(ctx, impl, model, opt, timer)
+            gc.callbacks.remove(on_gc)
+            dist.barrier()
+        if ctx.rank == 0:
+            prof.enable()
+        _resume(ctx, impl, model, opt, None if timed else timer)
+        if ctx.rank == 0:
+            prof.disable()
+    finally:
+        if on_gc in gc.callbacks:
+            gc.callbacks.remove(on_gc)
+    phases = {b[0]: b[1] - a[1] for a, b in zip(marks, marks[1:])}
+    phases.update({f"gc{g}": s for g, s in enumerate(gc_s)})
+    out = {"rank": ctx.rank, "phases": phases}
+    if ctx.rank == 0:
+        if dump:
+            prof.dump_stats(dump)
+        for order in ("cumulative", "tottime"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
+            out[order] = buf.getvalue()
+    return out
 
 
 def _local_state(model, opt) -> torch.Tensor:
