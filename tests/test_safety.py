@@ -1,10 +1,10 @@
 """Checkpoint safety and process hygiene: no pickle execution, private
 directories that are removed, rendezvous on loopback only."""
 
+import ast
 import os
 import pathlib
 import pickle
-import re
 
 import pytest
 import safety_tasks
@@ -24,10 +24,14 @@ def test_every_torch_load_in_the_project_is_weights_only():
         + list(ROOT.glob("tools/*.py"))
         + list(ROOT.glob("tests/*.py"))
     ):
-        text = path.read_text()
-        for match in re.finditer(r"torch\.load\(([^)]*)\)", text):
-            if "weights_only=True" not in match.group(1):
-                offenders.append(f"{path.relative_to(ROOT)}: {match.group(0)}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                safe = any(
+                    k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.keywords
+                )
+                if not safe:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert offenders == []
 
 
