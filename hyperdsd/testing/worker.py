@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import pickle
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.path[:0] = [p for p in json.loads(os.environ.get("HYPERDSD_SYS_PATH", "[]")) if p not in sys.path]
     os.set_inheritable(args.fd, False)  # children of a task must not hold the pipe open
     conn = Connection(args.fd)
+    # What the rank imported before its first task (torch, DCP, the preloads)
+    # lives as long as it does: out of the cyclic collector's way, so that a
+    # collection scans only what tasks made.
+    gc.freeze()
     try:
         serve(conn, args.rank, args.world_size, args.workdir, args.gloo_timeout, args.device, args.backend)
     finally:
