@@ -31,7 +31,7 @@ from .load_plan import (
     kind_differs,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placeholders import has_placeholders, is_saved_template, scratch_state, step_is_zero, template_fills
+from .placeholders import has_placeholders, is_saved_template, scratch_step, step_is_zero, template_fills
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -77,13 +77,20 @@ class _Expectations:
     def __init__(self, opt):
         self.opt = opt
         self.fresh = not opt.state
-        self._scratch: dict | None | bool = False
+        self._found: tuple | None | bool = False
         self._fills: dict | None = None
 
+    def _scratch_step(self) -> tuple | None:
+        """The scratch step (see :func:`scratch_step`), taken once per load and optimizer."""
+        if self._found is False:
+            self._found = scratch_step(self.opt, warn=self.fresh)
+        return self._found
+
     def scratch(self) -> dict | None:
-        if self._scratch is False:
-            self._scratch = scratch_state(self.opt) if self.fresh else None
-        return self._scratch
+        if not self.fresh:
+            return None
+        found = self._scratch_step()
+        return found[0] if found is not None else None
 
     def saved_template(self, p, entry: dict) -> bool:
         """Whether ``entry`` is this optimizer's never-stepped template, saved
@@ -91,7 +98,7 @@ class _Expectations:
         if not step_is_zero(entry):
             return False
         if self._fills is None:
-            self._fills = template_fills(self.opt)
+            self._fills = template_fills(self._scratch_step())
         return is_saved_template(entry, self._fills.get(p))
 
     def of(self, p) -> dict | None:

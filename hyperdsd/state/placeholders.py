@@ -172,11 +172,11 @@ def scratch_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict] | None
     Returns ``{param: {key: value}}`` for the parameters that would get state,
     or None (with a warning) if this optimizer cannot be stepped on a copy.
     """
-    found = _scratch_step(opt, warn=True)
+    found = scratch_step(opt, warn=True)
     return found[0] if found is not None else None
 
 
-def _scratch_step(opt: torch.optim.Optimizer, warn: bool) -> tuple[dict, set] | None:
+def scratch_step(opt: torch.optim.Optimizer, warn: bool) -> tuple[dict, set] | None:
     """The state of a scratch copy of ``opt`` after one zero-gradient step, by
     parameter, and the parameters whose state its constructor already made
     (state a never-stepped optimizer really has, as Adagrad's)."""
@@ -327,13 +327,11 @@ def _summary(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def template_fills(opt: torch.optim.Optimizer, found: tuple[dict, set] | None = None) -> dict:
-    """What ``opt``'s never-stepped template holds, by parameter, each tensor
-    summarised (:class:`_Fill`). ``found``: :func:`_scratch_step`'s result,
-    when the caller has it. Parameters whose state the constructor makes, and
-    optimizers that cannot be stepped on a copy, have no entry."""
-    if found is None:
-        found = _scratch_step(opt, warn=False)
+def template_fills(found: tuple[dict, set] | None) -> dict:
+    """What an optimizer's never-stepped template holds, by parameter, each
+    tensor summarised (:class:`_Fill`), from :func:`scratch_step`'s result.
+    Parameters whose state the constructor makes, and optimizers that cannot
+    be stepped on a copy (``found`` None), have no entry."""
     if found is None:
         return {}
     state, eager = found
