@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from . import _compat
 from .state.flat import is_flat
 from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan, TensorMeta
+from .state.placeholders import UNKNOWN, VARIES, never_stepped_tensors, tensor_fill
 from .transport import collectives
 from .transport.delivery import deliver, needs_for
 from .transport.group import Group
@@ -64,12 +65,19 @@ class LocalAgreement:
         """Raise on every rank if any rank has problems; returns the answers to
         this rank's open placeholder questions."""
         questions = optim_plan.questions if optim_plan is not None else {}
-        return collectives.agree(problems, f"{what}: nothing was loaded", questions, self.group)
+        confirm = optim_plan.confirm if optim_plan is not None else frozenset()
+        return collectives.agree(problems, f"{what}: nothing was loaded", questions, self.group, confirm)
 
 
 def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype], list[str]]:
     """The root's dict with each tensor replaced by a :class:`TensorMeta`;
-    the tensors; their ``(shape, dtype)`` in index order; problems."""
+    the tensors; their ``(shape, dtype)`` in index order; problems.
+
+    The tensors of optimizer entries whose ``step`` is 0 carry the one value
+    they hold, if they do (``TensorMeta.fill``): every rank needs it to tell
+    a saved never-stepped template from real state.
+    """
+    summarise = never_stepped_tensors(state_dict.get("optim")) if isinstance(state_dict, dict) else set()
     fulls: list[torch.Tensor] = []
     metas: list[ShapeDtype] = []
     problems: list[str] = []
@@ -91,7 +99,8 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
             shape = shared.setdefault(shape, shape)
             pair = ShapeDtype(shape, leaf.dtype)
             metas.append(shared.setdefault(pair, pair))
-            return TensorMeta(shape, leaf.dtype, len(fulls) - 1)
+            fill = tensor_fill(leaf) if id(leaf) in summarise else None
+            return TensorMeta(shape, leaf.dtype, len(fulls) - 1, None if fill in (UNKNOWN, VARIES) else fill)
         return leaf
 
     return rebuild(state_dict, meta), fulls, metas, problems
@@ -178,7 +187,8 @@ class BroadcastAgreement:
             extra = self._unowned(everyone)
             by_rank = [p + extra for p in by_rank]
         collectives.raise_if_any(by_rank, f"{what}: nothing was loaded", self.group)
-        answers = collectives.answer([k for k, v in questions.items() if v is None], [e["known"] for e in everyone])
+        confirm = optim_plan.confirm if optim_plan is not None else frozenset()
+        answers = collectives.answer(collectives.open_questions(questions, confirm), [e["known"] for e in everyone])
         deliver(
             needs,
             users,

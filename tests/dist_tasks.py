@@ -334,3 +334,33 @@ def compat_root_mesh(ctx):
 
     world = ctx.mesh("2x2")
     return _compat.root_mesh(world[world.mesh_dim_names[1]]) is world and _compat.root_mesh(world) is world
+
+
+def step0_agreement(ctx, writer: int | None, broadcast: bool):
+    """A saved never-stepped template loaded into a stepped target: no state
+    is left, unless one rank's part of an entry holds real values (``writer``
+    writes ones into its shard, or rank 0 into the full value): then every
+    rank loads that entry."""
+    fqn = "layers.0.fc1.weight"
+    a = _setup(ctx, "fsdp2", 0, "hyperdsd")  # never stepped
+    full = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    osd = copy.deepcopy(
+        hyperdsd.get_optimizer_state_dict(a.model, a.optimizers[0], options=full if broadcast else None)
+    )
+    if writer is not None and ctx.rank == writer:
+        held = osd["state"][fqn]["exp_avg"]
+        (held._local_tensor if isinstance(held, DTensor) else held).fill_(1.0)
+    b = _setup(ctx, "fsdp2", 1, "hyperdsd")
+    b.train(1)
+    opts = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) if broadcast else None
+    hyperdsd.set_optimizer_state_dict(b.model, b.optimizers[0], osd, options=opts)
+    params = dict(b.model.named_parameters())
+    state = b.optimizers[0].state
+    kept = fqn in {f for f, p in params.items() if p in state}
+    others = sorted(f for f, p in params.items() if p in state and f != fqn)
+    if kept:
+        local = state[params[fqn]]["exp_avg"]
+        local = local._local_tensor if isinstance(local, DTensor) else local
+        assert float(state[params[fqn]]["step"]) == 0.0
+        assert bool((local == (1.0 if writer == ctx.rank or broadcast else 0.0)).all()), local
+    return kept, others

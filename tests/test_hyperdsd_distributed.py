@@ -58,3 +58,9 @@ def test_interop_with_torch(pools, layout, writer, reader, mode):
 
 def test_set_state_dict_broadcast_with_empty_dicts_off_rank_0(pools):
     assert run(pools, 2, "combined_broadcast") == [True, True]
+
+
+@pytest.mark.parametrize("writer, broadcast", [(None, False), (0, False), (1, False), (None, True), (0, True)], ids=str)
+def test_a_saved_template_is_no_state_unless_any_rank_sees_real_values(pools, writer, broadcast):
+    kept = writer is not None
+    assert run(pools, 2, "step0_agreement", writer=writer, broadcast=broadcast) == [(kept, [])] * 2

@@ -2,6 +2,7 @@
 validation and in-place loading."""
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -559,3 +560,69 @@ def test_packed_needs_send_each_distinct_region_once():
     assert len(packed.table) == 2
     # A few bytes per tensor on the wire, not a pickled object each.
     assert len(pickle.dumps(PackedNeeds(needs))) < 8 * len(needs)
+
+
+# -- checkpoints taken before the first step ---------------------------------
+
+
+def _saved(osd, how):
+    if how == "deepcopy":
+        return copy.deepcopy(osd)
+    buf = io.BytesIO()
+    torch.save(osd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_saved_never_stepped_template_loads_as_no_state(how, warm):
+    a, oa = make(0)
+    msd, osd = hyperdsd.get_state_dict(a, oa)
+    msd, osd = _saved(msd, how), _saved(osd, how)
+    b, ob = make(1)
+    if warm:
+        step(b, ob, 2)
+    hyperdsd.set_state_dict(b, ob, model_state_dict=msd, optim_state_dict=osd)
+    assert len(ob.state) == 0  # a warm target's own state is gone too
+    step(a, oa)
+    step(b, ob)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert same([oa.state.get(p) for p in a.parameters()], [ob.state.get(p) for p in b.parameters()])
+
+
+def test_step_zero_with_values_of_its_own_is_real_state():
+    a, oa = make(0)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    osd["state"]["blocks.0.fc.weight"]["exp_avg_sq"].fill_(0.5)
+    b, ob = make(1)
+    hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert list(ob.state) == [b.blocks["0"].fc.weight]
+    assert float(ob.state[b.blocks["0"].fc.weight]["step"]) == 0.0
+    assert bool((ob.state[b.blocks["0"].fc.weight]["exp_avg_sq"] == 0.5).all())
+
+
+def test_state_a_constructor_makes_is_real_at_step_zero():
+    """Adagrad's never-stepped state (step 0, ``sum`` filled) is what its
+    constructor makes, not a template: it loads, and the target steps."""
+    torch.manual_seed(0)
+    a = Net()
+    oa = torch.optim.Adagrad(a.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    osd = _saved(hyperdsd.get_optimizer_state_dict(a, oa), "torch_save")
+    b = Net()
+    ob = torch.optim.Adagrad(b.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    step(b, ob, 2)
+    hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert len(ob.state) == len(list(b.parameters()))
+    assert all(float(s["step"]) == 0.0 and bool((s["sum"] == 0.25).all()) for s in ob.state.values())
+    step(b, ob)
+
+
+def test_state_without_a_step_count_always_loads():
+    """SGD's momentum has no ``step``: a zero buffer cannot be told from a
+    template's, so it loads as state (a real one is never dropped)."""
+    a, oa = make(0, opt="sgd")
+    osd = _saved(hyperdsd.get_optimizer_state_dict(a, oa), "torch_save")
+    b, ob = make(1, opt="sgd")
+    hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert ob.state and all(not s["momentum_buffer"].any() for s in ob.state.values())

@@ -269,10 +269,26 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "empty-shard-decides-alone",
         "state/load_plan.py",
-        "            if self.questions.get(load.fqn, True) is None and not answers.get(load.fqn, True):",
-        "            if False:",
+        "            asked = self.questions.get(load.fqn, True) is None or load.fqn in self.confirm",
+        "            asked = load.fqn in self.confirm",
         "a rank holding an empty shard of a template entry ignores what the other ranks say about it",
         ("OPT-RESHARD-2[fsdp2_to_fsdp4-sgd-dcp-aux]",),
+    ),
+    Mutant(
+        "saved-template-loads-as-state",
+        "state/optimizer_load.py",
+        "                plan.questions[fqn] = not expectation.saved_template(p, entry)",
+        "                plan.questions[fqn] = True",
+        "a never-stepped optimizer's template, saved before the first step, loads as real state",
+        ("OPT-RT-5[single-adamw-sharded-step0]", "OPT-PART-3[single-sharded-step0]"),
+    ),
+    Mutant(
+        "saved-template-keeps-warm-state",
+        "state/optimizer.py",
+        "            load.opt.state.pop(load.param, None)",
+        "            pass",
+        "an entry that says 'never stepped' leaves a stepped target's own state in place",
+        ("OPT-RT-5[single-adamw-sharded-step0]",),
     ),
     Mutant(
         "step-placeholder-not-zeroed",

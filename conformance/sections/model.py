@@ -171,10 +171,12 @@ def share_bytes(state: dict) -> int:
 
 def receive_bound(share: int, in_flight: int) -> int:
     """What a non-root rank may receive of tensors in a broadcast load
-    (MODEL-3): its own share plus one tensor in flight. On the suite's
+    (MODEL-3): its own share plus one tensor in flight. On the matrix's
     models that allowance also covers what a bucketed scatter pads (every
     rank's buffer as wide as the widest rank's pieces, on uneven shards),
-    while a whole copy of every tensor exceeds it on every layout that shards."""
+    though not on models of a few bytes a rank (dimensions of 1, as
+    generated scenarios draw), while a whole copy of every tensor exceeds it
+    on every layout that shards."""
     return share + in_flight
 
 
@@ -222,6 +224,9 @@ def cases():
                 )
     for layout in ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         yield make_case("MODEL-3", layout, model_3, mode="bcast")
+    tiny = ModelConfig(vocab=2, dim=1, hidden=1, n_layers=1, aux_out=1)  # a few bytes a rank, shards uneven
+    for layout in ("fsdp2", "fsdp4"):
+        yield make_case("MODEL-3", layout, model_3, mode="bcast", variant="tiny", cfg=tiny)
     for layout in ("fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("full", "bcast"):
             yield make_case("MODEL-4", layout, model_4, mode=mode)

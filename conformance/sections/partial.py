@@ -128,6 +128,17 @@ def part_3(c, layout, mode):
     fail_if(problems, "OPT-PART-3: optimizer state of frozen parameters was not kept")
 
 
+def part_3_step0(c, layout, mode):
+    """A parameter frozen from the start never has optimizer state: resuming
+    from a checkpoint taken before the first step (as training scripts save
+    at step 0) leaves it without any, and runs like the uninterrupted run."""
+    r = flows.resume(c, flows.recipe(layout, cfg=ModelConfig(frozen=True)), mode, before=0)
+    fail_if(
+        diff_snapshots(r.expected, snapshot(r.resumed)),
+        f"OPT-PART-3: {mode}: after resuming from a step-0 checkpoint, the run differs from the uninterrupted one",
+    )
+
+
 def part_4(c, layout, mode):
     """An optimizer over a subset of the parameters round-trips."""
     r = flows.resume(c, flows.recipe(layout, trainable=only_layers), mode)
@@ -301,6 +312,9 @@ def cases():
     for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-3", layout, part_3, mode=mode)
+    for layout in ("single", "fsdp4"):  # a frozen parameter in a checkpoint taken before the first step
+        for mode in flows.MODES:
+            yield make_case("OPT-PART-3", layout, part_3_step0, mode=mode, variant="step0")
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-4", layout, part_4, mode=mode)

@@ -212,6 +212,9 @@ def cases():
         for opt in ("adamw", "adagrad"):
             for mode in flows.MODES:
                 yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode, variant="step0", before=0)
+    for layout in ("single", "fsdp4", "pp2xfsdp2"):  # a rollback to a checkpoint taken before the first step
+        for mode in flows.MODES:
+            yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode=mode, variant="step0", before=0)
     for mode in flows.MODES:  # optional: FSDP over tensor parallelism (strided shards)
         yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
     for layout in LAYOUTS:

@@ -33,6 +33,9 @@ class TensorMeta:
     shape: tuple
     dtype: torch.dtype
     index: int
+    # The one value every element holds (:func:`~hyperdsd.state.placeholders.tensor_fill`),
+    # worked out on the root for the state of never-stepped entries only; None: not known.
+    fill: Any = None
 
 
 @dataclass(slots=True)
@@ -99,12 +102,16 @@ class OptimizerLoadPlan:
     claimed: set[str] = field(default_factory=set)  # source FQNs this rank loads
     # Was the template entry of each FQN loaded into? None: this rank cannot tell.
     questions: dict[str, bool | None] = field(default_factory=dict)
+    # FQNs whose answer every rank's own must confirm (a saved template is
+    # one only if no rank sees real state in its shard).
+    confirm: set[str] = field(default_factory=set)
     foreign: list[str] = field(default_factory=list)  # source FQNs this rank does not know
 
     def settle(self, answers: dict[str, bool]) -> None:
         """Drop the entries other ranks say nobody loaded (they stay fresh)."""
         for load in self.params:
-            if self.questions.get(load.fqn, True) is None and not answers.get(load.fqn, True):
+            asked = self.questions.get(load.fqn, True) is None or load.fqn in self.confirm
+            if asked and not answers.get(load.fqn, True):
                 load.entry = None
 
     def tensors(self) -> list[Prepared]:

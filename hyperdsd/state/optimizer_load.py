@@ -31,7 +31,7 @@ from .load_plan import (
     kind_differs,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placeholders import has_placeholders, scratch_state
+from .placeholders import has_placeholders, is_saved_template, scratch_step, step_is_zero, template_fills
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -77,12 +77,29 @@ class _Expectations:
     def __init__(self, opt):
         self.opt = opt
         self.fresh = not opt.state
-        self._scratch: dict | None | bool = False
+        self._found: tuple | None | bool = False
+        self._fills: dict | None = None
+
+    def _scratch_step(self) -> tuple | None:
+        """The scratch step (see :func:`scratch_step`), taken once per load and optimizer."""
+        if self._found is False:
+            self._found = scratch_step(self.opt, warn=self.fresh)
+        return self._found
 
     def scratch(self) -> dict | None:
-        if self._scratch is False:
-            self._scratch = scratch_state(self.opt) if self.fresh else None
-        return self._scratch
+        if not self.fresh:
+            return None
+        found = self._scratch_step()
+        return found[0] if found is not None else None
+
+    def saved_template(self, p, entry: dict) -> bool:
+        """Whether ``entry`` is this optimizer's never-stepped template, saved
+        (see :func:`is_saved_template`); the template is built on first need."""
+        if not step_is_zero(entry):
+            return False
+        if self._fills is None:
+            self._fills = template_fills(self._scratch_step())
+        return is_saved_template(entry, self._fills.get(p))
 
     def of(self, p) -> dict | None:
         entry = self.opt.state.get(p)
@@ -113,6 +130,12 @@ def _prepare_all(
             if not written:  # absent, or a template entry nobody filled: the parameter ends fresh
                 plan.params.append(ParamLoad(target.opt, p, fqn, None))
                 continue
+            if len(written) == len(entry) and step_is_zero(entry):
+                # Perhaps a saved template: "never stepped", so the parameter
+                # ends without state (a warm target's own is dropped). Ranks
+                # see different shards: real state if any rank sees it.
+                plan.questions[fqn] = not expectation.saved_template(p, entry)
+                plan.confirm.add(fqn)
             expected = expectation.of(p)
             if expected and strict and not expected.keys() <= written.keys():
                 lacking = sorted(str(k) for k in expected if k not in written)

@@ -12,6 +12,12 @@ gradients are never touched.
 Template tensors are *placeholders*: set_* recognises one that nobody wrote
 into (its in-place version counter has not moved) and treats it as absent,
 so what a partial load did not cover leaves the optimizer as fresh as before.
+
+A template that was saved (a checkpoint taken before the first step, a
+copy) is recognised by its values instead: ``step`` 0 and everything else
+what the target optimizer's own template holds (see "saved templates"
+below). Such an entry says "never stepped": the parameter ends without
+state, a stepped target's own included.
 """
 
 from __future__ import annotations
@@ -166,6 +172,14 @@ def scratch_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict] | None
     Returns ``{param: {key: value}}`` for the parameters that would get state,
     or None (with a warning) if this optimizer cannot be stepped on a copy.
     """
+    found = scratch_step(opt, warn=True)
+    return found[0] if found is not None else None
+
+
+def scratch_step(opt: torch.optim.Optimizer, warn: bool) -> tuple[dict, set] | None:
+    """The state of a scratch copy of ``opt`` after one zero-gradient step, by
+    parameter, and the parameters whose state its constructor already made
+    (state a never-stepped optimizer really has, as Adagrad's)."""
     stand_ins: dict[torch.Tensor, torch.Tensor] = {}
     groups = []
     for group in opt.param_groups:
@@ -174,21 +188,23 @@ def scratch_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict] | None
         groups.append({**group, "params": [stand_ins[p] for p in group["params"]]})
     try:
         scratch = _scratch_optimizer(opt, groups)
+        eager = {p for p, stand_in in stand_ins.items() if scratch.state.get(stand_in)}
         with torch.enable_grad():
             _compat.unhooked_step(type(opt))(scratch)
     except Exception as exc:  # noqa: BLE001 - any optimizer may refuse a bare step
-        warnings.warn(
-            f"hyperdsd: cannot build a state template for {type(opt).__name__} ({type(exc).__name__}: {exc}); "
-            "a DCP load into this never-stepped optimizer will restore param_groups only",
-            stacklevel=3,
-        )
+        if warn:
+            warnings.warn(
+                f"hyperdsd: cannot build a state template for {type(opt).__name__} ({type(exc).__name__}: {exc}); "
+                "a DCP load into this never-stepped optimizer will restore param_groups only",
+                stacklevel=4,
+            )
         return None
     out = {}
     for p, stand_in in stand_ins.items():
         entry = scratch.state.get(stand_in)
         if entry:
             out[p] = entry
-    return out
+    return out, eager
 
 
 # -- templates ---------------------------------------------------------------
@@ -240,3 +256,161 @@ def first_placeholder(flat: dict) -> torch.Tensor | None:
         if is_unwritten_placeholder(value):
             return value
     return None
+
+
+# -- saved templates -----------------------------------------------------------
+#
+# A template that was copied (torch.save, a DCP round trip, a clone) is no
+# longer the object that was registered above; what survives is its values.
+# ``step`` is 0 (zeroed when the template is made: "never stepped"), which
+# no optimizer that counts its steps holds after a step of its own; every
+# other value is what the class's first zero-gradient step leaves (zeros for
+# Adam's moments). An entry counts as a saved template only when both hold:
+# ``step`` is 0 and every other value equals, key for key, the template the
+# target optimizer itself would give for that parameter. Optimizers whose
+# constructor makes state (Adagrad's ``sum``) have none: their never-stepped
+# state is real and loads as such. State without ``step`` (SGD's momentum)
+# cannot be told from real state and always loads.
+
+
+class _Fill(NamedTuple):
+    """A template tensor, summarised: its global shape and the one value all
+    its elements hold (``UNKNOWN``: this rank's shard has no elements;
+    ``VARIES``: not one value)."""
+
+    shape: tuple
+    value: Any
+
+
+UNKNOWN = object()
+VARIES = object()
+
+
+def tensor_fill(t: torch.Tensor) -> Any:
+    """The one value every element of ``t`` (this rank's shard) holds, ``UNKNOWN`` or ``VARIES``."""
+    local = _compat.local_tensor(t)
+    if local.numel() == 0:
+        return UNKNOWN
+    first = local.reshape(-1)[0]
+    return first.item() if bool((local == first).all()) else VARIES
+
+
+def step_is_zero(entry: dict) -> bool:
+    """Whether ``entry`` holds ``step`` 0 (a tensor, a number, or a broadcast
+    manifest's stand-in carrying the root's value as ``fill``)."""
+    step = entry.get("step")
+    if isinstance(step, bool) or step is None:
+        return False
+    if isinstance(step, (int, float)):
+        return step == 0
+    if isinstance(step, torch.Tensor):
+        local = _compat.local_tensor(step)
+        return local.numel() == 1 and local.item() == 0  # item(): a twentieth of a comparison's cost
+    fill = getattr(step, "fill", None)
+    return fill is not None and fill == 0 and _numel(step.shape) == 1
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _summary(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Fill(tuple(value.shape), tensor_fill(value))
+    if isinstance(value, dict):
+        return {k: _summary(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_summary(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def template_fills(found: tuple[dict, set] | None) -> dict:
+    """What an optimizer's never-stepped template holds, by parameter, each
+    tensor summarised (:class:`_Fill`), from :func:`scratch_step`'s result.
+    Parameters whose state the constructor makes, and optimizers that cannot
+    be stepped on a copy (``found`` None), have no entry."""
+    if found is None:
+        return {}
+    state, eager = found
+    return {
+        p: {k: _summary(v) for k, v in entry.items() if k != "step"}
+        for p, entry in state.items()
+        if p not in eager and "step" in entry
+    }
+
+
+def _matches(value: Any, summary: Any) -> bool:
+    """Whether this rank's part of ``value`` holds what ``summary`` says
+    (parts this rank cannot see do not contradict it: other ranks check them)."""
+    if isinstance(summary, _Fill):
+        if isinstance(value, torch.Tensor):
+            if tuple(value.shape) != summary.shape:
+                return False
+            local = _compat.local_tensor(value)
+            if local.numel() == 0 or summary.value is UNKNOWN:
+                return True
+            return summary.value is not VARIES and bool((local == summary.value).all())
+        fill = getattr(value, "fill", None)  # a broadcast manifest's stand-in
+        if fill is None or tuple(getattr(value, "shape", ())) != summary.shape:
+            return False
+        return summary.value is UNKNOWN or (summary.value is not VARIES and fill == summary.value)
+    if isinstance(summary, dict):
+        return (
+            isinstance(value, dict)
+            and value.keys() == summary.keys()
+            and all(_matches(value[k], summary[k]) for k in value)
+        )
+    if isinstance(summary, (list, tuple)):
+        return (
+            type(value) is type(summary)
+            and len(value) == len(summary)
+            and all(_matches(v, s) for v, s in zip(value, summary))
+        )
+    if isinstance(value, torch.Tensor):
+        return False
+    try:
+        return bool(value == summary)
+    except Exception:  # noqa: BLE001 - an odd value is not the template's
+        return False
+
+
+def is_saved_template(entry: dict, fills: dict | None) -> bool:
+    """Whether ``entry`` is, as far as this rank can see, a never-stepped
+    optimizer's template that was saved: ``step`` 0 and every other value the
+    target optimizer's own template (``fills``: :func:`template_fills`'s entry
+    for the parameter). Ranks see different shards: the caller agrees across
+    ranks (real if any rank sees real state)."""
+    if fills is None or not step_is_zero(entry):
+        return False
+    rest = {k: v for k, v in entry.items() if k != "step"}
+    return rest.keys() == fills.keys() and all(_matches(v, fills[k]) for k, v in rest.items())
+
+
+def never_stepped_tensors(osd: Any) -> set[int]:
+    """The ids of the tensors of every entry of ``osd`` (nested or flat)
+    whose ``step`` is 0: what a broadcast's root summarises (:func:`tensor_fill`)
+    so that every rank can tell a saved template from its manifest."""
+    if not isinstance(osd, dict):
+        return set()
+    out: set[int] = set()
+    state = osd.get("state")
+    if isinstance(state, dict):
+        for entry in state.values():
+            if isinstance(entry, dict) and step_is_zero(entry):
+                out.update(id(t) for v in entry.values() for t in _tensors(v))
+        return out
+    prefixes = {
+        k[: -len(".step")]
+        for k, v in osd.items()
+        if isinstance(k, str) and k.startswith("state.") and k.endswith(".step") and step_is_zero({"step": v})
+    }
+    if not prefixes:
+        return out
+    for k, v in osd.items():
+        if isinstance(v, torch.Tensor) and isinstance(k, str) and k.startswith("state."):
+            if any(k[:i] in prefixes for i, ch in enumerate(k) if ch == "."):
+                out.add(id(v))
+    return out

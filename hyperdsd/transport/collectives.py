@@ -47,7 +47,11 @@ def rank() -> int:
 
 
 def agree(
-    problems: list[str], what: str, questions: dict[str, bool | None] | None = None, group: Group | None = None
+    problems: list[str],
+    what: str,
+    questions: dict[str, bool | None] | None = None,
+    group: Group | None = None,
+    confirm: set[str] | frozenset = frozenset(),
 ) -> dict[str, bool]:
     """Raise :class:`StateDictError` on every rank of ``group`` if any has problems.
 
@@ -55,15 +59,17 @@ def agree(
     something is wrong. ``questions`` (name -> this rank's answer, or None
     where it cannot tell) are answered by the other ranks in the same step:
     the answer is True if any rank answered True. Returns the answers to this
-    rank's open questions. ``group`` defaults to the world.
+    rank's open questions, and to those in ``confirm`` (answered here, but
+    only for this rank's part: every rank's answer counts). ``group``
+    defaults to the world.
     """
     group = group or world()
     questions = questions or {}
-    open_ = [k for k, v in questions.items() if v is None]
+    open_ = open_questions(questions, confirm)
     if not group.has_peers:
         if problems:
             raise StateDictError(_format(what, {global_rank(): problems}))
-        return {k: True for k in open_}
+        return answer(open_, [{k: v for k, v in questions.items() if v is not None}])
     flags = torch.tensor([1 if problems else 0, 1 if open_ else 0], dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
     answers: dict[str, bool] = {}
@@ -83,6 +89,11 @@ def exchange(obj: Any, group: Group | None = None) -> list[Any]:
     everyone: list[Any] = [None] * group.size
     dist.all_gather_object(everyone, obj, group=group.pg)
     return everyone
+
+
+def open_questions(questions: dict[str, bool | None], confirm=frozenset()) -> list[str]:
+    """The questions other ranks answer: those this rank cannot tell, and those ``confirm`` names."""
+    return [k for k, v in questions.items() if v is None or k in confirm]
 
 
 def answer(open_questions, known_by_rank: list[dict[str, bool]]) -> dict[str, bool]:

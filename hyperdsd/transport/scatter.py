@@ -6,9 +6,12 @@ of it each rank needs (:class:`Need`, exchanged as :class:`PackedNeeds`).
 the model's group, see :mod:`hyperdsd.transport.group`): a large tensor that
 every rank needs an equal run of whole rows of moves in one scatter, straight
 into each rank's destination; the rest travel packed in bounded byte
-buckets, one scatter per bucket. The bucket plan is computed alike on every
-rank from what every rank knows, so no rank waits on a collective another
-does not issue.
+buckets, one uneven all-to-all from the root per bucket, so that each rank
+receives its own pieces and nothing more (a scatter sends every rank as
+many bytes as the widest rank's pieces: on uneven shards, a rank with a
+small share received several times it). Pieces are aligned to their dtype's
+size only. The bucket plan is computed alike on every rank from what every
+rank knows, so no rank waits on a collective another does not issue.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import DTensorLayout
-from .collectives import BUCKET_BYTES, DIRECT_BYTES, aligned, as_bytes, exchange, from_bytes
+from .collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes, exchange, from_bytes
 from .group import Group, world
 
 # Tensors up to this size are packed in runs with the others of their shape
@@ -140,18 +143,20 @@ class Scatterer:
         bucket: list[Run] = []
         used = [0] * self.world
         for members, sizes in self._runs(rest):
-            steps = [aligned(n) if n > 0 else 0 for n in sizes]
+            steps = [n if n > 0 else 0 for n in sizes]
+            itemsize = self.metas[members[0]].dtype.itemsize
             while members:
                 # As many of the run's tensors as fit what the bucket has left
                 # on every rank; one at least in an empty bucket.
-                room = min(((self.limit - u) // step for u, step in zip(used, steps) if step), default=len(members))
+                starts = [_align(u, itemsize) if step else u for u, step in zip(used, steps)]
+                room = min(((self.limit - u) // step for u, step in zip(starts, steps) if step), default=len(members))
                 take = min(len(members), room) if room > 0 or bucket else 1
                 if take <= 0:
                     self._scatter_bucket(bucket)
                     bucket, used = [], [0] * self.world
                     continue
                 bucket.append((members if take == len(members) else members[:take], sizes))
-                used = [u + take * step for u, step in zip(used, steps)]
+                used = [u + take * step for u, step in zip(starts, steps)]
                 members = members[take:] if take < len(members) else []
         if bucket:
             self._scatter_bucket(bucket)
@@ -226,57 +231,92 @@ class Scatterer:
         dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
         self._deliver(i, recv, view=False)
 
-    def _scatter_bucket(self, bucket: list[Run]) -> None:
-        width = max(sum(len(m) * aligned(sizes[r]) for m, sizes in bucket if sizes[r] > 0) for r in range(self.world))
-        if width == 0:
-            return
-        recv = torch.empty(width, dtype=torch.uint8, device=self.device)
-        if self.me == 0:
-            sends = self._pack(bucket, width)
-            if self.world > 1:
-                dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
-            else:
-                recv = sends[0]
-        else:
-            dist.scatter(recv, None, src=self.group.root, group=self.group.pg)
-        off = 0
+    def _layout(self, bucket: list[Run], r: int) -> tuple[list[int], int]:
+        """Where each run's pieces start in rank ``r``'s buffer, and its width.
+
+        Pieces follow one another, each run starting at a multiple of its
+        dtype's size (all a view of the bytes as that dtype needs); pieces of
+        one run (one dtype) lie back to back, with no padding between them.
+        """
+        starts, off = [], 0
         for members, sizes in bucket:
+            n = sizes[r]
+            if n > 0:
+                off = _align(off, self.metas[members[0]].dtype.itemsize)
+            starts.append(off)
+            off += len(members) * max(n, 0)
+        return starts, off
+
+    def _scatter_bucket(self, bucket: list[Run]) -> None:
+        """One bucket: each rank receives exactly its own pieces (an uneven
+        all-to-all from the root), never padding up to another rank's width."""
+        layouts = [self._layout(bucket, r) for r in range(self.world)]
+        widths = [w for _, w in layouts]
+        if not any(widths):
+            return
+        recv = torch.empty(widths[self.me], dtype=torch.uint8, device=self.device)
+        if self.me == 0:
+            sends = self._pack(bucket, layouts)
+            if self.world > 1:
+                dist.all_to_all_single(
+                    recv,
+                    sends,
+                    output_split_sizes=[widths[0]] + [0] * (self.world - 1),
+                    input_split_sizes=widths,
+                    group=self.group.pg,
+                )
+            else:
+                recv = sends
+        else:
+            dist.all_to_all_single(
+                recv,
+                torch.empty(0, dtype=torch.uint8, device=self.device),
+                output_split_sizes=[widths[self.me]] + [0] * (self.world - 1),
+                input_split_sizes=[0] * self.world,
+                group=self.group.pg,
+            )
+        starts = layouts[self.me][0]
+        for (members, sizes), off in zip(bucket, starts):
             n = sizes[self.me]
             if n < 0:
                 continue
-            step, shape = aligned(n), self.everyone[self.me][members[0]].shape()
+            shape = self.everyone[self.me][members[0]].shape()
             for i in members:
                 self._deliver(i, from_bytes(recv[off : off + n], self.metas[i].dtype, shape), view=True)
-                off += step
+                off += n
 
-    def _pack(self, bucket: list[Run], width: int) -> list[torch.Tensor]:
-        """Every rank's buffer: its pieces at their offsets, zeros between.
+    def _pack(self, bucket: list[Run], layouts: list[tuple[list[int], int]]) -> torch.Tensor:
+        """Every rank's buffer, one after the other: its pieces at their offsets.
 
         A run of small tensors is stacked once and each rank's region cut
         from the stack in one operation: packing tensor by tensor (a cut, a
         view and a copy per tensor and rank) was most of a broadcast load of
         a model with many small parameters, all of it on the root.
         """
-        sends = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
-        offsets = [0] * self.world
-        for members, sizes in bucket:
+        out = torch.zeros(sum(w for _, w in layouts), dtype=torch.uint8, device=self.device)
+        bases = [0] * self.world
+        for r in range(1, self.world):
+            bases[r] = bases[r - 1] + layouts[r - 1][1]
+        for j, (members, sizes) in enumerate(bucket):
             first, k = members[0], len(members)
             stacked = None
             for r, n in enumerate(sizes):
-                if n < 0:
+                if n <= 0:
                     continue
-                step = aligned(n)
-                if n > 0:
-                    need = self.everyone[r][first]
-                    dest = sends[r][offsets[r] : offsets[r] + k * step].view(k, step)[:, :n]
-                    if k == 1:
-                        dest.copy_(as_bytes(need.cut(self.fulls[first])).view(1, n))
-                    else:
-                        if stacked is None:
-                            stacked = _stack([self.fulls[i] for i in members])
-                        dest.copy_(as_bytes(stacked[(slice(None),) + need.slices()]).view(k, n))
-                offsets[r] += k * step
-        return sends
+                at = bases[r] + layouts[r][0][j]
+                need = self.everyone[r][first]
+                dest = out[at : at + k * n].view(k, n)
+                if k == 1:
+                    dest.copy_(as_bytes(need.cut(self.fulls[first])).view(1, n))
+                else:
+                    if stacked is None:
+                        stacked = _stack([self.fulls[i] for i in members])
+                    dest.copy_(as_bytes(stacked[(slice(None),) + need.slices()]).view(k, n))
+        return out
+
+
+def _align(offset: int, itemsize: int) -> int:
+    return -(-offset // itemsize) * itemsize
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
