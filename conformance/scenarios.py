@@ -322,35 +322,18 @@ def _check(s: Scenario, clause: str):
     from .sections import empty_groups, model, purity, roundtrip, scheduler
 
     cfg = s.cfg()
+
+    def trained(**more):  # the arguments of a check that trains the scenario's recipe
+        return {"layout": s.layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe(), **more}
+
     if clause == "OPT-RT-1":
-        return roundtrip.rt_1, {
-            "layout": s.layout,
-            "opt": s.optimizer,
-            "mode": s.mode,
-            "before": s.before,
-            "after": s.after,
-            "how": s.recipe(),
-        }
+        return roundtrip.rt_1, trained(before=s.before, after=s.after)
     if clause == "OPT-RT-5":
-        return roundtrip.rt_5, {
-            "layout": s.layout,
-            "opt": s.optimizer,
-            "mode": s.mode,
-            "before": s.before,
-            "after": s.after,
-            "warm": s.warm,
-            "how": s.recipe(),
-        }
+        return roundtrip.rt_5, trained(before=s.before, after=s.after, warm=s.warm)
     if clause in ("OPT-PURE-1", "OPT-PURE-3"):
-        return purity.pure_1, {
-            "layout": s.layout,
-            "opt": s.optimizer,
-            "mode": s.mode,
-            "grads": False,
-            "how": s.recipe(),
-        }
+        return purity.pure_1, trained(grads=False)
     if clause == "OPT-PURE-2":
-        return purity.pure_2, {"layout": s.layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe()}
+        return purity.pure_2, trained()
     if clause == "MODEL-1":
         return model.model_1, {"layout": s.layout, "mode": s.mode, "cfg": cfg}
     if clause == "MODEL-2":
