@@ -128,8 +128,9 @@ def _cause_of(case: dict) -> str:
     return next((c.title for c in CAUSES if c.matches(case, sig)), "untraced")
 
 
-def summarize(report: dict, meta: dict | None) -> dict:
-    """One implementation on one release, clause by clause: passed, ran (not n/a) and failures by cause."""
+def summarize(report: dict, meta: dict | None, version: str) -> dict:
+    """One implementation on one release, clause by clause: passed, ran (not n/a) and failures by cause;
+    for torch's implementation, how the release's known-failures file fares against the run."""
     clauses: dict[str, dict] = {}
     for case in report["cases"]:
         entry = clauses.setdefault(case["clause"], {"passed": 0, "ran": 0, "causes": {}})
@@ -142,7 +143,14 @@ def summarize(report: dict, meta: dict | None) -> dict:
         else:
             cause = _cause_of(case) if report["impl"]["name"] == "torch" else status.value
             entry["causes"][cause] = entry["causes"].get(cause, 0) + 1
+    known = None
+    if report["impl"]["name"] == "torch":
+        from tools.trace_known import check, known_file
+
+        if os.path.exists(known_file(version)):
+            known = {k: (len(v) if isinstance(v, list) else v) for k, v in check(report["cases"], known_file(version)).items()}
     return {
+        "known": known,
         "torch_build": report["torch_version"],
         "suite_version": report["suite_version"],
         "spec_version": report["spec_version"],
@@ -195,7 +203,9 @@ def build(out: str, shipped: dict | None) -> dict:
             report = _read(os.path.join(out, f"{version}-{impl}.json"))
             if report is not None:
                 reports[(version, impl)] = report
-                entry["impls"][impl] = summarize(report, _read(os.path.join(out, f"{version}-{impl}.meta.json")))
+                entry["impls"][impl] = summarize(
+                    report, _read(os.path.join(out, f"{version}-{impl}.meta.json")), version
+                )
             elif impl in old.get(version, {}).get("impls", {}):
                 entry["impls"][impl] = old[version]["impls"][impl]
         if not entry["impls"]:
@@ -247,6 +257,29 @@ def render(summary: dict, preamble: str) -> str:
                 f"| {n[PASSED] + n.get(XPASS, 0)} | {n[FAILED]} | {n[ERROR]} | {n[NA]} "
                 f"| {_fmt_s(s['wall_s'])} | {_fmt_s(env.get('install_s'))} | {disk} |"
             )
+    out += [
+        "",
+        "## torch's known-failures files",
+        "",
+        "Each release's `conformance/known/torch-X.Y.txt` judged against that release's run of torch's "
+        "implementation, as `--xfails` would: failures it does not list, listed cases that passed (xpass), "
+        "errors, and entries that match no case. Green is 0 of each.",
+        "",
+        "| torch | file | unlisted failures | xpass | error | stale entries | |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in releases:
+        k = r["impls"].get("torch", {}).get("known")
+        if r["impls"].get("torch") is None:
+            continue
+        if not k:
+            out.append(f"| {r['version']} | none | | | | | not traced |")
+            continue
+        green = not any(k[key] for key in ("unlisted", "xpass", "error", "stale"))
+        out.append(
+            f"| {r['version']} | `{k['file']}` | {k['unlisted']} | {k['xpass']} | {k['error']} | {k['stale']} "
+            f"| {'green' if green else 'not green'} |"
+        )
     for impl in IMPLS:
         cols = [r for r in releases if impl in r["impls"]]
         if not cols:
