@@ -135,13 +135,19 @@ def model_group(c, layout: str):
 
 def submeshes(c, spans: list[tuple[int, ...]]) -> list:
     """A 1-D mesh over each span of ranks, built once per world on every rank
-    alike (a mesh over part of the world is still made by all of it)."""
+    alike (a mesh over part of the world is still made by all of it).
+
+    Its dim is named ``part``, a name no other layout uses: torch 2.6 to 2.9
+    compare meshes by ranks and dim names, and DTensor's caches and mesh
+    registry would hand a model on ranks 2-3 the ``shard`` slice of an
+    earlier case's pp x shard mesh over the same ranks, with that mesh's
+    groups (one program would not build both)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     key = ("submeshes", tuple(spans))
     if key not in c.rank_ctx.cache:
         device = c.rank_ctx.device_type
-        c.rank_ctx.cache[key] = [DeviceMesh(device, list(span), mesh_dim_names=("shard",)) for span in spans]
+        c.rank_ctx.cache[key] = [DeviceMesh(device, list(span), mesh_dim_names=("part",)) for span in spans]
     return c.rank_ctx.cache[key]
 
 

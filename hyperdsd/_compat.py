@@ -170,7 +170,29 @@ def root_mesh(mesh):
     from torch.distributed import device_mesh
 
     resources = getattr(device_mesh, "_mesh_resources", None)
-    return resources.get_root_mesh(mesh) if resources is not None else mesh
+    if resources is None:
+        return mesh
+    root = resources.get_root_mesh(mesh)
+    # The registry is keyed by value (ranks, shape, dim names), not identity:
+    # a mesh equal to a slice of another mesh built earlier maps to that
+    # mesh's root. The root is this mesh's own only if it holds this mesh's
+    # process groups, as one of its dims or as a dim flattened from them.
+    own = _group_names(mesh)
+    if root is mesh or not own or own <= _group_names(root) | _flattened_group_names(resources, root):
+        return root
+    return mesh
+
+
+def _group_names(mesh) -> set[str]:
+    names = getattr(mesh, "_dim_group_names", None)
+    if names is None:  # torch 2.6 to 2.7: (tag, ranks, group name) per dim
+        names = [info[-1] for info in getattr(mesh, "_dim_group_infos", None) or ()]
+    return set(names)
+
+
+def _flattened_group_names(resources, root) -> set[str]:
+    flattened = getattr(resources, "root_to_flatten_mapping", {}).get(root) or {}
+    return {name for flat in flattened.values() for name in _group_names(flat)}
 
 
 def collective_device() -> torch.device:
@@ -207,6 +229,14 @@ def forget_device_meshes() -> None:
     # No public API clears these caches.
     import sys
 
+    # torch 2.6 to 2.9 keep every sliced and flattened mesh in a registry
+    # keyed by value: a mesh of the new generation equal to an old one would
+    # be taken for it and handed its destroyed groups ("value was None").
+    resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+    for name in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+        registry = getattr(resources, name, None)
+        if isinstance(registry, dict):
+            registry.clear()
     if "torch.distributed.tensor" not in sys.modules:
         return
     from torch.distributed.tensor import DTensor, _redistribute, _sharding_prop

@@ -50,6 +50,39 @@ def test_root_mesh_before_device_mesh_had_the_method(monkeypatch):
     assert _compat.root_mesh(part) is root and _compat.root_mesh(root) is root
 
 
+def test_root_mesh_is_not_taken_from_an_equal_mesh_of_another_root(monkeypatch):
+    """torch 2.6 to 2.9 map meshes to roots by value: a 1-D mesh built over ranks 0-1 equals the 'shard'
+    slice of an earlier 2-D mesh, and the registry hands back that mesh's root. The root counts only if
+    it holds the mesh's own groups (as torch 2.6 to 2.7 record them, and as 2.8 to 2.9 do)."""
+    import types
+
+    from torch.distributed import device_mesh
+
+    from hyperdsd import _compat
+
+    for infos in ("_dim_group_infos", "_dim_group_names"):
+        as_recorded = (lambda n: ("tag", [0, 1], n)) if infos == "_dim_group_infos" else (lambda n: n)  # noqa: E731
+        root = types.SimpleNamespace(**{infos: [as_recorded("replicate"), as_recorded("shard")]})
+        flat = types.SimpleNamespace(**{infos: [as_recorded("dp")]})
+        part = types.SimpleNamespace(**{infos: [as_recorded("shard")]})
+        flattened = types.SimpleNamespace(**{infos: [as_recorded("dp")]})
+        equal_but_own = types.SimpleNamespace(**{infos: [as_recorded("halves")]})
+        registry = types.SimpleNamespace(
+            get_root_mesh=lambda mesh: root if mesh is not root else root,  # every mesh "equals" a slice of root
+            root_to_flatten_mapping={id(root): {"dp": flat}},
+        )
+        registry.root_to_flatten_mapping = _ById(registry.root_to_flatten_mapping)
+        monkeypatch.setattr(device_mesh, "_mesh_resources", registry)
+        assert _compat.root_mesh(part) is root, infos
+        assert _compat.root_mesh(flattened) is root, infos
+        assert _compat.root_mesh(equal_but_own) is equal_but_own, infos
+
+
+class _ById(dict):
+    def get(self, key, default=None):
+        return super().get(id(key), default)
+
+
 @pytest.mark.parametrize("package", ["hyperdsd", "conformance.cli", "conformance.registry"])
 @pytest.mark.parametrize("version", ["2.5.1", "2.6.0", "2.13.0+cpu"])
 def test_import_on_torch_below_the_floor_names_the_release_needed(package, version):

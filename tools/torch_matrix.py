@@ -148,7 +148,10 @@ def summarize(report: dict, meta: dict | None, version: str) -> dict:
         from tools.trace_known import check, known_file
 
         if os.path.exists(known_file(version)):
-            known = {k: (len(v) if isinstance(v, list) else v) for k, v in check(report["cases"], known_file(version)).items()}
+            known = {
+                k: (len(v) if isinstance(v, list) else v)
+                for k, v in check(report["cases"], known_file(version)).items()
+            }
     return {
         "known": known,
         "torch_build": report["torch_version"],
