@@ -212,6 +212,89 @@ CAUSES: tuple[Cause, ...] = (
 )
 
 
+# A generated scenario (python -m conformance explore) is attributed to the
+# first clause whose check fails, which need not be the clause the matrix
+# files the same cause under; its shrunk scenario keeps only the features
+# the deviation needs. So its cause is read from the message and those
+# features: (title, test(finding, scenario, message)), first match wins.
+_FULL_FILES = ("full_cpu", "bcast", "file")
+EXPLORE_RULES: tuple[tuple[str, Callable[[dict, dict, str], bool]], ...] = (
+    ("plain SGD in full modes", lambda f, s, m: "Expected device to be set" in m),
+    (
+        "flat layout and absent state",
+        lambda f, s, m: (
+            "float() argument must be a string or a real number" in m
+            or (s["mode"] == "flat" and "present, expected absent" in m)
+        ),  # SGD: the empty dict loads as state
+    ),
+    ("no DCP load path for lazy state", lambda f, s, m: "Missing key in checkpoint state_dict" in m),
+    ("lazy state rejected", lambda f, s, m: "Missing optimizer state for parameter" in m),
+    ("extra state objects in full modes", lambda f, s, m: "Unexpected value type" in m),
+    (
+        "empty param groups",
+        lambda f, s, m: (
+            s.get("empty_at")
+            and ("zero parameters" in m or "IndexError" in m or "param groups without parameters" in m)
+        ),
+    ),
+    ("broadcast loads send whole tensors", lambda f, s, m: f["clause"] == "MODEL-3" and "received" in m),
+    ("get aliases the optimizer", lambda f, s, m: f["clause"] == "OPT-PURE-2" and "changed the optim" in m),
+    ("fake step in get", lambda f, s, m: s.get("before") == 0),
+    (
+        "pipeline stages under full_cpu",
+        lambda f, s, m: (
+            any(side in PIPELINE for side in (s["layout"], s.get("reshard_to") or "")) and s["mode"] in _FULL_FILES
+        ),
+    ),
+    ("model keys not reported", lambda f, s, m: f["clause"] == "MODEL-2"),
+    ("frozen parameters' state dropped", lambda f, s, m: s.get("frozen") and "differs" in m),
+    (
+        "nested state values",
+        lambda f, s, m: s.get("optimizer") == "custom" and ("differs" in m or "Flattening optimizer state_dict" in m),
+    ),
+    ("state cast to the parameter's dtype", lambda f, s, m: s.get("dtype") == "bfloat16" and "differs" in m),
+    (
+        "group fields the target lacks",
+        lambda f, s, m: (s.get("scheduler") or s.get("custom_fields")) and ("differs" in m or "KeyError" in m),
+    ),
+)
+
+
+def explore_cause(finding: dict) -> str | None:
+    """The traced cause of a deviation found by ``python -m conformance explore --impl torch``, or None."""
+    scenario, message = finding["scenario"], finding["message"] or ""
+    return next((title for title, test in EXPLORE_RULES if test(finding, scenario, message)), None)
+
+
+def explore_table(path: str) -> int:
+    """Each finding of an exploration's JSON report with its cause; the causes found of those traced."""
+    with open(path) as f:
+        report = json.load(f)
+    run = report.get("explore", report)
+    findings = run.get("findings", [])
+    found: dict[str, list[str]] = {}
+    untraced = []
+    for f in findings:
+        cause = explore_cause(f)
+        (found.setdefault(cause, []) if cause else untraced).append(
+            f"{f['clause']}: {f['description'].splitlines()[0]}"
+        )
+    titles = [c.title for c in CAUSES]
+    print(
+        f"exploration: seed {run.get('seed')}, budget {run.get('budget_s')} s, world sizes {run.get('world_sizes')}, "
+        f"{run.get('ran')} scenarios, {len(findings)} deviations"
+    )
+    for title in titles:
+        mark = f"{len(found[title])} finding(s)" if title in found else "not found"
+        print(f"  {title}: {mark}")
+        for line in found.get(title, [])[:3]:
+            print(f"      {line}")
+    for line in untraced:
+        print(f"  UNTRACED {line}")
+    print(f"causes found: {len(found)} of {len(titles)} traced; untraced deviations: {len(untraced)}")
+    return 1 if untraced else 0
+
+
 def _covering(ids: list[str], others: list[str]) -> list[str]:
     """Shortest prefixes (clause, clause on a layout) covering ``ids`` and none of ``others``."""
     out, left = [], list(ids)
@@ -257,7 +340,13 @@ def main() -> int:
         prog="python -m tools.trace_known", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("report")
-    parser.add_argument("--torch", required=True, help="the torch version the report is from, for the header")
+    parser.add_argument("--torch", help="the torch version the report is from, for the header")
+    parser.add_argument(
+        "--explore",
+        action="store_true",
+        help="the report is an exploration's (python -m conformance explore --impl torch --json F): list each "
+        "deviation with its traced cause, and which causes it found; exit 1 if one has no cause",
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -272,6 +361,10 @@ def main() -> int:
         help="a later run of some cases (-k): its cases replace or add to the report's",
     )
     args = parser.parse_args()
+    if args.explore:
+        return explore_table(args.report)
+    if not args.torch:
+        parser.error("--torch is required")
     with open(args.report) as f:
         cases = json.load(f)["cases"]
     for path in args.also:
