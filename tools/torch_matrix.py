@@ -98,9 +98,9 @@ def _venv(version: str, out: str, rebuild: bool) -> str:
     return python
 
 
-def _run(python: str, version: str, impl: str, out: str, extra: list[str]) -> dict | None:
-    report = os.path.join(out, f"{version}-{impl}.json")
-    log = os.path.join(out, f"{version}-{impl}.log")
+def _run(python: str, version: str, impl: str, out: str, extra: list[str], suffix: str = "") -> dict | None:
+    report = os.path.join(out, f"{version}-{impl}{suffix}.json")
+    log = os.path.join(out, f"{version}-{impl}{suffix}.log")
     start = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.run(
@@ -113,19 +113,31 @@ def _run(python: str, version: str, impl: str, out: str, extra: list[str]) -> di
     if not os.path.exists(report):
         print(f"[{version}] {impl}: no report (exit {proc.returncode}); see {log}", flush=True)
         return None
-    _write(os.path.join(out, f"{version}-{impl}.meta.json"), {"wall_s": round(took)})
+    if not suffix:
+        _write(os.path.join(out, f"{version}-{impl}.meta.json"), {"wall_s": round(took)})
     data = _read(report)
     print(f"[{version}] {impl}: {data['summary']} in {took:.0f} s ({data['torch_version']})", flush=True)
     return data
 
 
+def _with_supplement(report: dict, supplement: dict | None) -> dict:
+    """A full run's report with the cases of a later run of some of them (``--supplement``) in their place,
+    or added, and its summary counted again."""
+    if supplement is None:
+        return report
+    later = {c["id"]: c for c in supplement["cases"]}
+    cases = [later.pop(c["id"], c) for c in report["cases"]] + list(later.values())
+    summary = dict.fromkeys(report["summary"], 0)
+    for c in cases:
+        summary[c["status"]] = summary.get(c["status"], 0) + 1
+    return {**report, "cases": cases, "summary": summary}
+
+
 def _cause_of(case: dict) -> str:
     """The traced cause of a failing case (tools/trace_known.py), or 'untraced'."""
-    from conformance.deviations import signature
-    from tools.trace_known import CAUSES
+    from tools.trace_known import cause_of
 
-    sig = signature(case["message"] or "")
-    return next((c.title for c in CAUSES if c.matches(case, sig)), "untraced")
+    return cause_of(case) or "untraced"
 
 
 def summarize(report: dict, meta: dict | None, version: str) -> dict:
@@ -205,6 +217,7 @@ def build(out: str, shipped: dict | None) -> dict:
         for impl in IMPLS:
             report = _read(os.path.join(out, f"{version}-{impl}.json"))
             if report is not None:
+                report = _with_supplement(report, _read(os.path.join(out, f"{version}-{impl}.supplement.json")))
                 reports[(version, impl)] = report
                 entry["impls"][impl] = summarize(
                     report, _read(os.path.join(out, f"{version}-{impl}.meta.json")), version
@@ -367,11 +380,19 @@ def main() -> int:
         help="use reports already in --out (VERSION-IMPL.json, written by an earlier run) instead of running again",
     )
     parser.add_argument(
+        "--supplement",
+        action="store_true",
+        help="run only the cases -k selects (cases added since a release's full run, such as found scenarios) "
+        "and keep them as VERSION-IMPL.supplement.json, whose cases take their place in the full run's report",
+    )
+    parser.add_argument(
         "--no-doc",
         action="store_true",
         help="do not rewrite docs/torch_releases.json and docs/TORCH_RELEASES.md (implied by -k)",
     )
     args = parser.parse_args()
+    if args.supplement and not args.patterns:
+        parser.error("--supplement needs -k: the cases to run again")
     versions = [v for v in args.versions.split(",") if v]
     impls = [i for i in args.impls.split(",") if i]
     os.makedirs(args.out, exist_ok=True)
@@ -382,11 +403,11 @@ def main() -> int:
             if args.reuse and os.path.exists(os.path.join(args.out, f"{version}-{impl}.json")):
                 continue
             python = python or _venv(version, args.out, args.rebuild)
-            _run(python, version, impl, args.out, extra)
+            _run(python, version, impl, args.out, extra, ".supplement" if args.supplement else "")
         if python and args.rm_venv:
             shutil.rmtree(os.path.join(ROOT, ".venvs", f"torch-{version}"))
             print(f"[{version}] removed its environment", flush=True)
-    if not (args.no_doc or args.patterns):
+    if not (args.no_doc or (args.patterns and not args.supplement)):
         write_doc(args.out)
     return 0
 

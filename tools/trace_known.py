@@ -13,6 +13,7 @@ case that passes or has another cause.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -266,6 +267,32 @@ def explore_cause(finding: dict) -> str | None:
     return next((title for title, test in EXPLORE_RULES if test(finding, scenario, message)), None)
 
 
+@functools.lru_cache(maxsize=1)
+def _found_scenarios() -> dict[str, dict]:
+    """The scenario of every found-scenario case the registry loads (conformance/found/), by case ID."""
+    import glob
+
+    from conformance.scenarios import found_dirs
+
+    out = {}
+    for directory in found_dirs():
+        for path in glob.glob(os.path.join(directory, "*.json")):
+            with open(path) as f:
+                data = json.load(f)
+            out[data["id"]] = data["scenario"]
+    return out
+
+
+def cause_of(case: dict, found: dict[str, dict] | None = None) -> str | None:
+    """The traced cause of a failing case of a run: a found-scenario case by its scenario, like a
+    finding of an exploration; any other by the matrix's causes."""
+    if "[found-" in case["id"]:
+        scenario = (found if found is not None else _found_scenarios()).get(case["id"])
+        return None if scenario is None else explore_cause({**case, "scenario": scenario})
+    sig = signature(case["message"] or "")
+    return next((c.title for c in CAUSES if c.matches(case, sig)), None)
+
+
 def explore_table(path: str) -> int:
     """Each finding of an exploration's JSON report with its cause; the causes found of those traced."""
     with open(path) as f:
@@ -379,13 +406,13 @@ def main() -> int:
     bad = [c for c in cases if c["status"] in (Status.FAILED, Status.ERROR, Status.XFAIL)]
     by_cause: dict[str, list[str]] = {}
     untraced = []
+    found = _found_scenarios()
     for c in bad:
-        sig = signature(c["message"] or "")
-        cause = next((k for k in CAUSES if k.matches(c, sig)), None)
+        cause = cause_of(c, found)
         if cause is None:
-            untraced.append(f"{c['id']}: {sig[:200]}")
+            untraced.append(f"{c['id']}: {signature(c['message'] or '')[:200]}")
         else:
-            by_cause.setdefault(cause.title, []).append(c["id"])
+            by_cause.setdefault(cause, []).append(c["id"])
     if untraced:
         sys.stderr.write("untraced failures (add a cause):\n  " + "\n  ".join(untraced) + "\n")
         return 1
