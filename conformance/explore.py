@@ -6,9 +6,11 @@ it exercises on the same warm rank pools, oracle and deadlines as the matrix
 (:class:`ScenarioRunner`), and a deviation is raised to hypothesis under a
 signature of its clause and message, so that hypothesis shrinks each kind of
 deviation on its own. Exploration goes in rounds (seed, seed+1, ...): a
-round ends when hypothesis has shrunk what it found; later rounds treat
-deviations already found as passing, so they look for others, until the
-budget is spent. Generation stops at :data:`GENERATE_SHARE` of the budget;
+round ends when hypothesis has shrunk what it found; later rounds look past
+deviations already found (a scenario's checks go on after a check that
+deviates as before), so they find others, also those that show only in a
+later check of a scenario that deviates as before too, until the budget
+is spent. Generation stops at :data:`GENERATE_SHARE` of the budget;
 what is left shrinks. Hypothesis keeps no database: ``--seed`` and the
 budget say what ran, and ``--replay TOKEN`` reruns one scenario exactly.
 """
@@ -171,19 +173,31 @@ def strategy(ch: Choices):
 # -- running a scenario ---------------------------------------------------------
 
 
+def _deviated(r: CaseResult) -> bool:
+    return r.status in (Status.FAILED, Status.ERROR)
+
+
+def result_signature(r: CaseResult) -> str:
+    """The kind of a check's deviation: its status, clause and message with the particulars left out."""
+    return f"{r.status.value} {r.case.clause}: {normalise(r.message)}"
+
+
 @dataclass
 class Verdict:
     """What one scenario came to: the first clause whose check did not pass
-    (checks run most specific first and stop there), and the results of
-    the checks that ran."""
+    with a deviation not already known (checks run most specific first and
+    stop there), else the first that did not pass; and the results of the
+    checks that ran."""
 
     scenario: Scenario
     results: list[CaseResult]
     duration_s: float = 0.0
+    known: frozenset[str] = frozenset()  # signatures already found when it was judged
 
     @property
     def bad(self) -> CaseResult | None:
-        return next((r for r in self.results if r.status in (Status.FAILED, Status.ERROR)), None)
+        bad = [r for r in self.results if _deviated(r)]
+        return next((r for r in bad if result_signature(r) not in self.known), bad[0] if bad else None)
 
     @property
     def status(self) -> Status:
@@ -207,9 +221,7 @@ class Verdict:
         """The kind of deviation: its status, clause and message with the
         particulars (numbers, names) left out; None when nothing deviated."""
         bad = self.bad
-        if bad is None:
-            return None
-        return f"{bad.status.value} {bad.case.clause}: {normalise(bad.message)}"
+        return None if bad is None else result_signature(bad)
 
 
 def normalise(message: str) -> str:
@@ -237,36 +249,43 @@ def normalise(message: str) -> str:
 
 class ScenarioRunner:
     """Runs scenarios' clause checks on a :class:`Runner` (its pools, deadlines
-    and verdict rules), each scenario once: a scenario run again (hypothesis
-    replays the ones it keeps) gets the verdict it had."""
+    and verdict rules), each check of a scenario once: a scenario run again
+    (hypothesis replays the ones it keeps) gets the results it had, and runs
+    on past a check whose deviation has since become known (``known``, the
+    signatures found so far)."""
 
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: Runner, only: str | None = None):
         self.runner = runner
+        self.only = only  # run this clause's check alone (a replay of a finding filed under it)
+        self.known: set[str] = set()
         self.verdicts: dict[Scenario, Verdict] = {}
         self.not_applicable: dict[str, int] = {}
+        self._results: dict[Scenario, list[CaseResult]] = {}
 
     def run(self, s: Scenario) -> Verdict:
-        if s in self.verdicts:
-            return self.verdicts[s]
         start = time.monotonic()
-        results = []
-        for case in clause_cases(s):
+        results = self._results.setdefault(s, [])
+        cases = [c for c in clause_cases(s) if self.only in (None, c.clause)]
+        while len(results) < len(cases) and not any(
+            _deviated(r) and result_signature(r) not in self.known for r in results
+        ):
+            case = cases[len(results)]
             result = self.runner.run_case(case)
-            result.repro = replay_command(self.runner.impl, s)
+            result.repro = replay_command(self.runner.impl, s, case.clause)
             results.append(result)
             if result.status == Status.NOT_APPLICABLE:
                 self.not_applicable[case.clause] = self.not_applicable.get(case.clause, 0) + 1
-            if result.status in (Status.FAILED, Status.ERROR):
-                break
-        verdict = Verdict(s, results, time.monotonic() - start)
+        verdict = Verdict(s, list(results), time.monotonic() - start, frozenset(self.known))
         self.verdicts[s] = verdict
         return verdict
 
 
-def replay_command(impl: str, s: Scenario) -> str:
+def replay_command(impl: str, s: Scenario, clause: str | None = None) -> str:
+    """The command that runs ``s`` again (``clause``'s check alone, when given), and nothing else."""
     import shlex
 
-    return f"python -m conformance explore --impl {shlex.quote(impl)} --replay {s.token}"
+    only = f" --clause {clause}" if clause else ""
+    return f"python -m conformance explore --impl {shlex.quote(impl)} --replay {s.token}{only}"
 
 
 # -- exploring -------------------------------------------------------------------
@@ -315,7 +334,7 @@ class Finding:
             "scenario": self.scenario.to_dict(),
             "description": self.scenario.describe(),
             "token": self.scenario.token,
-            "repro": replay_command(impl, self.scenario),
+            "repro": replay_command(impl, self.scenario, v.clause),
             "saved_to": self.saved_to,
             "shrunk": self.shrunk,
         }
@@ -378,7 +397,7 @@ def explore(
     start = time.monotonic()
     generate_until = start + GENERATE_SHARE * budget_s
     stop_at = start + budget_s
-    known: set[str] = set()
+    known = scenario_runner.known  # the runner looks past these
     scenarios = strategy(ch)
 
     while time.monotonic() < generate_until and (max_rounds is None or report.rounds < max_rounds):
@@ -484,7 +503,7 @@ def describe_finding(f: Finding, impl: str) -> str:
         *("    " + line for line in f.scenario.describe().splitlines()),
         "  what differed:",
         *("    " + line for line in v.message.splitlines()[:12]),
-        f"  replay: {replay_command(impl, f.scenario)}",
+        f"  replay: {replay_command(impl, f.scenario, v.clause)}",
     ]
     if f.saved_to:
         lines.append(f"  saved as case {json.load(open(f.saved_to))['id']} in {f.saved_to}")
@@ -495,6 +514,12 @@ def add_arguments(p) -> None:
     p.add_argument("--budget", default="10m", help="how long to explore: 90s, 10m, 1h (default 10m)")
     p.add_argument("--seed", type=int, default=0, help="hypothesis seed of the first round (default 0)")
     p.add_argument("--replay", metavar="TOKEN", help="run the scenario of this replay token, and nothing else")
+    p.add_argument(
+        "--clause",
+        metavar="CLAUSE",
+        help="with --replay: run only this clause's check of the scenario (a finding's repro names the clause "
+        "it was filed under, which may come after a check that deviated as an earlier finding did)",
+    )
     p.add_argument(
         "--save-found",
         metavar="DIR",
@@ -512,9 +537,16 @@ def save_finding(directory: str, f: Finding, impl: str) -> str:
 def run_command(args, adapter, runner: Runner, info) -> int:
     """The explore command, on a runner the CLI set up; returns the exit status."""
     impl = adapter.spec
-    sr = ScenarioRunner(runner)
+    if args.clause and not args.replay:
+        raise ExploreUsageError("--clause goes with --replay")
+    sr = ScenarioRunner(runner, only=args.clause)
     if args.replay:
         s = Scenario.from_token(args.replay)
+        if args.clause and not any(c.clause == args.clause for c in clause_cases(s)):
+            raise ExploreUsageError(
+                f"--clause {args.clause}: not a clause the scenario exercises "
+                f"({', '.join(c.clause for c in clause_cases(s))})"
+            )
         described = "\n".join("  " + x for x in s.describe().splitlines())
         print(f"replaying {s.digest} against {adapter.name}:\n{described}")
         verdict = sr.run(s)

@@ -142,7 +142,10 @@ def test_replay_gives_the_same_verdict_and_message(explored, tmp_path):
     _, section, _ = explored
     finding = _planted(section["findings"])[0]
     out = tmp_path / "replay.json"
-    proc, _ = run_cli(["explore", "--impl", PLANTED, "--replay", finding["token"], "--json", str(out)], timeout=120)
+    # The finding's repro names the clause it was filed under: exactly that check runs again.
+    assert finding["repro"].endswith(f"--replay {finding['token']} --clause {finding['clause']}")
+    args = ["--replay", finding["token"], "--clause", finding["clause"], "--json", str(out)]
+    proc, _ = run_cli(["explore", "--impl", PLANTED, *args], timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     replayed = json.loads(out.read_text())["explore"]
     assert replayed["verdict"] == finding["status"]
@@ -215,6 +218,8 @@ def test_the_certificate_shows_an_exploration(explored, tmp_path):
         (["--budget", "soon"], "expected a budget"),
         (["--replay", "s1.xyz"], "does not decode"),
         (["--impl", "no_such_module_here"], "cannot import"),
+        (["--clause", "OPT-RT-1"], "--clause goes with --replay"),
+        (["--replay", Scenario().token, "--clause", "OPT-EMPTY-1"], "not a clause the scenario exercises"),
     ],
 )
 def test_explore_usage_errors(args, needle):
@@ -253,3 +258,44 @@ def test_sigterm_ends_an_exploration_with_a_report_and_no_rank_left(tmp_path):
     section = json.loads(report.read_text())["explore"]
     assert section["complete"] is False and section["ran"] >= 1
     assert "exploration interrupted" in out.read_text()
+
+
+class _ScriptedRunner:
+    """A Runner stand-in: each clause's check fails with a set message, or passes; calls are counted."""
+
+    impl = "scripted"
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures, self.calls = failures, []
+
+    def run_case(self, case):
+        from conformance.results import CaseResult, Status
+
+        self.calls.append(case.clause)
+        message = self.failures.get(case.clause, "")
+        return CaseResult(case, Status.FAILED if message else Status.PASSED, message=message)
+
+
+def test_later_rounds_look_past_a_known_deviation_to_the_next_check():
+    """A scenario whose first failing check deviates as an earlier finding did still counts for what its
+    later checks show; each check runs once, however often hypothesis replays the scenario."""
+    from conformance.explore import ScenarioRunner
+
+    s = Scenario(empty_at=(0,), scheduler=True)
+    assert clauses_of(s)[:2] == ("OPT-EMPTY-1", "OPT-SCHED-2")
+    scripted = _ScriptedRunner({"OPT-EMPTY-1": "rank 0 raised IndexError", "OPT-SCHED-2": "initial_lr dropped"})
+    sr = ScenarioRunner(scripted)
+    first = sr.run(s)
+    assert first.clause == "OPT-EMPTY-1" and scripted.calls == ["OPT-EMPTY-1"]
+    sr.known.add(first.signature)
+    second = sr.run(s)
+    assert second.clause == "OPT-SCHED-2" and scripted.calls == ["OPT-EMPTY-1", "OPT-SCHED-2"]
+    sr.known.add(second.signature)
+    third = sr.run(s)
+    # Every check ran once; every deviation is known, so the verdict's signature is one already found.
+    assert scripted.calls == list(clauses_of(s))
+    assert third.signature in sr.known and third.clause == "OPT-EMPTY-1"
+    assert sr.run(s).signature == third.signature and scripted.calls == list(clauses_of(s))
+    # A replay of one clause runs that check alone.
+    alone = _ScriptedRunner(scripted.failures)
+    assert ScenarioRunner(alone, only="OPT-SCHED-2").run(s).clause == "OPT-SCHED-2" and alone.calls == ["OPT-SCHED-2"]
