@@ -1,6 +1,7 @@
 """tools/verl_state_dict.py: verl's vendored copy of torch's state_dict, loaded without the verl package."""
 
 import importlib.util
+import pickle
 import sys
 import textwrap
 
@@ -10,6 +11,14 @@ from conformance import adapters
 from tools import verl_state_dict
 
 UTILS = """
+from dataclasses import dataclass
+
+
+@dataclass
+class _TensorInfo:
+    size: tuple
+
+
 def _gather_state_dict(state_dict):
     return dict(state_dict, gathered=True)
 """
@@ -82,9 +91,14 @@ def test_the_copy_loads_under_its_dotted_names_without_the_verl_package(tmp_path
     module = sys.modules["verl.third_party.torch.distributed.checkpoint.state_dict"]
     assert module.__file__ == str(tmp_path / "verl/third_party/torch/distributed/checkpoint/state_dict.py")
     assert adapter.get_model_state_dict is module.get_model_state_dict
-    # The copy's own import resolved to the vendored utilities, and no parent package was imported.
+    # The copy's own import resolved to the vendored utilities; the parent packages are registered,
+    # their code never run (the fake verl/__init__.py raises).
     assert adapter.get_model_state_dict("m") == {"model": "m", "gathered": True}
-    assert "verl" not in sys.modules and "verl.third_party" not in sys.modules
+    assert sys.modules["verl"].__path__ == [str(tmp_path / "verl")]
+    assert sys.modules["verl.third_party.torch.distributed"].checkpoint.state_dict is module
+    # Broadcast loads pickle the copy's _TensorInfo: pickle imports its module by name, top package first.
+    utils = sys.modules["verl.third_party.torch.distributed._state_dict_utils"]
+    assert pickle.loads(pickle.dumps(utils._TensorInfo(size=(2, 3)))) == utils._TensorInfo(size=(2, 3))
     assert adapter.options(strict=False).strict is False
     # A second resolution (each rank resolves --impl again) reuses the loaded modules.
     assert verl_state_dict.load() is module
