@@ -63,6 +63,34 @@ def test_the_summary_counts_clauses_traces_causes_and_diffs_releases(tmp_path):
     assert "- OPT-RT-1: 1 fixed" in doc
 
 
+def test_verls_copy_is_a_column_of_its_own_with_torchs_causes(tmp_path):
+    """verl's vendored copy is torch 2.7's code: its failures get torch's traced causes, it gets its own
+    clause table, and only torch's own implementation is judged against a known-failures file."""
+    cases = {
+        "OPT-RT-1[single-sgd-full]": ("failed", "plain SGD: Expected device to be set"),
+        "OPT-RT-1[single-adamw-full]": ("passed", None),
+        "MODEL-1[single-sharded]": ("failed", "something no cause explains"),
+    }
+    report = _report("2.13.0+cpu", "verl-vendored-torch-2.7", cases)
+    report["impl"]["version"] = "0.6.0"
+    (tmp_path / "2.13.0-verl.json").write_text(json.dumps(report))
+    (tmp_path / "2.13.0-torch.json").write_text(json.dumps(_report("2.13.0+cpu", "torch", cases)))
+    summary = torch_matrix.build(str(tmp_path), shipped=None)
+    (release,) = summary["releases"]
+    assert list(release["impls"]) == ["torch", "verl"]
+    verl = release["impls"]["verl"]
+    assert verl["clauses"]["OPT-RT-1"]["causes"] == {"plain SGD in full modes": 1}
+    assert verl["clauses"]["MODEL-1"]["causes"] == {"untraced": 1} and verl["known"] is None
+    assert release["impls"]["torch"]["known"] is not None
+    doc = torch_matrix.render(summary, "# preamble")
+    assert "| 2.13.0 | 2.13.0+cpu | verl | 0.2.0 | 2026-12-01 | 1 | 2 | 0 | 0 |" in doc
+    verl_table = doc.split("## verl, clause by clause", 1)[1].split("## What changed", 1)[0]
+    assert "| OPT-RT-1 | 1/2 | plain SGD in full modes (1) |" in verl_table
+    known_table = doc.split("## torch's known-failures files", 1)[1].split("## torch, clause by clause", 1)[0]
+    assert "| 2.13.0 | `conformance/known/torch-2.13.txt` |" in known_table and "verl" not in known_table
+    assert torch_matrix.IMPL_SPECS["verl"] == "tools.verl_state_dict" and "verl" in torch_matrix.IMPLS
+
+
 def test_a_release_without_reports_keeps_its_shipped_entry(tmp_path):
     shipped = {
         "releases": [{"version": "2.6.0", "impls": {"hyperdsd": {"kept": True}}, "env": None}],

@@ -2,14 +2,19 @@
 
 For each torch version, a virtual environment of its own (``.venvs/torch-X``,
 reused when present) gets this project installed with that torch; the
-matrix then runs against hyperdsd and against torch's own implementation,
-one JSON report each (``out/torch-matrix/X-hyperdsd.json``, ``X-torch.json``),
-with the install time, the environment's disk size and each run's wall time
-beside them (``X-env.json``, ``X-IMPL.meta.json``).
+matrix then runs against hyperdsd, against torch's own implementation and
+against verl's vendored copy of torch 2.7.0's (``tools/verl_state_dict.py``;
+before its first run there, ``pip install --no-deps verl==0.6.0`` goes into
+the release's environment), one JSON report each
+(``out/torch-matrix/X-hyperdsd.json``, ``X-torch.json``, ``X-verl.json``),
+with the install time (the environment's, without verl), the environment's
+disk size and each run's wall time beside them (``X-env.json``,
+``X-IMPL.meta.json``).
 
 From those reports it writes ``docs/torch_releases.json`` (a compact summary:
 per release and implementation, clause by clause, what passed and which
-traced cause (``tools/trace_known.py``) explains each failure) and renders
+traced cause (``tools/trace_known.py``) explains each failure of torch's code,
+its own and verl's copy) and renders
 ``docs/TORCH_RELEASES.md`` from it, after the hand-written
 ``docs/torch_releases_preamble.md``. A test checks that the document is the
 rendering of the summary, so neither is edited by hand. Releases whose
@@ -37,6 +42,7 @@ import time
 from collections import Counter
 
 from hyperdsd.testing import Status
+from tools import verl_state_dict
 
 # A report's summary is keyed by the statuses' values (JSON keys are plain strings).
 PASSED, XPASS, FAILED, ERROR, NA = (
@@ -49,8 +55,20 @@ ALL_VERSIONS = ("2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1"
 SUMMARY = os.path.join(ROOT, "docs", "torch_releases.json")
 DOC = os.path.join(ROOT, "docs", "TORCH_RELEASES.md")
 PREAMBLE = os.path.join(ROOT, "docs", "torch_releases_preamble.md")
-IMPLS = ("hyperdsd", "torch")
+IMPLS = ("hyperdsd", "torch", "verl")
+# verl's copy exists for its users on torch 2.6 (whose set_model_state_dict ran out of memory): it runs
+# by default there only; --impls verl runs it on any release.
+VERL_RELEASES = ("2.6.0",)
+# What --impl each name of IMPLS runs; the name is the one in the reports' file names and the tables.
+IMPL_SPECS = {"hyperdsd": "hyperdsd", "torch": "torch", "verl": "tools.verl_state_dict"}
+# Implementations that are torch's code, whose failures tools/trace_known's causes explain, by report impl name.
+TORCH_CODE = ("torch", verl_state_dict.NAME)
+VERL_PIN = verl_state_dict.PIN
 _DEVIATIONS_SHOWN = 12
+VERL_NOTE = (
+    " verl's copy of torch 2.7.0's `state_dict.py` and `_state_dict_utils.py` (verl 0.6.0, "
+    "`--impl tools.verl_state_dict`) on each release's torch; torch's causes apply to it."
+)
 _ISSUE = re.compile(r"https://github\.com/pytorch/pytorch/issues/(\d+)")
 
 
@@ -98,13 +116,25 @@ def _venv(version: str, out: str, rebuild: bool) -> str:
     return python
 
 
+def _install_verl(python: str, version: str) -> None:
+    """verl, without its dependencies (only two of its files are loaded), into the release's environment."""
+    pinned = VERL_PIN.split("==")[1]
+    probe = "import importlib.metadata as m, sys; sys.exit(m.version('verl') != sys.argv[1])"
+    if subprocess.run([python, "-c", probe, pinned], capture_output=True).returncode == 0:
+        return
+    print(f"[{version}] installing {VERL_PIN} (--no-deps)", flush=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-cache-dir", "--no-deps", VERL_PIN], check=True)
+
+
 def _run(python: str, version: str, impl: str, out: str, extra: list[str], suffix: str = "") -> dict | None:
     report = os.path.join(out, f"{version}-{impl}{suffix}.json")
     log = os.path.join(out, f"{version}-{impl}{suffix}.log")
+    if impl == "verl":
+        _install_verl(python, version)
     start = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.run(
-            [python, "-m", "conformance", "--impl", impl, "--json", report, *extra],
+            [python, "-m", "conformance", "--impl", IMPL_SPECS.get(impl, impl), "--json", report, *extra],
             cwd=ROOT,
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -141,8 +171,9 @@ def _cause_of(case: dict) -> str:
 
 
 def summarize(report: dict, meta: dict | None, version: str) -> dict:
-    """One implementation on one release, clause by clause: passed, ran (not n/a) and failures by cause;
-    for torch's implementation, how the release's known-failures file fares against the run."""
+    """One implementation on one release, clause by clause: passed, ran (not n/a) and failures by cause
+    (traced causes for torch's code: its own implementation and verl's copy; statuses otherwise);
+    for torch's own implementation, how the release's known-failures file fares against the run."""
     clauses: dict[str, dict] = {}
     for case in report["cases"]:
         entry = clauses.setdefault(case["clause"], {"passed": 0, "ran": 0, "causes": {}})
@@ -153,7 +184,7 @@ def summarize(report: dict, meta: dict | None, version: str) -> dict:
         if status in (Status.PASSED, Status.XPASS):
             entry["passed"] += 1
         else:
-            cause = _cause_of(case) if report["impl"]["name"] == "torch" else status.value
+            cause = _cause_of(case) if report["impl"]["name"] in TORCH_CODE else status.value
             entry["causes"][cause] = entry["causes"].get(cause, 0) + 1
     known = None
     if report["impl"]["name"] == "torch":
@@ -307,7 +338,8 @@ def render(summary: dict, preamble: str) -> str:
             "",
             "Passed of the cases that ran (n/a when none applies); the last column gives each failure's "
             "traced cause and, where the count is not the same on every release, the count per release."
-            if impl == "torch"
+            + (VERL_NOTE if impl == "verl" else "")
+            if impl in ("torch", "verl")
             else "Passed of the cases that ran; failures are counted by status.",
             "",
             "| clause | " + " | ".join(r["version"] for r in cols) + " | failures |",
@@ -365,7 +397,11 @@ def main() -> int:
         prog="python -m tools.torch_matrix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--versions", default=",".join(ALL_VERSIONS))
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument(
+        "--impls",
+        default=None,
+        help=f"comma-separated, of {', '.join(IMPLS)} (default: all; verl only on {', '.join(VERL_RELEASES)})",
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "out", "torch-matrix"))
     parser.add_argument("--rebuild", action="store_true", help="recreate the virtual environments")
     parser.add_argument(
@@ -394,12 +430,14 @@ def main() -> int:
     if args.supplement and not args.patterns:
         parser.error("--supplement needs -k: the cases to run again")
     versions = [v for v in args.versions.split(",") if v]
-    impls = [i for i in args.impls.split(",") if i]
+    impls = [i for i in (args.impls or ",".join(IMPLS)).split(",") if i]
     os.makedirs(args.out, exist_ok=True)
     extra = [x for p in args.patterns for x in ("-k", p)]
     for version in versions:
         python = None
         for impl in impls:
+            if impl == "verl" and args.impls is None and version not in VERL_RELEASES:
+                continue
             if args.reuse and os.path.exists(os.path.join(args.out, f"{version}-{impl}.json")):
                 continue
             python = python or _venv(version, args.out, args.rebuild)

@@ -16,6 +16,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -52,7 +53,24 @@ _STAGE_MISSING = (
     "with every feature at once",
     # 2.11: Adagrad's `sum` (made in its constructor) is gone from the stage that loaded nothing.
     "KeyError in training after set_optimizer_state_dict",
+    # 2.7's code (verl's copy): the stage's parameters have no state in the checkpoint, a bare KeyError.
+    "KeyError in set_optimizer_state_dict",
 )
+
+_KEY_ERROR = re.compile(r"raised KeyError in set_optimizer_state_dict: '([^']+)'")
+
+
+def _set_key_error(case) -> str:
+    """The key a KeyError raised by set_optimizer_state_dict names ('' when there is none). Before the
+    strict check of later releases (torch 2.7's code), a parameter without state in the checkpoint is a
+    bare KeyError naming its FQN; under the flat layout the key is ``state.FQN.NAME``."""
+    m = _KEY_ERROR.search(case["message"] or "")
+    return m.group(1) if m else ""
+
+
+def _missing_param_state(case) -> bool:
+    key = _set_key_error(case)
+    return bool(key) and not key.startswith(("state.", "param_groups."))
 
 
 def _pp_stage_only(case, sig) -> bool:
@@ -96,8 +114,11 @@ CAUSES: tuple[Cause, ...] = (
     Cause(
         "lazy state rejected",
         "strict set rejects a parameter that never had a gradient (it has no optimizer state) although the "
-        "checkpoint lists it without state, https://github.com/pytorch/pytorch/issues/132628",
-        lambda c, s: "Missing optimizer state for parameter" in s and c["clause"] != "OPT-PART-1",
+        "checkpoint lists it without state (torch 2.7's code: a bare KeyError naming it, strict or not), "
+        "https://github.com/pytorch/pytorch/issues/132628",
+        lambda c, s: (
+            ("Missing optimizer state for parameter" in s or _missing_param_state(c)) and c["clause"] != "OPT-PART-1"
+        ),
     ),
     Cause(
         "no DCP load path for lazy state",
@@ -109,8 +130,17 @@ CAUSES: tuple[Cause, ...] = (
     Cause(
         "flat layout and absent state",
         "flat layout: the state of a parameter the checkpoint lacks is rebuilt as empty dicts, and "
-        "Optimizer.load_state_dict fails with an opaque TypeError, https://github.com/pytorch/pytorch/issues/192224",
-        lambda c, s: "float() argument must be a string or a real number" in s,
+        "Optimizer.load_state_dict fails with an opaque TypeError (torch 2.7's code: a KeyError naming the flat "
+        "key), https://github.com/pytorch/pytorch/issues/192224",
+        lambda c, s: (
+            "float() argument must be a string or a real number" in s or _set_key_error(c).startswith("state.")
+        ),
+    ),
+    Cause(
+        "non-strict loads refuse absent state",
+        "torch 2.7's code: strict=False with a checkpoint that has no state for a parameter (one added since) "
+        "fails with a bare KeyError naming it; later releases skip that parameter",
+        lambda c, s: c["clause"] == "OPT-PART-1" and c["id"].endswith("-nonstrict]") and _missing_param_state(c),
     ),
     Cause(
         "strict errors do not name what is missing",
@@ -120,8 +150,12 @@ CAUSES: tuple[Cause, ...] = (
     ),
     Cause(
         "plain SGD in full modes",
-        "plain SGD keeps no state tensor: the full and broadcast loads assert 'Expected device to be set'",
-        lambda c, s: "Expected device to be set" in s,
+        "plain SGD keeps no state tensor: the full and broadcast loads assert 'Expected device to be set' "
+        "(a bare assert in torch 2.7's code)",
+        lambda c, s: (
+            "Expected device to be set" in s
+            or ("sgd_plain" in c["id"] and "raised AssertionError in set_optimizer_state_dict: AssertionError()" in s)
+        ),
     ),
     Cause(
         "nested state values",
