@@ -149,3 +149,29 @@ def test_an_explored_deviation_is_traced_from_its_message_and_features(finding, 
     assert trace_known.explore_cause(finding) == cause
     if cause is not None:
         assert cause in {c.title for c in trace_known.CAUSES}
+
+
+def test_an_exploration_keeps_one_found_case_per_cause_the_simplest(tmp_path, capsys):
+    import json
+
+    from conformance.scenarios import Scenario, load_found
+    from tools import trace_known
+
+    def finding(**features):
+        s = Scenario(**features)
+        return {
+            "clause": "OPT-RT-1",
+            "status": "failed",
+            "message": "rank 0 raised AssertionError in set_optimizer_state_dict: Expected device to be set",
+            "scenario": s.to_dict(),
+            "token": s.token,
+            "description": s.describe(),
+        }
+
+    simple, busy = finding(optimizer="sgd_plain", mode="full"), finding(optimizer="sgd_plain", mode="full", tie=True)
+    report = tmp_path / "explore.json"
+    report.write_text(json.dumps({"impl": {"spec": "torch"}, "explore": {"findings": [busy, simple], "ran": 2}}))
+    assert trace_known.explore_table(str(report), str(tmp_path / "found")) == 0
+    assert "causes found: 1 of" in capsys.readouterr().out
+    (path,) = (tmp_path / "found").iterdir()
+    assert load_found(str(path)).id == f"OPT-RT-1[found-{Scenario.from_dict(simple['scenario']).digest}]"

@@ -327,8 +327,21 @@ def cause_of(case: dict, found: dict[str, dict] | None = None) -> str | None:
     return next((c.title for c in CAUSES if c.matches(case, sig)), None)
 
 
-def explore_table(path: str) -> int:
-    """Each finding of an exploration's JSON report with its cause; the causes found of those traced."""
+_FEATURES = (
+    "tie", "lazy", "frozen", "adapter", "router", "extra_state", "one_group", "empty_at", "router_group",
+    "custom_fields", "scheduler", "warm", "reshard_to", "model_keys",
+)  # fmt: skip
+
+
+def _features(scenario: dict) -> int:
+    """How many of a scenario's features are on: the simplest finding of a cause is the one to keep."""
+    return sum(bool(scenario.get(k)) for k in _FEATURES)
+
+
+def explore_table(path: str, save_found: str | None = None) -> int:
+    """Each finding of an exploration's JSON report with its cause; the causes found of those traced.
+    ``save_found``: write one found-scenario case per cause there (its smallest finding), so that the
+    regression matrix holds each cause the exploration found once."""
     with open(path) as f:
         report = json.load(f)
     run = report.get("explore", report)
@@ -353,6 +366,19 @@ def explore_table(path: str) -> int:
     for line in untraced:
         print(f"  UNTRACED {line}")
     print(f"causes found: {len(found)} of {len(titles)} traced; untraced deviations: {len(untraced)}")
+    if save_found and not untraced:
+        from conformance.scenarios import Scenario, found_record, write_found
+
+        impl = (report.get("impl") or {}).get("spec", "torch")
+        for title in titles:
+            mine = [f for f in findings if explore_cause(f) == title]
+            if not mine:
+                continue
+            f = min(mine, key=lambda f: (_features(f["scenario"]), len(json.dumps(f["scenario"])), f["token"]))
+            record = found_record(
+                f["clause"], Scenario.from_dict(f["scenario"]), impl=impl, status=f["status"], message=f["message"]
+            )
+            print(f"  {title}: {write_found(save_found, record)}")
     return 1 if untraced else 0
 
 
@@ -409,6 +435,11 @@ def main() -> int:
         "deviation with its traced cause, and which causes it found; exit 1 if one has no cause",
     )
     parser.add_argument(
+        "--save-found",
+        metavar="DIR",
+        help="with --explore: write one found-scenario case per traced cause there (conformance/found ships them)",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="judge the release's known-failures file against the report instead of writing one: "
@@ -423,7 +454,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.explore:
-        return explore_table(args.report)
+        return explore_table(args.report, args.save_found)
     if not args.torch:
         parser.error("--torch is required")
     with open(args.report) as f:
