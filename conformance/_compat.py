@@ -122,6 +122,24 @@ def gloo_safe_pipeline_start() -> None:
     base._get_init_p2p_neighbors_ops = float32_sends
 
 
+def pipeline_schedule(schedule_class, stage, n_microbatches: int, loss_fn):
+    """``schedule_class(stage, n_microbatches, loss_fn=loss_fn)`` whose gradients are the mean over the
+    microbatches, as a whole-model step on the same batch gives with a mean loss, on every torch.
+
+    Schedules that take ``scale_grads`` (default True) divide the summed gradients by the number of
+    microbatches; torch 2.6's take no such argument and leave them summed, so a pipeline layout would train
+    on ``n_microbatches`` times the gradients of the others. There the loss of each microbatch is divided
+    instead (by a power of two in the suite: the same gradients to the bit).
+    """
+    if "scale_grads" in inspect.signature(schedule_class).parameters:
+        return schedule_class(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+    def microbatch_share(output, target):
+        return loss_fn(output, target) / n_microbatches
+
+    return schedule_class(stage, n_microbatches=n_microbatches, loss_fn=microbatch_share)
+
+
 def dcp_on_subgroups() -> None:
     """Let torch 2.6's DCP save and load on a process group that lacks global rank 0, as 2.7 does.
 

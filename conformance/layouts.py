@@ -488,7 +488,7 @@ class Setup:
             _compat.gloo_safe_pipeline_start()
             group = self.mesh.get_group("pp")
             stage = PipelineStage(self.module, self.stage, self.layout.pp, device=self.device, group=group)
-            self._pipeline = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
+            self._pipeline = _compat.pipeline_schedule(ScheduleGPipe, stage, 2, loss_fn)
         if self.stage == 0:
             self._pipeline.step(tokens)
         elif self.stage == self.layout.pp - 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import torch
@@ -326,6 +327,41 @@ def compat_fsdp2_on_cpu(ctx):
     finally:
         torch.cpu.Stream, collectives._get_gradient_divide_factors = saved
     return seen
+
+
+def compat_pipeline_schedule(ctx, torch_26: bool, shim: bool = True):
+    """Two stages of a float64 model trained one GPipe step (2 microbatches) on ranks 0 and 1, the schedule
+    built by the suite's shim (``shim``; else as torch 2.6's is, with the loss as it is), from ScheduleGPipe
+    or (``torch_26``) a schedule like torch 2.6's (no ``scale_grads``: gradients summed over microbatches).
+    Returns this rank's gradients divided by those of the whole model stepped on the whole batch."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from conformance import _compat
+
+    class Torch26GPipe(ScheduleGPipe):
+        def __init__(self, stage, n_microbatches, loss_fn=None):
+            super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters:
+        Torch26GPipe = ScheduleGPipe  # noqa: N806 - this torch's is one
+
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    inputs, targets = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    loss_fn = torch.nn.functional.mse_loss
+    part = copy.deepcopy(whole[:2] if ctx.rank == 0 else whole[2:])
+    loss_fn(whole(inputs), targets).backward()
+    expected = [p.grad for p in (whole[:2] if ctx.rank == 0 else whole[2:]).parameters()]
+
+    _compat.gloo_safe_pipeline_start()
+    stage = PipelineStage(part, ctx.rank, 2, device=torch.device("cpu"), group=dist.group.WORLD)
+    cls = Torch26GPipe if torch_26 else ScheduleGPipe
+    schedule = _compat.pipeline_schedule(cls, stage, 2, loss_fn) if shim else cls(stage, 2, loss_fn=loss_fn)
+    if ctx.rank == 0:
+        schedule.step(inputs)
+    else:
+        schedule.step(target=targets, losses=[])
+    return torch.cat([(p.grad / want).flatten() for p, want in zip(part.parameters(), expected)]).tolist()
 
 
 def compat_root_mesh(ctx):

@@ -130,6 +130,21 @@ def test_pipeline_start_sends_float32_like_its_receive_buffer(monkeypatch):
     assert stage._PipelineStageBase._get_init_p2p_neighbors_ops.__wrapped__ is torch_29_ops
 
 
+@pytest.mark.parametrize("torch_26", [False, True], ids=["scale_grads", "torch-2.6"])
+def test_pipeline_schedule_averages_gradients_over_microbatches(pools, torch_26):
+    """A pipeline layout trains on the gradients of a whole-model step on the same batch (mean loss), with
+    schedules that scale gradients and with torch 2.6's, which sum them over the microbatches."""
+    for ratios in run_task(pools, 2, dist_tasks.compat_pipeline_schedule, torch_26=torch_26):
+        assert ratios and all(abs(r - 1.0) < 1e-12 for r in ratios), ratios
+
+
+def test_pipeline_schedule_like_torch_26s_sums_gradients_without_the_shim(pools):
+    """The stand-in for torch 2.6's schedule behaves as 2.6's: built without the shim, it trains on the sum of
+    the microbatches' gradients (what the shim's division makes up for)."""
+    for ratios in run_task(pools, 2, dist_tasks.compat_pipeline_schedule, torch_26=True, shim=False):
+        assert ratios and all(abs(r - 2.0) < 1e-12 for r in ratios), ratios
+
+
 def test_dcp_on_subgroups_changes_nothing_where_dcp_has_a_global_coordinator():
     from torch.distributed.checkpoint import utils
 
