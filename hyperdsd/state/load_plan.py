@@ -105,10 +105,16 @@ class OptimizerLoadPlan:
     # FQNs whose answer every rank's own must confirm (a saved template is
     # one only if no rank sees real state in its shard).
     confirm: set[str] = field(default_factory=set)
+    # FQNs answered together (an optimizer's entries without step): state if
+    # any rank sees state in any of them.
+    together: list[list[str]] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)  # source FQNs this rank does not know
 
     def settle(self, answers: dict[str, bool]) -> None:
         """Drop the entries other ranks say nobody loaded (they stay fresh)."""
+        for fqns in self.together:
+            if any(answers.get(f, True) for f in fqns):
+                answers = {**answers, **dict.fromkeys(fqns, True)}
         for load in self.params:
             asked = self.questions.get(load.fqn, True) is None or load.fqn in self.confirm
             if asked and not answers.get(load.fqn, True):

@@ -31,7 +31,16 @@ from .load_plan import (
     kind_differs,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placeholders import has_placeholders, is_saved_template, scratch_step, step_is_zero, template_fills
+from .placeholders import (
+    has_placeholders,
+    is_saved_stepless_template,
+    is_saved_template,
+    scratch_step,
+    step_is_zero,
+    stepless_fills,
+    surely_real,
+    template_fills,
+)
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -79,6 +88,7 @@ class _Expectations:
         self.fresh = not opt.state
         self._found: tuple | None | bool = False
         self._fills: dict | None = None
+        self._stepless: dict | None = None
 
     def _scratch_step(self) -> tuple | None:
         """The scratch step (see :func:`scratch_step`), taken once per load and optimizer."""
@@ -101,6 +111,17 @@ class _Expectations:
             self._fills = template_fills(self._scratch_step())
         return is_saved_template(entry, self._fills.get(p))
 
+    def stepless_template(self, entries: list[tuple]) -> bool:
+        """Whether every one of ``entries`` (``(param, entry)``, entries
+        without ``step``) is, on this rank, this optimizer's never-stepped
+        template, saved. Real values are looked for first, so a load of real
+        state builds no template."""
+        if any(surely_real(entry) for _, entry in entries):
+            return False
+        if self._stepless is None:
+            self._stepless = stepless_fills(self._scratch_step())
+        return all(is_saved_stepless_template(entry, self._stepless.get(p)) for p, entry in entries)
+
     def of(self, p) -> dict | None:
         entry = self.opt.state.get(p)
         if entry:
@@ -114,6 +135,7 @@ def _prepare_all(
 ) -> None:
     """A :class:`ParamLoad` for every parameter the checkpoint lists; group fields to set."""
     expectations = {id(opt): _Expectations(opt) for opt in plan.optimizers}
+    stepless: dict[int, list[tuple]] = {}  # by optimizer: its entries without step, (param, fqn, entry)
     layouts = LayoutCache()
     for target, src in zip(targets, source.matched):
         if src is not None:
@@ -136,6 +158,8 @@ def _prepare_all(
                 # see different shards: real state if any rank sees it.
                 plan.questions[fqn] = not expectation.saved_template(p, entry)
                 plan.confirm.add(fqn)
+            elif len(written) == len(entry) and "step" not in entry:
+                stepless.setdefault(id(target.opt), []).append((p, fqn, entry))
             expected = expectation.of(p)
             if expected and strict and not expected.keys() <= written.keys():
                 lacking = sorted(str(k) for k in expected if k not in written)
@@ -157,6 +181,23 @@ def _prepare_all(
                 for key, value in written.items()
             }
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
+    for key, found in stepless.items():
+        _ask_stepless(plan, expectations[key], found)
+
+
+def _ask_stepless(plan: OptimizerLoadPlan, expectation: _Expectations, found: list[tuple]) -> None:
+    """Ask whether an optimizer's entries without ``step`` are a saved
+    never-stepped template: only if all of them are, on every rank (see
+    :mod:`hyperdsd.state.placeholders`). A rank that sees real values in any
+    answers "real" for all, so the others learn it in the same exchange; a
+    load of real state asks nothing where every rank sees some."""
+    fqns = [fqn for _, fqn, _ in found]
+    template = expectation.stepless_template([(p, entry) for p, _, entry in found])
+    for fqn in fqns:
+        plan.questions[fqn] = not template
+    if template:
+        plan.confirm.update(fqns)
+        plan.together.append(fqns)
 
 
 def _target_device(p, key: str, group: dict, value) -> torch.device:

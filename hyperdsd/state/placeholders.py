@@ -269,8 +269,15 @@ def first_placeholder(flat: dict) -> torch.Tensor | None:
 # ``step`` is 0 and every other value equals, key for key, the template the
 # target optimizer itself would give for that parameter. Optimizers whose
 # constructor makes state (Adagrad's ``sum``) have none: their never-stepped
-# state is real and loads as such. State without ``step`` (SGD's momentum)
-# cannot be told from real state and always loads.
+# state is real and loads as such.
+#
+# State without ``step`` (SGD's momentum buffer) has no count to tell it by,
+# and one such entry cannot be told from a real one (a parameter whose
+# gradients were all zero keeps a zero buffer). So these entries are judged
+# together, optimizer by optimizer: they are a saved template only if every
+# one of them the load holds for that optimizer equals, key for key, its own
+# template, on every rank. A checkpoint taken after a real step has real
+# values in some of them, and then all load as state.
 
 
 class _Fill(NamedTuple):
@@ -291,7 +298,10 @@ def tensor_fill(t: torch.Tensor) -> Any:
     local = _compat.local_tensor(t)
     if local.numel() == 0:
         return UNKNOWN
-    first = local.reshape(-1)[0]
+    flat = local.reshape(-1)
+    first = flat[0]
+    if local.numel() > 1 and bool(flat[-1] != first):
+        return VARIES  # real state, told without a pass over all of it
     return first.item() if bool((local == first).all()) else VARIES
 
 
@@ -340,6 +350,40 @@ def template_fills(found: tuple[dict, set] | None) -> dict:
         for p, entry in state.items()
         if p not in eager and "step" in entry
     }
+
+
+def stepless_fills(found: tuple[dict, set] | None) -> dict:
+    """Like :func:`template_fills`, for the entries without ``step`` (SGD's
+    momentum buffer): what the never-stepped template holds, by parameter."""
+    if found is None:
+        return {}
+    state, eager = found
+    return {
+        p: {k: _summary(v) for k, v in entry.items()}
+        for p, entry in state.items()
+        if p not in eager and "step" not in entry
+    }
+
+
+def surely_real(entry: dict) -> bool:
+    """Whether this rank's part of ``entry`` holds a tensor that is not one
+    value throughout (no template holds such): a cheap first look that spares
+    building the template for a load of real state."""
+    for v in entry.values():
+        for t in _tensors(v):
+            if tensor_fill(t) is VARIES:
+                return True
+        if not isinstance(v, torch.Tensor) and getattr(v, "shape", None) is not None and getattr(v, "fill", 0) is None:
+            return True  # a broadcast manifest's stand-in the root found not to be one value
+    return False
+
+
+def is_saved_stepless_template(entry: dict, fills: dict | None) -> bool:
+    """Whether ``entry`` (no ``step``) equals, as far as this rank can see, the
+    target optimizer's own template for its parameter (``fills``:
+    :func:`stepless_fills`'s entry). Only all of an optimizer's such entries
+    together, on every rank, make a saved template (the caller agrees)."""
+    return fills is not None and entry.keys() == fills.keys() and all(_matches(v, fills[k]) for k, v in entry.items())
 
 
 def _matches(value: Any, summary: Any) -> bool:
@@ -391,26 +435,25 @@ def is_saved_template(entry: dict, fills: dict | None) -> bool:
 
 def never_stepped_tensors(osd: Any) -> set[int]:
     """The ids of the tensors of every entry of ``osd`` (nested or flat)
-    whose ``step`` is 0: what a broadcast's root summarises (:func:`tensor_fill`)
-    so that every rank can tell a saved template from its manifest."""
+    that may be a saved template (``step`` 0, or no ``step`` at all): what a
+    broadcast's root summarises (:func:`tensor_fill`) so that every rank can
+    tell a saved template from its manifest."""
     if not isinstance(osd, dict):
         return set()
     out: set[int] = set()
     state = osd.get("state")
     if isinstance(state, dict):
         for entry in state.values():
-            if isinstance(entry, dict) and step_is_zero(entry):
+            if isinstance(entry, dict) and ("step" not in entry or step_is_zero(entry)):
                 out.update(id(t) for v in entry.values() for t in _tensors(v))
         return out
-    prefixes = {
+    stepped = {
         k[: -len(".step")]
         for k, v in osd.items()
-        if isinstance(k, str) and k.startswith("state.") and k.endswith(".step") and step_is_zero({"step": v})
+        if isinstance(k, str) and k.startswith("state.") and k.endswith(".step") and not step_is_zero({"step": v})
     }
-    if not prefixes:
-        return out
     for k, v in osd.items():
         if isinstance(v, torch.Tensor) and isinstance(k, str) and k.startswith("state."):
-            if any(k[:i] in prefixes for i, ch in enumerate(k) if ch == "."):
+            if not stepped or not any(k[:i] in stepped for i, ch in enumerate(k) if ch == "."):
                 out.add(id(v))
     return out
