@@ -56,11 +56,13 @@ def test_the_consolidated_example_figures():
     passed, failed = map(int, re.search(r"(\d+) passed, (\d+) failed, no error", doc).groups())
     assert passed + failed == len(runs)
     # The failures it quotes are file-mode cases that run for it: 2 of OPT-ATOM-1 and -4,
-    # OPT-PART-1 and -6 and OPT-RT-5's step-0 rollback each, 4 of OPT-ATOM-2.
+    # OPT-PART-1 and -6 and OPT-RT-1's SGD step-0 resume each, 4 of OPT-ATOM-2 and OPT-RT-5's
+    # step-0 rollback.
     failing = Counter(
         c.clause
         for c in runs
         if c.clause in ("OPT-ATOM-1", "OPT-ATOM-2", "OPT-ATOM-4", "OPT-PART-1", "OPT-PART-6")
         or (c.clause == "OPT-RT-5" and c.id.endswith("-step0]"))
+        or (c.clause == "OPT-RT-1" and c.id.endswith("-sgd-file-step0]"))
     )
     assert sum(failing.values()) == failed

@@ -291,6 +291,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-RT-5[single-adamw-sharded-step0]",),
     ),
     Mutant(
+        "stepless-template-loads-as-state",
+        "state/optimizer_load.py",
+        "    template = expectation.stepless_template([(p, entry) for p, _, entry in found])",
+        "    template = False",
+        "a never-stepped SGD-with-momentum template (zero buffers, no step), saved before the first step, loads as "
+        "real state",
+        ("OPT-RT-5[single-sgd-sharded-step0]", "OPT-RT-1[single-sgd-full-step0]"),
+    ),
+    Mutant(
         "step-placeholder-not-zeroed",
         "state/placeholders.py",
         '                value.zero_()  # a placeholder that is saved as is means "never stepped"',

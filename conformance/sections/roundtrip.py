@@ -215,6 +215,12 @@ def cases():
     for layout in ("single", "fsdp4", "pp2xfsdp2"):  # a rollback to a checkpoint taken before the first step
         for mode in flows.MODES:
             yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode=mode, variant="step0", before=0)
+    # SGD with momentum keeps no step: its saved template (zero buffers) is told
+    # from real state only by all of an optimizer's buffers together.
+    for layout in ("single", "fsdp4"):
+        for mode in flows.MODES:
+            yield make_case("OPT-RT-1", layout, rt_1, opt="sgd", mode=mode, variant="step0", before=0)
+            yield make_case("OPT-RT-5", layout, rt_5, opt="sgd", mode=mode, variant="step0", before=0)
     for mode in flows.MODES:  # optional: FSDP over tensor parallelism (strided shards)
         yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
     for layout in LAYOUTS:
