@@ -158,7 +158,8 @@ def _prepare_all(
                 # see different shards: real state if any rank sees it.
                 plan.questions[fqn] = not expectation.saved_template(p, entry)
                 plan.confirm.add(fqn)
-            elif len(written) == len(entry) and "step" not in entry:
+            elif len(written) == len(entry) and "step" not in entry and not unknown:
+                # (an entry this rank cannot tell written from unwritten goes by the other ranks alone)
                 stepless.setdefault(id(target.opt), []).append((p, fqn, entry))
             expected = expectation.of(p)
             if expected and strict and not expected.keys() <= written.keys():
