@@ -134,7 +134,7 @@ def agree(ctx, bad_rank: int = 1):
 # -- interop with torch's implementation -------------------------------------
 
 
-def _setup(ctx, layout, seed, impl):
+def _setup(ctx, layout, seed, impl, opt="adamw"):
     from conformance.adapters import load_adapter
     from conformance.context import CaseContext
     from conformance.layouts import Setup
@@ -145,7 +145,7 @@ def _setup(ctx, layout, seed, impl):
     return Setup(
         c,
         layout,
-        "adamw",
+        opt,
         seed=seed,
         cfg=ModelConfig(tie=False),
         trainable=lambda f: not f.startswith(("aux", "frozen")),
@@ -400,3 +400,33 @@ def step0_agreement(ctx, writer: int | None, broadcast: bool):
         assert float(state[params[fqn]]["step"]) == 0.0
         assert bool((local == (1.0 if writer == ctx.rank or broadcast else 0.0)).all()), local
     return kept, others
+
+
+def stepless_agreement(ctx, writer: int | None, broadcast: bool):
+    """A saved never-stepped SGD template (zero momentum buffers, no step)
+    loaded into a stepped target: no state is left, unless one rank's part of
+    one buffer holds real values (``writer`` writes ones into its shard, or
+    rank 0 into the full value): then every entry loads, on every rank (the
+    optimizer's buffers are judged together). Returns the FQNs with state."""
+    fqn = "layers.0.fc1.weight"
+    a = _setup(ctx, "fsdp2", 0, "hyperdsd", "sgd")  # never stepped
+    full = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    osd = copy.deepcopy(
+        hyperdsd.get_optimizer_state_dict(a.model, a.optimizers[0], options=full if broadcast else None)
+    )
+    if writer is not None and ctx.rank == writer:
+        held = osd["state"][fqn]["momentum_buffer"]
+        (held._local_tensor if isinstance(held, DTensor) else held).fill_(1.0)
+    b = _setup(ctx, "fsdp2", 1, "hyperdsd", "sgd")
+    b.train(1)
+    opts = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) if broadcast else None
+    hyperdsd.set_optimizer_state_dict(b.model, b.optimizers[0], osd, options=opts)
+    params = dict(b.model.named_parameters())
+    state = b.optimizers[0].state
+    for f, p in params.items():
+        if p in state:
+            local = state[p]["momentum_buffer"]
+            local = local._local_tensor if isinstance(local, DTensor) else local
+            one = f == fqn and (writer == ctx.rank or broadcast)
+            assert bool((local == (1.0 if one else 0.0)).all()), (f, local)
+    return sorted(f for f, p in params.items() if p in state)

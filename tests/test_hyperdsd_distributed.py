@@ -64,3 +64,10 @@ def test_set_state_dict_broadcast_with_empty_dicts_off_rank_0(pools):
 def test_a_saved_template_is_no_state_unless_any_rank_sees_real_values(pools, writer, broadcast):
     kept = writer is not None
     assert run(pools, 2, "step0_agreement", writer=writer, broadcast=broadcast) == [(kept, [])] * 2
+
+
+@pytest.mark.parametrize("writer, broadcast", [(None, False), (1, False), (None, True), (0, True)], ids=str)
+def test_a_saved_sgd_template_is_no_state_unless_any_rank_sees_real_values(pools, writer, broadcast):
+    got = run(pools, 2, "stepless_agreement", writer=writer, broadcast=broadcast)
+    assert got[0] == got[1]
+    assert (len(got[0]) > 1) == (writer is not None), got[0]

@@ -618,11 +618,54 @@ def test_state_a_constructor_makes_is_real_at_step_zero():
     step(b, ob)
 
 
-def test_state_without_a_step_count_always_loads():
-    """SGD's momentum has no ``step``: a zero buffer cannot be told from a
-    template's, so it loads as state (a real one is never dropped)."""
-    a, oa = make(0, opt="sgd")
+def _sgd(seed):
+    torch.manual_seed(seed)
+    model = Net()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save", "flat"])
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_saved_never_stepped_sgd_template_loads_as_no_state(how, warm):
+    """SGD's momentum has no ``step``: its template (zero buffers) is told by
+    all of the optimizer's buffers holding it; then it resumes as a fresh
+    optimizer, dampening's first step included."""
+    a, oa = _sgd(0)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True) if how == "flat" else None
+    osd = _saved(hyperdsd.get_optimizer_state_dict(a, oa, options=flat), "torch_save" if how == "flat" else how)
+    b, ob = _sgd(1)
+    b.load_state_dict(a.state_dict())
+    if warm:
+        step(b, ob, 2)
+        b.load_state_dict(a.state_dict())
+    hyperdsd.set_optimizer_state_dict(b, ob, osd, options=flat)
+    assert len(ob.state) == 0  # a warm target's own buffers are gone too
+    step(a, oa, 2)
+    step(b, ob, 2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_a_real_zero_momentum_buffer_among_real_ones_loads():
+    """One zero buffer (a parameter whose gradients were all zero) in a
+    checkpoint with real buffers is real state, and so are the others."""
+    a, oa = _sgd(0)
+    step(a, oa)
     osd = _saved(hyperdsd.get_optimizer_state_dict(a, oa), "torch_save")
-    b, ob = make(1, opt="sgd")
+    zeroed = "blocks.0.fc.weight"
+    osd["state"][zeroed]["momentum_buffer"].zero_()
+    b, ob = _sgd(1)
     hyperdsd.set_optimizer_state_dict(b, ob, osd)
-    assert ob.state and all(not s["momentum_buffer"].any() for s in ob.state.values())
+    assert len(ob.state) == len(oa.state)
+    assert not ob.state[b.blocks["0"].fc.weight]["momentum_buffer"].any()
+    assert all(s["momentum_buffer"].any() for p, s in ob.state.items() if p is not b.blocks["0"].fc.weight)
+
+
+def test_zero_buffers_other_than_the_template_load():
+    """Zero buffers whose keys differ from the optimizer's template are not its template: they load."""
+    a, oa = _sgd(0)
+    osd = _saved(hyperdsd.get_optimizer_state_dict(a, oa), "torch_save")
+    for entry in osd["state"].values():
+        entry["other"] = torch.zeros(())
+    b, ob = _sgd(1)
+    hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert len(ob.state) == len(osd["state"])
