@@ -293,8 +293,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "stepless-template-loads-as-state",
         "state/optimizer_load.py",
-        "    template = expectation.stepless_template([(p, entry) for p, _, entry in found])",
-        "    template = False",
+        "    if not expectation.stepless_template([(p, entry) for p, _, entry in found]):",
+        "    if True:",
         "a never-stepped SGD-with-momentum template (zero buffers, no step), saved before the first step, loads as "
         "real state",
         ("OPT-RT-5[single-sgd-sharded-step0]", "OPT-RT-1[single-sgd-full-step0]"),

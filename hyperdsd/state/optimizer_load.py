@@ -183,22 +183,28 @@ def _prepare_all(
             }
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
     for key, found in stepless.items():
-        _ask_stepless(plan, expectations[key], found)
+        opt = expectations[key].opt
+        first = next(f for t in targets if t.opt is opt for f in t.fqns)
+        _ask_stepless(plan, expectations[key], found, f"\0the optimizer of {first}")
 
 
-def _ask_stepless(plan: OptimizerLoadPlan, expectation: _Expectations, found: list[tuple]) -> None:
+def _ask_stepless(plan: OptimizerLoadPlan, expectation: _Expectations, found: list[tuple], name: str) -> None:
     """Ask whether an optimizer's entries without ``step`` are a saved
     never-stepped template: only if all of them are, on every rank (see
-    :mod:`hyperdsd.state.placeholders`). A rank that sees real values in any
-    answers "real" for all, so the others learn it in the same exchange; a
-    load of real state asks nothing where every rank sees some."""
+    :mod:`hyperdsd.state.placeholders`). ``name`` stands for the optimizer in
+    the vote, alike on every rank that holds it (its first parameter's FQN;
+    NUL never occurs in an FQN). A rank that sees real values anywhere in
+    them answers "real" under that name alone; one that sees only the
+    template asks, for the optimizer and for each entry, and all its entries
+    go by the optimizer's answer. A load of real state asks nothing where
+    every rank sees some."""
+    if not expectation.stepless_template([(p, entry) for p, _, entry in found]):
+        plan.questions[name] = True
+        return
     fqns = [fqn for _, fqn, _ in found]
-    template = expectation.stepless_template([(p, entry) for p, _, entry in found])
-    for fqn in fqns:
-        plan.questions[fqn] = not template
-    if template:
-        plan.confirm.update(fqns)
-        plan.together.append(fqns)
+    plan.questions.update(dict.fromkeys([name, *fqns], False))
+    plan.confirm.update([name, *fqns])
+    plan.together.append([name, *fqns])
 
 
 def _target_device(p, key: str, group: dict, value) -> torch.device:
