@@ -17,7 +17,8 @@ A template that was saved (a checkpoint taken before the first step, a
 copy) is recognised by its values instead: ``step`` 0 and everything else
 what the target optimizer's own template holds (see "saved templates"
 below). Such an entry says "never stepped": the parameter ends without
-state, a stepped target's own included.
+state, a stepped target's own included. State without ``step`` (SGD's
+momentum) is judged for all of an optimizer's entries together.
 """
 
 from __future__ import annotations
