@@ -172,3 +172,27 @@ def test_dcp_on_subgroups_gives_torch_26s_wrapper_the_global_coordinator(monkeyp
     _compat.dcp_on_subgroups()
     assert Wrapper26(object(), True, 0).coordinator_rank == 2
     assert Wrapper26(None, True, 0).coordinator_rank == 0 and Wrapper26(object(), False, 0).coordinator_rank == 0
+
+
+def test_forgetting_meshes_clears_the_caches_older_releases_keep(monkeypatch):
+    """Before 2.10 the sharding propagator's cache is a thread-local wrapper without cache_clear, and the
+    mesh registry is keyed by value: both must be emptied when the groups are formed again, or a mesh of
+    the new groups is handed an old one's ("Could not resolve the process group registered under ...")."""
+    import functools
+    import types
+
+    from torch.distributed import device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hyperdsd import _compat
+
+    cached = functools.lru_cache(None)(lambda key: object())
+    cached("spec")
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    monkeypatch.setattr(propagator, "propagate_op_sharding", types.SimpleNamespace(cache=cached))
+    registry = types.SimpleNamespace(child_to_root_mapping={1: 2}, root_to_flatten_mapping={3: {}}, mesh_stack=[4])
+    monkeypatch.setattr(device_mesh, "_mesh_resources", registry)
+    _compat.forget_device_meshes()
+    assert cached.cache_info().currsize == 0
+    assert registry.child_to_root_mapping == {} and registry.root_to_flatten_mapping == {}
+    assert registry.mesh_stack == [4]  # a mesh entered as a context stays entered
