@@ -534,6 +534,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "name: wrong only for a tied model with extra state (the suite ties models without extra state)",
         ("MODEL-5[fsdp2-full-tensor]", "OPT-KEYS-3[single-full]"),
     ),
+    Mutant(
+        "stage-extra-state-not-sent-to-root",
+        "transport/consolidate.py",
+        "        received = collectives.send_to_root(kept if not group.is_root else None, group)",
+        "        tensors = {k: v for k, v in kept.items() if isinstance(v, torch.Tensor)}\n"
+        "        received = collectives.send_to_root(tensors if not group.is_root else None, group)",
+        "full_cpu with pipeline stages: the other stages send the root their tensors only, so extra state that is not "
+        "a tensor (a dict, an object) of a later stage is missing (the suite has extra state only on fsdp2)",
+        ("MODEL-5[fsdp2-full_cpu-dict]", "MODEL-1[pp2-full_cpu]"),
+    ),
+    Mutant(
+        "extra-state-key-not-canonical",
+        "state/model.py",
+        "            index.canonical_key(k): _compat.detached(v)\n",
+        "            (index.canonical_key(k) if isinstance(v, torch.Tensor) else k): _compat.detached(v)\n",
+        "get_model_state_dict canonicalises the keys of tensors only: extra state that is not a tensor keeps a "
+        "wrapper's prefix (DDP's module.); wrong only for a wrapped model with extra state (the suite has extra "
+        "state only on fsdp2, which renames nothing)",
+        ("MODEL-5[fsdp2-sharded-dict]", "MODEL-1[ddp-sharded]"),
+    ),
 )
 
 
