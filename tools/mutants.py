@@ -507,8 +507,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "    start = min(index * size, length)",
         "    start = index * size",
         "a shard's start is not clamped to the length: wrong (a negative size) for a shard that starts past the end, "
-        "which takes a tensor of 1, 2 or 5 rows on 4 ranks or 1 row on 3 (the suite's models have 3 to 16)",
-        ("OPT-RT-1[fsdp4-adamw-full]", "OPT-RT-1[fsdp3-adamw-bcast]"),
+        "which takes a tensor of 1, 2 or 5 rows on 4 ranks or 1 on 3 (of the fixed models only MODEL-3's tiny has one)",
+        ("MODEL-3[fsdp4-bcast-tiny]",),
     ),
     Mutant(
         "one-element-state-left-plain",
@@ -516,7 +516,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
         "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape not in ((), (1,))",
         "a one-element state value is taken for a scalar (as older checkpoints stored step) and left plain: the state "
-        "of a one-element parameter is not sharded on load (the suite's models have no one-element parameter)",
+        "of a one-element parameter is not sharded on load (of the fixed models only MODEL-3's tiny one has such a "
+        "parameter, and MODEL-3 loads no optimizer)",
         ("OPT-RT-1[fsdp4-adamw-full]", "OPT-RT-1[fsdp2-adamw-bcast]"),
     ),
     Mutant(
