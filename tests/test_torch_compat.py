@@ -157,7 +157,7 @@ def test_dcp_on_subgroups_changes_nothing_where_dcp_has_a_global_coordinator():
 
 
 def test_dcp_on_subgroups_gives_torch_26s_wrapper_the_global_coordinator(monkeypatch):
-    """torch 2.6's _DistWrapper kept the group rank as coordinator; the shim makes it the global rank."""
+    """torch 2.6's and 2.7's _DistWrapper broadcast from the group rank as if global; the shim makes it global."""
     from torch.distributed.checkpoint import utils
 
     from conformance import _compat
@@ -165,6 +165,9 @@ def test_dcp_on_subgroups_gives_torch_26s_wrapper_the_global_coordinator(monkeyp
     class Wrapper26:
         def __init__(self, group, use_dist, coordinator_rank):
             self.coordinator_rank = coordinator_rank
+
+        def broadcast_object(self, obj):  # as 2.6 and 2.7 do: the group rank as the source
+            return self.coordinator_rank
 
     monkeypatch.setattr(utils, "_DistWrapper", Wrapper26)
     monkeypatch.setattr("torch.distributed.get_global_rank", lambda group, rank: {0: 2, 1: 3}[rank])
