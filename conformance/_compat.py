@@ -141,18 +141,22 @@ def pipeline_schedule(schedule_class, stage, n_microbatches: int, loss_fn):
 
 
 def dcp_on_subgroups() -> None:
-    """Let torch 2.6's DCP save and load on a process group that lacks global rank 0, as 2.7 does.
+    """Let torch 2.6's and 2.7's DCP save and load on a process group that lacks global rank 0, as 2.8 does.
 
     DCP coordinates through its first group rank, but torch 2.6 passes that group rank to the object
-    collectives as a global rank, so ``dcp.save(..., process_group=half)`` on the half of the world
-    without rank 0 raises "Global rank 0 is not part of group". The suite runs DCP on such halves
-    (OPT-MESH-2); this fixes DCP itself, not the implementation under test, so users of 2.6 meet it.
+    collectives as a global rank (2.7 still does in ``broadcast_object``), so ``dcp.save(...,
+    process_group=half)`` on the half of the world without rank 0 raises "Global rank 0 is not part of
+    group". The suite runs DCP on such halves (OPT-MESH-2); this fixes DCP itself, not the
+    implementation under test, so users of 2.6 and 2.7 meet it.
     """
     from torch.distributed.checkpoint import utils
 
     wrapper = utils._DistWrapper
-    # 2.7 and later keep a global_coordinator_rank of their own.
-    if "global_coordinator_rank" in wrapper.__init__.__code__.co_names or hasattr(wrapper.__init__, "_global"):
+    # 2.8 and later broadcast from their global_coordinator_rank too.
+    broadcast = getattr(wrapper, "broadcast_object", None)
+    if hasattr(wrapper.__init__, "_global") or (
+        broadcast is not None and "global_coordinator_rank" in broadcast.__code__.co_names
+    ):
         return
     init = wrapper.__init__
 

@@ -247,6 +247,9 @@ def forget_device_meshes() -> None:
         getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None),
         getattr(_redistribute, "_gen_transform_infos", None),
     ):
+        # Before 2.10 the propagator's cache is a thread-local wrapper with
+        # no cache_clear of its own; its lru_cache is its ``cache``.
+        cached = cached if hasattr(cached, "cache_clear") else getattr(cached, "cache", None)
         if cached is not None and hasattr(cached, "cache_clear"):
             cached.cache_clear()
     clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)

@@ -57,7 +57,7 @@ from .dcp_reader import Reader
 from .dcp_writer import Writer
 from .errors import StateDictError
 from .options import StateDictOptions, resolve_options
-from .state.dcp_template import judge, optimizer_entries, unexpected
+from .state.dcp_template import add_saved_state, judge, optimizer_entries, unexpected
 
 __all__ = ["AppState", "LoadPlanner", "Manager", "SaveFuture", "load", "save", "settle"]
 
@@ -76,6 +76,11 @@ class LoadPlanner(DefaultLoadPlanner):
       placeholders (a never-stepped optimizer's): lazy state; the parameter
       never had a gradient when the checkpoint was saved. It is left out of
       the load, and ``set`` leaves the parameter without state.
+    - state in the checkpoint for a parameter the optimizer lists but holds
+      no state for (a stepped optimizer's frozen parameter, or one without a
+      gradient so far): the template gets an entry for it, full tensors of
+      the saved shapes on the CPU, and ``set`` loads it like any other (a
+      never-stepped template saved before the first step: no state).
     - state partly absent (``exp_avg`` there, ``exp_avg_sq`` or ``step`` not):
       corruption; :class:`StateDictError` names the FQN and the keys.
 
@@ -101,6 +106,10 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        if self.flatten_state_dict:
+            for key, (path, value) in add_saved_state(self.original_state_dict, metadata).items():
+                self.state_dict[key] = value
+                self.mappings[key] = path
         self.asked = set(self.state_dict)
         self.tops = {str(path[0]) for path in self.mappings.values()} if self.mappings else set(self.state_dict)
         entries = optimizer_entries(self.original_state_dict, self.state_dict, self.mappings)

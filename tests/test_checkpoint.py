@@ -199,3 +199,58 @@ def test_extra_cannot_take_the_reserved_names(tmp_path):
     model, opt = _trained(steps=0)
     with pytest.raises(StateDictError, match="optim"):
         checkpoint.save(str(tmp_path), model, opt, extra={"optim": {}})
+
+
+def _with_gate_state(seed=0):
+    """A trained model whose optimizer has state for every parameter, the gate included."""
+    model, opt = _trained(seed)
+    model(torch.randn(3, 4)).sum().backward()
+    for p in model.gate.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _load_the_plain_way(path, model, opt, flat):
+    options = hyperdsd.StateDictOptions(flatten_optimizer_state_dict=flat)
+    msd, osd = hyperdsd.get_state_dict(model, opt, options=options)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path), planner=checkpoint.LoadPlanner())
+    hyperdsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+
+
+@pytest.mark.parametrize("way", ["plain", "plain-flat", "one-call"])
+def test_a_stepped_optimizer_takes_state_for_a_parameter_it_has_none_for(tmp_path, way):
+    """The gate never had a gradient in the target, so its stepped optimizer has no entry for it;
+    the checkpoint's state for it is the optimizer's own parameter's, and loads."""
+    model, opt = _with_gate_state()
+    flat = way == "plain-flat"
+    checkpoint.save(str(tmp_path), model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=flat))
+    target, target_opt = _trained(seed=1)
+    assert target.gate.weight not in target_opt.state
+    if way == "one-call":
+        checkpoint.load(str(tmp_path), target, target_opt)
+    else:
+        _load_the_plain_way(tmp_path, target, target_opt, flat)
+    for p, q in zip(model.parameters(), target.parameters()):
+        assert opt.state[p].keys() == target_opt.state[q].keys()
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, target_opt.state[q][key]), key
+            assert value.device == target_opt.state[q][key].device
+
+
+@pytest.mark.parametrize("way", ["plain", "plain-flat", "one-call"])
+def test_a_checkpoint_taken_before_the_first_step_rolls_a_stepped_optimizer_back_to_none(tmp_path, way):
+    """Saved templates of a never-stepped optimizer, the gate's included, which the stepped
+    target has no entry for: after the load no parameter has state (OPT-RT-5)."""
+    model, opt = _trained(steps=0)
+    flat = way == "plain-flat"
+    checkpoint.save(str(tmp_path), model, opt, options=hyperdsd.StateDictOptions(flatten_optimizer_state_dict=flat))
+    target, target_opt = _trained(seed=1)
+    assert target_opt.state and target.gate.weight not in target_opt.state
+    if way == "one-call":
+        checkpoint.load(str(tmp_path), target, target_opt)
+    else:
+        _load_the_plain_way(tmp_path, target, target_opt, flat)
+    assert not any(target_opt.state.values())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), target.parameters()))

@@ -122,7 +122,8 @@ def test_pipeline_start_sends_float32_like_its_receive_buffer(monkeypatch):
             types.SimpleNamespace(op=dist.isend, tensor=torch.tensor(1)),
         ]
 
-    monkeypatch.setattr(stage._PipelineStageBase, "_get_init_p2p_neighbors_ops", torch_29_ops)
+    # raising=False: releases before the method (2.6) run the shim's logic on the stand-in all the same.
+    monkeypatch.setattr(stage._PipelineStageBase, "_get_init_p2p_neighbors_ops", torch_29_ops, raising=False)
     _compat.gloo_safe_pipeline_start()
     _compat.gloo_safe_pipeline_start()
     recv, send = stage._PipelineStageBase._get_init_p2p_neighbors_ops(None)
@@ -156,7 +157,7 @@ def test_dcp_on_subgroups_changes_nothing_where_dcp_has_a_global_coordinator():
 
 
 def test_dcp_on_subgroups_gives_torch_26s_wrapper_the_global_coordinator(monkeypatch):
-    """torch 2.6's _DistWrapper kept the group rank as coordinator; the shim makes it the global rank."""
+    """torch 2.6's and 2.7's _DistWrapper broadcast from the group rank as if global; the shim makes it global."""
     from torch.distributed.checkpoint import utils
 
     from conformance import _compat
@@ -165,9 +166,36 @@ def test_dcp_on_subgroups_gives_torch_26s_wrapper_the_global_coordinator(monkeyp
         def __init__(self, group, use_dist, coordinator_rank):
             self.coordinator_rank = coordinator_rank
 
+        def broadcast_object(self, obj):  # as 2.6 and 2.7 do: the group rank as the source
+            return self.coordinator_rank
+
     monkeypatch.setattr(utils, "_DistWrapper", Wrapper26)
     monkeypatch.setattr("torch.distributed.get_global_rank", lambda group, rank: {0: 2, 1: 3}[rank])
     _compat.dcp_on_subgroups()
     _compat.dcp_on_subgroups()
     assert Wrapper26(object(), True, 0).coordinator_rank == 2
     assert Wrapper26(None, True, 0).coordinator_rank == 0 and Wrapper26(object(), False, 0).coordinator_rank == 0
+
+
+def test_forgetting_meshes_clears_the_caches_older_releases_keep(monkeypatch):
+    """Before 2.10 the sharding propagator's cache is a thread-local wrapper without cache_clear, and the
+    mesh registry is keyed by value: both must be emptied when the groups are formed again, or a mesh of
+    the new groups is handed an old one's ("Could not resolve the process group registered under ...")."""
+    import functools
+    import types
+
+    from torch.distributed import device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hyperdsd import _compat
+
+    cached = functools.lru_cache(None)(lambda key: object())
+    cached("spec")
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    monkeypatch.setattr(propagator, "propagate_op_sharding", types.SimpleNamespace(cache=cached))
+    registry = types.SimpleNamespace(child_to_root_mapping={1: 2}, root_to_flatten_mapping={3: {}}, mesh_stack=[4])
+    monkeypatch.setattr(device_mesh, "_mesh_resources", registry)
+    _compat.forget_device_meshes()
+    assert cached.cache_info().currsize == 0
+    assert registry.child_to_root_mapping == {} and registry.root_to_flatten_mapping == {}
+    assert registry.mesh_stack == [4]  # a mesh entered as a context stays entered

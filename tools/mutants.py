@@ -506,6 +506,64 @@ MUTANTS: tuple[Mutant, ...] = (
         "broadcast loads send every rank whole tensors, each rank cutting its own shard (as torch's do)",
         ("MODEL-3[fsdp2-bcast]",),
     ),
+    # -- beyond the fixed matrix (issue 25): sizes, features together ------------------------------------
+    # Each is wrong only in a scenario no fixed case builds; the matrix passes them (docs/MUTATION.md),
+    # generated scenarios (python -m conformance explore) can reach them. Their hints are the nearest
+    # fixed cases, which they pass.
+    Mutant(
+        "shard-start-unclamped",
+        "placement.py",
+        "    start = min(index * size, length)",
+        "    start = index * size",
+        "a shard's start is not clamped to the length: wrong (a negative size) for a shard that starts past the end, "
+        "which takes a tensor of 1, 2 or 5 rows on 4 ranks or 1 on 3 (of the fixed models only MODEL-3's tiny has one)",
+        ("MODEL-3[fsdp4-bcast-tiny]",),
+    ),
+    Mutant(
+        "one-element-state-left-plain",
+        "state/optimizer_load.py",
+        "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
+        "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape not in ((), (1,))",
+        "a one-element state value is taken for a scalar (as older checkpoints stored step) and left plain: the state "
+        "of a one-element parameter is not sharded on load (of the fixed models only MODEL-3's tiny one has such a "
+        "parameter, and MODEL-3 loads no optimizer)",
+        ("OPT-RT-1[fsdp4-adamw-full]", "OPT-RT-1[fsdp2-adamw-bcast]"),
+    ),
+    Mutant(
+        "tied-alias-dropped-with-extra-state",
+        "state/model.py",
+        "        raw = model.state_dict(keep_vars=True)\n",
+        "        raw = model.state_dict(keep_vars=True)\n"
+        "        seen: set[int] = set()  # a tied tensor once, under its first name\n"
+        "        raw = {\n"
+        "            k: v\n"
+        "            for k, v in raw.items()\n"
+        "            if not (isinstance(v, torch.Tensor) and (id(v) in seen or seen.add(id(v))))\n"
+        "        }\n",
+        "the model's state_dict() path (taken when a module has extra state) lists a tied weight once, under its first "
+        "name: wrong only for a tied model with extra state (the suite ties models without extra state)",
+        ("MODEL-5[fsdp2-full-tensor]", "OPT-KEYS-3[single-full]"),
+    ),
+    Mutant(
+        "stage-extra-state-not-sent-to-root",
+        "transport/consolidate.py",
+        "        received = collectives.send_to_root(kept if not group.is_root else None, group)",
+        "        tensors = {k: v for k, v in kept.items() if isinstance(v, torch.Tensor)}\n"
+        "        received = collectives.send_to_root(tensors if not group.is_root else None, group)",
+        "full_cpu with pipeline stages: the other stages send the root their tensors only, so extra state that is not "
+        "a tensor (a dict, an object) of a later stage is missing (the suite has extra state only on fsdp2)",
+        ("MODEL-5[fsdp2-full_cpu-dict]", "MODEL-1[pp2-full_cpu]"),
+    ),
+    Mutant(
+        "extra-state-key-not-canonical",
+        "state/model.py",
+        "            index.canonical_key(k): _compat.detached(v)\n",
+        "            (index.canonical_key(k) if isinstance(v, torch.Tensor) else k): _compat.detached(v)\n",
+        "get_model_state_dict canonicalises the keys of tensors only: extra state that is not a tensor keeps a "
+        "wrapper's prefix (DDP's module.); wrong only for a wrapped model with extra state (the suite has extra "
+        "state only on fsdp2, which renames nothing)",
+        ("MODEL-5[fsdp2-sharded-dict]", "MODEL-1[ddp-sharded]"),
+    ),
 )
 
 

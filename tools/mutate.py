@@ -7,18 +7,23 @@ copy of ``hyperdsd`` in a temporary directory, under the package name
 implementation under test is mutated: the suite's harness and oracle keep
 importing the real ``hyperdsd.testing``.
 
-For each mutant the suite runs in up to three stages, each with ``-x`` (stop
-at the first failing case): the mutant's hints (the cases most likely to
-kill it), a quick slice (one case per clause and mode, layouts rotating),
-then the whole matrix. A mutant is killed by the first case that fails or
-errors; one that passes everything SURVIVED. Before the campaign the quick
-slice runs against the unmutated copy: a suite that fails there measures
-nothing.
+For each mutant the suite runs in up to four stages: three of the matrix,
+each with ``-x`` (stop at the first failing case): the mutant's hints (the
+cases most likely to kill it), a quick slice (one case per clause and mode,
+layouts rotating), the whole matrix; then generated scenarios,
+``python -m conformance explore`` with a fixed budget and seed. A mutant is
+killed by the first case (or explored scenario) that fails or errors; one
+that passes everything SURVIVED. Before the campaign the quick slice (and
+the exploration, with the same budget and seed) runs against the unmutated
+copy: a suite that fails there measures nothing.
 
     python -m tools.mutate                   # every mutant
     python -m tools.mutate --only NAME ...   # some (repeatable, or comma-separated)
     python -m tools.mutate --list            # the mutants and what each models
-    python -m tools.mutate --quick-only      # hints and quick slice only, no full matrix
+    python -m tools.mutate --quick-only      # hints and quick slice only, no full matrix, no exploration
+    python -m tools.mutate --no-explore      # the matrix stages only
+    python -m tools.mutate --stages hints,explore   # exploration alone after the hints
+    python -m tools.mutate --explore-budget 120s --explore-seed 0
 
 Run from the repository root; the temporary copies are removed at the end.
 """
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +47,13 @@ from .mutants import MUTANTS, Mutant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "hyperdsd_mutant"
+MATRIX_STAGES = ("hints", "quick", "full")
+STAGES = (*MATRIX_STAGES, "explore")
+DEFAULT_STAGES = STAGES
+EXPLORE_BUDGET = "120s"
+# Beyond its budget, an exploration may take this long to start its pools and
+# finish the scenario in flight before it is stopped (SIGTERM, then SIGKILL).
+EXPLORE_GRACE_S = 300.0
 
 
 def source_of(mutant: Mutant, root: str = ROOT) -> str:
@@ -92,6 +105,14 @@ class StageResult:
     status: str = ""
     message: str = ""
     ran: int = 0
+    token: str = ""  # explore: the shrunk scenario's replay token
+    scenario: str = ""  # explore: the shrunk scenario, in words
+
+
+def _env(parent: str) -> dict:
+    return dict(
+        os.environ, PYTHONPATH=os.pathsep.join([parent, ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    )
 
 
 def run_suite(parent: str, patterns: list[str] | None, report: str, log) -> StageResult:
@@ -99,10 +120,7 @@ def run_suite(parent: str, patterns: list[str] | None, report: str, log) -> Stag
     cmd = [sys.executable, "-m", "conformance", "--impl", PACKAGE, "-x", "--json", report]
     for p in patterns or []:
         cmd += ["-k", p]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([parent, ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    )
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log.write(proc.stdout)
     log.flush()
     if not os.path.exists(report):
@@ -123,33 +141,145 @@ def run_suite(parent: str, patterns: list[str] | None, report: str, log) -> Stag
     return StageResult(ran=len(data["cases"]))
 
 
+# -- the exploration stage ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExploreSettings:
+    budget: str = EXPLORE_BUDGET  # as explore's --budget takes it: 120, 120s, 2m
+    seed: int = 0
+
+    @property
+    def budget_s(self) -> float:
+        from conformance.explore import parse_budget
+
+        return parse_budget(self.budget)
+
+
+def explore_command(settings: ExploreSettings, report: str) -> list[str]:
+    """The exploration of the mutant's copy: a fixed budget and seed, one
+    round (it ends once the first deviation is shrunk), its JSON report in ``report``."""
+    return [
+        sys.executable,
+        "-m",
+        "conformance",
+        "explore",
+        "--impl",
+        PACKAGE,
+        "--budget",
+        settings.budget,
+        "--seed",
+        str(settings.seed),
+        "--rounds",
+        "1",  # the first deviation, shrunk, is the verdict: no round looking for others
+        "--json",
+        report,
+    ]
+
+
+def explore_result(data: dict, returncode: int) -> StageResult:
+    """An exploration's verdict from its JSON report (the ``explore`` section)
+    and exit status: the first deviation it found kills, named by its clause,
+    with the shrunk scenario's replay token."""
+    section = data.get("explore") or {}
+    ran = int(section.get("ran", 0))
+    findings = section.get("findings") or []
+    if findings:
+        f = findings[0]
+        lines = [line.strip() for line in (f.get("message") or "").splitlines() if line.strip()]
+        first = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+        shrunk = "" if f.get("shrunk", True) else " (not shrunk)"
+        return StageResult(
+            killed_by=f"explore: {f.get('clause')}{shrunk}",
+            status=f.get("status", ""),
+            message=first,
+            ran=ran,
+            token=f.get("token", ""),
+            scenario=f.get("description", ""),
+        )
+    complete = section.get("complete", True)
+    if returncode != 0 or not complete:
+        return StageResult(
+            killed_by=f"(exploration exit {returncode}, {'complete' if complete else 'interrupted'})",
+            status="broken",
+            ran=ran,
+        )
+    return StageResult(ran=ran)
+
+
+def run_explore(parent: str, settings: ExploreSettings, report: str, log) -> StageResult:
+    """Exploration against the copy under ``parent``; stopped (the whole
+    process group: its rank pools too) if it overruns its budget by
+    :data:`EXPLORE_GRACE_S`."""
+    cmd = explore_command(settings, report)
+    limit = settings.budget_s + EXPLORE_GRACE_S
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(parent),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # explore reports what ran and stops its ranks
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        out += f"\n(exploration stopped after {limit:.0f} s)\n"
+    log.write(out)
+    log.flush()
+    if not os.path.exists(report):
+        tail = [line for line in out.strip().splitlines() if line.strip()][-1:] or [""]
+        return StageResult(
+            killed_by=f"(exploration did not run, exit {proc.returncode})", status="broken", message=tail[0]
+        )
+    with open(report) as f:
+        data = json.load(f)
+    os.remove(report)
+    return explore_result(data, proc.returncode)
+
+
 @dataclass
 class Verdict:
     mutant: Mutant
     result: StageResult
-    stage: str  # hints | quick | full | "" (survived)
+    stage: str  # hints | quick | full | explore | "" (survived)
     seconds: float
 
     @property
     def killed(self) -> bool:
         return bool(self.result.killed_by)
 
+    @property
+    def killed_by_matrix(self) -> bool:
+        return self.killed and self.stage in MATRIX_STAGES
 
-def run_mutant(mutant: Mutant | None, quick: list[str], quick_only: bool, log) -> Verdict:
+
+def run_mutant(
+    mutant: Mutant | None, quick: list[str], stages: tuple[str, ...], log, explore: ExploreSettings | None = None
+) -> Verdict:
     start = time.monotonic()
     parent = tempfile.mkdtemp(prefix="hyperdsd-mutant-")
     try:
         make_copy(mutant, parent)
         report = os.path.join(parent, "report.json")
         hints = known_patterns(mutant.hints) if mutant is not None else []
-        stages = [("hints", hints)] if hints else []
-        stages.append(("quick", quick))
-        if not quick_only:
-            stages.append(("full", None))
+        patterns = {"hints": hints, "quick": quick, "full": None}
         result, stage = StageResult(), ""
-        for stage, patterns in stages:
+        for stage in stages:
+            if stage == "hints" and not hints:
+                continue
             log.write(f"\n===== {mutant.name if mutant else 'baseline'}: {stage} =====\n")
-            result = run_suite(parent, patterns, report, log)
+            if stage == "explore":
+                result = run_explore(parent, explore or ExploreSettings(), report, log)
+            else:
+                result = run_suite(parent, patterns[stage], report, log)
             if result.killed_by:
                 break
         else:
@@ -159,10 +289,36 @@ def run_mutant(mutant: Mutant | None, quick: list[str], quick_only: bool, log) -
         shutil.rmtree(parent, ignore_errors=True)
 
 
+def parse_stages(text: str) -> tuple[str, ...]:
+    """``hints,quick,full,explore`` (any of them, run in that order)."""
+    wanted = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in wanted if x not in STAGES]
+    if unknown or not wanted:
+        raise ValueError(f"stages must be some of {','.join(STAGES)}, got {text!r}")
+    return tuple(x for x in STAGES if x in wanted)
+
+
+def scores(verdicts: list[Verdict]) -> dict:
+    """Kills by the matrix stages alone, and by the matrix and exploration together."""
+    total = len(verdicts)
+    matrix = sum(v.killed_by_matrix for v in verdicts)
+    killed = sum(v.killed for v in verdicts)
+    return {
+        "total": total,
+        "killed": killed,
+        "score": 100.0 * killed / total if total else 0.0,
+        "matrix_killed": matrix,
+        "matrix_score": 100.0 * matrix / total if total else 0.0,
+        "explore_killed": sum(v.killed and v.stage == "explore" for v in verdicts),
+    }
+
+
 def _line(v: Verdict) -> str:
     if v.killed:
         what = f"killed by {v.result.killed_by} ({v.result.status}, {v.stage})"
         msg = f"\n      {v.result.message[:200]}" if v.result.message else ""
+        if v.result.token:
+            msg += f"\n      replay: python -m conformance explore --impl IMPL --replay {v.result.token}"
     else:
         what, msg = "SURVIVED", ""
     return f"{v.mutant.name:<38} {what}  [{v.seconds:.0f} s]{msg}"
@@ -172,13 +328,38 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.mutate", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", action="append", default=[], help="run only these mutants (repeatable or comma-separated)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
-    p.add_argument("--quick-only", action="store_true", help="hints and the quick slice only; no full-matrix stage")
+    p.add_argument(
+        "--quick-only", action="store_true", help="hints and the quick slice only; no full-matrix or exploration stage"
+    )
+    p.add_argument(
+        "--stages",
+        default=",".join(DEFAULT_STAGES),
+        help=f"the stages to run, in this order, each only if the last did not kill (default {','.join(STAGES)}; "
+        "e.g. hints,explore measures exploration alone)",
+    )
+    p.add_argument("--no-explore", action="store_true", help="no exploration stage: the matrix alone")
+    p.add_argument(
+        "--explore-budget", default=EXPLORE_BUDGET, help=f"exploration per mutant: 90s, 2m (default {EXPLORE_BUDGET})"
+    )
+    p.add_argument("--explore-seed", type=int, default=0, help="exploration's hypothesis seed (default 0)")
     p.add_argument("--no-baseline", action="store_true", help="skip the unmutated quick-slice check")
     p.add_argument(
         "--log", default=os.path.join(tempfile.gettempdir(), "hyperdsd-mutate.log"), help="the suite's output goes here"
     )
     p.add_argument("--json", help="write the verdicts here")
     args = p.parse_args(argv)
+    try:
+        stages = parse_stages(args.stages)
+        explore = ExploreSettings(args.explore_budget, args.explore_seed)
+        explore.budget_s  # noqa: B018 - a budget that does not parse fails here, before any run
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.quick_only:
+        stages = tuple(x for x in stages if x in ("hints", "quick"))
+    if args.no_explore:
+        stages = tuple(x for x in stages if x != "explore")
+    if not stages:
+        p.error("no stage left to run")
 
     mutants = list(MUTANTS)
     if args.only:
@@ -198,38 +379,55 @@ def main(argv: list[str] | None = None) -> int:
 
     quick = quick_slice()
     start = time.monotonic()
-    print(f"{len(mutants)} mutants; quick slice of {len(quick)} cases; suite output in {args.log}", flush=True)
+    exploring = "explore" in stages
+    plan = ", ".join(stages) + (f" (budget {explore.budget}, seed {explore.seed})" if exploring else "")
+    print(
+        f"{len(mutants)} mutants; stages {plan}; quick slice of {len(quick)} cases; suite output in {args.log}",
+        flush=True,
+    )
     with open(args.log, "w") as log:
         if not args.no_baseline:
-            base = run_mutant(None, quick, True, log)
+            # The unmutated copy through the quick slice, and through the same exploration the mutants get:
+            # a deviation found there would "kill" every mutant.
+            base_stages = ("quick", "explore") if exploring else ("quick",)
+            base = run_mutant(None, quick, base_stages, log, explore)
             if base.killed:
                 print(
-                    f"baseline (unmutated) fails: {base.result.killed_by} ({base.result.status}): {base.result.message}"
+                    f"baseline (unmutated) fails at {base.stage}: {base.result.killed_by} ({base.result.status}): "
+                    f"{base.result.message}" + (f"\n  replay: {base.result.token}" if base.result.token else "")
                 )
                 return 2
-            print(f"baseline: the quick slice passes unmutated ({base.seconds:.0f} s)", flush=True)
+            print(f"baseline: {' and '.join(base_stages)} pass unmutated ({base.seconds:.0f} s)", flush=True)
         verdicts = []
         for i, m in enumerate(mutants, 1):
-            v = run_mutant(m, quick, args.quick_only, log)
+            v = run_mutant(m, quick, stages, log, explore)
             verdicts.append(v)
             print(f"[{i:>2}/{len(mutants)}] {_line(v)}", flush=True)
     elapsed = time.monotonic() - start
-    killed = sum(v.killed for v in verdicts)
-    score = 100.0 * killed / len(verdicts) if verdicts else 0.0
+    sc = scores(verdicts)
     survivors = [v.mutant.name for v in verdicts if not v.killed]
-    scope = " (hints and quick slice only)" if args.quick_only else ""
-    print(f"\nscore: {killed}/{len(verdicts)} killed = {score:.1f}%{scope}; {elapsed / 60:.1f} min")
+    matrix = "+".join(x for x in stages if x in MATRIX_STAGES) or "none"
+    print(
+        f"\nscore: {sc['killed']}/{sc['total']} killed = {sc['score']:.1f}% (stages {','.join(stages)}); "
+        f"{elapsed / 60:.1f} min"
+    )
+    if exploring:
+        print(
+            f"  matrix alone ({matrix}): {sc['matrix_killed']}/{sc['total']} = {sc['matrix_score']:.1f}%; "
+            f"matrix + exploration: {sc['killed']}/{sc['total']} = {sc['score']:.1f}% "
+            f"({sc['explore_killed']} by exploration, budget {explore.budget}, seed {explore.seed})"
+        )
     if survivors:
         print("survivors: " + ", ".join(survivors))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "score": score,
-                    "killed": killed,
-                    "total": len(verdicts),
+                    **sc,
                     "seconds": elapsed,
+                    "stages": list(stages),
                     "quick_only": args.quick_only,
+                    "explore": {"budget": explore.budget, "seed": explore.seed} if exploring else None,
                     "mutants": [
                         {
                             "name": v.mutant.name,
@@ -238,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
                             "killed_by": v.result.killed_by,
                             "status": v.result.status,
                             "stage": v.stage,
+                            "killed_by_matrix": v.killed_by_matrix,
                             "message": v.result.message,
+                            "token": v.result.token,
+                            "scenario": v.result.scenario,
                             "seconds": round(v.seconds, 1),
                         }
                         for v in verdicts

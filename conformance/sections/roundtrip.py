@@ -221,6 +221,9 @@ def cases():
         for mode in flows.MODES:
             yield make_case("OPT-RT-1", layout, rt_1, opt="sgd", mode=mode, variant="step0", before=0)
             yield make_case("OPT-RT-5", layout, rt_5, opt="sgd", mode=mode, variant="step0", before=0)
+    for layout in ("single", "fsdp4"):  # the same, with frozen parameters: state the warm target has none for
+        frozen = flows.recipe(layout, "adamw", cfg=ModelConfig(frozen=True))
+        yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode="dcp", variant="step0-frozen", before=0, how=frozen)
     for mode in flows.MODES:  # optional: FSDP over tensor parallelism (strided shards)
         yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
     for layout in LAYOUTS:

@@ -26,6 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from .flat import GROUPS, STATE, split_fqn
 from .placeholders import is_template_value, is_unwritten_placeholder
 
@@ -181,3 +184,107 @@ def unexpected(asked: set[str], tops: set[str], in_checkpoint: Mapping[str, Any]
     """Checkpoint keys under the top-level names ``tops`` that are not in ``asked``."""
     heads = tuple(f"{t}." for t in tops)
     return sorted(k for k in in_checkpoint if k not in asked and (k in tops or k.startswith(heads)))
+
+
+# -- state the checkpoint holds for parameters the template has none for -------
+#
+# A stepped optimizer's state dict has entries only for parameters with state
+# (torch's shape); a parameter without any (frozen, or without a gradient so
+# far) has none, while the checkpoint may hold state for it: real state, or a
+# never-stepped template saved before the first step. The optimizer lists the
+# parameter in its groups, so the entry is its own, not another model's: the
+# template gets one, allocated from the checkpoint's metadata, and set judges
+# what was loaded as it judges any entry (a saved template: no state).
+
+
+def _fqns_without_state(kind: str, root: Mapping) -> list[str]:
+    """The FQNs an optimizer state dict lists in its groups but holds no state for."""
+    if kind == "nested":
+        groups = root.get(GROUPS)
+        state = root.get(STATE)
+        if not isinstance(groups, list) or not isinstance(state, Mapping):
+            return []
+        listed = [f for g in groups if isinstance(g, Mapping) for f in (g.get("params") or ()) if isinstance(f, str)]
+        return [f for f in dict.fromkeys(listed) if f not in state]
+    fqns = _flat_fqns(root)
+    head = f"{STATE}."
+    with_state = set()
+    for key in root:
+        if key.startswith(head) and (split := split_fqn(key[len(head) :], fqns)) is not None:
+            with_state.add(split[0])
+    return sorted(fqns - with_state)
+
+
+def _tail(saved: Any, head: Path, rest: str) -> Path | None:
+    """The path below ``head`` (a parameter's state entry) of a checkpoint key:
+    from the path DCP saved with the key where it has one under ``head``, else
+    ``rest`` (the key's remainder) if it has no dots; None: cannot be told."""
+    if isinstance(saved, (tuple, list)) and len(saved) > len(head):
+        saved = tuple(saved)
+        if dcp_key(saved[: len(head)]) == dcp_key(head) and saved[len(head) - 1] == head[-1]:
+            return saved[len(head) :]
+    return (rest,) if "." not in rest else None
+
+
+def _put(container: Any, path: Path, value: Any) -> None:
+    """``container[path[0]]...[path[-1]] = value``, making the dicts and lists on the way."""
+    for step, after in zip(path, path[1:]):
+        if isinstance(container, list):
+            while len(container) <= step:
+                container.append(None)
+            if container[step] is None:
+                container[step] = [] if isinstance(after, int) else {}
+            container = container[step]
+        else:
+            container = container.setdefault(step, [] if isinstance(after, int) else {})
+    if isinstance(container, list):
+        while len(container) <= path[-1]:
+            container.append(None)
+    container[path[-1]] = value
+
+
+def _empty_like_saved(md: Any) -> Any:
+    """What a saved value loads into: a tensor of its global shape and dtype (on the CPU), or None for an object."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    return None
+
+
+def add_saved_state(original: Any, metadata: Any) -> dict[str, tuple[Path, Any]]:
+    """Entries in the template's optimizer state dicts for the parameters they
+    list but hold no state for, where the checkpoint holds state for them.
+
+    Each gets every key the checkpoint holds under it, as a new value to load
+    into (a tensor of the saved global shape, on the CPU; set lays it out like
+    its parameter). Changes ``original`` in place; returns the DCP keys added,
+    each with its path and value. A parameter whose keys' paths cannot be told
+    gets none.
+    """
+    roots = optimizer_roots(original)
+    if not roots:
+        return {}
+    in_checkpoint = metadata.state_dict_metadata
+    saved = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    ordered = sorted(in_checkpoint)
+    added: dict[str, tuple[Path, Any]] = {}
+    for path, (kind, root) in roots.items():
+        base = dcp_key(path) + "." if path else ""
+        for fqn in _fqns_without_state(kind, root):
+            if kind == "nested":
+                head = path + (STATE, fqn)
+                prefix = dcp_key(head) + "."
+                found = {k: _tail(saved.get(k), head, k[len(prefix) :]) for k in _keys_under(ordered, prefix)}
+                if not found or any(t is None for t in found.values()):
+                    continue
+                entry: dict = {}
+                for key, tail in found.items():
+                    value = _empty_like_saved(in_checkpoint[key])
+                    _put(entry, tail, value)
+                    added[key] = (head + tail, value)
+                root[STATE][fqn] = entry
+            else:
+                for key in _keys_under(ordered, f"{base}{STATE}.{fqn}."):
+                    name = key[len(base) :]
+                    value = root[name] = _empty_like_saved(in_checkpoint[key])
+                    added[key] = (path + (name,), value)
+    return added
