@@ -432,7 +432,7 @@ def main() -> int:
     versions = [v for v in args.versions.split(",") if v]
     impls = [i for i in (args.impls or ",".join(IMPLS)).split(",") if i]
     os.makedirs(args.out, exist_ok=True)
-    extra = [x for p in args.patterns for x in ("-k", p)]
+    extra = [f"-k={p}" for p in args.patterns]  # "-k=-step0": a pattern may start with a dash
     for version in versions:
         python = None
         for impl in impls:
