@@ -372,24 +372,32 @@ def compat_root_mesh(ctx):
     return _compat.root_mesh(world[world.mesh_dim_names[1]]) is world and _compat.root_mesh(world) is world
 
 
+def _load_saved_template(ctx, opt: str, fqn: str, key: str, writer: int | None, broadcast: bool):
+    """A never-stepped ``opt`` optimizer's get (full on rank 0 when ``broadcast``), copied, with ones
+    written into ``state[fqn][key]`` on rank ``writer``'s part, set into a target that stepped once;
+    returns the target."""
+    a = _setup(ctx, "fsdp2", 0, "hyperdsd", opt)  # never stepped
+    full = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    osd = copy.deepcopy(
+        hyperdsd.get_optimizer_state_dict(a.model, a.optimizers[0], options=full if broadcast else None)
+    )
+    if writer is not None and ctx.rank == writer:
+        held = osd["state"][fqn][key]
+        (held._local_tensor if isinstance(held, DTensor) else held).fill_(1.0)
+    b = _setup(ctx, "fsdp2", 1, "hyperdsd", opt)
+    b.train(1)
+    opts = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) if broadcast else None
+    hyperdsd.set_optimizer_state_dict(b.model, b.optimizers[0], osd, options=opts)
+    return b
+
+
 def step0_agreement(ctx, writer: int | None, broadcast: bool):
     """A saved never-stepped template loaded into a stepped target: no state
     is left, unless one rank's part of an entry holds real values (``writer``
     writes ones into its shard, or rank 0 into the full value): then every
     rank loads that entry."""
     fqn = "layers.0.fc1.weight"
-    a = _setup(ctx, "fsdp2", 0, "hyperdsd")  # never stepped
-    full = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    osd = copy.deepcopy(
-        hyperdsd.get_optimizer_state_dict(a.model, a.optimizers[0], options=full if broadcast else None)
-    )
-    if writer is not None and ctx.rank == writer:
-        held = osd["state"][fqn]["exp_avg"]
-        (held._local_tensor if isinstance(held, DTensor) else held).fill_(1.0)
-    b = _setup(ctx, "fsdp2", 1, "hyperdsd")
-    b.train(1)
-    opts = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) if broadcast else None
-    hyperdsd.set_optimizer_state_dict(b.model, b.optimizers[0], osd, options=opts)
+    b = _load_saved_template(ctx, "adamw", fqn, "exp_avg", writer, broadcast)
     params = dict(b.model.named_parameters())
     state = b.optimizers[0].state
     kept = fqn in {f for f, p in params.items() if p in state}
@@ -409,18 +417,7 @@ def stepless_agreement(ctx, writer: int | None, broadcast: bool):
     rank 0 into the full value): then every entry loads, on every rank (the
     optimizer's buffers are judged together). Returns the FQNs with state."""
     fqn = "layers.0.fc1.weight"
-    a = _setup(ctx, "fsdp2", 0, "hyperdsd", "sgd")  # never stepped
-    full = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    osd = copy.deepcopy(
-        hyperdsd.get_optimizer_state_dict(a.model, a.optimizers[0], options=full if broadcast else None)
-    )
-    if writer is not None and ctx.rank == writer:
-        held = osd["state"][fqn]["momentum_buffer"]
-        (held._local_tensor if isinstance(held, DTensor) else held).fill_(1.0)
-    b = _setup(ctx, "fsdp2", 1, "hyperdsd", "sgd")
-    b.train(1)
-    opts = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) if broadcast else None
-    hyperdsd.set_optimizer_state_dict(b.model, b.optimizers[0], osd, options=opts)
+    b = _load_saved_template(ctx, "sgd", fqn, "momentum_buffer", writer, broadcast)
     params = dict(b.model.named_parameters())
     state = b.optimizers[0].state
     for f, p in params.items():
