@@ -33,6 +33,7 @@ from .runner import Runner, undeclared
 from .scenarios import (
     DTYPES,
     EXTRA_STATE,
+    GROUP_ORDERS,
     LAYOUTS,
     MODEL_KEYS,
     MODEL_KEYS_MODES,
@@ -133,6 +134,7 @@ def strategy(ch: Choices):
         reshard = draw(st.booleans())
         target = draw(st.sampled_from(ch.layouts))
         model_keys = draw(st.sampled_from(MODEL_KEYS))
+        group_order = draw(st.sampled_from(GROUP_ORDERS))
         s = Scenario(
             layout=layout,
             mode=mode,
@@ -158,6 +160,7 @@ def strategy(ch: Choices):
             before=before,
             after=after,
             warm=warm,
+            group_order=group_order,
         )
         if model_keys and mode in MODEL_KEYS_MODES and pp == 1:
             s = replace(s, model_keys=model_keys)

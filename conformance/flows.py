@@ -224,7 +224,7 @@ class Recipe:
     are hashable (configs are frozen dataclasses, functions compare by
     identity). A recipe built with another seed differs in values and in
     hyperparameters (groups scaled by seed), so that they can only come from
-    a checkpoint.
+    a checkpoint; with ``target_reverse`` its groups are in another order too.
     """
 
     layout: str
@@ -237,7 +237,9 @@ class Recipe:
 
         kwargs = dict(self.options)
         groups = kwargs.pop("groups", None)
-        groups = replace(groups, scale=groups.scale * GroupSpec.for_seed(seed).scale) if groups is not None else None
+        if groups is not None:
+            scale = groups.scale * GroupSpec.for_seed(seed).scale
+            groups = replace(groups, scale=scale, reverse=groups.reverse != (groups.target_reverse and seed != 0))
         return Setup(c, self.layout, self.optimizer, seed=seed, groups=groups, **kwargs)
 
 

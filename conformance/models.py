@@ -265,6 +265,13 @@ class GroupSpec:
     scale: float = 1.0
     extra: tuple[tuple[str, object], ...] = ()  # extra fields on every group
     router_group: bool = False  # the routers (ModelConfig.router) in a group of their own, second
+    # The groups with parameters in reverse order, each listing its parameters
+    # in reverse order; empty groups keep their positions (see ``reordered``).
+    reverse: bool = False
+    # Only the target (a setup built with a seed other than the source's 0) is
+    # reversed: a checkpoint loads into an optimizer that lists its groups in
+    # another order, which pairing groups by their FQNs must not notice.
+    target_reverse: bool = False
 
     @classmethod
     def for_seed(cls, seed: int, **kw) -> "GroupSpec":
@@ -291,6 +298,8 @@ def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec =
             for r, ps in roles.items()
             if ps
         ]
+    if spec.reverse:
+        groups = reordered(groups)
     for i, pos in enumerate(sorted(spec.empty_at)):
         empty = {
             "params": [],
@@ -301,6 +310,15 @@ def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec =
         }
         groups.insert(min(pos, len(groups)), empty)
     return groups
+
+
+def reordered(groups: list[dict]) -> list[dict]:
+    """``groups`` with the ones that have parameters in reverse order, each
+    with its parameters reversed, and empty groups where they were: what
+    :attr:`GroupSpec.reverse` builds from the groups it would build otherwise.
+    Works on optimizers' groups and on snapshots' (FQNs for parameters)."""
+    full = [{**g, "params": list(g["params"])[::-1]} for g in groups if g["params"]][::-1]
+    return [full.pop(0) if g["params"] else g for g in groups]
 
 
 # -- optimizers -----------------------------------------------------------

@@ -93,6 +93,12 @@ LOAD_SIDE = frozenset({"OPT-ATOM-3"})
 OPTION_CLAUSES = {"OPT-ATOM-3": ("options_type",), "OPT-PART-3": ("ignore_frozen_params",)}
 
 
+def loads(fn: Callable) -> Callable:
+    """Marks a check of a get-side clause that loads too (its cases need the mode's load declared)."""
+    fn.loads = True
+    return fn
+
+
 def needs_of(case: Case) -> Needs:
     """What ``case`` needs declared: derived from its clause, mode, layout and
     parameters, in one place, so that the sections need not say it."""
@@ -116,7 +122,7 @@ def needs_of(case: Case) -> Needs:
     if mode is not None:
         get = "flat" if mode == "dcp" and "pipeline" in layouts else GET_OF[mode]
         load = mode
-    if case.clause in GET_SIDE:
+    if case.clause in GET_SIDE and not any(getattr(p.fn, "loads", False) for p in case.phases):
         load = None
     if case.clause in LOAD_SIDE:
         get = None

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from .layouts import parse_layout
@@ -42,6 +42,9 @@ OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
 DTYPES = ("float32", "float64", "bfloat16")
 EXTRA_STATE = ("", "tensor", "dict", "object")
 MODEL_KEYS = ("", "strict", "nonstrict")
+# The order of the groups: by role (""), reversed in source and target alike,
+# or reversed in the target only (a load must pair groups by their FQNs: OPT-KEYS-1).
+GROUP_ORDERS = ("", "reversed", "reversed-target")
 MODEL_KEYS_MODES = ("sharded", "full", "bcast", "file")  # MODEL-2's: a model dict that a rank can edit
 # Layouts whose model is sharded over more than one rank: a broadcast load
 # there must send each rank its own shard, not the whole (MODEL-3).
@@ -75,6 +78,7 @@ class Scenario:
     custom_fields: bool = False  # extra fields on every group
     scale: float = 1.0  # every group's lr and weight decay, scaled
     scheduler: bool = False
+    group_order: str = ""  # one of GROUP_ORDERS
     # Steps
     before: int = 1
     after: int = 1
@@ -88,6 +92,11 @@ class Scenario:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["empty_at"] = list(self.empty_at)
+        # Fields added after scenarios were saved are left out at their
+        # default, so that those scenarios keep their tokens and case IDs.
+        for name in _LATER_FIELDS:
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
         return out
 
     @classmethod
@@ -158,6 +167,8 @@ class Scenario:
             problems.append("router_group needs router")
         if self.reshard_to:
             problems += reshard_problems(self)
+        if self.group_order not in GROUP_ORDERS:
+            problems.append(f"group_order {self.group_order!r} is not one of {GROUP_ORDERS}")
         if self.model_keys not in MODEL_KEYS:
             problems.append(f"model_keys {self.model_keys!r} is not one of {MODEL_KEYS}")
         elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in LAYOUTS or self.pp > 1):
@@ -195,6 +206,7 @@ class Scenario:
             scale=self.scale,
             extra=extra,
             router_group=self.router_group,
+            reverse=self.group_order == "reversed",
         )
 
     def recipe(self):
@@ -230,6 +242,10 @@ class Scenario:
             groups.append(f"lr and weight decay x{self.scale:g}")
         if self.scheduler:
             groups.append("an lr scheduler")
+        if self.group_order == "reversed":
+            groups.append("groups and their parameters in reverse order")
+        elif self.group_order == "reversed-target":
+            groups.append("the target's groups and their parameters in reverse order (OPT-KEYS-1)")
         target = f"a warm target ({self.warm} steps of its own)" if self.warm else "a fresh target"
         if self.model_keys:
             target += f"; the model dict loses a key and gains one ({self.model_keys} load)"
@@ -244,12 +260,17 @@ class Scenario:
         return "\n".join(lines)
 
 
+_LATER_FIELDS = ("group_order",)
+_DEFAULTS = {f.name: f.default for f in fields(Scenario)}
+
+
 # -- the clauses a scenario exercises ----------------------------------------
 
 # The order checks run in, most specific first: the first that fails names
 # the scenario's failure (a round trip that fails because of an empty group
 # is OPT-EMPTY-1's deviation before it is OPT-RT-1's).
-# Resharding comes last: it counts only where the scenario round-trips on its own layout.
+# Resharding comes last: it counts only where the scenario round-trips on its own layout;
+# so does a load into groups in another order (OPT-KEYS-1), which is a round trip and more.
 CLAUSE_ORDER = (
     "MODEL-3",
     "MODEL-5",
@@ -262,6 +283,7 @@ CLAUSE_ORDER = (
     "OPT-PURE-3",
     "OPT-RT-5",
     "OPT-RT-1",
+    "OPT-KEYS-1",
     "OPT-RESHARD-1",
     "OPT-RESHARD-3",
 )
@@ -303,6 +325,8 @@ def clauses_of(s: Scenario) -> tuple[str, ...]:
         out.add("OPT-EMPTY-1")
     if s.scheduler:
         out.add("OPT-SCHED-2")
+    if s.group_order == "reversed-target":
+        out.add("OPT-KEYS-1")
     if s.reshard_to:
         out.add(RESHARD_CLAUSE[s.mode])
     out.add(_purity_clause(s))
@@ -319,7 +343,8 @@ def _purity_clause(s: Scenario) -> str:
 
 def _check(s: Scenario, clause: str):
     """The section's check function for ``clause`` and its arguments on ``s``."""
-    from .sections import empty_groups, model, purity, roundtrip, scheduler
+    from . import flows
+    from .sections import empty_groups, keys, model, purity, roundtrip, scheduler
 
     cfg = s.cfg()
 
@@ -334,6 +359,9 @@ def _check(s: Scenario, clause: str):
         return purity.pure_1, trained(grads=False)
     if clause == "OPT-PURE-2":
         return purity.pure_2, trained()
+    if clause == "OPT-KEYS-1":  # the target's groups in another order: only this check builds it so
+        how = flows.recipe(s.layout, s.optimizer, cfg=cfg, groups=replace(s.groups(), target_reverse=True))
+        return keys.keys_regrouped, {**trained(before=s.before, after=s.after, warm=s.warm), "how": how}
     if clause == "MODEL-1":
         return model.model_1, {"layout": s.layout, "mode": s.mode, "cfg": cfg}
     if clause == "MODEL-2":

@@ -115,3 +115,26 @@ def halves_router_state():
         set_model_state_dict=own(base.set_model_state_dict),
         get_optimizer_state_dict=own(base.get_optimizer_state_dict),
     )
+
+
+def groups_by_position():
+    """hyperdsd, but a nested checkpoint with as many param groups as the
+    optimizers is paired with them group by group, in order (its groups take
+    the optimizers' parameters by position): right whenever the target lists
+    its groups as the source did, which every fixed case does."""
+    base = replace(load_adapter("hyperdsd"), functions_are_iut=False)
+
+    def set_optimizer_state_dict(model, optimizers, osd, *, options=None):
+        from conformance.adapters import iut_call
+
+        with iut_call():
+            own = base.get_optimizer_state_dict(model, optimizers)  # every rank alike: it is a collective
+            groups = osd.get("param_groups") if isinstance(osd, dict) else None
+            if isinstance(groups, list) and len(groups) == len(own["param_groups"]):
+                osd = {
+                    **osd,
+                    "param_groups": [{**g, "params": m["params"]} for g, m in zip(groups, own["param_groups"])],
+                }
+            return base.set_optimizer_state_dict(model, optimizers, osd, options=options)
+
+    return replace(base, name="groups-by-position", version="0", set_optimizer_state_dict=set_optimizer_state_dict)

@@ -81,6 +81,46 @@ def test_a_scenario_runs_the_checks_of_the_clauses_it_contains():
     assert case.id == f"OPT-RT-5[explore-{busy.digest}]" and case.mode == "bcast" and case.world_sizes == (2,)
 
 
+def test_groups_in_another_order():
+    from conformance.models import GroupSpec, reordered
+
+    groups = [{"params": ["a", "b"]}, {"params": []}, {"params": ["c"]}, {"params": ["d", "e"], "lr": 2}]
+    assert reordered(groups) == [
+        {"params": ["e", "d"], "lr": 2},
+        {"params": []},
+        {"params": ["c"]},
+        {"params": ["b", "a"]},
+    ]
+    assert reordered(reordered(groups)) == groups
+    # Only the target's order differs: the OPT-KEYS-1 check, which loads, last before resharding.
+    s = Scenario(layout="fsdp2", mode="dcp", group_order="reversed-target", reshard_to="fsdp4")
+    assert clauses_of(s)[-2:] == ("OPT-KEYS-1", "OPT-RESHARD-1")
+    keys = scenario_case(s, "OPT-KEYS-1")
+    assert keys.needs.load == "dcp"  # OPT-KEYS-1's matrix cases only get; this one loads
+    how = keys.phases[0].params["how"]
+    assert dict(how.options)["groups"].target_reverse and not dict(s.recipe().options)["groups"].target_reverse
+    assert Scenario(group_order="reversed").groups() == GroupSpec(reverse=True)
+    assert clauses_of(Scenario(group_order="reversed")) == clauses_of(Scenario())
+    with pytest.raises(ValueError, match="group_order"):
+        Scenario(group_order="shuffled").validate()
+    # A field added later is left out at its default: saved scenarios keep their tokens and IDs.
+    assert "group_order" not in Scenario().to_dict() and Scenario.from_token(s.token) == s
+
+
+def test_a_load_that_pairs_groups_by_position_fails_keys_1_only(tmp_path):
+    s = Scenario(group_order="reversed-target")
+    out = tmp_path / "replay.json"
+    proc, _ = run_cli(["explore", "--impl", "faulty_impl:groups_by_position", "--replay", s.token, "--json", str(out)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    replayed = json.loads(out.read_text())["explore"]
+    assert replayed["verdict"] == "failed"
+    (finding,) = replayed["findings"]
+    assert finding["clause"] == "OPT-KEYS-1" and "groups in reverse order" in finding["message"], finding
+    assert "OPT-RT-1: passed" in proc.stdout, proc.stdout
+    proc, _ = run_cli(["explore", "--impl", "hyperdsd", "--replay", s.token])
+    assert proc.returncode == 0 and "OPT-KEYS-1: passed" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_messages_of_one_kind_share_a_signature():
     a = "rank 1 raised CheckFailure: full: x:\n  state['a.b']['step']: values differ (bitwise): max abs error 1e-3"
     b = "rank 0 raised CheckFailure: full: x:\n  params['c']: values differ (bitwise): max abs error 2 at (3, 4)"

@@ -564,6 +564,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "state only on fsdp2, which renames nothing)",
         ("MODEL-5[fsdp2-sharded-dict]", "MODEL-1[ddp-sharded]"),
     ),
+    Mutant(
+        "groups-paired-by-position",
+        "state/optimizer_input.py",
+        "    if len(targets) == len(sources) and all(set(t.fqns) == set(s.fqns) for t, s in zip(targets, sources)):",
+        "    if len(targets) == len(sources):  # as many groups as the optimizer: taken to be the same ones, in order",
+        "a checkpoint with as many groups as the optimizer is paired with it group by group, by position: wrong "
+        "when the optimizer lists its groups in another order than the checkpoint (every fixed case loads into "
+        "groups in the source's order)",
+        ("OPT-KEYS-4[single-sharded]", "OPT-ATOM-1[single-sharded-unknown_group]", "OPT-PART-1[single-sharded-strict]"),
+    ),
 )
 
 

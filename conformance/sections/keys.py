@@ -5,9 +5,9 @@ from __future__ import annotations
 from .. import flows
 from ..flows import get_options, optimizers_arg
 from ..layouts import WRAPPER_SEGMENTS, Setup, canonical
-from ..models import ModelConfig
-from ..oracle import check, diff_snapshots, fail_if, snapshot
-from ..registry import make_case
+from ..models import ModelConfig, reordered
+from ..oracle import check, diff_snapshots, fail_if, snapshot, without_empty_groups
+from ..registry import loads, make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 WRAPPERS = {  # layout -> wrapper variants
@@ -65,6 +65,23 @@ def keys_1(c, layout, opt, mode):
     missing = stateful - {alias_of.get(k, k) for k in osd["state"] if isinstance(k, str)}
     problems += [f"state for {fqn!r} is missing" for fqn in sorted(missing)]
     fail_if(problems, "optimizer state dict is not keyed by canonical FQNs in the optimizer's order")
+
+
+@loads
+def keys_regrouped(c, layout, opt, mode, how, before=1, after=1, warm=0):
+    """A checkpoint loads into an optimizer that lists its groups (and their
+    parameters) in another order (``how``'s groups have ``target_reverse``):
+    each group's fields follow its parameters' FQNs, never its position, and
+    K more steps equal the uninterrupted run with its groups in that order."""
+    r = flows.resume(c, how, mode, before=before, after=after, warm=warm)
+    want = {**r.expected, "groups": reordered(r.expected["groups"])}
+    got = snapshot(r.resumed)
+    if not flows.carries_empty_groups(mode, r.resumed):  # OPT-EMPTY-2 judges those
+        want, got = without_empty_groups(want), without_empty_groups(got)
+    fail_if(
+        diff_snapshots(want, got),
+        f"{mode}: loaded into an optimizer with its groups in reverse order, the run differs from the uninterrupted",
+    )
 
 
 def keys_2(c, layout, mode, wrappers):
