@@ -95,8 +95,8 @@ def get_optimizer_state_dict(
         return _optimizer_state(ModelIndex(model, opts.dsd_fqn_modifiers), optims, opts)
 
 
-def _optimizer_state(index: ModelIndex, optims, opts: StateDictOptions) -> dict[str, Any]:
-    nested = optim_state.read_state(index, optims)
+def _optimizer_state(index: ModelIndex, optims, opts: StateDictOptions, *, to_load: bool = False) -> dict[str, Any]:
+    nested = optim_state.read_state(index, optims, to_load=to_load)
     if opts.full_state_dict:
         nested = consolidate.full_optimizer(nested, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
     elif opts.cpu_offload:
@@ -104,7 +104,7 @@ def _optimizer_state(index: ModelIndex, optims, opts: StateDictOptions) -> dict[
     if opts.flatten_optimizer_state_dict and nested:
         nested = flat_format.flatten(nested)
         anchor = placeholders.first_placeholder(nested)
-        if anchor is not None:
+        if anchor is not None and any(not opt.state for opt in optims):  # a never-stepped optimizer's template
             placeholders.track_template_fields(nested, anchor)
     return nested
 
@@ -119,6 +119,18 @@ def get_state_dict(
         index = ModelIndex(model, opts.dsd_fqn_modifiers)
         optims = optimizer_params(optimizers)
         return _model_state(model, index, opts), _optimizer_state(index, optims, opts)
+
+
+def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOptions) -> tuple[dict, dict]:
+    """What :func:`get_state_dict` gives, as a template to load a checkpoint
+    into: a stepped optimizer's parameters without state have placeholder
+    state too (see ``read_state``), so that DCP's planning checks the
+    checkpoint's entries for them whole before anything is read."""
+    opts = resolve_options(options)
+    with _working():
+        index = ModelIndex(model, opts.dsd_fqn_modifiers)
+        optims = optimizer_params(optimizers)
+        return _model_state(model, index, opts), _optimizer_state(index, optims, opts, to_load=True)
 
 
 # -- set ---------------------------------------------------------------------

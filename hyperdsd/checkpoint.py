@@ -82,7 +82,11 @@ class LoadPlanner(DefaultLoadPlanner):
       the saved shapes on the CPU, and ``set`` loads it like any other (a
       never-stepped template saved before the first step: no state).
     - state partly absent (``exp_avg`` there, ``exp_avg_sq`` or ``step`` not):
-      corruption; :class:`StateDictError` names the FQN and the keys.
+      corruption; :class:`StateDictError` names the FQN and the keys. For a
+      parameter a stepped optimizer holds no state for, the template cannot
+      say which keys are due: ``set`` refuses a partial entry after the read.
+      :func:`load` gives such parameters placeholder state in its template,
+      so it refuses one before anything is read.
 
     Everything else stays required, as with DCP's default planner: the
     model, a stepped optimizer's state, the param groups. With ``strict``
@@ -191,8 +195,9 @@ def _check_extra(extra: Mapping[str, Any] | None) -> None:
         )
 
 
-def _state(model, optimizers, schedulers, extra, opts: StateDictOptions) -> dict[str, Any]:
-    msd, osd = api.get_state_dict(model, optimizers, options=opts)
+def _state(model, optimizers, schedulers, extra, opts: StateDictOptions, *, to_load: bool = False) -> dict[str, Any]:
+    get = api.load_template if to_load else api.get_state_dict
+    msd, osd = get(model, optimizers, options=opts)
     state: dict[str, Any] = {MODEL: msd, OPTIM: osd}
     if schedulers:
         state[SCHEDULERS] = [s.state_dict() for s in schedulers]
@@ -306,7 +311,7 @@ def _load(checkpoint_id, model, optimizers, schedulers, extra, options, storage_
     _check_extra(extra)
     schedulers = _as_list(schedulers)
     folder = _committed(checkpoint_id)
-    state = _state(model, optimizers, schedulers, extra, opts)
+    state = _state(model, optimizers, schedulers, extra, opts, to_load=True)
     if storage_reader is None:
         storage_reader = Reader(str(folder), *commit.take_metadata(folder))
     planner = LoadPlanner(strict=opts.strict)

@@ -7,6 +7,7 @@ Multi-rank cases run on real CPU ranks through the harness
 one process, where DCP needs no process group.
 """
 
+import copy
 import os
 import pickle
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import run_task
+from helpers import run_task, same
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 import hyperdsd
@@ -193,6 +194,24 @@ def test_one_call_error_names_the_parameter_and_changes_nothing(tmp_path):
         checkpoint.load(str(tmp_path), fresh, fresh_opt)
     assert not fresh_opt.state
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_partial_entry_for_a_stateless_parameter_of_a_stepped_optimizer_is_refused(tmp_path):
+    """A rollback into an optimizer that has stepped but holds no state for
+    one parameter (frozen, or no gradient since): that parameter's entry in
+    the checkpoint lacks a key, so the load is refused and nothing changes."""
+    model, opt = _trained()
+    checkpoint.save(str(tmp_path), model, opt)
+    metadata = FileSystemReader(str(tmp_path)).read_metadata()
+    del metadata.state_dict_metadata["optim.state.fc.weight.exp_avg_sq"]
+    with open(os.path.join(tmp_path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    warm, warm_opt = _trained(seed=1, steps=2)
+    warm_opt.state.pop(warm.fc.weight)
+    before = copy.deepcopy((warm.state_dict(), warm_opt.state_dict()))
+    with pytest.raises(StateDictError, match=r"(?s)nothing was changed.*'fc\.weight'.*lacks \['exp_avg_sq'\]"):
+        checkpoint.load(str(tmp_path), warm, warm_opt)
+    assert same((warm.state_dict(), warm_opt.state_dict()), before)
 
 
 def test_extra_cannot_take_the_reserved_names(tmp_path):

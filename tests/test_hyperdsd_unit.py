@@ -669,3 +669,26 @@ def test_zero_buffers_other_than_the_template_load():
     b, ob = _sgd(1)
     hyperdsd.set_optimizer_state_dict(b, ob, osd)
     assert len(ob.state) == len(osd["state"])
+
+
+def test_a_partly_present_entry_for_a_stateless_parameter_of_a_warm_optimizer_is_refused():
+    """OPT-PART-6 in a stepped optimizer, for a parameter it holds no state
+    for (frozen or never reached since): what its state would be is worked
+    out as for a fresh optimizer, so an entry lacking keys is refused and
+    nothing changes."""
+    a, oa = make(0)
+    step(a, oa, 2)
+    osd = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    fqn, dropped = "blocks.0.fc.weight", "exp_avg_sq"
+    del osd["state"][fqn][dropped]
+    b, ob = make(1)
+    step(b, ob, 1)
+    ob.state.pop(b.blocks["0"].fc.weight)
+    before = copy.deepcopy(ob.state_dict())
+    with pytest.raises(StateDictError, match=rf"state\['{fqn}'\] lacks \['{dropped}'\]"):
+        hyperdsd.set_optimizer_state_dict(b, ob, osd)
+    assert same(ob.state_dict(), before)
+    # Whole, it loads; and where the parameter's whole state is absent, the parameter keeps none.
+    whole = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
+    hyperdsd.set_optimizer_state_dict(b, ob, whole)
+    assert same(ob.state[b.blocks["0"].fc.weight], oa.state[a.blocks["0"].fc.weight])

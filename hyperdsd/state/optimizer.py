@@ -20,7 +20,7 @@ from ..tree import is_container, rebuild
 from .flat import GROUPS, STATE
 from .fqn import ModelIndex
 from .load_plan import OptimizerLoadPlan, Prepared, copy_into, fits, materialize, redistribute
-from .placeholders import template_state
+from .placeholders import stateless_template, template_state
 
 
 def _own(value: Any) -> Any:
@@ -57,19 +57,22 @@ def _param_fqn(index: ModelIndex, p, gi: int, pi: int) -> str:
     return fqn
 
 
-def read_state(index: ModelIndex, optimizers) -> dict:
+def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
     """``{"state": {fqn: {...}}, "param_groups": [{"params": [fqn, ...], ...}]}``.
 
     State entries are new dicts, nested containers included (changing them
     does not reach the optimizer); their tensors are the optimizer's own, as
     ``Optimizer.state_dict()`` gives them. A never-stepped optimizer yields
-    placeholder state (see templates).
+    placeholder state (see templates). ``to_load``: a template to load a
+    checkpoint into, where a stepped optimizer's parameters without state
+    get placeholder state too, so that what the checkpoint holds for them is
+    checked before anything is read.
     """
     state: dict[str, dict] = {}
     groups: list[dict] = []
     gi = 0
     for opt in optimizers:
-        template = template_state(opt) if not opt.state else {}
+        template = template_state(opt) if not opt.state else (stateless_template(opt) if to_load else {})
         if _compat.plain_state_dict(opt):
             sd_groups, stored = opt.param_groups, opt.state  # what state_dict() would pack, read in place
         else:

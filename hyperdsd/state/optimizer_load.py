@@ -80,8 +80,9 @@ def plan_load(
 
 class _Expectations:
     """What each parameter's state should look like: its current state, or,
-    for an optimizer that never stepped, what a step would create (built once,
-    only when needed)."""
+    for a parameter without state, what a step would create (built once,
+    only when needed: for a stepped optimizer, over its parameters without
+    state alone)."""
 
     def __init__(self, opt):
         self.opt = opt
@@ -89,6 +90,7 @@ class _Expectations:
         self._found: tuple | None | bool = False
         self._fills: dict | None = None
         self._stepless: dict | None = None
+        self._stateless: dict | None = None
 
     def _scratch_step(self) -> tuple | None:
         """The scratch step (see :func:`scratch_step`), taken once per load and optimizer."""
@@ -126,7 +128,14 @@ class _Expectations:
         entry = self.opt.state.get(p)
         if entry:
             return entry
-        scratch = self.scratch()
+        if self.fresh:
+            scratch = self.scratch()
+        else:  # a stepped optimizer's parameter without state (frozen, or no gradient since)
+            if self._stateless is None:
+                stateless = {q for g in self.opt.param_groups for q in g["params"] if not self.opt.state.get(q)}
+                found = scratch_step(self.opt, warn=False, only=stateless)
+                self._stateless = found[0] if found is not None else {}
+            scratch = self._stateless
         return scratch.get(p) if scratch else None
 
 

@@ -177,16 +177,20 @@ def scratch_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict] | None
     return found[0] if found is not None else None
 
 
-def scratch_step(opt: torch.optim.Optimizer, warn: bool) -> tuple[dict, set] | None:
+def scratch_step(opt: torch.optim.Optimizer, warn: bool, only: set | None = None) -> tuple[dict, set] | None:
     """The state of a scratch copy of ``opt`` after one zero-gradient step, by
     parameter, and the parameters whose state its constructor already made
-    (state a never-stepped optimizer really has, as Adagrad's)."""
+    (state a never-stepped optimizer really has, as Adagrad's). ``only``:
+    the copy holds these of its parameters alone (each group keeps its fields)."""
     stand_ins: dict[torch.Tensor, torch.Tensor] = {}
     groups = []
     for group in opt.param_groups:
-        for p in group["params"]:
+        mine = [p for p in group["params"] if only is None or p in only]
+        for p in mine:
             stand_ins[p] = _zero_grad_stand_in(p)
-        groups.append({**group, "params": [stand_ins[p] for p in group["params"]]})
+        groups.append({**group, "params": [stand_ins[p] for p in mine]})
+    if not stand_ins:
+        return {}, set()
     try:
         scratch = _scratch_optimizer(opt, groups)
         eager = {p for p, stand_in in stand_ins.items() if scratch.state.get(stand_in)}
@@ -213,7 +217,19 @@ def scratch_step(opt: torch.optim.Optimizer, warn: bool) -> tuple[dict, set] | N
 
 def template_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     """Placeholder state for a never-stepped optimizer (see module docstring)."""
-    state = scratch_state(opt) or {}
+    return _as_placeholders(scratch_state(opt) or {})
+
+
+def stateless_template(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
+    """Placeholder state for the parameters a stepped optimizer holds no state
+    for (frozen, or without a gradient since): what a load checks a
+    checkpoint's entries for them against, as a never-stepped optimizer's."""
+    stateless = {p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)}
+    found = scratch_step(opt, warn=False, only=stateless) if stateless else None
+    return _as_placeholders(found[0]) if found is not None else {}
+
+
+def _as_placeholders(state: dict[torch.Tensor, dict]) -> dict[torch.Tensor, dict]:
     for entry in state.values():
         for key, value in entry.items():
             if key == "step" and isinstance(value, torch.Tensor):
