@@ -36,6 +36,7 @@ from .placeholders import (
     is_saved_stepless_template,
     is_saved_template,
     scratch_step,
+    stateless_scratch,
     step_is_zero,
     stepless_fills,
     surely_real,
@@ -132,9 +133,7 @@ class _Expectations:
             scratch = self.scratch()
         else:  # a stepped optimizer's parameter without state (frozen, or no gradient since)
             if self._stateless is None:
-                stateless = {q for g in self.opt.param_groups for q in g["params"] if not self.opt.state.get(q)}
-                found = scratch_step(self.opt, warn=False, only=stateless)
-                self._stateless = found[0] if found is not None else {}
+                self._stateless = stateless_scratch(self.opt)
             scratch = self._stateless
         return scratch.get(p) if scratch else None
 

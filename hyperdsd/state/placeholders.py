@@ -224,9 +224,14 @@ def stateless_template(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     """Placeholder state for the parameters a stepped optimizer holds no state
     for (frozen, or without a gradient since): what a load checks a
     checkpoint's entries for them against, as a never-stepped optimizer's."""
+    return _as_placeholders(stateless_scratch(opt))
+
+
+def stateless_scratch(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
+    """What a step would create for the parameters ``opt`` holds no state for, on a copy ({} if it cannot step)."""
     stateless = {p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)}
     found = scratch_step(opt, warn=False, only=stateless) if stateless else None
-    return _as_placeholders(found[0]) if found is not None else {}
+    return found[0] if found is not None else {}
 
 
 def _as_placeholders(state: dict[torch.Tensor, dict]) -> dict[torch.Tensor, dict]:
