@@ -59,7 +59,12 @@ def snapshot(setup) -> dict:
     return {"params": params, "state": state, "groups": groups}
 
 
-def describe_tensor_difference(expected: torch.Tensor, actual: Any, where: str, rtol: float = 0.0) -> str | None:
+def describe_tensor_difference(
+    expected: torch.Tensor, actual: Any, where: str, rtol: float = 0.0, atol: float = 0.0
+) -> str | None:
+    """What differs between two tensors, or None. With ``rtol``, values may
+    differ by it, relative to each value and to the tensor's largest, and by
+    ``atol`` (absolute)."""
     if not isinstance(actual, torch.Tensor):
         return f"{where}: expected a tensor, got {type(actual).__name__}"
     if isinstance(expected, DTensor) != isinstance(actual, DTensor):
@@ -83,17 +88,22 @@ def describe_tensor_difference(expected: torch.Tensor, actual: Any, where: str, 
             return None
     else:
         scale = expected.abs().max().item()
-        if torch.allclose(actual.double(), expected.double(), rtol=rtol, atol=rtol * max(scale, 1e-30), equal_nan=True):
+        atol = max(rtol * scale, atol, 1e-30)
+        if torch.allclose(actual.double(), expected.double(), rtol=rtol, atol=atol, equal_nan=True):
             return None
     err = (actual.double() - expected.double()).abs()
     idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape)) if err.dim() else ()
-    tol = "bitwise" if rtol == 0.0 else f"rtol {rtol:g}"
+    tol = "bitwise" if rtol == 0.0 else f"rtol {rtol:g}, atol {atol:.3g}"
     return f"{where}: values differ ({tol}): max abs error {err.max().item():.3e} at index {idx}"
 
 
-def diff_values(expected: Any, actual: Any, where: str, rtol: float = 0.0) -> list[str]:
+def diff_values(
+    expected: Any, actual: Any, where: str, rtol: float = 0.0, atol: float = 0.0, atol_of: dict | None = None
+) -> list[str]:
+    """Every difference, by path. ``atol_of``: the absolute tolerance of
+    the values under each dict key it names (a state key's scale)."""
     if isinstance(expected, torch.Tensor):
-        d = describe_tensor_difference(expected, actual, where, rtol)
+        d = describe_tensor_difference(expected, actual, where, rtol, atol)
         return [d] if d else []
     if isinstance(expected, dict):
         if not isinstance(actual, dict):
@@ -102,14 +112,15 @@ def diff_values(expected: Any, actual: Any, where: str, rtol: float = 0.0) -> li
         out += [f"{where}[{k!r}]: present, expected absent" for k in actual if k not in expected]
         for k in expected:
             if k in actual:
-                out += diff_values(expected[k], actual[k], f"{where}[{k!r}]", rtol)
+                sub = atol_of.get(k, atol) if atol_of else atol
+                out += diff_values(expected[k], actual[k], f"{where}[{k!r}]", rtol, sub, atol_of)
         return out
     if isinstance(expected, (list, tuple)):
         if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
             return [f"{where}: {actual!r}, expected {expected!r}"]
         out = []
         for i, (e, a) in enumerate(zip(expected, actual)):
-            out += diff_values(e, a, f"{where}[{i}]", rtol)
+            out += diff_values(e, a, f"{where}[{i}]", rtol, atol, atol_of)
         return out
     if type(expected) is not type(actual) and not (
         isinstance(expected, (int, float)) and isinstance(actual, (int, float))

@@ -55,3 +55,22 @@ def test_a_warm_target_holds_its_own_value_wherever_the_checkpoint_has_one(pools
     task = oracle_tasks.warm_target_differs_everywhere
     problems = run_task(pools, world_size, task, layout=layout, optimizer=optimizer)
     assert problems == [[]] * world_size
+
+
+def test_a_tolerance_by_state_key_forgives_rounding_noise_and_nothing_larger():
+    """Resharding compares within a tolerance relative to the largest value
+    of each kind: a value that is rounding noise may differ by noise, not
+    by a fraction of the values around it."""
+    import torch
+
+    from conformance.oracle import diff_values
+
+    big = {"exp_avg": torch.tensor([1e-2, 2e-2]), "exp_avg_sq": torch.tensor([1e-4, 2e-4])}
+    want = {"a": big, "b": {"exp_avg": torch.tensor([3e-17]), "exp_avg_sq": torch.tensor([1e-33])}}
+    noisy = {"a": big, "b": {"exp_avg": torch.tensor([-2e-17]), "exp_avg_sq": torch.tensor([3e-33])}}
+    assert diff_values(want, noisy, "state", 1e-6) != []  # relative to themselves, noise differs wholly
+    atol_of = {"exp_avg": 1e-6 * 2e-2, "exp_avg_sq": 1e-6 * 2e-4}
+    assert diff_values(want, noisy, "state", 1e-6, atol_of=atol_of) == []
+    lost = {"a": big, "b": {"exp_avg": torch.tensor([3e-17]), "exp_avg_sq": torch.tensor([1e-9])}}
+    (problem,) = diff_values(want, lost, "state", 1e-6, atol_of=atol_of)
+    assert problem.startswith("state['b']['exp_avg_sq']: values differ (rtol 1e-06, atol 2e-10)"), problem

@@ -192,20 +192,23 @@ def _prepare_all(
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
     for key, found in stepless.items():
         opt = expectations[key].opt
-        first = next(f for t in targets if t.opt is opt for f in t.fqns)
-        _ask_stepless(plan, expectations[key], found, f"\0the optimizer of {first}")
+        position = next(i for i, o in enumerate(plan.optimizers) if o is opt)
+        _ask_stepless(plan, expectations[key], found, f"\0optimizer {position}")
 
 
 def _ask_stepless(plan: OptimizerLoadPlan, expectation: _Expectations, found: list[tuple], name: str) -> None:
     """Ask whether an optimizer's entries without ``step`` are a saved
     never-stepped template: only if all of them are, on every rank (see
     :mod:`hyperdsd.state.placeholders`). ``name`` stands for the optimizer in
-    the vote, alike on every rank that holds it (its first parameter's FQN;
-    NUL never occurs in an FQN). A rank that sees real values anywhere in
-    them answers "real" under that name alone; one that sees only the
-    template asks, for the optimizer and for each entry, and all its entries
-    go by the optimizer's answer. A load of real state asks nothing where
-    every rank sees some."""
+    the vote: its position among the optimizers loaded, alike on every rank
+    (NUL never occurs in an FQN). Pipeline stages each load their own
+    optimizer at the same position, the parts of one optimizer that steps as
+    a whole: a stage whose momentum buffers all happen to be zero (its
+    gradients were) is told a real checkpoint by the others. A rank that
+    sees real values anywhere in them answers "real" under that name alone;
+    one that sees only the template asks, for the optimizer and for each
+    entry, and all its entries go by the optimizer's answer. A load of real
+    state asks nothing where every rank sees some."""
     if not expectation.stepless_template([(p, entry) for p, _, entry in found]):
         plan.questions[name] = True
         return
