@@ -86,7 +86,7 @@ def test_tensor_differences_name_what_differs():
         "\n".join(lines),
         """\
 layers.0.weight: values differ (bitwise): max abs error 5.000e-01 at index (1, 2)
-layers.0.weight: values differ (rtol 1e-05): max abs error 5.000e-03 at index (1, 2)
+layers.0.weight: values differ (rtol 1e-05, atol 5e-05): max abs error 5.000e-03 at index (1, 2)
 state.layers.0.weight.exp_avg: dtype torch.float64, expected torch.float32
 state.layers.0.weight.exp_avg: shape (3, 2), expected (2, 3)
 state.layers.0.weight.step: expected a tensor, got list""",

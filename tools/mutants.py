@@ -30,7 +30,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "get-steps-fresh-optimizer",
         "state/optimizer.py",
-        "        template = template_state(opt) if not opt.state else {}\n",
+        "        template = template_state(opt) if not opt.state else (stateless_template(opt) if to_load else {})\n",
         "        template = {}\n"
         "        if not opt.state:  # initialise state as torch's get does: zero grads, a step at lr 0\n"
         "            lrs = [g['lr'] for g in opt.param_groups]\n"
@@ -49,8 +49,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "get-template-on-real-params",
         "state/placeholders.py",
-        '        groups.append({**group, "params": [stand_ins[p] for p in group["params"]]})',
-        "        groups.append(group)",
+        '        groups.append({**group, "params": [stand_ins[p] for p in mine]})',
+        '        groups.append({**group, "params": mine})',
         "the template's scratch optimizer is built over the real parameters (their gradients step them)",
         ("OPT-PURE-1[single-adamw-sharded-grads]",),
     ),
