@@ -59,7 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageWriter
 
 RECORD = ".hyperdsd-commit"
@@ -294,7 +294,8 @@ class CommittingWriter(StorageWriter):
         commit(self.path, metadata)
         if self.after_commit is not None:
             self.after_commit()
-        _emptied(metadata)
+        if type(self.inner).finish is FileSystemWriter.finish:  # done with it (another writer may keep it)
+            _emptied(metadata)
 
 
 def _emptied(metadata: Any) -> None:

@@ -146,6 +146,16 @@ def test_the_metadata_a_commit_leaves_for_dcp_to_send_every_rank_is_emptied_and_
     checkpoint.load(path, fresh, fresh_opt)
     assert _same(fresh, model)
 
+    class Keeping(Writer):  # a writer of its own finish step may keep the object: it is left whole
+        def finish(self, metadata, results):
+            super().finish(metadata, results)
+            self.kept = metadata
+
+    inner = Keeping(str(staging))
+    writer = commit.CommittingWriter(inner, path)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(staging), storage_writer=writer, planner=SavePlanner())
+    assert set(inner.kept.state_dict_metadata) == set(on_disk.state_dict_metadata) and inner.kept.storage_data
+
 
 @pytest.mark.parametrize(
     "damage, needle",
