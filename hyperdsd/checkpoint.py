@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import dataclasses
 import gc
+import inspect
 import os
 import re
 import shutil
@@ -571,8 +572,13 @@ def _save_now(
         _sweep(path)
         return None
     stager = storage_writer if isinstance(storage_writer, AsyncStager) else None
+    staging_by = {}
+    if stager is not None and _HAS_ASYNC_STAGER:
+        staging_by["async_stager"] = stager
+    elif stager is not None:  # torch 2.6: async_save stages through its storage writer only (the wrapper here)
+        state = stager.stage(state)
     upload = dcp.async_save(
-        state, checkpoint_id=str(staging), storage_writer=writer, async_stager=stager, planner=SavePlanner()
+        state, checkpoint_id=str(staging), storage_writer=writer, planner=SavePlanner(), **staging_by
     )
     upload = getattr(upload, "upload_completion", upload)
     fut = SaveFuture(path)
@@ -590,6 +596,9 @@ def _save_now(
 
     upload.add_done_callback(finished)
     return fut
+
+
+_HAS_ASYNC_STAGER = "async_stager" in inspect.signature(dcp.async_save).parameters  # torch 2.7 on
 
 
 @contextlib.contextmanager

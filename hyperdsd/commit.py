@@ -59,7 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageWriter
 
 RECORD = ".hyperdsd-commit"
@@ -294,6 +294,23 @@ class CommittingWriter(StorageWriter):
         commit(self.path, metadata)
         if self.after_commit is not None:
             self.after_commit()
+        if type(self.inner).finish is FileSystemWriter.finish:  # done with it (another writer may keep it)
+            _emptied(metadata)
+
+
+def _emptied(metadata: Any) -> None:
+    """Drop a committed checkpoint's entries from the metadata object its save made.
+
+    DCP sends what the storage writer's finish step leaves of the metadata
+    to every rank, pickled, as the value of ``dcp.save`` (which
+    :func:`hyperdsd.checkpoint.save` does not return): a pickling on the
+    coordinator and an unpickling on each rank of every key's chunks and
+    storage (seconds at tens of thousands of keys) after the checkpoint is
+    written and committed. ``.metadata`` on disk holds them all.
+    """
+    for name, empty in (("state_dict_metadata", {}), ("storage_data", {}), ("planner_data", None)):
+        if hasattr(metadata, name):
+            setattr(metadata, name, empty)
 
     def storage_meta(self):
         return self.inner.storage_meta()

@@ -114,20 +114,19 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return tensor
 
 
-def _spans(reqs: list, storage: dict) -> list[tuple[int, int, list]]:
-    """The file's items grouped into reads: (start, end, items), in offset order."""
-    ordered = sorted(reqs, key=lambda r: storage[r.storage_index].offset)
+def _spans(located: list) -> list[tuple[int, int, list]]:
+    """A file's items, each with where it lies (``(info, req)``), grouped into reads: (start, end, items), in
+    offset order."""
     spans: list[tuple[int, int, list]] = []
-    for req in ordered:
-        info = storage[req.storage_index]
+    for info, req in sorted(located, key=lambda pair: pair[0].offset):
         start, end = info.offset, info.offset + info.length
         if spans:
             s0, e0, items = spans[-1]
             if start - e0 <= _GAP_BYTES and end - s0 <= SPAN_BYTES and start >= e0:
                 spans[-1] = (s0, end, items)
-                items.append(req)
+                items.append((info, req))
                 continue
-        spans.append((start, end, [req]))
+        spans.append((start, end, [(info, req)]))
     return spans
 
 
@@ -157,23 +156,24 @@ class Reader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = self.storage_data
-        if any(storage[r.storage_index].transform_descriptors for r in plan.items):
+        # Each item's place in the files, looked up once (a MetadataIndex hashes and compares in Python).
+        located = [(storage[req.storage_index], req) for req in plan.items]
+        if any(getattr(info, "transform_descriptors", None) for info, _ in located):
             return super().read_data(plan, planner)  # stream transforms: DCP's own path
         per_file: dict[str, list] = {}
-        for req in plan.items:
-            per_file.setdefault(storage[req.storage_index].relative_path, []).append(req)
-        for relative_path, reqs in per_file.items():
+        for pair in located:
+            per_file.setdefault(pair[0].relative_path, []).append(pair)
+        for relative_path, pairs in per_file.items():
             with open(os.path.join(self.path, relative_path), "rb") as f:
-                for start, end, items in _spans(reqs, storage):
+                for start, end, items in _spans(pairs):
                     if len(items) == 1 and end - start > _LARGE_BYTES:
-                        self._load_large(items[0], f, planner)
+                        self._load_large(*items[0], f, planner)
                         continue
                     f.seek(start)
                     block = memoryview(f.read(end - start))
                     if len(block) != end - start:
                         raise OSError(f"{relative_path} ends before byte {end}, which the checkpoint's metadata needs")
-                    for req in items:
-                        info = storage[req.storage_index]
+                    for info, req in items:
                         data = block[info.offset - start : info.offset - start + info.length]
                         self._load_item(req, data, planner)
                     del block
@@ -181,8 +181,8 @@ class Reader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _load_large(self, req, f, planner: LoadPlanner) -> None:
-        view = _compat.file_window(self, f, self.storage_data[req.storage_index])
+    def _load_large(self, info, req, f, planner: LoadPlanner) -> None:
+        view = _compat.file_window(self, f, info)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(view.read(-1)))
             return

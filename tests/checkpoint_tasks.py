@@ -565,7 +565,7 @@ def bulk_plans_match_dcp(ctx, layout: str):
         saver.set_up_planner({"model": msd, "optim": osd}, is_coordinator=ctx.rank == 0)
         ours = local_save_plan(saver.state_dict, ctx.rank == 0).items
         theirs = create_default_local_save_plan(saver.state_dict, ctx.rank == 0).items
-        assert sorted(map(repr, ours)) == sorted(map(repr, theirs)), (len(ours), len(theirs))
+        assert list(map(repr, ours)) == list(map(repr, theirs)), (len(ours), len(theirs))  # in DCP's order
         assert [i.index.fqn for i in ours] != [] and all(i.index.fqn in saver.state_dict for i in ours)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
         metadata = FileSystemReader(path).read_metadata()
@@ -575,4 +575,88 @@ def bulk_plans_match_dcp(ctx, layout: str):
         ours = local_load_plan(loader.state_dict, metadata, True).items
         theirs = create_default_local_load_plan(loader.state_dict, metadata, True).items
         assert sorted(map(repr, ours)) == sorted(map(repr, theirs)), (len(ours), len(theirs))
+    _global_plan_matches_dcp(ctx, a, opts)
     return True
+
+
+def _global_plan_matches_dcp(ctx, setup, opts):
+    """hyperdsd's global save plan (on the coordinator, from every rank's local plan) is DCP's own, byte for
+    byte, on the model and optimizer state (sharded, replicated DTensors, plain tensors on every rank, bytes)
+    and extra values: a tensor alike on every rank, one that differs, non-tensors. A checkpoint saved with it
+    has DCP's metadata, and torch's own ``dcp.load`` loads from it what it loads from DCP's."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from hyperdsd.dcp_plans import SavePlanner
+
+    def state():
+        msd, osd = hyperdsd.get_state_dict(setup.model, setup.optimizers[0], options=opts)
+        extra = {"same": torch.arange(6.0).reshape(2, 3), "mine": torch.full((2,), float(ctx.rank)), "n": 7, "s": "x"}
+        return {"model": msd, "optim": osd, "extra": extra}
+
+    planner = SavePlanner()
+    planner.set_up_planner(state(), is_coordinator=ctx.rank == 0)
+    plans = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(planner.create_local_plan(), plans, dst=0)
+    if ctx.rank == 0:
+        ours = SavePlanner().create_global_plan(copy.deepcopy(plans))
+        theirs = DefaultSavePlanner().create_global_plan(copy.deepcopy(plans))
+        assert repr(ours) == repr(theirs)
+        assert pickle.dumps(ours) == pickle.dumps(theirs)
+        kept = [i.index.fqn for plan in ours[0] for i in plan.items]
+        assert kept.count("extra.same") == kept.count("extra.n") == 1, kept
+    with _checkpoint_dir(ctx) as path:
+        saved = state()
+        dcp.save(saved, checkpoint_id=f"{path}/ours", planner=SavePlanner())
+        dcp.save(saved, checkpoint_id=f"{path}/dcps", planner=DefaultSavePlanner())
+        ours, theirs = (FileSystemReader(f"{path}/{name}").read_metadata() for name in ("ours", "dcps"))
+        # the same entries in the same order; objects DCP makes per item may be one object in ours (a
+        # kind of DTensor's properties), which pickle writes once
+        for field in ("state_dict_metadata", "planner_data", "storage_data"):
+            mine, dcps = getattr(ours, field), getattr(theirs, field)
+            assert list(mine) == list(dcps), field
+            assert all(pickle.dumps(mine[k]) == pickle.dumps(dcps[k]) for k in mine), field
+        expected = {key: _local_copy(value) for key, value in _flat(saved).items()}
+        got = {name: _loaded_by_torch(ctx, state, f"{path}/{name}") for name in ("ours", "dcps")}
+        kept = [None] * ctx.world_size
+        dist.all_gather_object(kept, float(got["ours"]["extra.mine"][0]))
+        assert len(set(kept)) == 1 and kept[0] in range(ctx.world_size), kept  # one rank's, as DCP keeps it
+        assert got["ours"].keys() == got["dcps"].keys()  # lists DCP loads whole (param groups) may be another rank's
+        for key, value in got["dcps"].items():
+            mine = got["ours"][key]
+            same = torch.equal(value, mine) if isinstance(value, torch.Tensor) else value == mine
+            assert same, f"{key}: loaded {mine} from ours, {value} from DCP's"
+        for key in ("extra.same", "extra.n", "extra.s"):
+            assert str(got["ours"][key]) == str(expected[key]), key
+
+
+def _loaded_by_torch(ctx, state, path):
+    """What torch's own ``dcp.load`` loads from ``path`` into ``state()`` with its tensors zeroed first
+    (the model's own storage: left as loaded); local values, copied."""
+    loaded = state()
+    for value in _flat(loaded).values():
+        if isinstance(value, torch.Tensor):
+            _local_copy(value, keep=True).zero_()
+    loaded["extra"].update(n=0, s="")
+    dcp.load(loaded, checkpoint_id=path)
+    return {key: _local_copy(value) for key, value in _flat(loaded).items()}
+
+
+def _flat(sd, prefix=""):
+    out = {}
+    for key, value in sd.items() if isinstance(sd, dict) else enumerate(sd):
+        if isinstance(value, (dict, list)):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _local_copy(value, keep: bool = False):
+    """A tensor's local values (a DTensor's shard), copied unless ``keep``; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor) and not keep:
+        value = value.detach().clone()
+    return value

@@ -124,6 +124,39 @@ def test_a_save_over_an_existing_path_loads_the_new_state_and_leaves_nothing_bes
     assert _same(fresh, new) and not _same(fresh, old)
 
 
+def test_the_metadata_a_commit_leaves_for_dcp_to_send_every_rank_is_emptied_and_the_file_is_whole(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hyperdsd.dcp_plans import SavePlanner
+    from hyperdsd.dcp_writer import Writer
+
+    path = tmp_path / "ckpt"
+    model, opt = _trained(steps=1)
+    msd, osd = hyperdsd.get_state_dict(model, opt)
+    staging = commit.staging_of(path)
+    writer = commit.CommittingWriter(Writer(str(staging)), path)
+    returned = dcp.save(
+        {"model": msd, "optim": osd}, checkpoint_id=str(staging), storage_writer=writer, planner=SavePlanner()
+    )
+    assert (returned.state_dict_metadata, returned.storage_data, returned.planner_data) == ({}, {}, None)
+    on_disk = FileSystemReader(str(path)).read_metadata()
+    assert {"model.weight", "optim.state.bias.exp_avg"} <= set(on_disk.state_dict_metadata)
+    assert len(on_disk.storage_data) == len(on_disk.state_dict_metadata) and on_disk.planner_data
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    checkpoint.load(path, fresh, fresh_opt)
+    assert _same(fresh, model)
+
+    class Keeping(Writer):  # a writer of its own finish step may keep the object: it is left whole
+        def finish(self, metadata, results):
+            super().finish(metadata, results)
+            self.kept = metadata
+
+    inner = Keeping(str(staging))
+    writer = commit.CommittingWriter(inner, path)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(staging), storage_writer=writer, planner=SavePlanner())
+    assert set(inner.kept.state_dict_metadata) == set(on_disk.state_dict_metadata) and inner.kept.storage_data
+
+
 @pytest.mark.parametrize(
     "damage, needle",
     [
