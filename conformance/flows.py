@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from . import _compat
 from .adapters import MODES, iut_call
-from .oracle import clone_tree, diff_snapshots, snapshot
+from .oracle import clone_tree, diff_snapshots, snapshot, without_empty_groups
 
 # The suite saves and loads through DCP on subgroups; torch 2.6 needs this for it.
 _compat.dcp_on_subgroups()
@@ -112,6 +112,14 @@ def carries_empty_groups(mode: str, setup) -> bool:
     """Whether ``mode`` can carry a group without parameters: the flat layout
     has no FQN for it (OPT-EMPTY-2), and pipelines go through DCP flat."""
     return _effective(mode, setup) not in ("flat", "flat_dcp")
+
+
+def comparable(mode: str, setup, want: dict, got: dict) -> tuple[dict, dict]:
+    """Snapshots ``want`` and ``got`` without the fields of groups that have
+    no parameters, where ``mode`` cannot carry them (OPT-EMPTY-2 judges those)."""
+    if carries_empty_groups(mode, setup):
+        return want, got
+    return without_empty_groups(want), without_empty_groups(got)
 
 
 def _effective(mode: str, setup) -> str:

@@ -11,7 +11,7 @@ from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
 from ..meter import ReceiveMeter
 from ..models import GroupSpec, ModelConfig
-from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
+from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
 from ..registry import make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
@@ -33,17 +33,9 @@ def rt_1(c, layout, opt, mode, before=BEFORE, after=AFTER, how=None):
     """
     r = flows.resume(c, how or flows.recipe(layout, opt), mode, before=before, after=after)
     fail_if(
-        diff_snapshots(*_comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
+        diff_snapshots(*flows.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
         f"{mode}: after resuming, the run differs from the uninterrupted one",
     )
-
-
-def _comparable(mode, setup, want, got):
-    """``want`` and ``got`` without groups that have no parameters where
-    ``mode`` cannot carry them (OPT-EMPTY-2 judges those)."""
-    if flows.carries_empty_groups(mode, setup):
-        return want, got
-    return without_empty_groups(want), without_empty_groups(got)
 
 
 def rt_5(c, layout, opt, mode, before=BEFORE, after=AFTER, warm=WARM, how=None):
@@ -62,11 +54,11 @@ def rt_5(c, layout, opt, mode, before=BEFORE, after=AFTER, warm=WARM, how=None):
         on_loaded=lambda b: seen.update(got=snapshot(b)),
     )
     fail_if(
-        diff_snapshots(*_comparable(mode, r.resumed, seen["want"], seen["got"])),
+        diff_snapshots(*flows.comparable(mode, r.resumed, seen["want"], seen["got"])),
         f"{mode}: after loading into a stepped optimizer, it does not reproduce the source (its own state remains)",
     )
     fail_if(
-        diff_snapshots(*_comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
+        diff_snapshots(*flows.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
         f"{mode}: after a warm load, the run differs from the uninterrupted one",
     )
 
@@ -104,9 +96,7 @@ def rt_4(c, layout, opt, mode):
     for sched, st in zip(b.schedulers, sched_states):
         sched.load_state_dict(st)
     b.train(AFTER)
-    want, got = snapshot(a), snapshot(b)
-    if not flows.carries_empty_groups(mode, b):
-        want, got = without_empty_groups(want), without_empty_groups(got)
+    want, got = flows.comparable(mode, b, snapshot(a), snapshot(b))
     fail_if(
         diff_snapshots(want, got),
         f"{mode}: with every feature at once, the resumed run differs from the uninterrupted one",
