@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import io
+import operator
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -33,6 +34,16 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     if type(t) is DTensor:
         return DTensor.__new__(DTensor, t._local_tensor.detach(), t._spec, requires_grad=False)
     return t.detach()
+
+
+# An object that stands for a DTensor's mesh, placements, global shape, stride
+# and dtype, shared by DTensors laid out alike: its spec. Planning a load checks
+# each value's layout against its parameter's; tens of thousands of small
+# tensors share a handful of specs (FSDP2 and the ops that make state reuse
+# them), so the checks run once per distinct spec. A plan keys by the specs'
+# identity only while the tensors holding them are alive. An attrgetter: called
+# several times per value, a Python function's call cost more than the lookup.
+layout_token: Callable[[DTensor], object] = operator.attrgetter("_spec")
 
 
 def version_of(t: torch.Tensor) -> int:

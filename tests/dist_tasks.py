@@ -427,3 +427,37 @@ def stepless_agreement(ctx, writer: int | None, broadcast: bool):
             one = f == fqn and (writer == ctx.rank or broadcast)
             assert bool((local == (1.0 if one else 0.0)).all()), (f, local)
     return sorted(f for f, p in params.items() if p in state)
+
+
+def other_placements(ctx, warm: bool):
+    """State whose DTensors are laid out otherwise than the parameters
+    (replicated, not sharded) loads, redistributed to the parameters'
+    placements, into a trained optimizer (copied in place) or a fresh one."""
+    from conformance.oracle import diff_snapshots, snapshot
+
+    def replicated(v):
+        return v.redistribute(v.device_mesh, [Replicate()] * v.device_mesh.ndim) if isinstance(v, DTensor) else v
+
+    a = _setup(ctx, "fsdp2", 0, "hyperdsd")
+    a.train(1)
+    msd, osd = hyperdsd.get_state_dict(a.model, a.optimizers[0])
+    msd = {k: replicated(v) for k, v in msd.items()}
+    osd = {**osd, "state": {f: {k: replicated(v) for k, v in e.items()} for f, e in osd["state"].items()}}
+    assert any(isinstance(v, DTensor) for e in osd["state"].values() for v in e.values())
+    b = _setup(ctx, "fsdp2", 1, "hyperdsd")
+    if warm:
+        b.train(1)
+    else:
+        b.set_steps_done(1)
+    hyperdsd.set_state_dict(b.model, b.optimizers[0], model_state_dict=msd, optim_state_dict=osd)
+    opt = b.optimizers[0]
+    for p, entry in opt.state.items():
+        for k, v in entry.items():
+            if isinstance(v, DTensor):
+                assert tuple(v.placements) == tuple(p.placements), (k, v.placements, p.placements)
+                assert v.to_local().shape == p.to_local().shape, k
+    a.train(1)
+    b.train(1)
+    diffs = diff_snapshots(snapshot(a), snapshot(b))
+    assert not diffs, "\n".join(diffs[:10])
+    return True

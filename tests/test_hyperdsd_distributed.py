@@ -71,3 +71,8 @@ def test_a_saved_sgd_template_is_no_state_unless_any_rank_sees_real_values(pools
     got = run(pools, 2, "stepless_agreement", writer=writer, broadcast=broadcast)
     assert got[0] == got[1]
     assert (len(got[0]) > 1) == (writer is not None), got[0]
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "fresh"])
+def test_dtensor_state_of_other_placements_is_redistributed(pools, warm):
+    assert run(pools, 2, "other_placements", warm=warm) == [True, True]

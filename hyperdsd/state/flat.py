@@ -89,9 +89,16 @@ def unflatten(flat: dict, fqns) -> tuple[dict[str, dict], dict[str, dict], list[
     fields: dict[str, dict] = {}
     unknown: list[str] = []
     with_lists: set[str] = set()
+    # A parameter's keys come one after another, most of them ``{head}.{fqn}.{name}``:
+    # the last such prefix and the dict it fills take them without a search.
+    last_prefix, last_node = None, None
     for key, value in flat.items():
         if not isinstance(key, str):
             unknown.append(repr(key))
+            continue
+        prefix, _, name = key.rpartition(".")
+        if prefix == last_prefix and not name.endswith("]"):
+            last_node[name] = value
             continue
         head, _, rest = key.partition(".")
         split = split_fqn(rest, fqns) if head in (STATE, GROUPS) else None
@@ -99,10 +106,12 @@ def unflatten(flat: dict, fqns) -> tuple[dict[str, dict], dict[str, dict], list[
             unknown.append(key)
             continue
         fqn, tail = split
-        if head == GROUPS:
-            fields.setdefault(fqn, {})[tail] = value
+        node = (fields if head == GROUPS else state).setdefault(fqn, {})
+        if "." not in tail and not tail.endswith("]"):  # a plain state key or group field
+            node[tail] = value
+            last_prefix, last_node = prefix, node
             continue
-        node = state.setdefault(fqn, {})
+        last_prefix = None
         path = _path(tail) if tail.endswith("]") or "]." in tail else tail.split(".")
         if len(path) > len(tail.split(".")):
             with_lists.add(fqn)

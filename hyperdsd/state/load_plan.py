@@ -17,8 +17,9 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _compat
 from .._compat import local_tensor
-from ..placement import DTensorLayout
+from ..placement import DTensorLayout, LayoutCache
 from ..tree import is_container, leaves
 
 
@@ -60,7 +61,11 @@ class Prepared:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.local.dtype if self.local is not None else self.meta.dtype
+        if self.local is not None:
+            return self.local.dtype
+        if self.source_dtensor is not None:  # redistributed when applied; dtype kept
+            return self.source_dtensor.dtype
+        return self.meta.dtype
 
     def receive(self, piece: torch.Tensor) -> None:
         """Take a delivered piece (a view into a transfer buffer)."""
@@ -135,6 +140,29 @@ class OptimizerLoadPlan:
 # -- checks ----------------------------------------------------------------
 
 
+class Verdicts(dict):
+    """Checks of DTensor values that depend on layouts alone, worked out once
+    per signature (see :func:`layout_key`) in a plan instead of once per
+    value: a plan of tens of thousands of small tensors has a handful of
+    distinct layouts. Also holds the plan's :class:`LayoutCache`."""
+
+    def __init__(self):
+        super().__init__()
+        self.layouts = LayoutCache()
+
+
+def layout_key(t: Any) -> Any:
+    """What stands for ``t``'s layout in a verdict's signature: for a DTensor,
+    the identity of its layout token (the tensors outlive the plan, so no
+    other object takes that identity meanwhile); for a tensor, its shape and
+    dtype; for anything else, None."""
+    if isinstance(t, DTensor):
+        return id(_compat.layout_token(t))
+    if isinstance(t, torch.Tensor):
+        return tuple(t.shape), t.dtype
+    return None
+
+
 def is_tensorish(value: Any) -> bool:
     """A tensor, or the stand-in for one that the root holds."""
     return isinstance(value, (torch.Tensor, TensorMeta))
@@ -154,13 +182,16 @@ def dtensor_problem(value: DTensor, target: torch.Tensor, whose: str) -> str:
     return ""
 
 
-def from_dtensor(value: DTensor, target: torch.Tensor, device: torch.device) -> Prepared:
-    """A checked DTensor ``value`` for ``target``: kept as it is laid out where
-    that matches ``target``'s placements (or it is not ``target``'s shape),
-    else redistributed to ``target``'s layout when the plan is applied."""
+def dtensor_layout(value: DTensor, target: torch.Tensor, layouts=None) -> tuple[DTensorLayout, bool]:
+    """The layout a checked DTensor ``value`` loads into ``target`` with, and
+    whether it moves: kept as it is laid out where that matches ``target``'s
+    placements (or it is not ``target``'s shape), else redistributed to
+    ``target``'s layout when the plan is applied. ``layouts``: a
+    :class:`~hyperdsd.placement.LayoutCache` to share layouts through."""
+    of = layouts.of if layouts is not None else DTensorLayout.of
     if tuple(value.placements) == tuple(target.placements) or value.shape != target.shape:
-        return Prepared(DTensorLayout.of(value), device, local=local_tensor(value))
-    return Prepared(DTensorLayout.of(target), device, source_dtensor=value)
+        return of(value), False
+    return of(target), True
 
 
 def from_full(value: torch.Tensor | TensorMeta, device: torch.device, layout: DTensorLayout | None) -> Prepared:

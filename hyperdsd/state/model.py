@@ -13,16 +13,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
-from ..placement import LayoutCache
 from .fqn import ModelIndex
 from .load_plan import (
     ModelLoadPlan,
     Prepared,
+    Verdicts,
+    dtensor_layout,
     dtensor_problem,
-    from_dtensor,
     from_full,
     is_tensorish,
     kind_differs,
+    layout_key,
     materialize,
     redistribute,
     same_memory,
@@ -76,27 +77,45 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     return sd
 
 
-def _prepare(
-    value: Any, target: torch.Tensor, where: str, problems: list[str], layouts: LayoutCache
-) -> Prepared | None:
+def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str], verdicts: Verdicts) -> Prepared | None:
     """Check one value against the model's tensor; return what to load."""
     if not is_tensorish(value):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
         return None
-    if kind_differs(value.dtype, target.dtype):
-        problems.append(f"{where}: dtype {value.dtype}, the model's is {target.dtype}")
-        return None
-    shape = tuple(value.shape)
-    if shape != tuple(target.shape):
-        problems.append(f"{where}: shape {shape}, the model has {tuple(target.shape)}")
-        return None
-    if isinstance(value, DTensor) and (problem := dtensor_problem(value, target, "the model's")):
-        problems.append(f"{where}: {problem}")
-        return None
     device = _compat.local_tensor(target).device
     if isinstance(value, DTensor):
-        return from_dtensor(value, target, device)
-    return from_full(value, device, layouts.of(target) if isinstance(target, DTensor) else None)
+        signature = (layout_key(value), layout_key(target))
+        verdict = verdicts.get(signature)
+        if verdict is None:
+            verdict = verdicts[signature] = _judge_dtensor(value, target, verdicts.layouts)
+        problem, layout, moves = verdict
+        if problem:
+            problems.append(f"{where}: {problem}")
+            return None
+        if moves:
+            return Prepared(layout, device, source_dtensor=value)
+        return Prepared(layout, device, local=_compat.local_tensor(value))
+    if problem := _problem(value, target):
+        problems.append(f"{where}: {problem}")
+        return None
+    return from_full(value, device, verdicts.layouts.of(target) if isinstance(target, DTensor) else None)
+
+
+def _problem(value: Any, target: torch.Tensor) -> str:
+    if kind_differs(value.dtype, target.dtype):
+        return f"dtype {value.dtype}, the model's is {target.dtype}"
+    shape = tuple(value.shape)
+    if shape != tuple(target.shape):
+        return f"shape {shape}, the model has {tuple(target.shape)}"
+    return ""
+
+
+def _judge_dtensor(value: DTensor, target: torch.Tensor, layouts) -> tuple:
+    """(problem, layout, moves) of a DTensor ``value`` for ``target``: layouts alone decide."""
+    problem = _problem(value, target) or dtensor_problem(value, target, "the model's")
+    if problem:
+        return problem, None, False
+    return ("", *dtensor_layout(value, target, layouts))
 
 
 def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
@@ -117,7 +136,7 @@ def plan_load(
     targets = model.state_dict(keep_vars=True)
     raw_of = {index.canonical_key(k): k for k in targets}
     matched: set[str] = set()
-    layouts = LayoutCache()
+    verdicts = Verdicts()
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
         if canon not in raw_of:
@@ -128,7 +147,7 @@ def plan_load(
         plan.claimed.add(key)
         target = targets[raw]
         if isinstance(target, torch.Tensor):
-            prepared = _prepare(value, target, f"model[{canon!r}]", problems, layouts)
+            prepared = _prepare(value, target, f"model[{canon!r}]", problems, verdicts)
             if prepared is None:
                 continue
             if target.device.type == "meta":

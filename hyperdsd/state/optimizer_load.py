@@ -10,25 +10,27 @@ applies the plan once every rank has agreed there are none.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
-from ..placement import LayoutCache
+from ..placement import DTensorLayout, LayoutCache
 from ..tree import is_container
 from .fqn import ModelIndex
 from .load_plan import (
     OptimizerLoadPlan,
     ParamLoad,
     Prepared,
+    Verdicts,
+    dtensor_layout,
     dtensor_problem,
     fits,
-    from_dtensor,
     from_full,
     is_tensorish,
     kind_differs,
+    layout_key,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .placeholders import (
@@ -144,7 +146,7 @@ def _prepare_all(
     """A :class:`ParamLoad` for every parameter the checkpoint lists; group fields to set."""
     expectations = {id(opt): _Expectations(opt) for opt in plan.optimizers}
     stepless: dict[int, list[tuple]] = {}  # by optimizer: its entries without step, (param, fqn, entry)
-    layouts = LayoutCache()
+    verdicts = Verdicts()
     for target, src in zip(targets, source.matched):
         if src is not None:
             plan.groups.append((target.group, {k: v for k, v in src.fields.items() if k not in _STRUCTURAL}))
@@ -185,7 +187,7 @@ def _prepare_all(
                     expected.get(key) if expected else None,
                     f"state[{fqn!r}][{key!r}]",
                     problems,
-                    layouts,
+                    verdicts,
                 )
                 for key, value in written.items()
             }
@@ -218,47 +220,100 @@ def _ask_stepless(plan: OptimizerLoadPlan, expectation: _Expectations, found: li
     plan.together.append([name, *fqns])
 
 
-def _target_device(p, key: str, group: dict, value) -> torch.device:
+def _target_device(key: str, group: dict, value, param_device: torch.device) -> torch.device:
     if key == "step" and not (group.get("capturable") or group.get("fused")):
         return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
-    return _compat.local_tensor(p).device
+    return param_device
 
 
-def _prepare(value, p, key: str, group: dict, expected, where: str, problems: list[str], layouts: LayoutCache):
+class _Verdict(NamedTuple):
+    problem: str  # "" if the value can load
+    layout: DTensorLayout | None  # the loaded value's layout
+    redistribute: bool  # the value moves to ``layout`` when the plan is applied
+    in_place: bool  # the existing state has ``layout`` and the value's dtype (local shapes checked per value)
+
+
+def _dtensor_verdict(value: DTensor, p, key: str, expected, verdicts: Verdicts) -> _Verdict:
+    """The checks of a DTensor state value against its parameter and the
+    state the optimizer keeps, all of which depend on layouts alone: once
+    per combination of layouts and ``step`` or not."""
+    signature = (layout_key(value), layout_key(p), layout_key(expected), key == "step")
+    verdict = verdicts.get(signature)
+    if verdict is None:
+        verdict = verdicts[signature] = _judge_dtensor(value, p, key, expected, verdicts.layouts)
+    return verdict
+
+
+def _judge_dtensor(value: DTensor, p, key: str, expected, layouts: LayoutCache) -> _Verdict:
+    if not isinstance(p, DTensor):
+        return _Verdict(dtensor_problem(value, p, "the parameter"), None, False, False)
+    # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
+    if key != "step" and kind_differs(value.dtype, p.dtype):
+        problem = f"dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter"
+        return _Verdict(problem, None, False, False)
+    shape = tuple(value.shape)
+    allowed = (tuple(expected.shape),) if isinstance(expected, torch.Tensor) else ((), tuple(p.shape))
+    if shape not in allowed:
+        want = " or ".join(str(a) for a in sorted(set(allowed)))
+        return _Verdict(f"shape {shape}, expected {want}", None, False, False)
+    if problem := dtensor_problem(value, p, "the parameter"):
+        return _Verdict(problem, None, False, False)
+    layout, moves = dtensor_layout(value, p, layouts)
+    in_place = (
+        isinstance(expected, DTensor)
+        and (expected.device_mesh, tuple(expected.placements), expected.shape)
+        == (layout.mesh, layout.placements, layout.shape)
+        and expected.dtype == value.dtype
+    )
+    return _Verdict("", layout, moves, in_place)
+
+
+def _prepare(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
     """Check one state value against its parameter and ``expected``, what the
     optimizer keeps (or would create) under ``key``; return what to load.
 
     Nested values (dicts, lists and tuples, as custom optimizers keep) are
     checked leaf by leaf against the same place in ``expected``.
     """
+    if isinstance(value, torch.Tensor):
+        return _prepare_leaf(value, p, key, group, expected, where, problems, verdicts)
     if is_container(value) and isinstance(expected, torch.Tensor):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor like the optimizer's")
         return None
     if type(value) is dict:
         mine = expected if isinstance(expected, dict) else {}
         return {
-            k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems, layouts) for k, v in value.items()
+            k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems, verdicts) for k, v in value.items()
         }
     if type(value) in (list, tuple):
         mine = expected if isinstance(expected, (list, tuple)) and len(expected) == len(value) else [None] * len(value)
         return type(value)(
-            _prepare(v, p, key, group, e, f"{where}[{i}]", problems, layouts)
+            _prepare(v, p, key, group, e, f"{where}[{i}]", problems, verdicts)
             for i, (v, e) in enumerate(zip(value, mine))
         )
-    prepared = _prepare_leaf(value, p, key, group, expected, where, problems, layouts)
-    if isinstance(prepared, Prepared) and fits(expected, prepared):
-        prepared.dest = expected  # loaded in place into the state tensor it replaces
-    return prepared
+    return _prepare_leaf(value, p, key, group, expected, where, problems, verdicts)
 
 
-def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problems: list[str], layouts: LayoutCache):
+def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
+    if isinstance(value, DTensor):
+        verdict = _dtensor_verdict(value, p, key, expected, verdicts)
+        if verdict.problem:
+            problems.append(f"{where}: {verdict.problem}")
+            return None
+        device = _target_device(key, group, value, _compat.local_tensor(p).device)
+        if verdict.redistribute:
+            prepared = Prepared(verdict.layout, device, source_dtensor=value)
+            local_shape = verdict.layout.local_shape
+        else:
+            prepared = Prepared(verdict.layout, device, local=_compat.local_tensor(value))
+            local_shape = tuple(prepared.local.shape)
+        if verdict.in_place and tuple(_compat.local_tensor(expected).shape) == local_shape:
+            prepared.dest = expected  # loaded in place into the state tensor it replaces
+        return prepared
     if not is_tensorish(value):
         if isinstance(expected, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
         return value
-    if isinstance(value, DTensor) and not isinstance(p, DTensor):
-        problems.append(f"{where}: {dtensor_problem(value, p, 'the parameter')}")
-        return None
     # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
     if key != "step" and kind_differs(value.dtype, p.dtype):
         problems.append(
@@ -271,12 +326,10 @@ def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problem
         want = " or ".join(str(a) for a in sorted(set(allowed)))
         problems.append(f"{where}: shape {shape}, expected {want}")
         return None
-    if isinstance(value, DTensor) and (problem := dtensor_problem(value, p, "the parameter")):
-        problems.append(f"{where}: {problem}")
-        return None
-    device = _target_device(p, key, group, value)
-    if isinstance(value, DTensor):
-        return from_dtensor(value, p, device)
+    device = _target_device(key, group, value, _compat.local_tensor(p).device)
     # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
     sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
-    return from_full(value, device, layouts.of(p, contiguous=True) if sharded else None)
+    prepared = from_full(value, device, verdicts.layouts.of(p, contiguous=True) if sharded else None)
+    if fits(expected, prepared):
+        prepared.dest = expected  # loaded in place into the state tensor it replaces
+    return prepared
