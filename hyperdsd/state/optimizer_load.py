@@ -247,16 +247,7 @@ def _dtensor_verdict(value: DTensor, p, key: str, expected, verdicts: Verdicts) 
 def _judge_dtensor(value: DTensor, p, key: str, expected, layouts: LayoutCache) -> _Verdict:
     if not isinstance(p, DTensor):
         return _Verdict(dtensor_problem(value, p, "the parameter"), None, False, False)
-    # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
-    if key != "step" and kind_differs(value.dtype, p.dtype):
-        problem = f"dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter"
-        return _Verdict(problem, None, False, False)
-    shape = tuple(value.shape)
-    allowed = (tuple(expected.shape),) if isinstance(expected, torch.Tensor) else ((), tuple(p.shape))
-    if shape not in allowed:
-        want = " or ".join(str(a) for a in sorted(set(allowed)))
-        return _Verdict(f"shape {shape}, expected {want}", None, False, False)
-    if problem := dtensor_problem(value, p, "the parameter"):
+    if problem := _value_problem(value, p, key, expected) or dtensor_problem(value, p, "the parameter"):
         return _Verdict(problem, None, False, False)
     layout, moves = dtensor_layout(value, p, layouts)
     in_place = (
@@ -266,6 +257,20 @@ def _judge_dtensor(value: DTensor, p, key: str, expected, layouts: LayoutCache) 
         and expected.dtype == value.dtype
     )
     return _Verdict("", layout, moves, in_place)
+
+
+def _value_problem(value, p, key: str, expected) -> str:
+    """Why a tensor (or stand-in) cannot be ``p``'s state under ``key`` beside
+    ``expected``, the optimizer's own ("" if it can): its kind and shape."""
+    # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
+    if key != "step" and kind_differs(value.dtype, p.dtype):
+        return f"dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter"
+    shape = tuple(value.shape)
+    allowed = (tuple(expected.shape),) if isinstance(expected, torch.Tensor) else ((), tuple(p.shape))
+    if shape not in allowed:
+        want = " or ".join(str(a) for a in sorted(set(allowed)))
+        return f"shape {shape}, expected {want}"
+    return ""
 
 
 def _prepare(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
@@ -314,18 +319,10 @@ def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problem
         if isinstance(expected, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
         return value
-    # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
-    if key != "step" and kind_differs(value.dtype, p.dtype):
-        problems.append(
-            f"{where}: dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter"
-        )
+    if problem := _value_problem(value, p, key, expected):
+        problems.append(f"{where}: {problem}")
         return None
     shape = tuple(value.shape)
-    allowed = (tuple(expected.shape),) if isinstance(expected, torch.Tensor) else ((), tuple(p.shape))
-    if shape not in allowed:
-        want = " or ".join(str(a) for a in sorted(set(allowed)))
-        problems.append(f"{where}: shape {shape}, expected {want}")
-        return None
     device = _target_device(key, group, value, _compat.local_tensor(p).device)
     # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
     sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
