@@ -46,6 +46,10 @@ def detached(t: torch.Tensor) -> torch.Tensor:
 layout_token: Callable[[DTensor], object] = operator.attrgetter("_spec")
 
 
+# A DTensor's local tensor, for code that knows it holds a DTensor (see local_tensor).
+dtensor_local: Callable[[DTensor], torch.Tensor] = operator.attrgetter("_local_tensor")
+
+
 def version_of(t: torch.Tensor) -> int:
     # The in-place version counter is how we know whether anyone (DCP) wrote
     # into a placeholder tensor; there is no public accessor.
@@ -99,6 +103,36 @@ def module_state_hooks(module: torch.nn.Module) -> list[Callable] | None:
 
 
 _PLAIN_MODULE_CLASSES: dict[type, bool] = {}
+
+# FSDP2's load hooks: before, the module's group resharded (as before a read);
+# after, each sharded parameter re-padded if loading replaced its local tensor.
+_FSDP_LOAD_HOOKS = (_FSDP_RESHARD_HOOK, "FSDPParam.__init__.<locals>.<lambda>")
+
+
+def loads_plainly(module: torch.nn.Module) -> bool:
+    """Whether ``load_state_dict`` would do no more for ``module``'s own
+    parameters and buffers than copy each value into its tensor, so that a
+    value of the tensor's layout and dtype may be copied in directly."""
+    # ``model.load_state_dict`` hands each child the entries under its prefix,
+    # filtered from its parent's: every key is tested once per sibling of each
+    # module above it, thousands of times on a module with thousands of
+    # children. Load hooks and ``_load_from_state_dict`` are private to
+    # nn.Module. FSDP2's hooks do nothing to a copy made in place into the
+    # sharded parameter (the plan reads the model resharded, and the local
+    # tensor is kept).
+    cls = type(module)
+    if cls not in _PLAIN_LOADING_CLASSES:
+        _PLAIN_LOADING_CLASSES[cls] = cls._load_from_state_dict is torch.nn.Module._load_from_state_dict
+    if not _PLAIN_LOADING_CLASSES[cls]:
+        return False
+    for hooks in (module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
+        for hook in hooks.values():
+            if getattr(hook, "__qualname__", None) not in _FSDP_LOAD_HOOKS:
+                return False
+    return True
+
+
+_PLAIN_LOADING_CLASSES: dict[type, bool] = {}
 
 
 def plain_state_dict(opt: torch.optim.Optimizer) -> bool:

@@ -515,6 +515,59 @@ def test_model_wrong_shape_is_named():
         hyperdsd.set_model_state_dict(Net(), sd)
 
 
+def test_a_model_of_plain_modules_loads_in_place_without_load_state_dict(monkeypatch):
+    """Values of the tensors' own dtype are copied straight into them: the
+    module tree's load_state_dict filters every key once per sibling of each
+    module above it, thousands of times on a module with thousands of children."""
+    src, dst = (
+        nn.Sequential(*[nn.Linear(2, 2) for _ in range(300)]),
+        nn.Sequential(*[nn.Linear(2, 2) for _ in range(300)]),
+    )
+    sd = copy.deepcopy(hyperdsd.get_model_state_dict(src))
+    own = [p for p in dst.parameters()]
+    calls = []
+    real = nn.Module.load_state_dict
+    monkeypatch.setattr(nn.Module, "load_state_dict", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    hyperdsd.set_model_state_dict(dst, sd)
+    assert calls == []
+    assert [p for p in dst.parameters()] == own
+    assert same(dst.state_dict(), src.state_dict())
+    sd["0.weight"] = sd["0.weight"].double()  # another dtype: converted by the module's own loading
+    hyperdsd.set_model_state_dict(dst, sd)
+    assert calls == [1]
+    assert dst[0].weight.dtype == torch.float32 and torch.equal(dst[0].weight, src[0].weight)
+
+
+class _Halving(nn.Linear):
+    """A module whose own loading converts what it reads."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        state_dict = {k: v / 2 if k.startswith(prefix) else v for k, v in state_dict.items()}
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+@pytest.mark.parametrize("how", ["override", "pre_hook", "post_hook"])
+def test_modules_that_extend_their_loading_are_loaded_through_it(how):
+    src = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    dst = nn.Sequential(_Halving(3, 3) if how == "override" else nn.Linear(3, 3), nn.Linear(3, 3))
+    seen = []
+    if how == "pre_hook":
+
+        def pre_hook(module, state_dict, prefix, *args):
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"] / 2
+
+        dst[0]._register_load_state_dict_pre_hook(pre_hook, with_module=True)
+    elif how == "post_hook":
+        dst[0].register_load_state_dict_post_hook(lambda module, keys: seen.append(module))
+    hyperdsd.set_model_state_dict(dst, copy.deepcopy(hyperdsd.get_model_state_dict(src)))
+    if how == "post_hook":
+        assert seen == [dst[0]]
+        assert torch.equal(dst[0].weight, src[0].weight)
+    else:
+        assert torch.allclose(dst[0].weight, src[0].weight / 2)
+    assert torch.equal(dst[1].weight, src[1].weight)
+
+
 def test_meta_model_is_materialised_by_a_full_load():
     src = Net()
     with torch.device("meta"):

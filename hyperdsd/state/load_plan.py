@@ -12,7 +12,7 @@ redistributes, copies and adopts (the functions at the end).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -149,6 +149,43 @@ class Verdicts(dict):
     def __init__(self):
         super().__init__()
         self.layouts = LayoutCache()
+
+
+class Verdict(NamedTuple):
+    """What the layouts alone decide of a DTensor value for a target."""
+
+    problem: str  # "" if the value can load
+    layout: DTensorLayout | None  # the loaded value's layout
+    moves: bool  # redistributed to ``layout`` when the plan is applied
+    fits: bool  # the existing tensor has ``layout`` and the value's dtype (local shapes are compared per value)
+
+
+def judge(problem: str, value: DTensor, target: torch.Tensor, existing: Any, layouts: LayoutCache) -> Verdict:
+    """The verdict on a DTensor ``value`` for ``target`` (whose checks found
+    ``problem``, or ""), beside ``existing``, the tensor it would replace."""
+    if problem:
+        return Verdict(problem, None, False, False)
+    layout, moves = dtensor_layout(value, target, layouts)
+    fits = (
+        isinstance(existing, DTensor)
+        and (existing.device_mesh, tuple(existing.placements), existing.shape)
+        == (layout.mesh, layout.placements, layout.shape)
+        and existing.dtype == value.dtype
+    )
+    return Verdict("", layout, moves, fits)
+
+
+def planned(verdict: Verdict, value: DTensor, device: torch.device, existing: Any) -> Prepared:
+    """A DTensor ``value`` as its verdict plans it, into ``existing`` in place where it fits."""
+    if verdict.moves:
+        prepared = Prepared(verdict.layout, device, source_dtensor=value)
+        local_shape = verdict.layout.local_shape
+    else:
+        prepared = Prepared(verdict.layout, device, local=_compat.dtensor_local(value))
+        local_shape = prepared.local.shape
+    if verdict.fits and _compat.dtensor_local(existing).shape == local_shape:  # (fits: both DTensors)
+        prepared.dest = existing
+    return prepared
 
 
 def layout_key(t: Any) -> Any:

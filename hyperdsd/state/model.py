@@ -17,14 +17,18 @@ from .fqn import ModelIndex
 from .load_plan import (
     ModelLoadPlan,
     Prepared,
+    Verdict,
     Verdicts,
-    dtensor_layout,
+    copy_into,
     dtensor_problem,
+    fits,
     from_full,
     is_tensorish,
+    judge,
     kind_differs,
     layout_key,
     materialize,
+    planned,
     redistribute,
     same_memory,
 )
@@ -88,17 +92,17 @@ def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str], 
         verdict = verdicts.get(signature)
         if verdict is None:
             verdict = verdicts[signature] = _judge_dtensor(value, target, verdicts.layouts)
-        problem, layout, moves = verdict
-        if problem:
-            problems.append(f"{where}: {problem}")
+        if verdict.problem:
+            problems.append(f"{where}: {verdict.problem}")
             return None
-        if moves:
-            return Prepared(layout, device, source_dtensor=value)
-        return Prepared(layout, device, local=_compat.local_tensor(value))
+        return planned(verdict, value, device, target)
     if problem := _problem(value, target):
         problems.append(f"{where}: {problem}")
         return None
-    return from_full(value, device, verdicts.layouts.of(target) if isinstance(target, DTensor) else None)
+    prepared = from_full(value, device, verdicts.layouts.of(target) if isinstance(target, DTensor) else None)
+    if fits(target, prepared):
+        prepared.dest = target
+    return prepared
 
 
 def _problem(value: Any, target: torch.Tensor) -> str:
@@ -110,12 +114,10 @@ def _problem(value: Any, target: torch.Tensor) -> str:
     return ""
 
 
-def _judge_dtensor(value: DTensor, target: torch.Tensor, layouts) -> tuple:
-    """(problem, layout, moves) of a DTensor ``value`` for ``target``: layouts alone decide."""
+def _judge_dtensor(value: DTensor, target: torch.Tensor, layouts) -> Verdict:
+    """What the layouts alone decide of a DTensor ``value`` for ``target``."""
     problem = _problem(value, target) or dtensor_problem(value, target, "the model's")
-    if problem:
-        return problem, None, False
-    return ("", *dtensor_layout(value, target, layouts))
+    return judge(problem, value, target, target, layouts)
 
 
 def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
@@ -123,6 +125,17 @@ def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
         return index.canonical_key(key)
     except Exception:
         return None
+
+
+class _PlainLoads:
+    """Whether the module holding a canonical key loads it plainly (see
+    :func:`hyperdsd._compat.loads_plainly`): every module asked once, up front."""
+
+    def __init__(self, index: ModelIndex):
+        self._not_plain = {prefix for module, prefix in index.modules if not _compat.loads_plainly(module)}
+
+    def __call__(self, canon: str) -> bool:
+        return not self._not_plain or canon[: canon.rfind(".") + 1] not in self._not_plain
 
 
 def plan_load(
@@ -137,6 +150,7 @@ def plan_load(
     raw_of = {index.canonical_key(k): k for k in targets}
     matched: set[str] = set()
     verdicts = Verdicts()
+    loads_plainly = _PlainLoads(index)
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
         if canon not in raw_of:
@@ -151,17 +165,16 @@ def plan_load(
             if prepared is None:
                 continue
             if target.device.type == "meta":
+                prepared.dest = None
                 plan.on_meta.add(raw)
                 if prepared.device.type == "meta":
                     prepared.device = (
                         prepared.local.device if prepared.local is not None else _compat.collective_device()
                     )
-            elif (
-                prepared.meta is not None
-                and _compat.local_tensor(target).dtype == prepared.dtype
-                and prepared.source_dtensor is None
-            ):
-                prepared.dest = target  # a broadcast piece goes straight into the model's tensor
+            elif prepared.dest is not None and prepared.meta is None and not loads_plainly(canon):
+                # Through load_state_dict, which the module's own loading may extend. A broadcast
+                # piece goes straight into the model's tensor where it fits: a rank holds no more.
+                prepared.dest = None
             plan.values[raw] = prepared
         else:
             plan.values[raw] = value  # extra state: whatever the module accepts
@@ -187,6 +200,9 @@ def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
             assign[raw] = materialize(value)
         elif isinstance(value, Prepared):
             target = targets.get(raw)
+            if value.dest is not None and target is value.dest:
+                copy_into(target, value)  # nothing to copy for a piece delivered into it
+                continue
             if isinstance(target, torch.Tensor) and same_memory(_compat.local_tensor(target), value.local):
                 continue  # the model's own tensor (a DCP template filled in place): nothing to copy
             copy_in[raw] = value.layout.wrap(value.local) if value.layout is not None else value.local

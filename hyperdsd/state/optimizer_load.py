@@ -10,27 +10,28 @@ applies the plan once every rank has agreed there are none.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
-from ..placement import DTensorLayout, LayoutCache
+from ..placement import LayoutCache
 from ..tree import is_container
 from .fqn import ModelIndex
 from .load_plan import (
     OptimizerLoadPlan,
     ParamLoad,
-    Prepared,
+    Verdict,
     Verdicts,
-    dtensor_layout,
     dtensor_problem,
     fits,
     from_full,
     is_tensorish,
+    judge,
     kind_differs,
     layout_key,
+    planned,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .placeholders import (
@@ -226,14 +227,7 @@ def _target_device(key: str, group: dict, value, param_device: torch.device) -> 
     return param_device
 
 
-class _Verdict(NamedTuple):
-    problem: str  # "" if the value can load
-    layout: DTensorLayout | None  # the loaded value's layout
-    redistribute: bool  # the value moves to ``layout`` when the plan is applied
-    in_place: bool  # the existing state has ``layout`` and the value's dtype (local shapes checked per value)
-
-
-def _dtensor_verdict(value: DTensor, p, key: str, expected, verdicts: Verdicts) -> _Verdict:
+def _dtensor_verdict(value: DTensor, p, key: str, expected, verdicts: Verdicts) -> Verdict:
     """The checks of a DTensor state value against its parameter and the
     state the optimizer keeps, all of which depend on layouts alone: once
     per combination of layouts and ``step`` or not."""
@@ -244,19 +238,11 @@ def _dtensor_verdict(value: DTensor, p, key: str, expected, verdicts: Verdicts) 
     return verdict
 
 
-def _judge_dtensor(value: DTensor, p, key: str, expected, layouts: LayoutCache) -> _Verdict:
+def _judge_dtensor(value: DTensor, p, key: str, expected, layouts: LayoutCache) -> Verdict:
     if not isinstance(p, DTensor):
-        return _Verdict(dtensor_problem(value, p, "the parameter"), None, False, False)
-    if problem := _value_problem(value, p, key, expected) or dtensor_problem(value, p, "the parameter"):
-        return _Verdict(problem, None, False, False)
-    layout, moves = dtensor_layout(value, p, layouts)
-    in_place = (
-        isinstance(expected, DTensor)
-        and (expected.device_mesh, tuple(expected.placements), expected.shape)
-        == (layout.mesh, layout.placements, layout.shape)
-        and expected.dtype == value.dtype
-    )
-    return _Verdict("", layout, moves, in_place)
+        return Verdict(dtensor_problem(value, p, "the parameter"), None, False, False)
+    problem = _value_problem(value, p, key, expected) or dtensor_problem(value, p, "the parameter")
+    return judge(problem, value, p, expected, layouts)
 
 
 def _value_problem(value, p, key: str, expected) -> str:
@@ -305,16 +291,8 @@ def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problem
         if verdict.problem:
             problems.append(f"{where}: {verdict.problem}")
             return None
-        device = _target_device(key, group, value, _compat.local_tensor(p).device)
-        if verdict.redistribute:
-            prepared = Prepared(verdict.layout, device, source_dtensor=value)
-            local_shape = verdict.layout.local_shape
-        else:
-            prepared = Prepared(verdict.layout, device, local=_compat.local_tensor(value))
-            local_shape = tuple(prepared.local.shape)
-        if verdict.in_place and tuple(_compat.local_tensor(expected).shape) == local_shape:
-            prepared.dest = expected  # loaded in place into the state tensor it replaces
-        return prepared
+        # loaded in place into the state tensor it replaces, where it fits
+        return planned(verdict, value, _target_device(key, group, value, _compat.local_tensor(p).device), expected)
     if not is_tensorish(value):
         if isinstance(expected, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
