@@ -152,40 +152,56 @@ class Verdicts(dict):
 
 
 class Verdict(NamedTuple):
-    """What the layouts alone decide of a DTensor value for a target."""
+    """What the layouts alone decide of a value for a target (see :class:`Verdicts`)."""
 
     problem: str  # "" if the value can load
-    layout: DTensorLayout | None  # the loaded value's layout
-    moves: bool  # redistributed to ``layout`` when the plan is applied
+    layout: DTensorLayout | None  # the loaded value's layout; None: a plain tensor
+    moves: bool  # a DTensor redistributed to ``layout`` when the plan is applied
     fits: bool  # the existing tensor has ``layout`` and the value's dtype (local shapes are compared per value)
 
 
-def judge(problem: str, value: DTensor, target: torch.Tensor, existing: Any, layouts: LayoutCache) -> Verdict:
-    """The verdict on a DTensor ``value`` for ``target`` (whose checks found
-    ``problem``, or ""), beside ``existing``, the tensor it would replace."""
-    if problem:
-        return Verdict(problem, None, False, False)
-    layout, moves = dtensor_layout(value, target, layouts)
-    fits = (
-        isinstance(existing, DTensor)
-        and (existing.device_mesh, tuple(existing.placements), existing.shape)
-        == (layout.mesh, layout.placements, layout.shape)
-        and existing.dtype == value.dtype
-    )
-    return Verdict("", layout, moves, fits)
+def refused(problem: str) -> Verdict:
+    return Verdict(problem, None, False, False)
 
 
-def planned(verdict: Verdict, value: DTensor, device: torch.device, existing: Any) -> Prepared:
-    """A DTensor ``value`` as its verdict plans it, into ``existing`` in place where it fits."""
-    if verdict.moves:
-        prepared = Prepared(verdict.layout, device, source_dtensor=value)
-        local_shape = verdict.layout.local_shape
+def accepted(dtype: torch.dtype, layout: DTensorLayout | None, moves: bool, existing: Any) -> Verdict:
+    """The verdict on a value of ``dtype`` that passed its checks, loaded as
+    ``layout``, beside ``existing``, the tensor it would replace."""
+    if layout is None:
+        fits = isinstance(existing, torch.Tensor) and not isinstance(existing, DTensor)
     else:
-        prepared = Prepared(verdict.layout, device, local=_compat.dtensor_local(value))
+        fits = isinstance(existing, DTensor) and (existing.device_mesh, tuple(existing.placements), existing.shape) == (
+            layout.mesh,
+            layout.placements,
+            layout.shape,
+        )
+    return Verdict("", layout, moves, fits and existing.dtype == dtype)
+
+
+def planned(verdict: Verdict, value: Any, device: torch.device, existing: Any) -> Prepared:
+    """A checked ``value`` (a DTensor, a full tensor or a stand-in) as its
+    verdict plans it on this rank, into ``existing`` in place where it fits."""
+    layout = verdict.layout
+    if verdict.moves:
+        prepared = Prepared(layout, device, source_dtensor=value)
+        local_shape = layout.local_shape
+    elif isinstance(value, DTensor):
+        prepared = Prepared(layout, device, local=_compat.dtensor_local(value))
         local_shape = prepared.local.shape
-    if verdict.fits and _compat.dtensor_local(existing).shape == local_shape:  # (fits: both DTensors)
+    elif isinstance(value, TensorMeta):
+        prepared = Prepared(layout, device, meta=value)
+        local_shape = layout.local_shape if layout is not None else value.shape
+    else:  # a full tensor: this rank's piece of ``layout``
+        prepared = Prepared(layout, device, local=layout.local_from_full(value) if layout is not None else value)
+        local_shape = prepared.local.shape
+    if verdict.fits and local_tensor(existing).shape == local_shape:
         prepared.dest = existing
     return prepared
+
+
+def full_signature(value: torch.Tensor | TensorMeta) -> tuple:
+    """What stands for a full value (not a DTensor) in a verdict's signature."""
+    return type(value), tuple(value.shape), value.dtype
 
 
 def layout_key(t: Any) -> Any:
@@ -229,13 +245,6 @@ def dtensor_layout(value: DTensor, target: torch.Tensor, layouts=None) -> tuple[
     if tuple(value.placements) == tuple(target.placements) or value.shape != target.shape:
         return of(value), False
     return of(target), True
-
-
-def from_full(value: torch.Tensor | TensorMeta, device: torch.device, layout: DTensorLayout | None) -> Prepared:
-    """A checked full ``value``: this rank's piece of ``layout`` (None: the value as it is)."""
-    if isinstance(value, TensorMeta):
-        return Prepared(layout, device, meta=value)
-    return Prepared(layout, device, local=layout.local_from_full(value) if layout is not None else value)
 
 
 # -- applying --------------------------------------------------------------

@@ -19,17 +19,18 @@ from .load_plan import (
     Prepared,
     Verdict,
     Verdicts,
+    accepted,
     copy_into,
+    dtensor_layout,
     dtensor_problem,
-    fits,
-    from_full,
+    full_signature,
     is_tensorish,
-    judge,
     kind_differs,
     layout_key,
     materialize,
     planned,
     redistribute,
+    refused,
     same_memory,
 )
 
@@ -82,42 +83,34 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
 
 
 def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str], verdicts: Verdicts) -> Prepared | None:
-    """Check one value against the model's tensor; return what to load."""
+    """Check one value against the model's tensor; return what to load (into
+    the tensor in place where it fits)."""
     if not is_tensorish(value):
         problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
         return None
-    device = _compat.local_tensor(target).device
-    if isinstance(value, DTensor):
-        signature = (layout_key(value), layout_key(target))
-        verdict = verdicts.get(signature)
-        if verdict is None:
-            verdict = verdicts[signature] = _judge_dtensor(value, target, verdicts.layouts)
-        if verdict.problem:
-            problems.append(f"{where}: {verdict.problem}")
-            return None
-        return planned(verdict, value, device, target)
-    if problem := _problem(value, target):
-        problems.append(f"{where}: {problem}")
+    is_dtensor = isinstance(value, DTensor)
+    signature = (layout_key(value) if is_dtensor else full_signature(value), layout_key(target))
+    verdict = verdicts.get(signature)
+    if verdict is None:
+        verdict = verdicts[signature] = _judge(value, target, verdicts.layouts)
+    if verdict.problem:
+        problems.append(f"{where}: {verdict.problem}")
         return None
-    prepared = from_full(value, device, verdicts.layouts.of(target) if isinstance(target, DTensor) else None)
-    if fits(target, prepared):
-        prepared.dest = target
-    return prepared
+    return planned(verdict, value, _compat.local_tensor(target).device, target)
 
 
-def _problem(value: Any, target: torch.Tensor) -> str:
+def _judge(value: Any, target: torch.Tensor, layouts) -> Verdict:
+    """What the layouts, shapes and dtypes alone decide of ``value`` for ``target``."""
     if kind_differs(value.dtype, target.dtype):
-        return f"dtype {value.dtype}, the model's is {target.dtype}"
+        return refused(f"dtype {value.dtype}, the model's is {target.dtype}")
     shape = tuple(value.shape)
     if shape != tuple(target.shape):
-        return f"shape {shape}, the model has {tuple(target.shape)}"
-    return ""
-
-
-def _judge_dtensor(value: DTensor, target: torch.Tensor, layouts) -> Verdict:
-    """What the layouts alone decide of a DTensor ``value`` for ``target``."""
-    problem = _problem(value, target) or dtensor_problem(value, target, "the model's")
-    return judge(problem, value, target, target, layouts)
+        return refused(f"shape {shape}, the model has {tuple(target.shape)}")
+    if isinstance(value, DTensor):
+        if problem := dtensor_problem(value, target, "the model's"):
+            return refused(problem)
+        return accepted(value.dtype, *dtensor_layout(value, target, layouts), target)
+    return accepted(value.dtype, layouts.of(target) if isinstance(target, DTensor) else None, False, target)
 
 
 def _canonical_or_none(index: ModelIndex, key: str) -> str | None:

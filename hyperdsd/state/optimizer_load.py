@@ -24,14 +24,15 @@ from .load_plan import (
     ParamLoad,
     Verdict,
     Verdicts,
+    accepted,
+    dtensor_layout,
     dtensor_problem,
-    fits,
-    from_full,
+    full_signature,
     is_tensorish,
-    judge,
     kind_differs,
     layout_key,
     planned,
+    refused,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .placeholders import (
@@ -227,22 +228,31 @@ def _target_device(key: str, group: dict, value, param_device: torch.device) -> 
     return param_device
 
 
-def _dtensor_verdict(value: DTensor, p, key: str, expected, verdicts: Verdicts) -> Verdict:
-    """The checks of a DTensor state value against its parameter and the
-    state the optimizer keeps, all of which depend on layouts alone: once
-    per combination of layouts and ``step`` or not."""
-    signature = (layout_key(value), layout_key(p), layout_key(expected), key == "step")
+def _verdict(value, p, key: str, expected, verdicts: Verdicts) -> Verdict:
+    """The checks of a tensor state value (or stand-in) against its parameter
+    and the state the optimizer keeps, all of which depend on layouts, shapes
+    and dtypes alone: once per combination of them and ``step`` or not."""
+    mine = layout_key(value) if isinstance(value, DTensor) else full_signature(value)
+    signature = (mine, layout_key(p), layout_key(expected), key == "step")
     verdict = verdicts.get(signature)
     if verdict is None:
-        verdict = verdicts[signature] = _judge_dtensor(value, p, key, expected, verdicts.layouts)
+        verdict = verdicts[signature] = _judge(value, p, key, expected, verdicts.layouts)
     return verdict
 
 
-def _judge_dtensor(value: DTensor, p, key: str, expected, layouts: LayoutCache) -> Verdict:
-    if not isinstance(p, DTensor):
-        return Verdict(dtensor_problem(value, p, "the parameter"), None, False, False)
-    problem = _value_problem(value, p, key, expected) or dtensor_problem(value, p, "the parameter")
-    return judge(problem, value, p, expected, layouts)
+def _judge(value, p, key: str, expected, layouts: LayoutCache) -> Verdict:
+    if isinstance(value, DTensor):
+        if not isinstance(p, DTensor):
+            return refused(dtensor_problem(value, p, "the parameter"))
+        if problem := _value_problem(value, p, key, expected) or dtensor_problem(value, p, "the parameter"):
+            return refused(problem)
+        return accepted(value.dtype, *dtensor_layout(value, p, layouts), expected)
+    if problem := _value_problem(value, p, key, expected):
+        return refused(problem)
+    # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
+    shape = tuple(value.shape)
+    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
+    return accepted(value.dtype, layouts.of(p, contiguous=True) if sharded else None, False, expected)
 
 
 def _value_problem(value, p, key: str, expected) -> str:
@@ -286,25 +296,13 @@ def _prepare(value, p, key: str, group: dict, expected, where: str, problems: li
 
 
 def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
-    if isinstance(value, DTensor):
-        verdict = _dtensor_verdict(value, p, key, expected, verdicts)
-        if verdict.problem:
-            problems.append(f"{where}: {verdict.problem}")
-            return None
-        # loaded in place into the state tensor it replaces, where it fits
-        return planned(verdict, value, _target_device(key, group, value, _compat.local_tensor(p).device), expected)
     if not is_tensorish(value):
         if isinstance(expected, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
         return value
-    if problem := _value_problem(value, p, key, expected):
-        problems.append(f"{where}: {problem}")
+    verdict = _verdict(value, p, key, expected, verdicts)
+    if verdict.problem:
+        problems.append(f"{where}: {verdict.problem}")
         return None
-    shape = tuple(value.shape)
-    device = _target_device(key, group, value, _compat.local_tensor(p).device)
-    # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
-    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
-    prepared = from_full(value, device, verdicts.layouts.of(p, contiguous=True) if sharded else None)
-    if fits(expected, prepared):
-        prepared.dest = expected  # loaded in place into the state tensor it replaces
-    return prepared
+    # loaded in place into the state tensor it replaces, where it fits
+    return planned(verdict, value, _target_device(key, group, value, _compat.local_tensor(p).device), expected)
