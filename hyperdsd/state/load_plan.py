@@ -194,7 +194,7 @@ def planned(verdict: Verdict, value: Any, device: torch.device, existing: Any) -
     else:  # a full tensor: this rank's piece of ``layout``
         prepared = Prepared(layout, device, local=layout.local_from_full(value) if layout is not None else value)
         local_shape = prepared.local.shape
-    if verdict.fits and local_tensor(existing).shape == local_shape:
+    if verdict.fits and (_compat.dtensor_local(existing) if layout is not None else existing).shape == local_shape:
         prepared.dest = existing
     return prepared
 
