@@ -546,17 +546,19 @@ class _Halving(nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
 
-@pytest.mark.parametrize("how", ["override", "pre_hook", "post_hook"])
+@pytest.mark.parametrize("how", ["override", "pre_hook", "parent_pre_hook", "post_hook"])
 def test_modules_that_extend_their_loading_are_loaded_through_it(how):
+    """Their own loading, or a module's above them (which sees the entries below it)."""
     src = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     dst = nn.Sequential(_Halving(3, 3) if how == "override" else nn.Linear(3, 3), nn.Linear(3, 3))
     seen = []
-    if how == "pre_hook":
+    if how in ("pre_hook", "parent_pre_hook"):
 
         def pre_hook(module, state_dict, prefix, *args):
-            state_dict[prefix + "weight"] = state_dict[prefix + "weight"] / 2
+            key = prefix + ("0.weight" if how == "parent_pre_hook" else "weight")
+            state_dict[key] = state_dict[key] / 2
 
-        dst[0]._register_load_state_dict_pre_hook(pre_hook, with_module=True)
+        (dst if how == "parent_pre_hook" else dst[0])._register_load_state_dict_pre_hook(pre_hook, with_module=True)
     elif how == "post_hook":
         dst[0].register_load_state_dict_post_hook(lambda module, keys: seen.append(module))
     hyperdsd.set_model_state_dict(dst, copy.deepcopy(hyperdsd.get_model_state_dict(src)))

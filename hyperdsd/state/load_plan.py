@@ -141,10 +141,11 @@ class OptimizerLoadPlan:
 
 
 class Verdicts(dict):
-    """Checks of DTensor values that depend on layouts alone, worked out once
-    per signature (see :func:`layout_key`) in a plan instead of once per
-    value: a plan of tens of thousands of small tensors has a handful of
-    distinct layouts. Also holds the plan's :class:`LayoutCache`."""
+    """The checks of values that depend on layouts, shapes and dtypes alone
+    (:class:`Verdict`), worked out once per signature in a plan instead of
+    once per value (see :func:`layout_key` and :func:`full_signature`): a plan
+    of tens of thousands of small tensors has a handful of distinct ones.
+    Also holds the plan's :class:`LayoutCache`."""
 
     def __init__(self):
         super().__init__()

@@ -121,14 +121,28 @@ def _canonical_or_none(index: ModelIndex, key: str) -> str | None:
 
 
 class _PlainLoads:
-    """Whether the module holding a canonical key loads it plainly (see
-    :func:`hyperdsd._compat.loads_plainly`): every module asked once, up front."""
+    """Whether a canonical key is loaded plainly (see
+    :func:`hyperdsd._compat.loads_plainly`): by its module and by every module
+    above it, whose loading sees (and may change) the entries of the modules
+    below. Every module asked once, up front."""
 
     def __init__(self, index: ModelIndex):
-        self._not_plain = {prefix for module, prefix in index.modules if not _compat.loads_plainly(module)}
+        own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
+        for module, prefix in index.modules:
+            own[prefix] = own.get(prefix, True) and _compat.loads_plainly(module)
+        self._plain = {prefix for prefix in own if own[prefix] and self._above_plain(prefix, own)}
+
+    @staticmethod
+    def _above_plain(prefix: str, own: dict[str, bool]) -> bool:
+        while prefix:
+            head = prefix[:-1].rpartition(".")[0]
+            prefix = head + "." if head else ""
+            if not own.get(prefix, True):
+                return False
+        return True
 
     def __call__(self, canon: str) -> bool:
-        return not self._not_plain or canon[: canon.rfind(".") + 1] not in self._not_plain
+        return canon[: canon.rfind(".") + 1] in self._plain  # a module not in the index: not known to be plain
 
 
 def plan_load(
