@@ -120,10 +120,10 @@ def loads_plainly(module: torch.nn.Module) -> bool:
     # nn.Module. FSDP2's hooks do nothing to a copy made in place into the
     # sharded parameter (the plan reads the model resharded, and the local
     # tensor is kept).
-    cls = type(module)
-    if cls not in _PLAIN_LOADING_CLASSES:
-        _PLAIN_LOADING_CLASSES[cls] = cls._load_from_state_dict is torch.nn.Module._load_from_state_dict
-    if not _PLAIN_LOADING_CLASSES[cls]:
+    if (
+        type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+        or "_load_from_state_dict" in module.__dict__  # patched on the instance
+    ):
         return False
     for hooks in (module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
         for hook in hooks.values():
@@ -132,7 +132,15 @@ def loads_plainly(module: torch.nn.Module) -> bool:
     return True
 
 
-_PLAIN_LOADING_CLASSES: dict[type, bool] = {}
+def loads_by_copying(model: torch.nn.Module) -> bool:
+    """Whether ``model.load_state_dict`` itself, not overridden, copies values
+    into the tensors (swapping tensors, when torch is told to, runs each
+    parameter's own ``module_load``)."""
+    return (
+        type(model).load_state_dict is torch.nn.Module.load_state_dict
+        and "load_state_dict" not in model.__dict__
+        and not torch.__future__.get_swap_module_params_on_conversion()
+    )
 
 
 def plain_state_dict(opt: torch.optim.Optimizer) -> bool:

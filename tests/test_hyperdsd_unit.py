@@ -444,6 +444,27 @@ def test_flatten_and_unflatten_with_dotted_and_nested_keys():
     assert fields == {"a.b": {"lr": 0.1}, "a.bc": {"lr": 0.1}} and unknown == ["state.zz.q"]
 
 
+def test_group_fields_are_kept_whole_whatever_their_names():
+    """A group field's name may hold dots or end in an index; state keys after
+    it, and fields after nested state, still land under their parameter."""
+    flat = {
+        "state.w.step": 1,
+        "state.w.m[0]": 2,
+        "state.w.v": 3,
+        "param_groups.w.lr": 0.1,
+        "param_groups.w.sched.warmup": 5,
+        "param_groups.w.x[0]": 6,
+        "param_groups.w.betas": (0.9, 0.99),
+        "param_groups.u.x[0]": 7,
+    }
+    state, fields, unknown = flat_format.unflatten(flat, {"w", "u"})
+    assert state == {"w": {"step": 1, "m": [2], "v": 3}} and unknown == []
+    assert fields == {
+        "w": {"lr": 0.1, "sched.warmup": 5, "x[0]": 6, "betas": (0.9, 0.99)},
+        "u": {"x[0]": 7},
+    }
+
+
 def test_lists_in_nested_state_round_trip_through_the_flat_layout():
     t0, t1, t2 = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
     entry = {"pre": {"traces": [t0, t1], "0": 5, "rows": [[t2]], "none": []}, "kind": "matrix", "pair": (1, 2)}
@@ -536,6 +557,56 @@ def test_a_model_of_plain_modules_loads_in_place_without_load_state_dict(monkeyp
     hyperdsd.set_model_state_dict(dst, sd)
     assert calls == [1]
     assert dst[0].weight.dtype == torch.float32 and torch.equal(dst[0].weight, src[0].weight)
+
+
+class _Scaled(nn.Linear):
+    """Extra state held in a tensor that get_extra_state hands out as it is."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.scale = torch.ones(2)
+        self.restored = 0
+
+    def get_extra_state(self):
+        return self.scale
+
+    def set_extra_state(self, state):
+        self.scale = state.clone()
+        self.restored += 1
+
+
+def test_extra_state_is_restored_through_set_extra_state():
+    src, dst = nn.Sequential(_Scaled()), nn.Sequential(_Scaled())
+    src[0].scale.fill_(3.0)
+    hyperdsd.set_model_state_dict(dst, copy.deepcopy(hyperdsd.get_model_state_dict(src)))
+    assert dst[0].restored == 1 and torch.equal(dst[0].scale, src[0].scale)
+
+
+@pytest.mark.parametrize("how", ["overridden", "swap_tensors"])
+def test_a_model_that_loads_otherwise_is_loaded_through_load_state_dict(how, monkeypatch):
+    """A root that overrides load_state_dict, or torch told to swap tensors
+    (each parameter's own module_load), gets every value through it."""
+    calls = []
+
+    class Counting(nn.Sequential):
+        def load_state_dict(self, *args, **kwargs):
+            calls.append(1)
+            return super().load_state_dict(*args, **kwargs)
+
+    src = nn.Sequential(nn.Linear(2, 2))
+    dst = (Counting if how == "overridden" else nn.Sequential)(nn.Linear(2, 2))
+    sd = copy.deepcopy(hyperdsd.get_model_state_dict(src))
+    if how == "swap_tensors":
+        real = nn.Module.load_state_dict
+        monkeypatch.setattr(nn.Module, "load_state_dict", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    try:
+        torch.__future__.set_swap_module_params_on_conversion(how == "swap_tensors")
+        hyperdsd.set_model_state_dict(dst, sd)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    assert calls == [1]
+    assert torch.equal(dst[0].weight, src[0].weight)
 
 
 class _Halving(nn.Linear):

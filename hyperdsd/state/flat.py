@@ -107,11 +107,11 @@ def unflatten(flat: dict, fqns) -> tuple[dict[str, dict], dict[str, dict], list[
             continue
         fqn, tail = split
         node = (fields if head == GROUPS else state).setdefault(fqn, {})
-        if "." not in tail and not tail.endswith("]"):  # a plain state key or group field
+        plain = "." not in tail  # then ``prefix`` is ``{head}.{fqn}``
+        last_prefix, last_node = (prefix, node) if plain else (None, None)
+        if head == GROUPS or (plain and not tail.endswith("]")):  # a group field's name is kept whole
             node[tail] = value
-            last_prefix, last_node = prefix, node
             continue
-        last_prefix = None
         path = _path(tail) if tail.endswith("]") or "]." in tail else tail.split(".")
         if len(path) > len(tail.split(".")):
             with_lists.add(fqn)

@@ -126,7 +126,10 @@ class _PlainLoads:
     above it, whose loading sees (and may change) the entries of the modules
     below. Every module asked once, up front."""
 
-    def __init__(self, index: ModelIndex):
+    def __init__(self, model: torch.nn.Module, index: ModelIndex):
+        self._plain: set[str] = set()
+        if not _compat.loads_by_copying(model):
+            return
         own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
         for module, prefix in index.modules:
             own[prefix] = own.get(prefix, True) and _compat.loads_plainly(module)
@@ -157,7 +160,7 @@ def plan_load(
     raw_of = {index.canonical_key(k): k for k in targets}
     matched: set[str] = set()
     verdicts = Verdicts()
-    loads_plainly = _PlainLoads(index)
+    loads_plainly = _PlainLoads(model, index)
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
         if canon not in raw_of:
@@ -178,9 +181,12 @@ def plan_load(
                     prepared.device = (
                         prepared.local.device if prepared.local is not None else _compat.collective_device()
                     )
-            elif prepared.dest is not None and prepared.meta is None and not loads_plainly(canon):
-                # Through load_state_dict, which the module's own loading may extend. A broadcast
-                # piece goes straight into the model's tensor where it fits: a rank holds no more.
+            elif raw.endswith(_EXTRA_STATE) or (
+                prepared.dest is not None and prepared.meta is None and not loads_plainly(canon)
+            ):
+                # Through load_state_dict, which the module's own loading may extend (extra
+                # state goes to set_extra_state). A broadcast piece goes straight into the
+                # model's tensor where it fits: a rank holds no more.
                 prepared.dest = None
             plan.values[raw] = prepared
         else:
