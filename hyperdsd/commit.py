@@ -297,6 +297,9 @@ class CommittingWriter(StorageWriter):
         if type(self.inner).finish is FileSystemWriter.finish:  # done with it (another writer may keep it)
             _emptied(metadata)
 
+    def storage_meta(self):
+        return self.inner.storage_meta()
+
 
 def _emptied(metadata: Any) -> None:
     """Drop a committed checkpoint's entries from the metadata object its save made.
@@ -311,6 +314,3 @@ def _emptied(metadata: Any) -> None:
     for name, empty in (("state_dict_metadata", {}), ("storage_data", {}), ("planner_data", None)):
         if hasattr(metadata, name):
             setattr(metadata, name, empty)
-
-    def storage_meta(self):
-        return self.inner.storage_meta()

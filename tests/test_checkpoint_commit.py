@@ -157,6 +157,16 @@ def test_the_metadata_a_commit_leaves_for_dcp_to_send_every_rank_is_emptied_and_
     assert set(inner.kept.state_dict_metadata) == set(on_disk.state_dict_metadata) and inner.kept.storage_data
 
 
+def test_the_committing_writer_passes_on_its_writers_storage_meta(tmp_path):
+    """What DCP records of the save in the checkpoint's metadata comes from the wrapped writer."""
+    from hyperdsd.dcp_writer import Writer
+
+    inner = Writer(str(tmp_path / "staging"))
+    writer = commit.CommittingWriter(inner, tmp_path / "ckpt")
+    assert inner.storage_meta() is not None
+    assert writer.storage_meta() == inner.storage_meta()
+
+
 @pytest.mark.parametrize(
     "damage, needle",
     [
