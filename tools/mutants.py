@@ -118,18 +118,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "state-cast-to-param-dtype",
         "state/optimizer_load.py",
-        "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
+        "    verdict = _verdict(value, p, key, expected, verdicts)\n",
         '    if isinstance(value, torch.Tensor) and key != "step":\n'
         "        value = value.to(p.dtype)  # state follows its parameter's dtype\n"
-        "    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
+        "    verdict = _verdict(value, p, key, expected, verdicts)\n",
         "state is cast to the parameter's dtype on set (fp32 moments of bf16 parameters become bf16)",
         ("OPT-DT-3[single-adamw-sharded]",),
     ),
     Mutant(
         "fits-ignores-dtype",
         "state/load_plan.py",
-        "    return tuple(existing.shape) == prepared.local_shape and existing.dtype == prepared.dtype",
-        "    return tuple(existing.shape) == prepared.local_shape",
+        '    return Verdict("", layout, moves, fits and existing.dtype == dtype)',
+        '    return Verdict("", layout, moves, fits)',
         "set copies into an existing state tensor of another dtype (the loaded state takes the old dtype)",
         ("OPT-DT-3[single-adamw-sharded]",),
     ),

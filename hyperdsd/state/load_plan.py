@@ -274,19 +274,10 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def fits(existing: Any, prepared: Prepared) -> bool:
     """Whether ``prepared`` can be copied into ``existing`` in place (same layout, shape and dtype)."""
-    if not isinstance(existing, torch.Tensor):
-        return False
-    if isinstance(existing, DTensor) != (prepared.layout is not None):
-        return False
-    if prepared.layout is not None:
-        if (existing.device_mesh, tuple(existing.placements), existing.shape) != (
-            prepared.layout.mesh,
-            prepared.layout.placements,
-            prepared.layout.shape,
-        ):
-            return False
-        existing = local_tensor(existing)
-    return tuple(existing.shape) == prepared.local_shape and existing.dtype == prepared.dtype
+    return (
+        accepted(prepared.dtype, prepared.layout, False, existing).fits
+        and tuple(local_tensor(existing).shape) == prepared.local_shape
+    )
 
 
 def copy_into(existing: torch.Tensor, prepared: Prepared) -> torch.Tensor:
