@@ -78,6 +78,37 @@ def own_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor | None]
 _FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
 
 
+def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """(module, attribute name, sharded parameter) for each parameter that
+    ``module``'s FSDP2 state manages and that is registered as something else
+    now: the unsharded parameter after a forward that left it unsharded
+    (``reshard_after_forward=False`` or an int, an explicit ``unshard()``).
+
+    The optimizer steps the sharded parameters wherever the module's
+    attributes point; FSDP2 says where they are only through its parameter
+    groups (``state_dict()``'s pre-hook finds them by resharding, which a get
+    must not do)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return []
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # a list in newer torch, one group before
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    found = []
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            info, sharded = fsdp_param._module_info, fsdp_param.sharded_param
+            places = [(info.module, info.param_name)]
+            places += list(zip(info.shared_modules, info.shared_param_names))
+            for owner, name in places:
+                if owner._parameters.get(name) is not sharded:
+                    found.append((owner, name, sharded))
+    return found
+
+
 def module_state_hooks(module: torch.nn.Module) -> list[Callable] | None:
     """The pre-hooks to run before reading ``module``'s own state straight
     from its ``_parameters`` and ``_buffers``; None when ``state_dict()``

@@ -258,8 +258,8 @@ def group_rule(ctx):
 
 def read_unsharded(ctx):
     """Get on an FSDP2 model left unsharded by its forward (no reshard after
-    forward): FSDP's state-dict pre-hook reshards it first, as state_dict()
-    does, and get gives the sharded parameters under state_dict()'s keys."""
+    forward): get gives the sharded parameters under state_dict()'s keys and
+    leaves the modules unsharded, as it found them."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -269,14 +269,89 @@ def read_unsharded(ctx):
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     model(torch.randn(2, 4))
-    assert not any(isinstance(p, DTensor) for p in model[0][0]._parameters.values()), "the forward left it sharded"
+    registered = [p for m in model.modules() for p in m._parameters.values()]
+    assert not any(isinstance(p, DTensor) for p in registered), "the forward left it sharded"
     got = hyperdsd.get_model_state_dict(model)
-    expected = model.state_dict()
+    assert [p for m in model.modules() for p in m._parameters.values()] == registered, "get resharded the model"
+    expected = model.state_dict()  # FSDP2's pre-hook reshards
     assert list(got) == list(expected)
     for key, value in got.items():
         assert isinstance(value, DTensor) and value.placements == expected[key].placements, key
         assert value._local_tensor.data_ptr() == expected[key]._local_tensor.data_ptr(), key
     return len(got)
+
+
+def _loop_model(ctx, seed: int, reshard_after_forward):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)) for _ in range(3)])
+    mesh = ctx.mesh(str(ctx.world_size))
+    for block in model:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1))
+
+
+def _loop_steps(model, optimizer, start: int, steps: int):
+    for i in range(start, start + steps):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(100 * i + 7)) + dist.get_rank()
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _full_values(model, optimizer):
+    out = [v.full_tensor() for v in model.state_dict().values()]
+    for p in optimizer.param_groups[0]["params"]:
+        out += [v.full_tensor() if isinstance(v, DTensor) else v for _, v in sorted(optimizer.state[p].items())]
+    return out
+
+
+def loop_resume(ctx, mode: str, reshard_after_forward=False):
+    """A get after an evaluation forward that left the parameters unsharded,
+    in ``mode``; a set into a fresh model; the next steps equal the run that
+    was never interrupted. The get leaves the source's modules unsharded."""
+    import torch.distributed.checkpoint as dcp
+
+    from hyperdsd import StateDictOptions
+
+    get = {
+        "sharded": {},
+        "full": {"full_state_dict": True},
+        "full_cpu": {"full_state_dict": True, "cpu_offload": True},
+        "flat": {"flatten_optimizer_state_dict": True},
+        "dcp": {},
+    }[mode]
+    put = {"full_cpu": {"full_state_dict": True, "broadcast_from_rank0": True}}.get(mode, get)
+    source, source_opt = _loop_model(ctx, 0, reshard_after_forward)
+    _loop_steps(source, source_opt, 0, 2)
+    source.eval()
+    with torch.no_grad():
+        source(torch.ones(2, 4))
+    source.train()
+    registered = [p for m in source.modules() for p in m._parameters.values()]
+    assert not any(isinstance(p, DTensor) for p in registered), "the forward left it sharded"
+    msd, osd = hyperdsd.get_state_dict(source, source_opt, options=StateDictOptions(**get))
+    assert [p for m in source.modules() for p in m._parameters.values()] == registered, "get resharded the model"
+    if mode == "dcp":
+        box = [__import__("tempfile").mkdtemp() if ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    target, target_opt = _loop_model(ctx, 1, reshard_after_forward)
+    _loop_steps(target, target_opt, 50, 1)  # a stepped target: its own state must go
+    if mode == "dcp":
+        msd, osd = hyperdsd.get_state_dict(target, target_opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    hyperdsd.set_state_dict(
+        target, target_opt, model_state_dict=msd, optim_state_dict=osd, options=StateDictOptions(**put)
+    )
+    _loop_steps(source, source_opt, 2, 2)
+    _loop_steps(target, target_opt, 2, 2)
+    for i, (a, b) in enumerate(zip(_full_values(source, source_opt), _full_values(target, target_opt), strict=True)):
+        assert torch.equal(a, b), f"value {i} differs after resuming"
+    return True
 
 
 def compat_distribute_locally(ctx, mesh: str, native: bool, suite: bool):

@@ -33,8 +33,15 @@ def test_scatter_packs_small_tensors_by_group(pools, bucket_bytes):
     assert run(pools, 4, "scatter_many", bucket_bytes=bucket_bytes) == [240] * 4
 
 
-def test_get_reshards_an_unsharded_model_first(pools):
+def test_get_reads_an_unsharded_model_without_resharding_it(pools):
     assert run(pools, 2, "read_unsharded") == [12, 12]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [False, 1], ids=["noreshard", "int1"])
+@pytest.mark.parametrize("mode", ["sharded", "full", "full_cpu", "flat", "dcp"])
+def test_a_get_after_an_eval_forward_resumes_exactly(pools, mode, reshard_after_forward):
+    """The parameters left unsharded by an evaluation forward (SPEC LOOP-1)."""
+    assert run(pools, 2, "loop_resume", mode=mode, reshard_after_forward=reshard_after_forward) == [True, True]
 
 
 def test_a_model_on_part_of_the_world_keeps_its_collectives_there(pools):

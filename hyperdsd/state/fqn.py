@@ -48,6 +48,9 @@ class ModelIndex:
         # module under two names twice), with its canonical key prefix ("" or
         # ending in a dot).
         self.modules: list[tuple[nn.Module, str]] = []
+        # Parameters FSDP2 left unsharded (after a forward, an ``unshard()``):
+        # what the module holds by name is not what the optimizer steps.
+        self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         fqn_of, aliases, param_of = self.fqn_of, self.aliases, self.param_of
         # Depth first, parents before children, children in registration
         # order: a tied parameter's first name is the one state_dict() lists
@@ -62,7 +65,9 @@ class ModelIndex:
                     f"module {raw[:-1] or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1); "
                     "hyperdsd supports fully_shard (FSDP2) models"
                 )
-            for name, param in _compat.own_parameters(module).items():
+            for owner, name, sharded in _compat.fsdp2_sharded_params(module):
+                self._sharded.setdefault(owner, {})[name] = sharded
+            for name, param in self.own_parameters(module).items():
                 if param is None:
                     continue
                 fqn = f"{canon}{name}"
@@ -81,6 +86,13 @@ class ModelIndex:
                 child_canon = canon[:-1] if name in hidden else f"{canon}{name}"
                 self._module_paths[child_raw] = (child, child_canon)
                 stack.append((child, f"{child_raw}.", f"{child_canon}." if child_canon else ""))
+
+    def own_parameters(self, module: nn.Module) -> dict[str, nn.Parameter | None]:
+        """``module``'s own parameters by name, each as the optimizer steps it
+        (the sharded one where FSDP2 has the module unsharded)."""
+        own = _compat.own_parameters(module)
+        sharded = self._sharded.get(module)
+        return own if sharded is None else {**own, **sharded}
 
     def canonical_key(self, key: str) -> str:
         """The canonical form of a ``model.state_dict()`` key.

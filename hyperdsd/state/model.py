@@ -60,19 +60,16 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     """What ``model.state_dict()`` gives, read from the modules directly,
     keys canonical as they are made; None, before anything is read, when a
     module's state dict could be more than its parameters and buffers."""
-    hooks = {}
-    for module, prefix in index.modules:
-        own = _compat.module_state_hooks(module)
-        if own is None:
+    # FSDP2's pre-hook (the only one allowed) would reshard what a forward
+    # left unsharded; the index reads the sharded parameters where they are
+    # instead, so that a get leaves the modules as it found them.
+    for module, _prefix in index.modules:
+        if _compat.module_state_hooks(module) is None:
             return None
-        for hook in own:  # FSDP2's reshard: once per group, however many modules carry it
-            hooks.setdefault(hook, (module, prefix))
-    for hook, (module, prefix) in hooks.items():
-        hook(module, prefix, True)
     sd = {}
     detached = _compat.detached
     for module, prefix in index.modules:
-        for name, param in _compat.own_parameters(module).items():
+        for name, param in index.own_parameters(module).items():
             if param is not None:
                 sd[prefix + name] = detached(param)
         buffers, skip = _compat.own_buffers(module)
