@@ -167,3 +167,29 @@ def dcp_on_subgroups() -> None:
 
     init_with_global_coordinator._global = True
     wrapper.__init__ = init_with_global_coordinator
+
+
+def stepped_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
+    """Where FSDP2 has ``module``'s parameters unsharded (after a forward that
+    did not reshard, an ``unshard()``), the module attributes hold the
+    unsharded tensors while the optimizer steps the sharded ones: for each
+    such (id of the owning module, attribute name), the sharded parameter.
+    FSDP2 tells where its sharded parameters are only through its private
+    parameter groups."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[tuple[int, str], torch.nn.Parameter] = {}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # one group per state before the list
+            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
+            for fp in group.fsdp_params:
+                info = fp._module_info
+                owners = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+                for owner, name in owners:
+                    found[(id(owner), name)] = fp.sharded_param
+    return found

@@ -60,7 +60,7 @@ GET_OF = {
     "dcp": "sharded",
 }
 # Layouts beyond data parallelism (single, ddp, fsdp, hsdp), as an IUT declares them (SPEC §1).
-LAYOUTS = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world")
+LAYOUTS = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world", "policies")
 # Options an IUT may lack (SPEC §1): its own options type (what OPT-ATOM-3's
 # contradiction is made of), ``strict=False`` loads, ``ignore_frozen_params``.
 OPTIONS = ("options_type", "strict", "ignore_frozen_params")
@@ -132,15 +132,17 @@ def rank_device(model=None):
     return _RANK_DEVICE[0] if _RANK_DEVICE else torch.device("cpu")
 
 
-def fully_shard(module, *, mesh):
-    """FSDP2's ``fully_shard``, keeping a unit's parameters gathered from its
-    forward to its backward: one all-gather per unit and step instead of
-    two, the collectives that dominate a case's time on a small model. The
-    backward still reshards, so between steps, where every state-dict call
-    of the suite happens, the model is sharded as with the default."""
+def fully_shard(module, *, mesh, **policy):
+    """FSDP2's ``fully_shard``. The base layouts keep a unit's parameters
+    gathered from its forward to its backward (``reshard_after_forward=False``):
+    one all-gather per unit and step instead of two, the collectives that
+    dominate a case's time on a small model; the backward still reshards, so
+    between steps the model is sharded as with the default. ``policy``: the
+    keyword arguments of a policy variant (SPEC §2: ``fsdp4.bf16``, ...),
+    which may set ``reshard_after_forward`` otherwise."""
     from torch.distributed.fsdp import fully_shard as _fully_shard
 
-    return _fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    return _fully_shard(module, mesh=mesh, **{"reshard_after_forward": False, **policy})
 
 
 @dataclass

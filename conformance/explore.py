@@ -28,6 +28,8 @@ from hyperdsd.testing import Status
 
 from .adapters import MODES
 from .layouts import parse_layout
+from .loops import POINTS
+from .policies import VARIANTS
 from .results import CaseResult
 from .runner import Runner, undeclared
 from .scenarios import (
@@ -71,6 +73,7 @@ class Choices:
 
     modes_of: tuple[tuple[str, tuple[str, ...]], ...]  # (layout, modes declared on it), simplest first
     optimizers: tuple[str, ...] = OPTIMIZERS
+    policies: tuple[str, ...] = ()  # FSDP2 policy variants, where the adapter declares the layout "policies"
 
     @property
     def layouts(self) -> tuple[str, ...]:
@@ -95,7 +98,7 @@ def choices(adapter, world_sizes) -> Choices:
             modes_of.append((layout, modes))
     if not modes_of:
         raise ExploreUsageError(f"{adapter.name} declares no round trip on a layout of world sizes {sorted(allowed)}")
-    return Choices(tuple(modes_of))
+    return Choices(tuple(modes_of), policies=tuple(VARIANTS) if "policies" in adapter.layouts else ())
 
 
 def strategy(ch: Choices):
@@ -135,6 +138,8 @@ def strategy(ch: Choices):
         target = draw(st.sampled_from(ch.layouts))
         model_keys = draw(st.sampled_from(MODEL_KEYS))
         group_order = draw(st.sampled_from(GROUP_ORDERS))
+        policy = draw(st.sampled_from(("",) + ch.policies))
+        loop_point = draw(st.sampled_from(("",) + tuple(POINTS)))
         s = Scenario(
             layout=layout,
             mode=mode,
@@ -164,6 +169,10 @@ def strategy(ch: Choices):
         )
         if model_keys and mode in MODEL_KEYS_MODES and pp == 1:
             s = replace(s, model_keys=model_keys)
+        for extra in ({"policy": policy}, {"loop_point": loop_point}):
+            drawn = replace(s, **extra)
+            if not drawn._loop_problems():
+                s = drawn
         if reshard:
             resharded = replace(s, reshard_to=target)
             if not reshard_problems(resharded):

@@ -265,7 +265,7 @@ class Resumed:
 _CACHED_SOURCES = 48  # setups kept per rank; the least recently used goes first
 
 
-def _kept_everywhere(c, keys, group=None) -> list[bool]:
+def kept_everywhere(c, keys, group=None) -> list[bool]:
     """For each of ``keys``, whether every rank of the model (``group``;
     None: the world) keeps it: one all-reduce for all of them. Building runs
     collectives, so every rank builds or none does, even where a rank's key
@@ -281,7 +281,7 @@ def _kept_everywhere(c, keys, group=None) -> list[bool]:
     return [bool(f) for f in t.tolist()]
 
 
-def _keep(c, key, value):
+def keep(c, key, value):
     """Keep ``value`` under ``key``, most recently used last; drop the oldest sources."""
     cache = c.rank_ctx.cache
     cache.pop(key, None)
@@ -338,8 +338,8 @@ def kept_run(c, how: Recipe, steps: int, *, prepare=None) -> dict:
     from .layouts import model_group
 
     key = ("resume-expected", how, steps) if prepare is None else ("prepared-run", how, steps, prepare)
-    (have,) = _kept_everywhere(c, (key,), model_group(c, how.layout))
-    return _keep(c, key, c.rank_ctx.cache[key] if have else snapshot(_trained(c, how, steps, prepare)))
+    (have,) = kept_everywhere(c, (key,), model_group(c, how.layout))
+    return keep(c, key, c.rank_ctx.cache[key] if have else snapshot(_trained(c, how, steps, prepare)))
 
 
 def _trained(c, how: Recipe, steps: int, prepare=None):
@@ -364,23 +364,23 @@ def trained_source(c, how: Recipe, before: int, *, after: int | None = None) -> 
 
     source_key = ("resume-source", how, before)
     expected_key = ("resume-expected", how, before + after) if after is not None else None
-    flags = _kept_everywhere(
+    flags = kept_everywhere(
         c, (source_key, expected_key) if expected_key else (source_key,), model_group(c, how.layout)
     )
     have_source, have_expected = flags[0], expected_key is None or flags[1]
     if have_source:
-        source = _keep(c, source_key, c.rank_ctx.cache[source_key])
+        source = keep(c, source_key, c.rank_ctx.cache[source_key])
     else:
         source = _trained(c, how, before)
         # A source that never stepped has FSDP and the optimizers not yet set
         # up: running it ahead would change what get sees, so it is not.
         if not have_expected and before > 0:
-            _keep(c, expected_key, _run_ahead(source, after))
+            keep(c, expected_key, _run_ahead(source, after))
             have_expected = True
-        _keep(c, source_key, source)
+        keep(c, source_key, source)
     expected = None
     if expected_key:
-        expected = _keep(
+        expected = keep(
             c,
             expected_key,
             c.rank_ctx.cache[expected_key] if have_expected else snapshot(_trained(c, how, before + after)),

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat
+from . import _compat, policies
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
 # FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
@@ -45,6 +45,12 @@ class Layout:
     meshes: tuple[tuple[str, tuple[str, ...]], ...]  # (shape, dim names) of each mesh, e.g. ("2x2", ("ep", "dp"))
     pp: int = 1
     args: tuple[int, ...] = ()  # the numbers in the name
+    policy: str = ""  # the FSDP2 policy variant after a dot (``fsdp4.bf16``; SPEC §2), "" for the base
+
+    @property
+    def base(self) -> str:
+        """The layout's name without its policy variant."""
+        return self.name.partition(".")[0]
 
     @property
     def mesh(self) -> str:
@@ -159,10 +165,11 @@ def _unsharded(setup: "Setup") -> None:
 
 
 def _blocks_and_root(setup: "Setup", mesh) -> None:
-    shard = setup.c.iut.shard
-    for block in setup.module.layers.values():
-        shard(block, mesh=mesh)
-    shard(setup.module, mesh=mesh)
+    shard, policy = setup.c.iut.shard, setup.layout.policy
+    blocks = list(setup.module.layers.values())
+    for i, block in enumerate(blocks):
+        shard(block, mesh=mesh, **policies.arguments(policy, "last" if i == len(blocks) - 1 else "block", setup))
+    shard(setup.module, mesh=mesh, **policies.arguments(policy, "root", setup))
 
 
 def _fsdp(setup: "Setup") -> None:
@@ -330,12 +337,18 @@ KINDS: tuple[LayoutKind, ...] = (
 
 
 def parse_layout(name: str) -> Layout:
+    base, dot, policy = name.partition(".")
     for kind in KINDS:
-        match = re.fullmatch(kind.pattern, name)
+        match = re.fullmatch(kind.pattern, base)
         if match:
+            if dot and (kind.name not in policies.KINDS or policy not in policies.VARIANTS):
+                raise ValueError(
+                    f"unknown layout {name!r}: policy variants ({', '.join(policies.VARIANTS)}) "
+                    f"apply to the {' and '.join(policies.KINDS)} layouts"
+                )
             numbers = tuple(int(g) for g in match.groups())
             world_size, meshes, pp = kind.make(*numbers)
-            return Layout(name, kind, world_size, meshes, pp, numbers)
+            return Layout(name, kind, world_size, meshes, pp, numbers, policy)
     raise ValueError(f"unknown layout {name!r}")
 
 
@@ -439,8 +452,20 @@ class Setup:
             dist.barrier(group=self.group)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Canonical FQN and parameter, tied parameters once, in registration order."""
-        return [(canonical(n), p) for n, p in self.module.named_parameters()]
+        """Canonical FQN and parameter, tied parameters once, in registration
+        order; each parameter as the optimizer steps it, also where FSDP2
+        holds the module unsharded (SPEC LOOP)."""
+        stepped = _compat.stepped_parameters(self.module)
+        out, seen = [], set()
+        for prefix, module in self.module.named_modules():
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                param = stepped.get((id(module), name), param)
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    out.append((canonical(f"{prefix}.{name}" if prefix else name), param))
+        return out
 
     def fqn_of(self) -> dict[nn.Parameter, str]:
         return {p: n for n, p in self.named_parameters()}
@@ -466,20 +491,30 @@ class Setup:
 
     def _train(self, steps: int) -> None:
         for _ in range(steps):
-            tokens, targets = (t.to(self.device) for t in batch(self.steps_done, 0, self.cfg))
-            rank, degree = self.dp
-            rows = tokens.shape[0] // degree
-            tokens, targets = tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
-            if self.layout.pp > 1:
-                self._pipeline_step(tokens, targets)
-            else:
-                loss_fn(self.model(tokens), targets).backward()
-            for opt in self.optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            for sched in self.schedulers:
-                sched.step()
-            self.steps_done += 1
+            self.forward_backward(*self.local_batch())
+            self.step()
+
+    def local_batch(self, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the batch of the next step (``stream`` 0: training data)."""
+        tokens, targets = (t.to(self.device) for t in batch(self.steps_done, stream, self.cfg))
+        rank, degree = self.dp
+        rows = tokens.shape[0] // degree
+        return tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        if self.layout.pp > 1:
+            self._pipeline_step(tokens, targets)
+        else:
+            loss_fn(self.model(tokens), targets).backward()
+
+    def step(self) -> None:
+        """The optimizers' and schedulers' step after the gradients are in; the data moves on."""
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers:
+            sched.step()
+        self.steps_done += 1
 
     def _pipeline_step(self, tokens, targets) -> None:
         if self._pipeline is None:

@@ -31,6 +31,7 @@ SECTIONS = (
     "mpmd",
     "reshard",
     "model",
+    "loop",
 )
 
 DEFAULT_DEADLINE_S = 60.0
@@ -112,6 +113,8 @@ def needs_of(case: Case) -> Needs:
         layouts.append("several_meshes")
     if any(p.startswith("halves") for p in parts):
         layouts.append("part_of_world")
+    if any("." in p for p in parts):  # fsdp4.bf16: an FSDP2 policy variant, passed to the adapter's shard
+        layouts.append("policies")
     options = list(OPTION_CLAUSES.get(case.clause, ()))
     strict = [p.params.get("strict") for p in case.phases]
     # A consolidated file holds every stage; a stage loads its own with strict=False.

@@ -87,6 +87,11 @@ class Scenario:
     reshard_to: str = ""
     # MODEL-2: the model dict loses a key and gains one before a "strict" or "nonstrict" load; "": not checked
     model_keys: str = ""
+    # An FSDP2 policy variant of an fsdp or hsdp layout (conformance.policies; LOOP-3); "": the base layout's
+    policy: str = ""
+    # A point of the loop where the get is taken, and, with a warm target, the set (conformance.loops; LOOP-1,
+    # LOOP-2); "": at rest
+    loop_point: str = ""
 
     # -- serialisation -----------------------------------------------------
     def to_dict(self) -> dict:
@@ -173,8 +178,37 @@ class Scenario:
             problems.append(f"model_keys {self.model_keys!r} is not one of {MODEL_KEYS}")
         elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in LAYOUTS or self.pp > 1):
             problems.append(f"model_keys are checked in the modes {MODEL_KEYS_MODES} without pipeline stages")
+        problems += self._loop_problems()
         if problems:
             raise ValueError("invalid scenario: " + "; ".join(problems))
+
+    def _loop_problems(self) -> list[str]:
+        from . import loops, policies
+
+        if self.layout not in LAYOUTS:
+            return []
+        lay, out = parse_layout(self.layout), []
+        if self.policy:
+            if self.policy not in policies.VARIANTS:
+                out.append(f"policy {self.policy!r} is not one of {tuple(policies.VARIANTS)}")
+            elif lay.kind.name not in policies.KINDS:
+                out.append(f"policies apply to the {' and '.join(policies.KINDS)} layouts, not {self.layout}")
+            elif self.policy == "reshard2" and lay.world_size % 2:
+                out.append(f"reshard_after_forward=2 needs an even number of ranks, {self.layout} has {lay.world_size}")
+        if self.loop_point:
+            point = loops.POINTS.get(self.loop_point)
+            if point is None:
+                out.append(f"loop_point {self.loop_point!r} is not one of {tuple(loops.POINTS)}")
+            elif (why := point.applies(lay)) is not None:
+                out.append(f"loop_point {self.loop_point!r} is not on {self.layout}: {why}")
+            if self.before < 1:
+                out.append("a loop point comes after a first step (before >= 1)")
+        return out
+
+    @property
+    def where(self) -> str:
+        """The layout the scenario builds: its name with the policy variant, if any."""
+        return f"{self.layout}.{self.policy}" if self.policy else self.layout
 
     def cfg(self):
         import torch
@@ -212,7 +246,7 @@ class Scenario:
     def recipe(self):
         from . import flows
 
-        return flows.recipe(self.layout, self.optimizer, cfg=self.cfg(), groups=self.groups())
+        return flows.recipe(self.where, self.optimizer, cfg=self.cfg(), groups=self.groups())
 
     @property
     def world_size(self) -> int:
@@ -251,6 +285,14 @@ class Scenario:
             target += f"; the model dict loses a key and gains one ({self.model_keys} load)"
         if self.reshard_to:
             target += f"; also resharded to {self.reshard_to} ({parse_layout(self.reshard_to).world_size} ranks)"
+        if self.loop_point:
+            from .loops import POINTS
+
+            target += f"; the get taken {POINTS[self.loop_point].what}" + (" (the set too)" if self.warm else "")
+        if self.policy:
+            from .policies import VARIANTS
+
+            target += f"; FSDP2 policy {self.policy}: {VARIANTS[self.policy]}"
         lines = [
             f"layout {self.layout} ({self.world_size} ranks), mode {self.mode}, optimizer {self.optimizer}",
             f"model: {', '.join(model)}, {self.dtype}; features: {', '.join(features) or 'none'}",
@@ -260,7 +302,7 @@ class Scenario:
         return "\n".join(lines)
 
 
-_LATER_FIELDS = ("group_order",)
+_LATER_FIELDS = ("group_order", "policy", "loop_point")
 _DEFAULTS = {f.name: f.default for f in fields(Scenario)}
 
 
@@ -278,6 +320,9 @@ CLAUSE_ORDER = (
     "OPT-EMPTY-1",
     "OPT-SCHED-2",
     "MODEL-1",
+    "LOOP-1",
+    "LOOP-2",
+    "LOOP-3",
     "OPT-PURE-1",
     "OPT-PURE-2",
     "OPT-PURE-3",
@@ -338,6 +383,14 @@ def clauses_of(s: Scenario) -> tuple[str, ...]:
         out.add("OPT-KEYS-1")
     if s.reshard_to:
         out.add(RESHARD_CLAUSE[s.mode])
+    if s.loop_point:
+        out.add("LOOP-1")
+        from .loops import POINTS
+
+        if s.warm and POINTS[s.loop_point].rollback(lay) is None:
+            out.add("LOOP-2")
+    if s.policy and s.before:
+        out.add("LOOP-3")
     out.add(_purity_clause(s))
     return tuple(c for c in CLAUSE_ORDER if c in out)
 
@@ -353,12 +406,20 @@ def _purity_clause(s: Scenario) -> str:
 def _check(s: Scenario, clause: str):
     """The section's check function for ``clause`` and its arguments on ``s``."""
     from . import flows
-    from .sections import empty_groups, keys, model, purity, roundtrip, scheduler
+    from .sections import empty_groups, keys, loop, model, purity, roundtrip, scheduler
 
     cfg = s.cfg()
+    layout = s.where
 
     def trained(**more):  # the arguments of a check that trains the scenario's recipe
-        return {"layout": s.layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe(), **more}
+        return {"layout": layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe(), **more}
+
+    if clause in ("LOOP-1", "LOOP-2", "LOOP-3"):
+        args = {"layout": layout, "mode": s.mode, "how": s.recipe(), "before": s.before}
+        if clause == "LOOP-3":
+            return loop.loop_3, args
+        args |= {"point": s.loop_point, "after": s.after}
+        return (loop.loop_1, args) if clause == "LOOP-1" else (loop.loop_2, {**args, "warm": s.warm})
 
     if clause == "OPT-RT-1":
         return roundtrip.rt_1, trained(before=s.before, after=s.after)
@@ -369,19 +430,19 @@ def _check(s: Scenario, clause: str):
     if clause == "OPT-PURE-2":
         return purity.pure_2, trained()
     if clause == "OPT-KEYS-1":  # the target's groups in another order: only this check builds it so
-        how = flows.recipe(s.layout, s.optimizer, cfg=cfg, groups=replace(s.groups(), target_reverse=True))
+        how = flows.recipe(layout, s.optimizer, cfg=cfg, groups=replace(s.groups(), target_reverse=True))
         return keys.keys_regrouped, {**trained(before=s.before, after=s.after, warm=s.warm), "how": how}
     if clause == "MODEL-1":
-        return model.model_1, {"layout": s.layout, "mode": s.mode, "cfg": cfg}
+        return model.model_1, {"layout": layout, "mode": s.mode, "cfg": cfg}
     if clause == "MODEL-2":
-        return model.model_2, {"layout": s.layout, "mode": s.mode, "strict": s.model_keys == "strict", "cfg": cfg}
+        return model.model_2, {"layout": layout, "mode": s.mode, "strict": s.model_keys == "strict", "cfg": cfg}
     if clause == "MODEL-3":
-        return model.model_3, {"layout": s.layout, "cfg": cfg}
+        return model.model_3, {"layout": layout, "cfg": cfg}
     if clause == "MODEL-5":
-        return model.model_5, {"layout": s.layout, "mode": s.mode, "kind": s.extra_state, "cfg": cfg}
+        return model.model_5, {"layout": layout, "mode": s.mode, "kind": s.extra_state, "cfg": cfg}
     if clause == "OPT-EMPTY-1":
         return empty_groups.empty_1, {
-            "layout": s.layout,
+            "layout": layout,
             "opt": s.optimizer,
             "mode": s.mode,
             "empty_at": s.empty_at,
@@ -389,7 +450,7 @@ def _check(s: Scenario, clause: str):
             "split": not s.one_group,
         }
     if clause == "OPT-SCHED-2":
-        return scheduler.sched_2, {"layout": s.layout, "mode": s.mode, "opt": s.optimizer, "cfg": cfg}
+        return scheduler.sched_2, {"layout": layout, "mode": s.mode, "opt": s.optimizer, "cfg": cfg}
     raise ValueError(f"no scenario check for clause {clause!r}")
 
 
@@ -400,12 +461,12 @@ def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
     if clause in RESHARD_CLAUSE.values():
         return _resharded(s, clause, case_id, source)
     fn, params = _check(s, clause)
-    lay = parse_layout(s.layout)
+    lay = parse_layout(s.where)
     mode = "bcast" if clause == "MODEL-3" else s.mode
     return Case(
         id=case_id,
         clause=clause,
-        layout=s.layout,
+        layout=s.where,
         phases=(Phase(lay.world_size, fn, params),),
         deadline_s=DEFAULT_DEADLINE_S,
         meshes=lay.mesh_specs,
@@ -418,13 +479,13 @@ def _resharded(s: Scenario, clause: str, case_id: str, source: str) -> Case:
     """Save on the scenario's layout, load on ``reshard_to``: the section's two phases."""
     from .sections import reshard
 
-    a, b = parse_layout(s.layout), parse_layout(s.reshard_to)
-    params = {"src": s.layout, "dst": s.reshard_to, "opt": s.optimizer, "kind": s.mode}
+    a, b = parse_layout(s.where), parse_layout(s.reshard_to)
+    params = {"src": s.where, "dst": s.reshard_to, "opt": s.optimizer, "kind": s.mode}
     params |= {"cfg": s.cfg(), "groups": s.groups()}
     return Case(
         id=case_id,
         clause=clause,
-        layout=f"{s.layout}_to_{s.reshard_to}",
+        layout=f"{s.where}_to_{s.reshard_to}",
         phases=(Phase(a.world_size, reshard.save_phase, params), Phase(b.world_size, reshard.load_phase, params)),
         deadline_s=90,
         rtol=reshard.RTOL,

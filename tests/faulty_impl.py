@@ -138,3 +138,89 @@ def groups_by_position():
             return base.set_optimizer_state_dict(model, optimizers, osd, options=options)
 
     return replace(base, name="groups-by-position", version="0", set_optimizer_state_dict=set_optimizer_state_dict)
+
+
+def _own(fn):
+    """A hyperdsd function unchanged: its errors are the implementation's own."""
+
+    def call(*args, **kwargs):
+        from conformance.adapters import iut_call
+
+        with iut_call():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _unsharded_modules(model):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and any(not isinstance(p, DTensor) for p in m.parameters())
+    ]
+
+
+def reshards_on_get():
+    """hyperdsd, but every get reshards the FSDP2 modules a forward left
+    unsharded first (as model.state_dict() does): right values, a changed
+    sharding state, which only a get in the middle of a loop can see (LOOP-1)."""
+    base = replace(load_adapter("hyperdsd"), functions_are_iut=False)
+
+    def resharding(fn):
+        def call(model, *args, **kwargs):
+            from conformance.adapters import iut_call
+
+            with iut_call():
+                for module in _unsharded_modules(model):
+                    module.reshard()
+                return fn(model, *args, **kwargs)
+
+        return call
+
+    return replace(
+        base,
+        name="reshards-on-get",
+        version="0",
+        get_model_state_dict=resharding(base.get_model_state_dict),
+        get_optimizer_state_dict=resharding(base.get_optimizer_state_dict),
+        set_model_state_dict=_own(base.set_model_state_dict),
+        set_optimizer_state_dict=_own(base.set_optimizer_state_dict),
+    )
+
+
+def stale_unsharded_copy():
+    """hyperdsd, but a model load into FSDP2 modules that a forward left
+    unsharded copies into the sharded parameters and then gathers them back
+    from before the load, as if the unsharded copy had been kept: the next
+    forward computes with the old values. Only a set in the middle of a loop
+    reaches it (LOOP-2)."""
+    from torch.distributed.tensor import DTensor
+
+    base = replace(load_adapter("hyperdsd"), functions_are_iut=False)
+
+    def set_model_state_dict(model, sd, *, options=None):
+        from conformance.adapters import iut_call
+
+        with iut_call():
+            stale = [(m, [p.detach().clone() for p in m.parameters()]) for m in _unsharded_modules(model)]
+            out = base.set_model_state_dict(model, sd, options=options)
+            for module, old in stale:
+                module.unshard()
+                with torch.no_grad():
+                    for p, value in zip(module.parameters(), old):
+                        if not isinstance(p, DTensor):
+                            p.copy_(value)
+            return out
+
+    return replace(
+        base,
+        name="stale-unsharded-copy",
+        version="0",
+        set_model_state_dict=set_model_state_dict,
+        get_model_state_dict=_own(base.get_model_state_dict),
+        get_optimizer_state_dict=_own(base.get_optimizer_state_dict),
+        set_optimizer_state_dict=_own(base.set_optimizer_state_dict),
+    )

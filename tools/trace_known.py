@@ -251,6 +251,21 @@ CAUSES: tuple[Cause, ...] = (
         lambda c, s: c["clause"] == "OPT-KEYS-1" and "match the size of optimizer's group" in s,
     ),
     Cause(
+        "get reshards what a forward left unsharded",
+        "get calls model.state_dict(), whose FSDP2 pre-hook reshards every module a forward left unsharded "
+        "(reshard_after_forward False or an int, unshard()): the values are right, but the modules' sharding "
+        "state changes under the loop and the next forward gathers again; upstream not searched yet",
+        lambda c, s: c["clause"] == "LOOP-1" and "changed the modules' sharding state" in s,
+    ),
+    Cause(
+        "full loads into unsharded modules",
+        "a full_state_dict set (full, full_cpu, bcast, file) into an FSDP2 model whose parameters a forward "
+        "left unsharded distributes each full value against the module's unsharded plain tensor and fails "
+        "copying a DTensor into it ('got mixed torch.Tensor and DTensor'); sharded, flat and DCP loads work "
+        "there; upstream not searched yet",
+        lambda c, s: c["clause"] == "LOOP-2" and "got mixed torch.Tensor and DTensor" in s,
+    ),
+    Cause(
         "extra state objects in full modes",
         "extra state that is an arbitrary picklable object (neither a tensor nor a container of them): "
         "full_state_dict gathers raise ValueError 'Unexpected value type'; tensors and dicts round-trip",

@@ -1,0 +1,88 @@
+"""SPEC LOOP: the loop points, the FSDP2 policy variants, and that a deviation
+only a loop point can show fails LOOP, not the clauses taken at rest."""
+
+import json
+
+import pytest
+from helpers import run_cli
+
+from conformance.layouts import parse_layout
+from conformance.loops import POINTS
+from conformance.policies import VARIANTS, arguments
+from conformance.registry import all_cases
+from conformance.scenarios import Scenario, clauses_of
+
+
+def test_policy_variants_parse_and_name_their_arguments():
+    lay = parse_layout("fsdp4.titan")
+    assert (lay.base, lay.policy, lay.world_size) == ("fsdp4", "titan", 4)
+    assert parse_layout("hsdp2x2.bf16").mesh == "2x2"
+
+    class Setup:
+        device = __import__("torch").device("cpu")
+
+    titan = {unit: arguments("titan", unit, Setup()) for unit in ("block", "last", "root")}
+    assert [titan[u]["reshard_after_forward"] for u in ("block", "last", "root")] == [True, False, False]
+    assert arguments("offload", "block", Setup())["offload_policy"].pin_memory is False
+    assert arguments("", "root", Setup()) == {}
+    with pytest.raises(ValueError, match="policy variants"):
+        parse_layout("ddp.bf16")
+    with pytest.raises(ValueError, match="policy variants"):
+        parse_layout("fsdp4.fp8")
+
+
+def test_loop_cases_cover_every_layout_point_and_mode():
+    cases = [c for c in all_cases() if c.clause.startswith("LOOP-")]
+    for clause in ("LOOP-1", "LOOP-2"):
+        mine = [c for c in cases if c.clause == clause]
+        for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+            on = [c for c in mine if c.layout == layout]
+            assert {c.mode for c in on} == {"sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp"}, layout
+            applies = POINTS["eval"].applies if clause == "LOOP-1" else POINTS["eval"].rollback
+            assert applies(parse_layout(layout)) is None
+            points = {c.phases[0].params["point"] for c in on}
+            want = {
+                n
+                for n, p in POINTS.items()
+                if (p.applies if clause == "LOOP-1" else p.rollback)(parse_layout(layout)) is None
+            }
+            assert points == want, (clause, layout, points)
+        assert {c.mode for c in mine if c.id.endswith("-eval]") and c.layout == "fsdp4"} >= {"sharded", "dcp", "bcast"}
+        assert {c.layout for c in mine} >= {f"fsdp4.{v}" for v in VARIANTS}
+    loop3 = [c for c in cases if c.clause == "LOOP-3"]
+    assert {(c.layout, c.mode) for c in loop3} >= {(f"fsdp4.{v}", m) for v in VARIANTS for m in ("sharded", "dcp")}
+    assert all(c.needs.layouts == ("policies",) for c in loop3)
+
+
+def test_scenarios_draw_loop_points_and_policies_within_what_applies():
+    s = Scenario(layout="fsdp4", mode="dcp", policy="titan", loop_point="unshard", warm=1)
+    s.validate()
+    assert clauses_of(s)[:4] == ("MODEL-1", "LOOP-1", "LOOP-2", "LOOP-3") and s.where == "fsdp4.titan"
+    assert Scenario.from_token(s.token) == s
+    assert "policy" not in Scenario().to_dict() and "loop_point" not in Scenario().to_dict()
+    for bad, needle in (
+        (Scenario(layout="ddp", policy="bf16"), "policies apply"),
+        (Scenario(layout="fsdp3", policy="reshard2"), "even number of ranks"),
+        (Scenario(layout="single", loop_point="unshard"), "FSDP2's"),
+        (Scenario(layout="pp2xfsdp2", loop_point="accum"), "pipeline"),
+        (Scenario(loop_point="eval", before=0), "after a first step"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            bad.validate()
+
+
+@pytest.mark.parametrize(
+    "impl, failing, passing",
+    [
+        ("faulty_impl:reshards_on_get", "LOOP-1[fsdp2-dcp-eval]", "OPT-RT-1[fsdp2-adamw-sharded]"),
+        ("faulty_impl:stale_unsharded_copy", "LOOP-2[fsdp2-full-eval]", "OPT-RT-5[fsdp2-sgd-sharded]"),
+    ],
+)
+def test_a_deviation_only_the_loop_shows_fails_loop_only(tmp_path, impl, failing, passing):
+    out = tmp_path / "report.json"
+    ids = [failing, passing]
+    cases = [c.id for c in all_cases()]
+    assert all(i in cases for i in ids), [i for i in ids if i not in cases]
+    proc, _ = run_cli(["--impl", impl, "-k", failing, "-k", passing, "--json", str(out)])
+    verdicts = {c["id"]: c["status"] for c in json.loads(out.read_text())["cases"]}
+    assert verdicts == {failing: "failed", passing: "passed"}, proc.stdout[-3000:]
