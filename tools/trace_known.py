@@ -260,10 +260,14 @@ CAUSES: tuple[Cause, ...] = (
     Cause(
         "full loads into unsharded modules",
         "a full_state_dict set (full, full_cpu, bcast, file) into an FSDP2 model whose parameters a forward "
-        "left unsharded distributes each full value against the module's unsharded plain tensor and fails "
-        "copying a DTensor into it ('got mixed torch.Tensor and DTensor'); sharded, flat and DCP loads work "
-        "there; upstream not searched yet",
-        lambda c, s: c["clause"] == "LOOP-2" and "got mixed torch.Tensor and DTensor" in s,
+        "left unsharded distributes each full value against what the module holds, and fails copying a DTensor "
+        "into it: the unsharded plain tensor ('got mixed torch.Tensor and DTensor'), or with an int "
+        "reshard_after_forward the post-forward DTensor on the smaller mesh ('different meshes'); sharded, flat "
+        "and DCP loads work there; upstream not searched yet",
+        lambda c, s: (
+            c["clause"] == "LOOP-2"
+            and any(m in (c["message"] or "") for m in ("got mixed torch.Tensor and DTensor", "with different meshes"))
+        ),
     ),
     Cause(
         "extra state objects in full modes",
