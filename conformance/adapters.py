@@ -4,7 +4,8 @@
 
 * ``hyperdsd`` or ``torch`` (``torch.distributed.checkpoint.state_dict``);
 * ``some.module``: a module with the four functions and ``StateDictOptions``
-  under torch's names works as it is; a module may instead define
+  under torch's names works as it is (with ``get_state_dict`` and
+  ``set_state_dict`` too, when it has both); a module may instead define
   ``conformance_adapter`` (an :class:`Adapter`, or a function returning one);
 * ``some.module:attr``: an :class:`Adapter`, a function returning one, or an
   object with the four functions.
@@ -36,6 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 FUNCTIONS = ("get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict")
+# The combined functions (SPEC §1, 1.3): optional; an implementation that has
+# both declares ``combined`` and clause API-1 judges them.
+COMBINED = ("get_state_dict", "set_state_dict")
 OPTION_FIELDS = (
     "full_state_dict",
     "cpu_offload",
@@ -90,7 +94,7 @@ def iut_call():
 
     An adapter wraps each call into the implementation with it; an exception
     leaving the block is marked as the implementation's, and only such an
-    exception counts where a clause expects an error. Adapters whose four
+    exception counts where a clause expects an error. Adapters whose
     functions are the implementation's own (``from_module``) need not: the
     suite wraps them itself.
     """
@@ -173,8 +177,9 @@ class Adapter:
     load_modes: frozenset[str] | None = None
     layouts: frozenset[str] = frozenset(LAYOUTS)
     supported_options: frozenset[str] = frozenset(OPTIONS)
-    # True when the four functions are the implementation's own (from_module):
-    # the suite then wraps each call in ``iut_call`` itself.
+    # True when the functions (the four, and the combined ones) are the
+    # implementation's own (from_module): the suite then wraps each call in
+    # ``iut_call`` itself.
     functions_are_iut: bool = False
     # How --impl names it: the ranks load the adapter again by this name.
     spec: str = ""
@@ -182,6 +187,11 @@ class Adapter:
     # returns the load planner the ``dcp`` mode passes to ``dcp.load``. None:
     # DCP's default planner, nothing relaxed.
     dcp_load_planner: Callable[[], Any] | None = None
+    # The combined functions (SPEC §1, 1.3), with torch's signatures: both or
+    # neither. ``combined`` declares them; None: declared when both are given.
+    get_state_dict: Callable | None = None
+    set_state_dict: Callable | None = None
+    combined: bool | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.profiles) - set(PROFILES)
@@ -206,11 +216,18 @@ class Adapter:
                 raise AdapterError(f"adapter {self.name!r} declares {what} {sorted(unknown)}; known: {list(known)}")
         if not gets and not loads:
             raise AdapterError(f"adapter {self.name!r} declares no get mode and no load mode")
+        given = [f for f in COMBINED if getattr(self, f) is not None]
+        if len(given) not in (0, len(COMBINED)) or (self.combined and not given):
+            raise AdapterError(
+                f"adapter {self.name!r} gives {given or 'none'} of the combined functions {list(COMBINED)}: "
+                "give both to declare combined, or neither"
+            )
         self.profiles = frozenset(self.profiles)
         self.get_modes, self.load_modes = gets, loads
         self.modes = frozenset(m for m in MODES if m in loads and GET_OF[m] in gets)
         self.layouts = frozenset(self.layouts)
         self.supported_options = frozenset(self.supported_options)
+        self.combined = bool(given) if self.combined is None else self.combined
 
     def claims(self, profile: str) -> bool:
         return profile == "core" or profile in self.profiles
@@ -228,6 +245,8 @@ class Adapter:
             out.append(f"load mode {needs.load!r}")
         out += [f"layout {x!r}" for x in needs.layouts if x not in self.layouts]
         out += [f"option {x!r}" for x in needs.options if x not in self.supported_options]
+        if needs.combined and not self.combined:
+            out.append(f"combined ({', '.join(COMBINED)})")
         return out
 
     def declaration(self) -> dict:
@@ -238,6 +257,7 @@ class Adapter:
             "layouts": [x for x in LAYOUTS if x in self.layouts],
             "options": [x for x in OPTIONS if x in self.supported_options],
             "profiles": sorted(self.profiles),
+            "combined": self.combined,
         }
 
 
@@ -249,20 +269,25 @@ class Needs:
     load: str | None = None  # a load mode (MODES)
     layouts: tuple[str, ...] = ()
     options: tuple[str, ...] = ()
+    combined: bool = False  # the combined functions (API-1)
 
 
 def describe_declaration(decl: dict) -> str:
-    """One line: ``get full_cpu; load file; layouts: none; options: strict``."""
+    """One line: ``get full_cpu; load file; layouts none; options strict; combined no``.
+    A report written before SPEC 1.3 has no ``combined``: its line names none."""
 
     def listed(xs, everything):
         if set(xs) == set(everything):
             return "all"
         return ", ".join(xs) if xs else "none"
 
-    return (
+    line = (
         f"get {listed(decl['get_modes'], GET_MODES)}; load {listed(decl['load_modes'], MODES)}; "
         f"layouts {listed(decl['layouts'], LAYOUTS)}; options {listed(decl['options'], OPTIONS)}"
     )
+    if "combined" in decl:
+        line += f"; combined {'yes' if decl['combined'] else 'no'}"
+    return line
 
 
 def from_module(obj: Any, name: str, version: str | None = None, profiles=()) -> Adapter:
@@ -286,6 +311,7 @@ def from_module(obj: Any, name: str, version: str | None = None, profiles=()) ->
         dcp_load_planner=getattr(obj, "DCP_LOAD_PLANNER", None),
         functions_are_iut=True,
         **{f: getattr(obj, f) for f in FUNCTIONS},
+        **({f: getattr(obj, f) for f in COMBINED} if all(hasattr(obj, f) for f in COMBINED) else {}),
     )
 
 

@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from hyperdsd.testing import NotApplicable, RankContext
 
-from .adapters import FUNCTIONS, Adapter, iut_call, raised_by_iut
+from .adapters import COMBINED, FUNCTIONS, Adapter, iut_call, raised_by_iut
 from .registry import Case
 
 __all__ = ["CaseContext", "NotApplicable"]
 
 # Adapter members that run the IUT's code.
-_IUT_CALLS = frozenset(FUNCTIONS) | {"options", "shard"}
+_IUT_CALLS = frozenset(FUNCTIONS + COMBINED) | {"options", "shard"}
 
 
 class JudgedAdapter:

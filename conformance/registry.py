@@ -32,6 +32,7 @@ SECTIONS = (
     "reshard",
     "model",
     "loop",
+    "combined",
 )
 
 DEFAULT_DEADLINE_S = 60.0
@@ -92,6 +93,8 @@ GET_SIDE = frozenset({"OPT-KEYS-1", "OPT-PURE-1", "OPT-PURE-2", "OPT-PURE-3", "O
 LOAD_SIDE = frozenset({"OPT-ATOM-3"})
 # Clauses about the implementation's options type or one of its options.
 OPTION_CLAUSES = {"OPT-ATOM-3": ("options_type",), "OPT-PART-3": ("ignore_frozen_params",)}
+# Clauses about the combined get_state_dict and set_state_dict (SPEC §1, 1.3).
+COMBINED_CLAUSES = frozenset({"API-1"})
 
 
 def loads(fn: Callable) -> Callable:
@@ -129,7 +132,7 @@ def needs_of(case: Case) -> Needs:
         load = None
     if case.clause in LOAD_SIDE:
         get = None
-    return Needs(get, load, tuple(layouts), tuple(dict.fromkeys(options)))
+    return Needs(get, load, tuple(layouts), tuple(dict.fromkeys(options)), case.clause in COMBINED_CLAUSES)
 
 
 def case_id(clause: str, *parts: str | None) -> str:

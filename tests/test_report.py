@@ -70,7 +70,7 @@ def test_an_implementation_that_declares_less_is_certified_for_it_with_its_cover
     assert "OPT-DT-1" in cov["not_exercised"] and "OPT-RT-1" in cov["exercised"]
     said = verdict({"core": core}, decl)
     assert (
-        said == f"certified for {'get full_cpu; load file; layouts all; options all'}: "
+        said == f"certified for {'get full_cpu; load file; layouts all; options all; combined no'}: "
         f"{len(cov['exercised'])} of {cov['core_clauses']} core clauses exercised"
     )
     assert "core certified" not in said
