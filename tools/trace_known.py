@@ -275,6 +275,16 @@ CAUSES: tuple[Cause, ...] = (
         "full_state_dict gathers raise ValueError 'Unexpected value type'; tensors and dicts round-trip",
         lambda c, s: c["clause"] == "MODEL-5" and "Unexpected value type" in s,
     ),
+    Cause(
+        "combined set leaves the broadcast's other ranks out of the model load",
+        "set_state_dict computes optim_only=not model_state_dict on each rank: in a broadcast_from_rank0 load "
+        "(full_cpu, bcast) the other ranks pass an empty model dict, skip the model's load and return while the "
+        "root waits for them in the model's _broadcast_state_dict: the load hangs, and a strict load of a dict "
+        "with an unexpected key raises on no rank but the root; the two set functions load the same dicts "
+        "without a hang; no upstream issue found (pytorch/pytorch#157781, open, is a set_state_dict hang of a "
+        "full load whose dicts only rank 0 holds, without broadcast_from_rank0)",
+        lambda c, s: c["clause"] == "API-1" and _mode(c["id"]) in ("full_cpu", "bcast") and "set_state_dict" in s,
+    ),
 )
 
 
