@@ -41,7 +41,7 @@ def _eval_forward(setup: Setup, grad_mode) -> None:
     with grad_mode():
         if setup.layout.pp > 1 and setup.stage > 0:
             gen = torch.Generator().manual_seed(setup.stage)
-            hidden = torch.randn(*tokens.shape, setup.cfg.dim, generator=gen).to(setup.device)
+            hidden = torch.randn(*tokens.shape, setup.cfg.dim, generator=gen, dtype=setup.cfg.dtype).to(setup.device)
             setup.model(hidden)
         else:
             setup.model(tokens)
