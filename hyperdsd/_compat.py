@@ -6,6 +6,7 @@ entry says why no public API does the job.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import io
@@ -76,6 +77,28 @@ def own_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor | None]
 
 
 _FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+
+
+@contextlib.contextmanager
+def fsdp2_reshard_hooks_off(model: torch.nn.Module):
+    """``model.state_dict()`` without FSDP2's pre-hook, which reshards the
+    modules a forward left unsharded: a get reads the sharded parameters from
+    FSDP2's groups instead and leaves the modules as it found them."""
+    # The hook registries are private to nn.Module; the hooks are put back in
+    # their order.
+    saved = []
+    for module in model.modules():
+        hooks = module._state_dict_pre_hooks
+        if any(getattr(h, "__qualname__", None) == _FSDP_RESHARD_HOOK for h in hooks.values()):
+            saved.append((hooks, list(hooks.items())))
+            for key in [k for k, h in hooks.items() if getattr(h, "__qualname__", None) == _FSDP_RESHARD_HOOK]:
+                del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.clear()
+            hooks.update(items)
 
 
 def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:

@@ -256,14 +256,24 @@ def group_rule(ctx):
     return collectives.send_to_root(ctx.rank, half)
 
 
-def read_unsharded(ctx):
+class _WithExtraState(torch.nn.Linear):
+    def get_extra_state(self):
+        return torch.tensor([3.0])
+
+    def set_extra_state(self, state):
+        pass
+
+
+def read_unsharded(ctx, extra_state: bool = False):
     """Get on an FSDP2 model left unsharded by its forward (no reshard after
     forward): get gives the sharded parameters under state_dict()'s keys and
-    leaves the modules unsharded, as it found them."""
+    leaves the modules unsharded, as it found them; also where a module's
+    extra state sends the read through ``model.state_dict()``."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)) for _ in range(3)])
+    first = _WithExtraState if extra_state else torch.nn.Linear
+    model = torch.nn.Sequential(*[torch.nn.Sequential(first(4, 6), torch.nn.Linear(6, 4)) for _ in range(3)])
     mesh = ctx.mesh(str(ctx.world_size))
     for block in model:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
@@ -276,6 +286,9 @@ def read_unsharded(ctx):
     expected = model.state_dict()  # FSDP2's pre-hook reshards
     assert list(got) == list(expected)
     for key, value in got.items():
+        if key.endswith("_extra_state"):
+            assert torch.equal(value, expected[key]), key
+            continue
         assert isinstance(value, DTensor) and value.placements == expected[key].placements, key
         assert value._local_tensor.data_ptr() == expected[key]._local_tensor.data_ptr(), key
     return len(got)

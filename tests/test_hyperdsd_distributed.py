@@ -33,8 +33,10 @@ def test_scatter_packs_small_tensors_by_group(pools, bucket_bytes):
     assert run(pools, 4, "scatter_many", bucket_bytes=bucket_bytes) == [240] * 4
 
 
-def test_get_reads_an_unsharded_model_without_resharding_it(pools):
-    assert run(pools, 2, "read_unsharded") == [12, 12]
+@pytest.mark.parametrize("extra_state", [False, True], ids=["plain", "extra-state"])
+def test_get_reads_an_unsharded_model_without_resharding_it(pools, extra_state):
+    keys = 15 if extra_state else 12  # three Linear pairs' weights and biases, and three extra states
+    assert run(pools, 2, "read_unsharded", extra_state=extra_state) == [keys, keys]
 
 
 @pytest.mark.parametrize("reshard_after_forward", [False, 1], ids=["noreshard", "int1"])

@@ -94,6 +94,19 @@ class ModelIndex:
         sharded = self._sharded.get(module)
         return own if sharded is None else {**own, **sharded}
 
+    @property
+    def unsharded(self) -> bool:
+        """Whether FSDP2 holds some module unsharded (the sharded parameters are elsewhere)."""
+        return bool(self._sharded)
+
+    def sharded_value(self, key: str, value):
+        """``value``, the tensor ``model.state_dict()`` gives under ``key``, or
+        the sharded parameter FSDP2 keeps for it where the module is unsharded."""
+        path, _, name = key.rpartition(".")
+        hit = self._module_paths.get(path)
+        sharded = self._sharded.get(hit[0]) if hit is not None else None
+        return sharded.get(name, value) if sharded is not None else value
+
     def canonical_key(self, key: str) -> str:
         """The canonical form of a ``model.state_dict()`` key.
 

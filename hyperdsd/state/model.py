@@ -43,7 +43,11 @@ def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -
     # third of that, a fifth of a sharded get on a model of small tensors.
     sd = _read_plain(index)
     if sd is None:
-        raw = model.state_dict(keep_vars=True)
+        if index.unsharded:
+            with _compat.fsdp2_reshard_hooks_off(model):
+                raw = {k: index.sharded_value(k, v) for k, v in model.state_dict(keep_vars=True).items()}
+        else:
+            raw = model.state_dict(keep_vars=True)
         sd = {
             index.canonical_key(k): _compat.detached(v)
             if isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE)
