@@ -295,6 +295,11 @@ CAUSES: tuple[Cause, ...] = (
 # features: (title, test(finding, scenario, message)), first match wins.
 _FULL_FILES = ("full_cpu", "bcast", "file")
 EXPLORE_RULES: tuple[tuple[str, Callable[[dict, dict, str], bool]], ...] = (
+    ("get reshards what a forward left unsharded", lambda f, s, m: "changed the modules' sharding state" in m),
+    (
+        "full loads into unsharded modules",
+        lambda f, s, m: "got mixed torch.Tensor and DTensor" in m or "with different meshes" in m,
+    ),
     (
         "plain SGD in full modes",
         lambda f, s, m: (
