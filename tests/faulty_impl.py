@@ -78,6 +78,18 @@ def raises():
     return _faulty("raises", _raises)
 
 
+def _own(fn):
+    """A hyperdsd function unchanged: its errors are the implementation's own."""
+
+    def call(*args, **kwargs):
+        from conformance.adapters import iut_call
+
+        with iut_call():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 def halves_router_state():
     """hyperdsd, but a load into a model with routers (a feature the base
     model lacks) halves every floating-point tensor of optimizer state: a
@@ -95,25 +107,14 @@ def halves_router_state():
         with iut_call():
             return base.set_optimizer_state_dict(model, optimizers, osd, options=options)
 
-    def own(fn):
-        """hyperdsd's other functions, unchanged: their errors are the implementation's own."""
-
-        def call(*args, **kwargs):
-            from conformance.adapters import iut_call
-
-            with iut_call():
-                return fn(*args, **kwargs)
-
-        return call
-
     return replace(
         base,
         name="halves-router-state",
         version="0",
         set_optimizer_state_dict=set_optimizer_state_dict,
-        get_model_state_dict=own(base.get_model_state_dict),
-        set_model_state_dict=own(base.set_model_state_dict),
-        get_optimizer_state_dict=own(base.get_optimizer_state_dict),
+        get_model_state_dict=_own(base.get_model_state_dict),
+        set_model_state_dict=_own(base.set_model_state_dict),
+        get_optimizer_state_dict=_own(base.get_optimizer_state_dict),
     )
 
 
@@ -138,18 +139,6 @@ def groups_by_position():
             return base.set_optimizer_state_dict(model, optimizers, osd, options=options)
 
     return replace(base, name="groups-by-position", version="0", set_optimizer_state_dict=set_optimizer_state_dict)
-
-
-def _own(fn):
-    """A hyperdsd function unchanged: its errors are the implementation's own."""
-
-    def call(*args, **kwargs):
-        from conformance.adapters import iut_call
-
-        with iut_call():
-            return fn(*args, **kwargs)
-
-    return call
 
 
 def _unsharded_modules(model):
