@@ -175,8 +175,11 @@ def strategy(ch: Choices):
             s = replace(s, model_keys=model_keys)
         for extra in ({"policy": policy}, {"loop_point": loop_point}):
             drawn = replace(s, **extra)
-            if not drawn._loop_problems():
-                s = drawn
+            try:
+                drawn.validate()
+            except ValueError:
+                continue  # not on this layout, or not with what was drawn before
+            s = drawn
         if reshard:
             resharded = replace(s, reshard_to=target)
             if not reshard_problems(resharded):

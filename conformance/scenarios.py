@@ -353,6 +353,10 @@ def reshard_problems(s: "Scenario") -> list[str]:
         out.append(f"a tied model cannot be split into pipeline stages ({s.reshard_to})")
     if s.empty_at and max(a, b) > 1:
         out.append("empty groups do not travel in a pipeline's flat layout")
+    if s.policy in ("bf16", "titan"):
+        out.append(
+            "resharding compares training on two layouts within 1e-6, and bf16 compute on one side only differs by more"
+        )
     if s.dim < 2:
         # The LayerNorm's output is its bias for every token, and the sum of
         # that bias's gradient nearly cancels: another world size's order of
