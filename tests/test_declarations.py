@@ -56,7 +56,7 @@ def test_every_case_knows_what_it_needs():
         needs = case.needs
         if case.mode is not None:
             assert needs.get or needs.load, case.id
-        assert set(needs.layouts) <= {"pipeline", "tensor_parallel", "several_meshes", "part_of_world"}
+        assert set(needs.layouts) <= {"pipeline", "tensor_parallel", "several_meshes", "part_of_world", "policies"}
 
 
 def test_list_with_impl_says_what_would_run_and_why_not():
