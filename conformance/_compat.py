@@ -193,3 +193,10 @@ def stepped_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.n
                 for owner, name in owners:
                     found[(id(owner), name)] = fp.sharded_param
     return found
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """What ``module`` holds under each parameter name, itself only: where FSDP2
+    has it unsharded, the unsharded tensors, which ``named_parameters`` would
+    hide behind nothing else to tell them from the sharded ones."""
+    return module._parameters

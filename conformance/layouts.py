@@ -458,7 +458,7 @@ class Setup:
         stepped = _compat.stepped_parameters(self.module)
         out, seen = [], set()
         for prefix, module in self.module.named_modules():
-            for name, param in module._parameters.items():
+            for name, param in _compat.own_parameters(module).items():
                 if param is None:
                     continue
                 param = stepped.get((id(module), name), param)

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from . import _compat
 from .layouts import Layout, Setup, model_group
 from .oracle import snapshot
 
@@ -192,7 +193,7 @@ def sharding_state(setup: Setup) -> list[tuple[str, str, int]]:
     return [
         (prefix, name, id(p))
         for prefix, module in setup.model.named_modules()
-        for name, p in module._parameters.items()
+        for name, p in _compat.own_parameters(module).items()
         if p is not None
     ]
 

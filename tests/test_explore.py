@@ -228,9 +228,10 @@ def _pytest(tmp_path, *args, timeout):
 
 
 def test_the_plugin_explores_only_when_asked(tmp_path):
+    # 25 s: scenarios that draw a loop point run one more check each.
     proc = _pytest(tmp_path, "--dsd-impl", PLANTED, timeout=300)
     assert "deselected" in proc.stdout and "passed" not in proc.stdout and "skipped" not in proc.stdout, proc.stdout
-    args = ["--dsd-impl", PLANTED, "--dsd-explore", f"{scaled(10)}s", "--dsd-explore-world-sizes", "1"]
+    args = ["--dsd-impl", PLANTED, "--dsd-explore", f"{scaled(25)}s", "--dsd-explore-world-sizes", "1"]
     proc = _pytest(tmp_path, *args, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "1 failed" in proc.stdout and "deviations;" in proc.stdout and "--replay s1." in proc.stdout
