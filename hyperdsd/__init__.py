@@ -23,27 +23,41 @@ if _found < MIN_TORCH:
         "(docs/TORCH_RELEASES.md)"
     )
 
-from . import checkpoint  # noqa: E402
-from .api import (  # noqa: E402
-    get_model_state_dict,
-    get_optim_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optim_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
-from .errors import StateDictError  # noqa: E402
-from .options import StateDictOptions  # noqa: E402
+# The API loads on first use: the harness (hyperdsd.testing) judges other
+# implementations too, and importing it must not load hyperdsd's own code.
+_API = {
+    name: "api"
+    for name in (
+        "get_model_state_dict",
+        "get_optim_state_dict",
+        "get_optimizer_state_dict",
+        "get_state_dict",
+        "set_model_state_dict",
+        "set_optim_state_dict",
+        "set_optimizer_state_dict",
+        "set_state_dict",
+    )
+} | {"StateDictError": "errors", "StateDictOptions": "options"}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name == "checkpoint":
+        return importlib.import_module(".checkpoint", __name__)
+    if name == "DCP_LOAD_PLANNER":  # the documented DCP load path (SPEC.md §2): a planner factory for dcp.load
+        return importlib.import_module(".checkpoint", __name__).LoadPlanner
+    if name in _API:
+        value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.2.0"
 
 # Optional conformance profiles this implementation claims (see SPEC.md §4).
 CONFORMANCE_PROFILES = ("inplace", "multi-optimizer", "tp")
-# The documented DCP load path (SPEC.md §2): a planner factory for dcp.load.
-DCP_LOAD_PLANNER = checkpoint.LoadPlanner
-
 __all__ = [
     "StateDictError",
     "checkpoint",

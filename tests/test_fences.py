@@ -13,7 +13,11 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ALLOWED = {ROOT / "hyperdsd" / "_compat.py", ROOT / "conformance" / "_compat.py"}
+ALLOWED = {
+    ROOT / "hyperdsd" / "_compat.py",
+    ROOT / "hyperdsd" / "testing" / "_compat.py",
+    ROOT / "conformance" / "_compat.py",
+}
 TORCH_NAMES = {"torch", "dist", "nn", "F"}  # how the sources name torch's modules
 # Private attributes of torch objects (modules, tensors, optimizers, groups).
 PRIVATE_ATTRS = {
@@ -172,3 +176,19 @@ def test_the_state_and_transport_layers_do_not_import_each_other():
     assert crossings == [], "\n".join(crossings)
     assert "state" in _imported_packages(ROOT / "hyperdsd" / "agreement.py")  # the check sees imports at all
     assert "transport" in _imported_packages(ROOT / "hyperdsd" / "agreement.py")
+
+
+def test_a_rank_judging_torch_loads_no_hyperdsd_code():
+    """The harness ships with hyperdsd but loads none of it: a bug in hyperdsd cannot change a verdict on torch."""
+    import rank_modules
+
+    from hyperdsd.testing import PoolSet, Task
+
+    pools = PoolSet()
+    try:
+        outcome = pools.run(1, Task(rank_modules.hyperdsd_modules_after_a_torch_case, {}), 120)
+    finally:
+        pools.kill()
+    assert outcome.status == "passed", outcome.describe()
+    (loaded,) = outcome.values
+    assert [m for m in loaded if m != "hyperdsd" and not m.startswith("hyperdsd.testing")] == [], loaded

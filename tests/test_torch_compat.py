@@ -187,7 +187,7 @@ def test_forgetting_meshes_clears_the_caches_older_releases_keep(monkeypatch):
     from torch.distributed import device_mesh
     from torch.distributed.tensor import DTensor
 
-    from hyperdsd import _compat
+    from hyperdsd.testing import _compat
 
     cached = functools.lru_cache(None)(lambda key: object())
     cached("spec")

@@ -101,7 +101,7 @@ class RankContext:
         """
         import torch.distributed as dist
 
-        from .. import _compat
+        from . import _compat
 
         if not dist.is_initialized():
             return {}
@@ -115,7 +115,7 @@ class RankContext:
         (a check that an error came before any collective compares two reads)."""
         import torch.distributed as dist
 
-        from .. import _compat
+        from . import _compat
 
         if not dist.is_initialized():
             return 0

@@ -15,7 +15,7 @@ import datetime
 import os
 import socket
 
-from .. import _compat
+from . import _compat
 
 
 def _socket_fds() -> dict[str, int]:
