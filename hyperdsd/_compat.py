@@ -101,6 +101,14 @@ def fsdp2_reshard_hooks_off(model: torch.nn.Module):
             hooks.update(items)
 
 
+@functools.cache
+def _fsdp2_class() -> type:
+    # Imported once: the index asks every module of a large model.
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
 def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
     """(module, attribute name, sharded parameter) for each parameter that
     ``module``'s FSDP2 state manages and that is registered as something else
@@ -111,9 +119,7 @@ def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module,
     attributes point; FSDP2 says where they are only through its parameter
     groups (``state_dict()``'s pre-hook finds them by resharding, which a get
     must not do)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(module, FSDPModule):
+    if not isinstance(module, _fsdp2_class()):
         return []
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)  # a list in newer torch, one group before
