@@ -20,6 +20,7 @@ copy: a suite that fails there measures nothing.
     python -m tools.mutate                   # every mutant
     python -m tools.mutate --only NAME ...   # some (repeatable, or comma-separated)
     python -m tools.mutate --list            # the mutants and what each models
+    python -m tools.mutate --check           # every mutant applies, every hint selects a case; no run
     python -m tools.mutate --quick-only      # hints and quick slice only, no full matrix, no exploration
     python -m tools.mutate --no-explore      # the matrix stages only
     python -m tools.mutate --stages hints,explore   # exploration alone after the hints
@@ -43,6 +44,8 @@ from dataclasses import dataclass
 
 from hyperdsd.testing import Status
 
+from .anchor import AnchorError, Function, Package
+from .anchor import apply as edit
 from .mutants import MUTANTS, Mutant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,27 +59,58 @@ EXPLORE_BUDGET = "120s"
 EXPLORE_GRACE_S = 300.0
 
 
-def source_of(mutant: Mutant, root: str = ROOT) -> str:
-    with open(os.path.join(root, "hyperdsd", mutant.file)) as f:
-        return f.read()
+def package(root: str | None = None) -> Package:
+    """The functions of ``hyperdsd`` under ``root`` (the repository's), where the mutants find theirs."""
+    return Package(os.path.join(root or ROOT, "hyperdsd"))
 
 
-def apply(mutant: Mutant, source: str) -> str:
-    """``source`` with the mutant's edit; its target must occur exactly once."""
-    n = source.count(mutant.target)
-    if n != 1:
-        raise ValueError(f"mutant {mutant.name}: its target occurs {n} times in hyperdsd/{mutant.file}, expected once")
-    return source.replace(mutant.target, mutant.replacement)
+def locate(mutant: Mutant, pkg: Package | None = None) -> Function:
+    """The function ``mutant`` plants its bug in, wherever it now is."""
+    return (pkg or package()).find(mutant.function, mutant.pattern, mutant.replacement)
 
 
-def make_copy(mutant: Mutant | None, parent: str) -> str:
+def apply(mutant: Mutant, pkg: Package | None = None) -> tuple[str, str]:
+    """(the module, under hyperdsd/, and its source with the mutant's edit). An
+    :class:`~tools.anchor.AnchorError` names the mutant and what is wrong: its
+    function is gone or ambiguous, its pattern matches nothing or several times."""
+    try:
+        fn = locate(mutant, pkg)
+        return fn.path, edit(fn, mutant.pattern, mutant.replacement)
+    except AnchorError as exc:
+        raise AnchorError(f"mutant {mutant.name}: {exc}") from None
+
+
+def check(mutants, pkg: Package | None = None, hints: bool = True) -> tuple[list[str], list[str]]:
+    """(problems, notes) of ``mutants`` against the current sources. A problem:
+    a mutant that does not apply (see :func:`apply`), or a hint that selects no
+    case. A note: a function found under another name than the mutant's (moved
+    to another module: the mutant still applies, its name is worth updating)."""
+    pkg = pkg or package()
+    problems, notes = [], []
+    for m in mutants:
+        try:
+            fn = locate(m, pkg)
+            if fn.name != m.function:
+                notes.append(f"mutant {m.name}: {m.function} is now {fn.name} (hyperdsd/{fn.where})")
+            apply(m, pkg)
+        except AnchorError as exc:
+            problems.append(str(exc) if str(exc).startswith("mutant ") else f"mutant {m.name}: {exc}")
+    if hints:
+        known = set(known_patterns([h for m in mutants for h in m.hints]))
+        for m in mutants:
+            stale = [h for h in m.hints if h not in known]
+            if stale:
+                problems.append(f"mutant {m.name}: hints that select no case: {stale}")
+    return problems, notes
+
+
+def make_copy(mutant: Mutant | None, parent: str, pkg: Package | None = None) -> str:
     """A copy of hyperdsd named ``hyperdsd_mutant`` under ``parent``, with ``mutant`` applied."""
     dest = os.path.join(parent, PACKAGE)
     shutil.copytree(os.path.join(ROOT, "hyperdsd"), dest, ignore=shutil.ignore_patterns("__pycache__"))
     if mutant is not None:
-        path = os.path.join(dest, mutant.file)
-        mutated = apply(mutant, source_of(mutant))
-        with open(path, "w") as f:
+        path, mutated = apply(mutant, pkg)
+        with open(os.path.join(dest, path), "w") as f:
             f.write(mutated)
     return dest
 
@@ -262,12 +296,17 @@ class Verdict:
 
 
 def run_mutant(
-    mutant: Mutant | None, quick: list[str], stages: tuple[str, ...], log, explore: ExploreSettings | None = None
+    mutant: Mutant | None,
+    quick: list[str],
+    stages: tuple[str, ...],
+    log,
+    explore: ExploreSettings | None = None,
+    pkg: Package | None = None,
 ) -> Verdict:
     start = time.monotonic()
     parent = tempfile.mkdtemp(prefix="hyperdsd-mutant-")
     try:
-        make_copy(mutant, parent)
+        make_copy(mutant, parent, pkg)
         report = os.path.join(parent, "report.json")
         hints = known_patterns(mutant.hints) if mutant is not None else []
         patterns = {"hints": hints, "quick": quick, "full": None}
@@ -329,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", default=[], help="run only these mutants (repeatable or comma-separated)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument(
+        "--check",
+        action="store_true",
+        help="check that every mutant applies (its function is found, its pattern matches once) and that every "
+        "hint selects a case; run nothing",
+    )
+    p.add_argument(
         "--quick-only", action="store_true", help="hints and the quick slice only; no full-matrix or exploration stage"
     )
     p.add_argument(
@@ -371,11 +416,20 @@ def main(argv: list[str] | None = None) -> int:
         mutants = [m for m in MUTANTS if m.name in wanted]
     if args.list:
         for m in mutants:
-            print(f"{m.name:<38} hyperdsd/{m.file:<20} {m.bug}")
+            print(f"{m.name:<38} {m.function:<52} {m.bug}")
         print(f"# {len(mutants)} mutants")
         return 0
-    for m in mutants:  # fail before any run if a target has rotted
-        apply(m, source_of(m))
+    pkg = package()
+    problems, notes = check(mutants, pkg, hints=args.check)
+    for line in notes:
+        print(f"note: {line}")
+    for line in problems:
+        print(line)
+    if args.check:
+        print(f"# {len(mutants)} mutants: " + (f"{len(problems)} problems" if problems else "every one applies"))
+        return 1 if problems else 0
+    if problems:  # fail before any run if a mutant has rotted
+        return 2
 
     quick = quick_slice()
     start = time.monotonic()
@@ -390,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             # The unmutated copy through the quick slice, and through the same exploration the mutants get:
             # a deviation found there would "kill" every mutant.
             base_stages = ("quick", "explore") if exploring else ("quick",)
-            base = run_mutant(None, quick, base_stages, log, explore)
+            base = run_mutant(None, quick, base_stages, log, explore, pkg)
             if base.killed:
                 print(
                     f"baseline (unmutated) fails at {base.stage}: {base.result.killed_by} ({base.result.status}): "
@@ -400,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baseline: {' and '.join(base_stages)} pass unmutated ({base.seconds:.0f} s)", flush=True)
         verdicts = []
         for i, m in enumerate(mutants, 1):
-            v = run_mutant(m, quick, stages, log, explore)
+            v = run_mutant(m, quick, stages, log, explore, pkg)
             verdicts.append(v)
             print(f"[{i:>2}/{len(mutants)}] {_line(v)}", flush=True)
     elapsed = time.monotonic() - start
@@ -431,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mutants": [
                         {
                             "name": v.mutant.name,
-                            "file": v.mutant.file,
+                            "function": v.mutant.function,
                             "bug": v.mutant.bug,
                             "killed_by": v.result.killed_by,
                             "status": v.result.status,
