@@ -190,3 +190,11 @@ def test_the_name_check_finds_what_is_missing():
         "python -m tools.no_such_module",
         "tools/no_such_tool.py",
     ]
+
+
+@pytest.mark.parametrize("page", ["docs/PERFORMANCE.md", "docs/MUTATION.md"])
+def test_the_measurement_pages_say_what_is_true_now(page):
+    """A page of figures holds the current ones, one dated table per family; history is CHANGELOG.md's."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 250, f"{page} has {len(lines)} lines; past measurements belong in CHANGELOG.md, not here"
