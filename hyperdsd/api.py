@@ -26,7 +26,7 @@ from .state import model as model_state
 from .state import optimizer as optim_state
 from .state import optimizer_load as optim_plan
 from .state import placeholders
-from .state.fqn import ModelIndex, optimizer_params
+from .state.fqn import FSDP1Model, ModelIndex, optimizer_params
 from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan
 from .transport import consolidate
 from .transport import group as groups
@@ -60,6 +60,23 @@ def _no_submodules(submodules) -> None:
         raise StateDictError("'submodules' is deprecated upstream and not supported; filter the returned dict instead")
 
 
+class _Target:
+    """What a call reads or loads: the model and optimizers themselves, or for
+    a model that FSDP1 wraps their twin in the canonical layout
+    (:mod:`hyperdsd.fsdp1`), which a load writes back into them."""
+
+    def __init__(self, model: nn.Module, optims: tuple, opts: StateDictOptions):
+        self.twin = None
+        try:
+            self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
+            self.model, self.optims = model, optims
+        except FSDP1Model:
+            from .fsdp1 import Twin  # loaded for FSDP1 models only
+
+            self.twin = Twin(model, optims, opts.dsd_fqn_modifiers)
+            self.model, self.optims, self.index = self.twin.model, self.twin.optims, self.twin.index
+
+
 # -- get ---------------------------------------------------------------------
 
 
@@ -70,7 +87,8 @@ def get_model_state_dict(
     opts = resolve_options(options)
     _no_submodules(submodules)
     with _working():
-        return _model_state(model, ModelIndex(model, opts.dsd_fqn_modifiers), opts)
+        target = _Target(model, (), opts)
+        return _model_state(target.model, target.index, opts)
 
 
 def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions) -> dict[str, Any]:
@@ -92,7 +110,8 @@ def get_optimizer_state_dict(
     _no_submodules(submodules)
     optims = optimizer_params(optimizers)
     with _working():
-        return _optimizer_state(ModelIndex(model, opts.dsd_fqn_modifiers), optims, opts)
+        target = _Target(model, optims, opts)
+        return _optimizer_state(target.index, target.optims, opts)
 
 
 def _optimizer_state(index: ModelIndex, optims, opts: StateDictOptions, *, to_load: bool = False) -> dict[str, Any]:
@@ -116,9 +135,8 @@ def get_state_dict(
     opts = resolve_options(options)
     _no_submodules(submodules)
     with _working():
-        index = ModelIndex(model, opts.dsd_fqn_modifiers)
-        optims = optimizer_params(optimizers)
-        return _model_state(model, index, opts), _optimizer_state(index, optims, opts)
+        target = _Target(model, optimizer_params(optimizers), opts)
+        return _model_state(target.model, target.index, opts), _optimizer_state(target.index, target.optims, opts)
 
 
 def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOptions) -> tuple[dict, dict]:
@@ -128,9 +146,9 @@ def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOp
     checkpoint's entries for them whole before anything is read."""
     opts = resolve_options(options)
     with _working():
-        index = ModelIndex(model, opts.dsd_fqn_modifiers)
-        optims = optimizer_params(optimizers)
-        return _model_state(model, index, opts), _optimizer_state(index, optims, opts, to_load=True)
+        target = _Target(model, optimizer_params(optimizers), opts)
+        t_model, t_optims, index = target.model, target.optims, target.index
+        return _model_state(t_model, index, opts), _optimizer_state(index, t_optims, opts, to_load=True)
 
 
 # -- set ---------------------------------------------------------------------
@@ -163,13 +181,12 @@ class _Load:
     """
 
     def __init__(self, model: nn.Module, opts: StateDictOptions, parts: dict[str, Any], optimizers=()):
-        self.model = model
         self.opts = opts
-        self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
+        target = _Target(model, optimizer_params(optimizers) if "optim" in parts else (), opts)
+        self.model, self.index, self.optims, self.twin = target.model, target.index, target.optims, target.twin
         self.group = groups.of_params(self.index.fqn_of)
-        self.optims = optimizer_params(optimizers) if "optim" in parts else ()
         self.parts = parts
-        self.problems: list[str] = []
+        self.problems: list[str] = list(self.twin.problems) if self.twin is not None else []
         self.model_plan: ModelLoadPlan | None = None
         self.optim_plan: OptimizerLoadPlan | None = None
 
@@ -209,6 +226,8 @@ class _Load:
             _run_post_hooks(self.optims)
         if self.model_plan is not None:
             model_state.apply_load(self.model, self.model_plan)
+        if self.twin is not None:
+            self.twin.write_back(model=self.model_plan is not None, optim=self.optim_plan is not None)
 
 
 def set_model_state_dict(

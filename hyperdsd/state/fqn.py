@@ -29,15 +29,27 @@ def _hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
         hidden.add("_orig_mod")
     if _CHECKPOINT_CHILD in _compat.child_modules(module):
         hidden.add(_CHECKPOINT_CHILD)
+    if _compat.FSDP1_WRAPPED in _compat.child_modules(module) and _compat.is_fsdp1(module):
+        hidden.add(_compat.FSDP1_WRAPPED)
     if callable(getattr(type(module), modifiers_attr, None)):
         hidden.update(getattr(module, modifiers_attr)().values())
     return hidden
 
 
-class ModelIndex:
-    """Parameters of a model by canonical FQN, and back."""
+class FSDP1Model(StateDictError):
+    """Raised by :class:`ModelIndex` for a model that FSDP1 wraps: calls on it
+    go through a twin (:mod:`hyperdsd.fsdp1`)."""
 
-    def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers"):
+
+class ModelIndex:
+    """Parameters of a model by canonical FQN, and back.
+
+    A model that FSDP1 wraps raises :class:`FSDP1Model` unless ``fsdp1``: then
+    its FSDP1 modules are listed (``fsdp1_modules``: module and raw path
+    prefix), their wrapped child hidden, and flat parameters left out (the
+    original parameters they hold are the units' to name)."""
+
+    def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers", fsdp1: bool = False):
         self.model = model
         self.modifiers_attr = modifiers_attr
         self.fqn_of: dict[nn.Parameter, str] = {}  # first canonical name
@@ -51,6 +63,7 @@ class ModelIndex:
         # Parameters FSDP2 left unsharded (after a forward, an ``unshard()``):
         # what the module holds by name is not what the optimizer steps.
         self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        self.fsdp1_modules: list[tuple[nn.Module, str]] = []
         fqn_of, aliases, param_of = self.fqn_of, self.aliases, self.param_of
         # Depth first, parents before children, children in registration
         # order: a tied parameter's first name is the one state_dict() lists
@@ -61,14 +74,13 @@ class ModelIndex:
             module, raw, canon = stack.pop()
             self.modules.append((module, canon))
             if _compat.is_fsdp1(module):
-                raise StateDictError(
-                    f"module {raw[:-1] or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1); "
-                    "hyperdsd supports fully_shard (FSDP2) models"
-                )
+                if not fsdp1:
+                    raise FSDP1Model(f"module {raw[:-1] or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1)")
+                self.fsdp1_modules.append((module, raw))
             for owner, name, sharded in _compat.fsdp2_sharded_params(module):
                 self._sharded.setdefault(owner, {})[name] = sharded
             for name, param in self.own_parameters(module).items():
-                if param is None:
+                if param is None or (fsdp1 and _compat.is_flat_param(param)):
                     continue
                 fqn = f"{canon}{name}"
                 first = fqn_of.setdefault(param, fqn)

@@ -1,0 +1,244 @@
+"""FSDP1 models through a twin in hyperdsd's canonical layout.
+
+:class:`Twin` reads an FSDP1 model and its optimizers into a twin (see
+:mod:`hyperdsd.state.fsdp1`): each original parameter a DTensor sharded by
+rows on the unit's mesh, its optimizer state per original parameter
+(unflattened from the flat parameter's under ``use_orig_params=False``),
+keyed by canonical FQN. Gets read the twin as they read an FSDP2 model; a
+set plans, checks and agrees against the twin, loads into it, and only then
+:meth:`Twin.write_back` writes what changed into FSDP1's flat shards, its
+optimizers' state and their param groups. Reading changes nothing: every
+tensor of the twin that stands for flat state is new.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _compat
+from .errors import StateDictError
+from .state import fsdp1 as layout_of
+from .state.fqn import ModelIndex
+from .state.fsdp1 import UnitLayout, merge, summarize, twin_module, twin_optimizer
+from .transport import fsdp1 as moves
+
+_STRUCTURAL = ("params", "param_names")
+
+
+class Twin:
+    """An FSDP1 model and its optimizers, in the canonical layout."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: tuple, modifiers_attr: str):
+        self.real_model = model
+        self.real_optims = tuple(optimizers)
+        real = ModelIndex(model, modifiers_attr, fsdp1=True)
+        self.units: list[UnitLayout] = []
+        self.problems: list[str] = []
+        for module, raw in real.fsdp1_modules:
+            unit = _compat.fsdp1_unit(module)
+            if unit is None:
+                continue
+            if not unit.sharded:
+                raise StateDictError(
+                    f"FSDP1 module {raw[:-1] or '<root>'!r} uses NO_SHARD; hyperdsd reads FSDP1's sharded strategies "
+                    "(use DDP for replicated training)"
+                )
+            if unit.unsharded:
+                self.problems.append(
+                    f"FSDP1 module {raw[:-1] or '<root>'!r} holds its parameters unsharded (a forward of "
+                    "SHARD_GRAD_OP); load after the backward or the optimizer step"
+                )
+            fqns, aliases = layout_of.canonical_names(real, raw, unit)
+            size, index = moves.shard_index(unit)
+            mesh = moves.unit_mesh(unit, unit.flat.device.type)
+            self.units.append(UnitLayout(unit, fqns, aliases, mesh, size, index))
+        rows = [moves.to_rows(u, u.unit.local) for u in self.units]
+        self.model, self.params = twin_module(real, self.units, rows)
+        self.index = ModelIndex(self.model, modifiers_attr)
+        self.optims = self._twin_optimizers() if self.real_optims else ()
+
+    # -- reading -------------------------------------------------------------
+
+    def _optimizer_params(self) -> list[list]:
+        """For each unit, the real parameters its optimizer state is keyed by:
+        the flat parameter, or each original parameter (use_orig_params=True)."""
+        return [[u.unit.flat] if u.unit.params is None else list(u.unit.params) for u in self.units]
+
+    def _twin_optimizers(self) -> tuple:
+        names = {id(t): fqn for u, twins in zip(self.units, self.params) for fqn, t in zip(u.fqns, twins)}
+        expand: dict[int, list] = {}
+        for u, twins in zip(self.units, self.params):
+            if u.unit.params is None:
+                expand[id(u.unit.flat)] = twins
+            else:
+                for p, t in zip(u.unit.params, twins):
+                    expand[id(p)] = [t]
+        owner = {id(p): opt for opt in self.real_optims for g in opt.param_groups for p in g["params"]}
+        twins_of = {id(opt): twin_optimizer(opt, expand, names) for opt in self.real_optims}
+        self._read_state(owner, twins_of)
+        for opt in self.real_optims:  # parameters FSDP1 does not manage: their state as it is
+            twin = twins_of[id(opt)]
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if id(p) not in expand and p in opt.state:
+                        twin.state[p] = opt.state[p]
+        return tuple(twins_of[id(opt)] for opt in self.real_optims)
+
+    def _read_state(self, owner: dict, twins_of: dict) -> None:
+        """Each unit's state, unflattened into the twin optimizers: what every
+        rank holds is exchanged first (a rank without an original parameter's
+        elements has no state for it), then per-element state moves to rows."""
+        per_unit = self._optimizer_params()
+        mine = []
+        for u, params in zip(self.units, per_unit):
+            summaries = []
+            for j, p in enumerate(params):
+                opt = owner.get(id(p))
+                entry = opt.state.get(p) if opt is not None else None
+                if not entry:
+                    summaries.append(None)
+                    continue
+                numel = u.shard if u.unit.params is None else (u.unit.in_shard[j] or (0, 0))[1]
+                summaries.append(summarize(entry, numel))
+            mine.append(summaries)
+        everyone = moves.exchange_by_group(mine, [u.unit.pg for u in self.units])
+        for u, params, twins, ranks in zip(self.units, per_unit, self.params, everyone):
+            merged = [merge([r[j] for r in ranks]) for j in range(len(params))]
+            for j, summary in enumerate(merged):
+                if summary is None:
+                    continue
+                for key, (kind, detail) in summary.items():
+                    if kind == "shape":
+                        raise StateDictError(
+                            f"optimizer state {key!r} of FSDP1 unit {u.fqns} has shape {detail}: only "
+                            "per-element and scalar state can be unflattened"
+                        )
+            targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
+            keys = sorted({k for s in merged if s for k, (kind, _) in s.items() if kind == "rows"}, key=str)
+            for key in keys:
+                dtype = next(s[key][1] for s in merged if s and key in s)
+                flat = self._flat_state(u, targets, key, dtype)
+                rows = moves.to_rows(u, flat)
+                for i, twin in enumerate(twins):
+                    j = 0 if u.unit.params is None else i
+                    summary = merged[j]
+                    if summary is not None and summary.get(key, ("",))[0] == "rows":
+                        twins_of[id(targets[j][2])].state[twin][key] = u.layouts[i].wrap(rows[i])
+            for i, twin in enumerate(twins):
+                j = 0 if u.unit.params is None else i
+                summary, (_, p, opt) = merged[j], targets[j]
+                if summary is None:
+                    continue
+                own = opt.state.get(p) or {}
+                entry = twins_of[id(opt)].state[twin]
+                for key, (kind, value) in summary.items():
+                    if kind == "value":
+                        value = own.get(key, value)
+                        entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                twins_of[id(opt)].state[twin] = {k: entry[k] for k in summary if k in entry}
+
+    @staticmethod
+    def _flat_state(u: UnitLayout, targets: list, key, dtype) -> torch.Tensor:
+        """This rank's flat shard of state ``key``: the flat parameter's own, or
+        assembled from the original parameters' pieces (zeros where none)."""
+        if u.unit.params is None:
+            _, p, opt = targets[0]
+            value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+            if value is not None:
+                return value
+        flat = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
+        if u.unit.params is not None:
+            for j, p, opt in targets:
+                value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+                where = u.unit.in_shard[j]
+                if value is not None and where is not None and where[1]:
+                    flat[where[0] : where[0] + where[1]] = value.reshape(-1)
+        return flat
+
+    # -- writing back ----------------------------------------------------------
+
+    def write_back(self, model: bool, optim: bool) -> None:
+        """Write what the twin now holds into the FSDP1 model and optimizers
+        (after a load has been agreed and applied to the twin)."""
+        if model:
+            for u, twins in zip(self.units, self.params):
+                moves.to_flat(u, [_compat.local_tensor(t) for t in twins], into=u.unit.local)
+        if optim:
+            self._write_optimizers()
+
+    def _write_optimizers(self) -> None:
+        for opt, twin in zip(self.real_optims, self.optims):
+            for real_group, twin_group in zip(opt.param_groups, twin.param_groups):
+                for key, value in twin_group.items():
+                    if key not in _STRUCTURAL:
+                        real_group[key] = value
+        managed = set()
+        owner = {
+            id(p): (opt, twin)
+            for opt, twin in zip(self.real_optims, self.optims)
+            for g in opt.param_groups
+            for p in g["params"]
+        }
+        for u, twins, params in zip(self.units, self.params, self._optimizer_params()):
+            managed.update(id(p) for p in params)
+            self._write_unit(u, twins, params, owner)
+        for opt, twin in zip(self.real_optims, self.optims):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if id(p) in managed:
+                        continue
+                    if p in twin.state and twin.state[p]:
+                        opt.state[p] = twin.state[p]
+                    else:
+                        opt.state.pop(p, None)
+
+    def _write_unit(self, u: UnitLayout, twins: list, params: list, owner: dict) -> None:
+        flat_mode = u.unit.params is None
+        entries = []
+        for i, twin in enumerate(twins):
+            opt_twin = owner.get(id(params[0 if flat_mode else i]), (None, None))[1]
+            entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
+        keys = sorted({k for e in entries if e for k, v in e.items() if _per_element(v)}, key=str)
+        flats = {}
+        for key in keys:
+            rows = []
+            for i, e in enumerate(entries):
+                value = (e or {}).get(key)
+                if _per_element(value):
+                    rows.append(_compat.local_tensor(value))
+                else:
+                    dtype = next(_compat.local_tensor(x[key]).dtype for x in entries if x and _per_element(x.get(key)))
+                    rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
+            flats[key] = moves.to_flat(u, rows)
+        for j, p in enumerate(params):
+            opt, _ = owner.get(id(p), (None, None))
+            if opt is None:
+                continue
+            mine = [e for i, e in enumerate(entries) if (flat_mode or i == j) and e]
+            where = (0, u.shard) if flat_mode else u.unit.in_shard[j]
+            if not mine or where is None or not where[1]:
+                opt.state.pop(p, None)  # no state, or (use_orig_params=True) none of its elements here
+                continue
+            current = opt.state.get(p) or {}
+            new: dict[Any, Any] = {}
+            for key, value in mine[0].items():
+                if key in flats:
+                    piece = flats[key][where[0] : where[0] + where[1]]
+                    old = current.get(key)
+                    if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
+                        new[key] = old.copy_(piece)
+                    else:
+                        new[key] = piece.clone()
+                else:
+                    old = current.get(key)
+                    if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
+                        new[key] = old.copy_(value)
+                    else:
+                        new[key] = value
+            opt.state[p] = new
+
+
+def _per_element(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0

@@ -1,0 +1,222 @@
+"""FSDP1 (``FullyShardedDataParallel``) in hyperdsd's canonical layout, on one rank.
+
+FSDP1 flattens the parameters of each unit into one FlatParameter and shards
+that: a rank holds one contiguous run of the unit's concatenated, padded
+parameters, which may begin and end mid-row. hyperdsd's canonical sharded
+layout is FSDP2's: each parameter a DTensor sharded by rows, ``Shard(0)``
+over the unit's group (``Replicate, Shard(0)`` for HYBRID_SHARD on a 2-D
+mesh). A *twin* holds an FSDP1 model and its optimizers in that layout: a
+plain module tree of DTensor parameters under canonical FQNs (the model's
+own buffers and unmanaged parameters registered as they are), and
+optimizers of the same class whose groups and state are the twin's. Every
+get, set and check of hyperdsd then runs on the twin unchanged, and a set
+writes what it loaded back into the flat shards.
+
+Here: the geometry of one unit (:class:`UnitLayout`: which elements each
+rank holds in either layout) and the twin's construction from pieces that
+:mod:`hyperdsd.transport.fsdp1` moved. No collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from .. import _compat
+from ..placement import DTensorLayout, _contiguous_stride, chunk_bounds
+
+
+@dataclass
+class UnitLayout:
+    """One FSDP1 unit: its flat shards and its parameters' rows.
+
+    Positions are element offsets into the unit's padded unsharded flat
+    parameter; shard rank ``r`` holds ``[r * shard, (r + 1) * shard)``, and in
+    the canonical layout rows ``chunk_bounds(shape[0], size, r)`` of each
+    parameter (all of a 0-d one, replicated).
+    """
+
+    unit: _compat.Fsdp1Unit
+    fqns: list[str]  # canonical FQN of each original parameter
+    aliases: list[tuple[str, int]]  # canonical FQN of each tied name, and the parameter it ties
+    mesh: Any
+    size: int  # ranks the flat parameter is sharded over
+    index: int  # this rank's place among them
+    layouts: list[DTensorLayout] = field(default_factory=list)
+
+    def __post_init__(self):
+        shard = Shard(0)
+        for shape in self.unit.shapes:
+            placements = [Replicate()] * self.mesh.ndim
+            if len(shape):
+                placements[-1] = shard
+            self.layouts.append(DTensorLayout(self.mesh, tuple(placements), shape, _contiguous_stride(shape)))
+
+    @property
+    def shard(self) -> int:
+        """Elements of each rank's flat shard, padding included."""
+        return self.unit.local.numel()
+
+    def rows(self, i: int, rank: int) -> tuple[int, int]:
+        """[start, stop) of parameter ``i``'s rows on shard rank ``rank``, as flat positions."""
+        shape, start = self.unit.shapes[i], self.unit.offsets[i]
+        if not len(shape):
+            return start, start + 1
+        a, b = chunk_bounds(shape[0], self.size, rank)
+        inner = math.prod(shape[1:])
+        return start + a * inner, start + b * inner
+
+    def local_shape(self, i: int) -> tuple[int, ...]:
+        shape = self.unit.shapes[i]
+        if not len(shape):
+            return ()
+        a, b = chunk_bounds(shape[0], self.size, self.index)
+        return (b - a, *shape[1:])
+
+    def pieces(self, holder: int, owner: int) -> list[tuple[int, int, int]]:
+        """``(i, start, stop)``: what shard rank ``holder``'s flat shard holds of
+        the rows of shard rank ``owner``, parameter by parameter, in order."""
+        lo, hi = holder * self.shard, (holder + 1) * self.shard
+        found = []
+        for i in range(len(self.unit.shapes)):
+            a, b = self.rows(i, owner)
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                found.append((i, a, b))
+        return found
+
+
+def canonical_names(index, raw_prefix: str, unit: _compat.Fsdp1Unit) -> tuple[list[str], list[tuple[str, int]]]:
+    """Canonical FQNs of a unit's parameters and of its tied names; ``raw_prefix``
+    is the FSDP1 module's own raw path (ending in a dot, or empty)."""
+    base = f"{raw_prefix}{_compat.FSDP1_WRAPPED}."
+    fqns = [index.canonical_key(base + name) for name in unit.names]
+    aliases = [(index.canonical_key(base + name), i) for name, i in unit.shared]
+    return fqns, aliases
+
+
+# -- the twin model ------------------------------------------------------------
+
+
+class _Tree:
+    """A module tree made from dotted names."""
+
+    def __init__(self):
+        self.root = nn.Module()
+        self._shells = {"": self.root}
+
+    def owner(self, fqn: str) -> tuple[nn.Module, str]:
+        path, _, name = fqn.rpartition(".")
+        shell = self._shells.get(path)
+        if shell is None:
+            parent, child = self.owner(path)
+            shell = nn.Module()
+            parent.add_module(child, shell)
+            self._shells[path] = shell
+        return shell, name
+
+
+def twin_module(index, units: list[UnitLayout], rows: list[list[torch.Tensor]]) -> tuple[nn.Module, list[list]]:
+    """The twin of an FSDP1 model whose ``index`` (``fsdp1=True``) is given:
+    each unit's parameters as DTensors around ``rows`` (this rank's rows of
+    each), the model's other parameters and its buffers as they are, in the
+    order a plain model's state dict lists them. Returns the twin and each
+    unit's twin parameters."""
+    managed: dict[int, nn.Parameter] = {}  # id of an original parameter (use_orig_params=True) -> its twin
+    by_prefix: dict[str, list[tuple[str, nn.Parameter]]] = defaultdict(list)
+    params_of = []
+    for layout, local in zip(units, rows):
+        unit = layout.unit
+        grads = [p.requires_grad for p in unit.params] if unit.params is not None else None
+        twins = []
+        for i, (fqn, piece) in enumerate(zip(layout.fqns, local)):
+            grad = grads[i] if grads is not None else unit.flat.requires_grad
+            twin = nn.Parameter(layout.layouts[i].wrap(piece), requires_grad=grad)
+            twins.append(twin)
+            if unit.params is not None:
+                managed[id(unit.params[i])] = twin
+            path, _, name = fqn.rpartition(".")
+            by_prefix[f"{path}." if path else ""].append((name, twin))
+        for fqn, i in layout.aliases:
+            path, _, name = fqn.rpartition(".")
+            by_prefix[f"{path}." if path else ""].append((name, twins[i]))
+        params_of.append(twins)
+    tree = _Tree()
+    for module, prefix in index.modules:
+        entries = by_prefix.pop(prefix, [])
+        for name, param in _compat.own_parameters(module).items():
+            if param is None or _compat.is_flat_param(param) or id(param) in managed:
+                continue
+            entries.append((name, param))
+        for name, twin in entries:
+            owner, leaf = tree.owner(prefix + name)
+            if leaf not in _compat.own_parameters(owner):
+                owner.register_parameter(leaf, twin)
+        buffers, skip = _compat.own_buffers(module)
+        for name, buf in buffers.items():
+            if buf is not None:
+                owner, leaf = tree.owner(prefix + name)
+                owner.register_buffer(leaf, buf, persistent=name not in skip)
+    for prefix, entries in by_prefix.items():  # names no module of the walk has (none expected)
+        for name, twin in entries:
+            owner, leaf = tree.owner(prefix + name)
+            owner.register_parameter(leaf, twin)
+    return tree.root, params_of
+
+
+# -- the twin optimizers -------------------------------------------------------
+
+
+def twin_optimizer(opt: torch.optim.Optimizer, expand: dict[int, list], names: dict[int, str]) -> torch.optim.Optimizer:
+    """An optimizer of ``opt``'s class whose groups hold the twin's
+    parameters (``expand``: id of each of ``opt``'s parameters -> its twins,
+    ``names``: id of a twin -> its FQN), with the same fields and empty
+    state. ``opt`` is not changed; its hooks are shared."""
+    twin = object.__new__(type(opt))
+    vars(twin).update(vars(opt))
+    groups = []
+    for group in opt.param_groups:
+        params = [t for p in group["params"] for t in expand.get(id(p), (p,))]
+        mine = {**group, "params": params}
+        if "param_names" in group:
+            mine["param_names"] = [names.get(id(t), n) for t, n in zip(params, _param_names(group, params))]
+        groups.append(mine)
+    twin.param_groups = groups
+    twin.state = defaultdict(dict)
+    return twin
+
+
+def _param_names(group: dict, params: list) -> list[str]:
+    names = list(group.get("param_names") or [])
+    return names if len(names) == len(params) else [""] * len(params)
+
+
+# What a rank tells the others of one optimizer parameter's state: by key,
+# ("rows", dtype) for per-element state (a flat shard's, or an original
+# parameter's piece) or ("value", value) for anything else (``step``).
+Summary = dict
+
+
+def summarize(entry: dict, per_element: int) -> Summary:
+    """What of ``entry`` is per-element state (1-D of ``per_element`` elements) and what is not."""
+    out = {}
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == per_element:
+            out[key] = ("rows", value.dtype)
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            out[key] = ("shape", tuple(value.shape))
+        else:
+            out[key] = ("value", value)
+    return out
+
+
+def merge(summaries: list[Summary | None]) -> Summary | None:
+    """The first rank's summary of those that have state for a parameter (ranks
+    without its elements in their shard have none under use_orig_params=True)."""
+    return next((s for s in summaries if s), None)

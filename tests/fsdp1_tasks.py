@@ -1,0 +1,217 @@
+"""Rank-side functions for hyperdsd on FSDP1 models (tests/test_fsdp1.py)."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import hyperdsd
+from hyperdsd import StateDictError, StateDictOptions
+
+CPU = torch.device("cpu")
+
+GET = {
+    "sharded": {},
+    "full": {"full_state_dict": True},
+    "full_cpu": {"full_state_dict": True, "cpu_offload": True},
+    "flat": {"flatten_optimizer_state_dict": True},
+    "dcp": {},
+}
+PUT = {"full_cpu": {"full_state_dict": True, "broadcast_from_rank0": True}}
+
+
+def _build(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(3, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
+    )
+
+
+def _fsdp1(ctx, seed: int, uop: bool, strategy: str = "FULL_SHARD", mesh: str | None = None):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    kwargs = {"device_id": CPU, "use_orig_params": uop, "sharding_strategy": ShardingStrategy[strategy]}
+    if mesh is not None:
+        kwargs["device_mesh"] = ctx.mesh(mesh)
+    model = _build(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model[3] = FSDP(model[3], **kwargs)
+        model = FSDP(model, **kwargs)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1), weight_decay=0.1)
+
+
+def _fsdp2(ctx, seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _build(seed)
+    mesh = ctx.mesh(str(ctx.world_size))
+    fully_shard(model[3], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1), weight_decay=0.1)
+
+
+def _steps(model, optimizer, start: int, steps: int) -> None:
+    for i in range(start, start + steps):  # the same batch on every rank: the mean gradient is one rank's
+        x = torch.randn(6, 3, generator=torch.Generator().manual_seed(100 * i + 7))
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _full(model, optimizer) -> tuple[dict, dict]:
+    return hyperdsd.get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict], exact: bool = True) -> None:
+    (ma, oa), (mb, ob) = a, b
+    assert list(ma) == list(mb), (list(ma), list(mb))
+    assert list(oa["state"]) == list(ob["state"]), (list(oa["state"]), list(ob["state"]))
+    pairs = [(k, ma[k], mb[k]) for k in ma]
+    pairs += [(f"{f}/{k}", v, ob["state"][f][k]) for f, e in oa["state"].items() for k, v in e.items()]
+    for name, x, y in pairs:
+        if exact:
+            assert torch.equal(x, y), f"{name} differs"
+        else:
+            assert torch.allclose(x.float(), y.float(), atol=1e-5, rtol=1e-5), f"{name} differs"
+    assert [g["params"] for g in oa["param_groups"]] == [g["params"] for g in ob["param_groups"]]
+
+
+def _snapshot(model, optimizer) -> list:
+    """Everything a get must leave as it was: parameters, gradients, optimizer state and groups."""
+    out = [p.detach().clone() for p in model.parameters()]
+    out += [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    for p, entry in optimizer.state.items():
+        out += [v.clone() if isinstance(v, torch.Tensor) else v for v in entry.values()]
+    out += [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return out
+
+
+def _equal(a: list, b: list) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _shared_path(ctx) -> str:
+    box = [tempfile.mkdtemp() if ctx.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def sharded_get(ctx, uop: bool):
+    """FQN keys as the single-process model has them, DTensor values sharded by
+    rows, optimizer state per original parameter equal to the reference's."""
+    ref, ref_opt = _build(0), None
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    model, optimizer = _fsdp1(ctx, 0, uop)
+    _steps(ref, ref_opt, 0, 2)
+    _steps(model, optimizer, 0, 2)
+    msd, osd = hyperdsd.get_state_dict(model, optimizer)
+    rmsd, rosd = hyperdsd.get_state_dict(ref, ref_opt)
+    assert list(msd) == list(rmsd), (list(msd), list(rmsd))
+    assert list(osd["state"]) == list(rosd["state"]), list(osd["state"])
+    assert [g["params"] for g in osd["param_groups"]] == [g["params"] for g in rosd["param_groups"]]
+    for fqn, value in msd.items():
+        if isinstance(rmsd[fqn], nn.Parameter) or fqn.endswith(("weight", "bias")):
+            assert isinstance(value, DTensor) and value.placements[0].is_shard(0), (fqn, type(value))
+            rows = value.to_local().shape[0]
+            assert rows == -(-value.shape[0] // 2) or ctx.rank == 1, (fqn, rows)
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        assert torch.allclose(full, rmsd[fqn], atol=1e-6), fqn
+    for fqn, entry in rosd["state"].items():
+        assert list(osd["state"][fqn]) == list(entry), (fqn, list(osd["state"][fqn]))
+        for key, value in entry.items():
+            got = osd["state"][fqn][key]
+            if key != "step":
+                assert isinstance(got, DTensor) and got.shape == value.shape, (fqn, key)
+                got = got.full_tensor()
+            assert torch.allclose(got, value, atol=1e-6), (fqn, key)
+    full = _full(model, optimizer)
+    _assert_same(full, (rmsd, rosd), exact=False)
+    return sorted(msd)
+
+
+def resume(ctx, uop: bool, mode: str, strategy: str = "FULL_SHARD", mesh: str | None = None):
+    """A get in ``mode`` (pure), a set into a fresh, stepped FSDP1 model, then
+    the next steps equal the run that was never interrupted."""
+    source, source_opt = _fsdp1(ctx, 0, uop, strategy, mesh)
+    _steps(source, source_opt, 0, 2)
+    before = _snapshot(source, source_opt)
+    msd, osd = hyperdsd.get_state_dict(source, source_opt, options=StateDictOptions(**GET[mode]))
+    assert _equal(before, _snapshot(source, source_opt)), "the get changed the source"
+    if mode == "full_cpu" and ctx.rank != 0:
+        assert msd == {} and osd == {}, "a rank other than the root holds a full copy"
+    if mode == "dcp":
+        path = _shared_path(ctx)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    target, target_opt = _fsdp1(ctx, 1, uop, strategy, mesh)
+    _steps(target, target_opt, 50, 1)  # a stepped target: its own state must go
+    if mode == "dcp":
+        msd, osd = hyperdsd.get_state_dict(target, target_opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    options = StateDictOptions(**PUT.get(mode, GET[mode]))
+    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    _assert_same(_full(source, source_opt), _full(target, target_opt))
+    _steps(source, source_opt, 2, 2)
+    _steps(target, target_opt, 2, 2)
+    _assert_same(_full(source, source_opt), _full(target, target_opt))
+    return True
+
+
+def dcp_interop(ctx, writer: str, uop: bool = False):
+    """A DCP checkpoint of one FSDP flavour loads into the other, and training
+    goes on as the writer's uninterrupted run."""
+    make = {"fsdp1": lambda seed: _fsdp1(ctx, seed, uop), "fsdp2": lambda seed: _fsdp2(ctx, seed)}
+    reader = "fsdp2" if writer == "fsdp1" else "fsdp1"
+    source, source_opt = make[writer](0)
+    _steps(source, source_opt, 0, 2)
+    path = _shared_path(ctx)
+    msd, osd = hyperdsd.get_state_dict(source, source_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    target, target_opt = make[reader](1)
+    _steps(target, target_opt, 50, 1)
+    msd, osd = hyperdsd.get_state_dict(target, target_opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd)
+    _steps(source, source_opt, 2, 2)
+    _steps(target, target_opt, 2, 2)
+    _assert_same(_full(source, source_opt), _full(target, target_opt), exact=False)
+    return True
+
+
+def bad_input(ctx, uop: bool, what: str):
+    """An unknown FQN raises StateDictError on every rank and changes nothing."""
+    source, source_opt = _fsdp1(ctx, 0, uop)
+    _steps(source, source_opt, 0, 1)
+    msd, osd = hyperdsd.get_state_dict(source, source_opt)
+    target, target_opt = _fsdp1(ctx, 1, uop)
+    _steps(target, target_opt, 50, 1)
+    if what == "model":
+        msd["3.9.weight"] = msd["0.weight"]
+    elif what == "optim":
+        osd["state"]["3.9.weight"] = osd["state"]["0.weight"]
+    else:  # a shape another model has
+        osd["state"]["0.weight"] = {**osd["state"]["0.weight"], "exp_avg": torch.zeros(2, 2)}
+    before = _snapshot(target, target_opt)
+    try:
+        hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd)
+    except StateDictError as exc:
+        message = str(exc)
+    else:
+        return "loaded"
+    assert _equal(before, _snapshot(target, target_opt)), "a refused set changed the target"
+    return "3.9.weight" in message if what != "shape" else "0.weight" in message

@@ -1,0 +1,48 @@
+"""hyperdsd on FSDP1 (FullyShardedDataParallel) models, on CPU ranks over gloo:
+FQN keys, optimizer state per original parameter, every mode resuming
+exactly, DCP checkpoints shared with FSDP2, bad input refused everywhere."""
+
+import fsdp1_tasks
+import pytest
+from helpers import run_task
+
+KEYS = sorted(
+    ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    + ["3.0.weight", "3.0.bias", "3.2.weight", "3.2.bias"]
+)
+
+
+def run(pools, world_size, fn, **kwargs):
+    return run_task(pools, world_size, getattr(fsdp1_tasks, fn), **kwargs)
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_sharded_get_is_keyed_by_fqn_with_state_per_original_parameter(pools, uop):
+    assert run(pools, 2, "sharded_get", uop=uop) == [KEYS, KEYS]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full", "full_cpu", "flat", "dcp"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_get_then_set_resumes_exactly(pools, uop, mode):
+    assert run(pools, 2, "resume", uop=uop, mode=mode) == [True, True]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full_cpu"])
+def test_shard_grad_op_resumes_exactly(pools, mode):
+    assert run(pools, 2, "resume", uop=False, mode=mode, strategy="SHARD_GRAD_OP") == [True, True]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full_cpu", "dcp"])
+def test_hybrid_shard_on_a_2x2_mesh_resumes_exactly(pools, mode):
+    assert run(pools, 4, "resume", uop=False, mode=mode, strategy="HYBRID_SHARD", mesh="2x2") == [True] * 4
+
+
+@pytest.mark.parametrize("writer", ["fsdp1", "fsdp2"])
+def test_a_dcp_checkpoint_moves_between_fsdp1_and_fsdp2(pools, writer):
+    assert run(pools, 2, "dcp_interop", writer=writer) == [True, True]
+
+
+@pytest.mark.parametrize("what", ["model", "optim", "shape"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_bad_input_raises_on_every_rank_and_changes_nothing(pools, uop, what):
+    assert run(pools, 2, "bad_input", uop=uop, what=what) == [True, True]
