@@ -155,15 +155,15 @@ def test_every_mutant_applies_after_its_function_moves_to_another_module(tmp_pat
     shutil.copytree(os.path.join(ROOT, "hyperdsd"), copy, ignore=shutil.ignore_patterns("__pycache__"))
     _move_out(copy, {m.function for m in MUTANTS})
     moved = Package(copy)
-    assert not check(MUTANTS, moved, hints=False)[0]
     for m in MUTANTS:
         was, now = locate(m, today), locate(m, moved)
         assert now.path == "moved/" + was.path.replace("/", "_"), m.name
         assert now.name != m.function and now.qualname == was.qualname
         # the same edit of the same function: the mutated functions' syntax trees are equal
         assert _function(apply(m, moved)[1], now.qualname) == _function(apply(m, today)[1], was.qualname), m.name
-    notes = check(MUTANTS[:1], moved, hints=False)[1]
-    assert notes and "is now hyperdsd.moved." in notes[0]
+    problems, notes = check(MUTANTS[:2], moved, hints=False)
+    assert not problems and len(notes) == 2
+    assert notes[0].startswith(f"mutant {MUTANTS[0].name}: {MUTANTS[0].function} is now hyperdsd.moved.")
 
 
 # -- what --check reports -----------------------------------------------------------------------------
@@ -192,6 +192,10 @@ SYNTHETIC = {
     "c.py": """
         def g(z):
             return -z
+
+
+        def u(s):
+            return "\u00e9t\u00e9\f" + s.upper()  # columns count bytes: an edit after non-ASCII text
         """,
 }
 
@@ -277,6 +281,11 @@ def test_an_edit_touches_only_where_pattern_and_replacement_differ(synthetic):
     fn = package(synthetic).find("hyperdsd.a.f")
     assert "    pass\n    return x\n" in edit(fn, "if extra: ...", "if extra: ...\npass")
     assert "x = list(x)" not in edit(fn, "if extra:\n    x = list(x)\n    ...", "if extra:\n    ...")
+
+
+def test_an_edit_after_non_ascii_text_on_its_line(synthetic):
+    fn = package(synthetic).find("hyperdsd.c.u")
+    assert 'return "\u00e9t\u00e9\f" + s.lower()  # columns' in edit(fn, "s.upper()", "s.lower()")
 
 
 def test_parentheses_where_precedence_needs_them(synthetic):

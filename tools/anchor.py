@@ -216,11 +216,14 @@ def _find(fn: Function, pattern: _Snippet, replacement: _Snippet) -> list[_Match
     ps = pattern.body
     if _wild(ps[0]) or _wild(ps[-1]):
         raise AnchorError("a pattern of statements cannot begin or end with ...")
+    open_ended = any(map(_wild, ps))
     found = []
     for block in _blocks(fn.node):
         for i in range(len(block)):
-            for j in range(i + 1, len(block) + 1):
-                if _align(ps, block[i:j]) is not None:
+            if not _match(ps[0], block[i]):
+                continue
+            for j in range(i + 1, len(block) + 1) if open_ended else [i + len(ps)]:
+                if j <= len(block) and _align(ps, block[i:j]) is not None:
                     found.append(_Match(None, block, i, j))
     return found
 
@@ -242,7 +245,9 @@ class _Text:
 
     def __init__(self, source: str):
         self.source = source
-        self.lines = source.splitlines(keepends=True)
+        # lines as the parser counts them: split at newlines only (str.splitlines splits at form feeds too)
+        self.lines = [line + "\n" for line in source.split("\n")]
+        self.lines[-1] = self.lines[-1][:-1]
         self.starts = [0]
         for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
