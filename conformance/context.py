@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 
 import torch.distributed as dist
 
-from hyperdsd.testing import NotApplicable, RankContext
+from hyperdsd.testing import NotApplicable, RankContext, region_of
 
 from .adapters import COMBINED, FUNCTIONS, Adapter, iut_call, raised_by_iut
+from .oracle import CheckFailure
+from .received import Received
 from .registry import Case
 
 __all__ = ["CaseContext", "NotApplicable"]
@@ -53,11 +56,13 @@ class JudgedAdapter:
                     self._c.touched(args[0], name)
                 try:
                     with self._c.rank_ctx.under_test(name), iut_call() if whole else contextlib.nullcontext():
-                        return value(*args, **kwargs)
+                        result = value(*args, **kwargs)
                 except NotImplementedError as exc:
                     if raised_by_iut(exc):
                         raise
                     raise NotApplicable(f"the adapter of {self._adapter.name} refused {name}: {exc}") from None
+                self._c.received.note(name, args, kwargs, result)
+                return result
 
             self._calls[name] = call
         return self._calls[name]
@@ -77,6 +82,8 @@ class CaseContext:
         self.dir = workdir
         # id(model) -> the IUT function that last received it (see touched()).
         self._touched: dict[int, str] = {}
+        # What the IUT's gets and sets returned here, judged when the case stumbles (SPEC §4).
+        self.received = Received()
 
     @property
     def rank(self) -> int:
@@ -106,6 +113,22 @@ class CaseContext:
 
     def touched(self, model, fn: str) -> None:
         self._touched[id(model)] = fn
+
+    def stumbled(self, exc: Exception) -> CheckFailure | None:
+        """The verdict when the case's own code raised ``exc`` outside any IUT
+        call: a failure naming what the IUT returned, where that broke torch's
+        promise (SPEC §4: its output is input); None where nothing did, and
+        the error is the suite's."""
+        if isinstance(exc, (AssertionError, NotApplicable)) or region_of(exc):
+            return None
+        surprises = self.received.surprises()
+        if not surprises:
+            return None
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" at {os.path.relpath(frame.filename)}:{frame.lineno}" if frame else ""
+        return CheckFailure(
+            "\n".join(surprises) + f"\n(the case could not go on with it: {type(exc).__name__}: {str(exc)[:300]}{at})"
+        )
 
     def after_iut(self, model, what: str):
         """``what`` on a model the IUT was given runs under test, named after

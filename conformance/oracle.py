@@ -218,8 +218,7 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
     (``Unsupported``, ``NotImplementedError``) makes the case not applicable;
     any other error raised outside the implementation is no pass either.
     """
-    from hyperdsd.testing import NotApplicable
-    from hyperdsd.testing.context import REGION_ATTR
+    from hyperdsd.testing import NotApplicable, region_of
 
     from .adapters import raised_by_iut
 
@@ -233,7 +232,7 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
         if isinstance(exc, NotImplementedError) and not raised_by_iut(exc):
             raise NotApplicable(f"{what}: the adapter refused ({exc})") from None
         if not raised_by_iut(exc):
-            if not getattr(exc, REGION_ATTR, ""):
+            if not region_of(exc):
                 raise  # the suite's own code: an error, never a verdict
             raise CheckFailure(
                 f"{what}: {type(exc).__name__} was raised outside the implementation's own call (by its "

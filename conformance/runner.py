@@ -45,7 +45,13 @@ def run_phase(
     set_rank_device(ctx.device)
     c = CaseContext(ctx, case, phase, load_adapter(impl), workdir, deadline_s)
     spec = case.phases[phase]
-    return spec.fn(c, **spec.params)
+    try:
+        return spec.fn(c, **spec.params)
+    except Exception as exc:
+        failure = c.stumbled(exc)
+        if failure is None:
+            raise
+        raise failure from exc
 
 
 def repro_command(impl: str, case_id: str, timeout: float | None, prefix: str = "python -m conformance") -> str:

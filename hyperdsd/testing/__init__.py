@@ -8,7 +8,7 @@ behind. Under ``torchrun`` the same tasks run on the launched world, on
 sub-worlds of it where a task needs fewer ranks.
 """
 
-from .context import NotApplicable, RankContext
+from .context import NotApplicable, RankContext, region_of
 from .executor import Executor
 from .mesh import MeshSpec, parse_mesh
 from .messages import REGIONS, WHOLE_TASK, RankResult, Task
@@ -39,5 +39,6 @@ __all__ = [
     "judge",
     "launched_by_torchrun",
     "parse_mesh",
+    "region_of",
     "stop_fork_server",
 ]

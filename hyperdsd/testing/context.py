@@ -77,7 +77,7 @@ class RankContext:
         try:
             yield
         except BaseException as exc:
-            if not getattr(exc, REGION_ATTR, ""):
+            if not region_of(exc):
                 try:
                     setattr(exc, REGION_ATTR, label)
                 except (AttributeError, TypeError):
@@ -123,6 +123,11 @@ class RankContext:
 
 
 REGION_ATTR = "__hyperdsd_region__"
+
+
+def region_of(exc: BaseException) -> str:
+    """The ``under_test`` block ``exc`` left ("" when it was raised outside any)."""
+    return getattr(exc, REGION_ATTR, "")
 
 
 def select_device(device_type: str, local_rank: int) -> None:
@@ -212,7 +217,7 @@ def execute(ctx: RankContext, task: m.Task) -> m.RankResult:
         result.exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
         result.message = str(exc) or repr(exc)
         result.traceback = traceback.format_exc()
-        result.region = getattr(exc, REGION_ATTR, "")
+        result.region = region_of(exc)
         result.check = isinstance(exc, AssertionError)
     finally:
         try:
