@@ -39,6 +39,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("the count must be at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m conformance",
@@ -103,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         default=None,
         help="process-group backend: gloo (default on cpu), nccl (default on cuda), or another by name",
+    )
+    p.add_argument(
+        "--repeat",
+        type=_count,
+        default=1,
+        metavar="N",
+        help="a soak: run the selection N times in the same rank processes and report every case whose verdict "
+        "changed between runs (exit status 1 if one did); the reports hold the last run",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks, stacks and rank output of failures")
     return p
@@ -239,7 +257,7 @@ def _check_device(device: str, backend: str | None) -> str:
     return backend
 
 
-def _report(args, adapter, info, results, warnings, elapsed, complete=True) -> None:
+def _report(args, adapter, info, results, warnings, elapsed, complete=True, soak=None) -> None:
     from .reporting import to_json, write_json, write_junit
 
     if args.report:
@@ -249,7 +267,10 @@ def _report(args, adapter, info, results, warnings, elapsed, complete=True) -> N
         core = data["level"].get("core", {})
         print(f"certificate: {data['verdict']} ({core.get('why', '')}); written to {args.report}")
     if args.json:
-        write_json(args.json, to_json(info, results, warnings, elapsed, complete))
+        data = to_json(info, results, warnings, elapsed, complete)
+        if soak is not None:
+            data["soak"] = soak
+        write_json(args.json, data)
     if args.junit:
         write_junit(args.junit, info, results, elapsed)
 
@@ -291,7 +312,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
         backend=args.backend,
         declaration=adapter.declaration(),
     )
-    console = ConsoleReporter(len(cases), verbose=args.verbose)
+    console = ConsoleReporter(len(cases) * args.repeat, verbose=args.verbose)
     results: list = []
     start = time.monotonic()
     workdir = executor.run_workdir(args.workdir, "conformance-")
@@ -319,8 +340,12 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     executor.on_expiry = hung if reporter else None
     # SIGTERM ends the run like Ctrl-C: ranks stopped, partial report written.
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    runs: list[list] = []
     try:
-        runner.run(cases, on_result if reporter else None, exitfirst=args.exitfirst)
+        for i in range(args.repeat):
+            if reporter and args.repeat > 1:
+                console.write(f"--- run {i + 1} of {args.repeat} ---")
+            runs.append(runner.run(cases, on_result if reporter else None, exitfirst=args.exitfirst))
     except KeyboardInterrupt:
         executor.kill()
         if reporter:
@@ -346,9 +371,31 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     if not reporter:
         return 0
     elapsed = time.monotonic() - start
-    console.finish(results, elapsed, warnings)
-    _report(args, adapter, info, results, warnings, elapsed)
-    return 1 if any(r.unexpected for r in results) else 0
+    last = runs[-1]
+    soak = None
+    if args.repeat > 1:
+        soak = verdict_changes(runs)
+        warnings = warnings + [
+            f"verdict changed between runs: {c['id']}: {' -> '.join(c['verdicts'])}" for c in soak["changed"]
+        ]
+    console.finish(last, elapsed, warnings)
+    if soak is not None:
+        console.write(
+            f"soak: {len(cases)} cases run {args.repeat} times; "
+            f"{len(soak['changed'])} changed their verdict between runs"
+        )
+    _report(args, adapter, info, last, warnings, elapsed, soak=soak)
+    return 1 if any(r.unexpected for r in last) or (soak and soak["changed"]) else 0
+
+
+def verdict_changes(runs: list[list]) -> dict:
+    """Every case whose verdict differs between the runs of a soak (``--repeat``)."""
+    verdicts: dict[str, list[str]] = {}
+    for run in runs:
+        for r in run:
+            verdicts.setdefault(r.case.id, []).append(r.status.value)
+    changed = [{"id": k, "verdicts": v} for k, v in verdicts.items() if len(set(v)) > 1]
+    return {"runs": len(runs), "cases": len(verdicts), "changed": changed}
 
 
 def build_explore_parser() -> argparse.ArgumentParser:

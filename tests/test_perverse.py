@@ -1,0 +1,137 @@
+"""What the implementation returns is input (SPEC §4, 1.3): a surprise in it is
+the implementation's failure, never the suite's ``error``; and a soak
+(``--repeat``) reports every verdict that changes between runs."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import run_cli, slowness
+
+from conformance.adapters import load_adapter
+from conformance.cli import verdict_changes
+from conformance.received import Received
+from conformance.registry import by_id
+from conformance.runner import Runner
+from hyperdsd.testing import PoolSet
+from tools import perverse_impls
+from tools.perverse_impls import PERVERSE
+
+# Cases that read and edit what the implementation returned: model dicts
+# popped and re-keyed (MODEL-2), file and DCP saves, the combined functions,
+# the flat layout, and a loop point. One rank and two.
+SLICE = (
+    "MODEL-2[ddp-file-strict]",
+    "MODEL-2[single-sharded-nonstrict]",
+    "OPT-RT-1[single-adamw-dcp]",
+    "OPT-KEYS-1[single-adamw-sharded]",
+    "OPT-MPMD-3[single-adamw-flat]",
+    "API-1[single-adamw-full]",
+    "LOOP-1[single-full-accum]",
+)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    pools = PoolSet()
+    yield pools
+    pools.kill()
+
+
+@pytest.mark.parametrize("twist", list(PERVERSE))
+def test_a_perverse_implementation_fails_and_never_errors(pools, twist):
+    runner = Runner(load_adapter(f"tools.perverse_impls:{twist}"), pools, deadline_scale=slowness())
+    try:
+        results = {case_id: runner.run_case(by_id()[case_id]) for case_id in SLICE}
+    finally:
+        runner.close()
+    errors = {k: r.message for k, r in results.items() if r.status == "error"}
+    assert not errors, json.dumps(errors, indent=1)[:4000]
+    failed = [k for k, r in results.items() if r.status == "failed"]
+    assert failed, f"{twist}: no case of the slice noticed the twist"
+
+
+def _model_and_optimizer():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _received(twist: str) -> list[str]:
+    """What Received finds in the perverse implementation's output on a plain model."""
+    model, optim = _model_and_optimizer()
+    impl = getattr(perverse_impls, twist)()
+    got = Received()
+    got.note("get_model_state_dict", (model,), {}, impl.get_model_state_dict(model))
+    got.note("get_optimizer_state_dict", (model, optim), {}, impl.get_optimizer_state_dict(model, optim))
+    got.note("get_state_dict", (model, optim), {}, impl.get_state_dict(model, optim))
+    sd = load_adapter("hyperdsd").get_model_state_dict(model)
+    got.note("set_model_state_dict", (model, sd), {}, impl.set_model_state_dict(model, sd))
+    return got.surprises()
+
+
+@pytest.mark.parametrize(
+    "twist, needles",
+    [
+        ("prefixed", ["keys the model does not have: 'module.0.bias'", "FQNs naming no parameter"]),
+        ("dropped", ["none of the model's '1.bias'"]),
+        ("added", ["keys the model does not have: 'not.a.parameter'", "naming no parameter the optimizer steps"]),
+        ("none", ["it is None, not a dict of FQN to value", "it is None, not a dict with 'state'"]),
+        ("items", ["it is list, not a dict"]),
+        ("tensors", ["holds Tensor where a dict belongs"]),
+        ("no_groups", ["'param_groups' is None"]),
+        ("set_returns", ["set_model_state_dict returned what", "not the missing_keys and unexpected_keys"]),
+    ],
+)
+def test_each_twist_is_named_by_what_came_back(twist, needles):
+    found = "\n".join(_received(twist))
+    for needle in needles:
+        assert needle in found, f"{twist}: {needle!r} not in:\n{found}"
+
+
+def test_well_formed_output_is_no_surprise():
+    model, optim = _model_and_optimizer()
+    impl = load_adapter("hyperdsd")
+    got = Received()
+    got.note("get_model_state_dict", (model,), {}, impl.get_model_state_dict(model))
+    got.note("get_optimizer_state_dict", (model, optim), {}, impl.get_optimizer_state_dict(model, optim))
+    options = impl.options(flatten_optimizer_state_dict=True)
+    flat = impl.get_optimizer_state_dict(model, optim, options=options)
+    got.note("get_optimizer_state_dict", (model, optim), {"options": options}, flat)
+    got.note("get_state_dict", (model, optim), {}, impl.get_state_dict(model, optim))
+    sd = impl.get_model_state_dict(model)
+    got.note("set_model_state_dict", (model, sd), {}, impl.set_model_state_dict(model, sd))
+    assert got.surprises() == []
+
+
+class _Result:
+    def __init__(self, case_id, status):
+        self.case = type("Case", (), {"id": case_id})()
+        self.status = type("Status", (), {"value": status})()
+
+
+def test_a_soak_reports_each_case_whose_verdict_changed():
+    runs = [
+        [_Result("A", "passed"), _Result("B", "failed")],
+        [_Result("A", "passed"), _Result("B", "error")],
+        [_Result("A", "passed"), _Result("B", "failed")],
+    ]
+    assert verdict_changes(runs) == {
+        "runs": 3,
+        "cases": 2,
+        "changed": [{"id": "B", "verdicts": ["failed", "error", "failed"]}],
+    }
+    assert verdict_changes(runs[:1])["changed"] == []
+
+
+def test_repeat_runs_the_selection_again_in_the_same_ranks(tmp_path):
+    out = tmp_path / "report.json"
+    proc, _ = run_cli(["--repeat", "2", "-k", "OPT-RT-1[single-adamw-sharded]", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "run 2 of 2" in proc.stdout and "0 changed their verdict between runs" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["soak"] == {"runs": 2, "cases": 1, "changed": []}
+    assert [c["status"] for c in report["cases"]] == ["passed"]
