@@ -213,3 +213,39 @@ def stale_unsharded_copy():
         get_optimizer_state_dict=_own(base.get_optimizer_state_dict),
         set_optimizer_state_dict=_own(base.set_optimizer_state_dict),
     )
+
+
+def frozen_keep_their_own_state():
+    """hyperdsd, but a load into an optimizer that has stepped skips the
+    parameters that no longer require gradients, as if their state could not
+    have changed: they keep the target's own state instead of the
+    checkpoint's. A fresh target has none to keep, so only a resume into a
+    warm optimizer with parameters frozen after training reaches it (OPT-PART-3)."""
+    base = replace(load_adapter("hyperdsd"), functions_are_iut=False)
+
+    def set_optimizer_state_dict(model, optimizers, osd, *, options=None):
+        from conformance.adapters import iut_call
+
+        with iut_call():
+            optims = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+            kept = [
+                (o, p, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in o.state[p].items()})
+                for o in optims
+                for g in o.param_groups
+                for p in g["params"]
+                if not p.requires_grad and p in o.state
+            ]
+            out = base.set_optimizer_state_dict(model, optimizers, osd, options=options)
+            for o, p, entry in kept:
+                o.state[p] = entry
+            return out
+
+    return replace(
+        base,
+        name="frozen-keep-their-own-state",
+        version="0",
+        set_optimizer_state_dict=set_optimizer_state_dict,
+        get_model_state_dict=_own(base.get_model_state_dict),
+        set_model_state_dict=_own(base.set_model_state_dict),
+        get_optimizer_state_dict=_own(base.get_optimizer_state_dict),
+    )

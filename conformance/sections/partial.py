@@ -139,6 +139,42 @@ def part_3_step0(c, layout, mode):
     )
 
 
+# Frozen after training: a fine-tune that stops training the first block.
+FROZEN_AFTER = ("layers.0.fc1.weight", "layers.0.fc1.bias")
+
+
+def part_3_resume(c, layout, mode, *, how=None, before=2, after=1, warm=0):
+    """Parameters frozen after training keep the state they had: a checkpoint
+    taken after freezing them, loaded into a fresh optimizer (whose get gives
+    DCP a template without their state) or a warm one, holds that state and
+    trains on like the uninterrupted run."""
+    how = how or flows.recipe(layout)
+    a = how.build(c, 0)
+    a.train(before)
+    a.freeze(FROZEN_AFTER)
+    had = [f for f in FROZEN_AFTER if f in snapshot(a)["state"]]
+    saved = flows.save(c, a, mode)
+    a.train(after)
+    want = snapshot(a)
+    b = how.build(c, 1)
+    if warm:
+        flows.warm_up(b, warm)
+    b.freeze(FROZEN_AFTER)
+    b.set_steps_done(before)
+    flows.load(c, b, saved)
+    loaded = snapshot(b)["state"]
+    fail_if(
+        [f"state[{f!r}]: dropped" for f in had if f not in loaded],
+        f"OPT-PART-3: {mode}: the state of parameters frozen after training was not loaded into a "
+        f"{'warm' if warm else 'fresh'} optimizer",
+    )
+    b.train(after)
+    fail_if(
+        diff_snapshots(want, snapshot(b)),
+        f"OPT-PART-3: {mode}: resumed with parameters frozen after training, the run differs from the uninterrupted"
+    )
+
+
 def part_4(c, layout, mode):
     """An optimizer over a subset of the parameters round-trips."""
     r = flows.resume(c, flows.recipe(layout, trainable=only_layers), mode)
@@ -315,6 +351,11 @@ def cases():
     for layout in ("single", "fsdp4"):  # a frozen parameter in a checkpoint taken before the first step
         for mode in flows.MODES:
             yield make_case("OPT-PART-3", layout, part_3_step0, mode=mode, variant="step0")
+    for layout in ("single", "fsdp2", "fsdp4"):  # frozen after training, resumed
+        for mode in ("dcp", "sharded", "full", "full_cpu", "bcast", "flat"):
+            for warm in (0, 2):
+                variant = "frozen_after-" + ("warm" if warm else "fresh")
+                yield make_case("OPT-PART-3", layout, part_3_resume, mode=mode, variant=variant, warm=warm)
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-4", layout, part_4, mode=mode)
