@@ -144,6 +144,7 @@ def strategy(ch: Choices):
         group_order = draw(st.sampled_from(GROUP_ORDERS))
         policy = draw(st.sampled_from(("",) + ch.policies))
         loop_point = draw(st.sampled_from(("",) + tuple(POINTS)))
+        freeze_after = draw(st.booleans())
         s = Scenario(
             layout=layout,
             mode=mode,
@@ -173,7 +174,7 @@ def strategy(ch: Choices):
         )
         if model_keys and mode in MODEL_KEYS_MODES and pp == 1:
             s = replace(s, model_keys=model_keys)
-        for extra in ({"policy": policy}, {"loop_point": loop_point}):
+        for extra in ({"policy": policy}, {"loop_point": loop_point}, {"freeze_after": freeze_after}):
             drawn = replace(s, **extra)
             try:
                 drawn.validate()

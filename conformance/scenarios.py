@@ -92,6 +92,8 @@ class Scenario:
     # A point of the loop where the get is taken, and, with a warm target, the set (conformance.loops; LOOP-1,
     # LOOP-2); "": at rest
     loop_point: str = ""
+    # The first block is frozen after training, before the save, and in the target too (OPT-PART-3)
+    freeze_after: bool = False
 
     # -- serialisation -----------------------------------------------------
     def to_dict(self) -> dict:
@@ -179,6 +181,8 @@ class Scenario:
         elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in LAYOUTS or self.pp > 1):
             problems.append(f"model_keys are checked in the modes {MODEL_KEYS_MODES} without pipeline stages")
         problems += self._loop_problems()
+        if self.freeze_after and (self.before < 1 or (self.layout in LAYOUTS and self.pp > 1)):
+            problems.append("freeze_after needs a first step (before >= 1) and no pipeline stages")
         if problems:
             raise ValueError("invalid scenario: " + "; ".join(problems))
 
@@ -293,6 +297,8 @@ class Scenario:
             from .policies import VARIANTS
 
             target += f"; FSDP2 policy {self.policy}: {VARIANTS[self.policy]}"
+        if self.freeze_after:
+            target += "; the first block frozen after training, in the source and the target"
         lines = [
             f"layout {self.layout} ({self.world_size} ranks), mode {self.mode}, optimizer {self.optimizer}",
             f"model: {', '.join(model)}, {self.dtype}; features: {', '.join(features) or 'none'}",
@@ -302,7 +308,7 @@ class Scenario:
         return "\n".join(lines)
 
 
-_LATER_FIELDS = ("group_order", "policy", "loop_point")
+_LATER_FIELDS = ("group_order", "policy", "loop_point", "freeze_after")
 _DEFAULTS = {f.name: f.default for f in fields(Scenario)}
 
 
@@ -326,6 +332,7 @@ CLAUSE_ORDER = (
     "OPT-PURE-1",
     "OPT-PURE-2",
     "OPT-PURE-3",
+    "OPT-PART-3",
     "OPT-RT-5",
     "OPT-RT-1",
     "OPT-KEYS-1",
@@ -395,6 +402,8 @@ def clauses_of(s: Scenario) -> tuple[str, ...]:
             out.add("LOOP-2")
     if s.policy and s.before:
         out.add("LOOP-3")
+    if s.freeze_after:
+        out.add("OPT-PART-3")
     out.add(_purity_clause(s))
     return tuple(c for c in CLAUSE_ORDER if c in out)
 
@@ -410,7 +419,7 @@ def _purity_clause(s: Scenario) -> str:
 def _check(s: Scenario, clause: str):
     """The section's check function for ``clause`` and its arguments on ``s``."""
     from . import flows
-    from .sections import empty_groups, keys, loop, model, purity, roundtrip, scheduler
+    from .sections import empty_groups, keys, loop, model, partial, purity, roundtrip, scheduler
 
     cfg = s.cfg()
     layout = s.where
@@ -425,6 +434,15 @@ def _check(s: Scenario, clause: str):
         args |= {"point": s.loop_point, "after": s.after}
         return (loop.loop_1, args) if clause == "LOOP-1" else (loop.loop_2, {**args, "warm": s.warm})
 
+    if clause == "OPT-PART-3":
+        return partial.part_3_resume, {
+            "layout": layout,
+            "mode": s.mode,
+            "how": s.recipe(),
+            "before": s.before,
+            "after": s.after,
+            "warm": s.warm,
+        }
     if clause == "OPT-RT-1":
         return roundtrip.rt_1, trained(before=s.before, after=s.after)
     if clause == "OPT-RT-5":

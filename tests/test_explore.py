@@ -121,6 +121,23 @@ def test_a_load_that_pairs_groups_by_position_fails_keys_1_only(tmp_path):
     assert proc.returncode == 0 and "OPT-KEYS-1: passed" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_load_that_skips_parameters_frozen_after_training_fails_part_3_only(tmp_path):
+    s = Scenario(freeze_after=True, warm=2, before=2)
+    assert "OPT-PART-3" in clauses_of(s) and "freeze_after" not in Scenario().to_dict()
+    assert Scenario.from_token(s.token) == s
+    for bad in (Scenario(freeze_after=True, before=0), Scenario(freeze_after=True, layout="pp2")):
+        with pytest.raises(ValueError, match="freeze_after"):
+            bad.validate()
+    out = tmp_path / "replay.json"
+    proc, _ = run_cli(
+        ["explore", "--impl", "faulty_impl:frozen_keep_their_own_state", "--replay", s.token, "--json", str(out)]
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (finding,) = json.loads(out.read_text())["explore"]["findings"]
+    assert finding["clause"] == "OPT-PART-3" and "frozen after training" in finding["message"], finding
+    assert "verdict: failed (OPT-PART-3)" in proc.stdout, proc.stdout
+
+
 def test_messages_of_one_kind_share_a_signature():
     a = "rank 1 raised CheckFailure: full: x:\n  state['a.b']['step']: values differ (bitwise): max abs error 1e-3"
     b = "rank 0 raised CheckFailure: full: x:\n  params['c']: values differ (bitwise): max abs error 2 at (3, 4)"
