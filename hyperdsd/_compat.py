@@ -261,9 +261,10 @@ FSDP1_WRAPPED = "_fsdp_wrapped_module"  # the child FSDP1 hides from state-dict 
 class Fsdp1Unit(NamedTuple):
     """One FSDP1 instance's FlatParameter, as plain facts (see :func:`fsdp1_unit`)."""
 
+    module: torch.nn.Module  # the FSDP1 instance
     flat: torch.nn.Parameter  # what the optimizer steps with use_orig_params=False
     local: torch.Tensor  # the padded local shard, where the values live even while FSDP1 holds them unsharded
-    unsharded: bool  # FSDP1 holds the unsharded flat parameter now (a forward of SHARD_GRAD_OP)
+    unsharded: bool  # FSDP1 keeps an unsharded copy to reuse (a forward of SHARD_GRAD_OP left it)
     names: tuple[str, ...]  # each original parameter's name below the wrapped module, raw
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]  # where each starts in the padded unsharded flat parameter
@@ -299,10 +300,13 @@ def fsdp1_unit(module: torch.nn.Module) -> Fsdp1Unit | None:
         for s in flat._shared_param_infos
     )
     local = getattr(flat, "_local_shard", flat.data)
+    padded = getattr(flat, "_full_param_padded", None)  # the all-gather's destination, freed when resharded
     return Fsdp1Unit(
+        module=module,
         flat=flat,
         local=local,
-        unsharded=handle.uses_sharded_strategy and flat.data_ptr() != local.data_ptr(),
+        unsharded=handle.uses_sharded_strategy
+        and (flat.data_ptr() != local.data_ptr() or (padded is not None and padded.untyped_storage().size() > 0)),
         names=tuple(flat._fqns),
         shapes=tuple(flat._shapes),
         offsets=tuple(starts),
@@ -314,6 +318,14 @@ def fsdp1_unit(module: torch.nn.Module) -> Fsdp1Unit | None:
         replicate_pg=getattr(module, "_inter_node_pg", None),
         sharded=handle.uses_sharded_strategy,
     )
+
+
+def fsdp1_reshard(module: torch.nn.Module) -> None:
+    """Free the unsharded copy an FSDP1 instance keeps, so that its next
+    forward gathers the shards again (after a load wrote into them)."""
+    # FSDP1 reshards through its handle only; SHARD_GRAD_OP keeps the copy a
+    # forward made and reuses it while its storage is allocated.
+    module._handle.reshard(True)
 
 
 def is_flat_param(p: Any) -> bool:

@@ -186,7 +186,7 @@ class _Load:
         self.model, self.index, self.optims, self.twin = target.model, target.index, target.optims, target.twin
         self.group = groups.of_params(self.index.fqn_of)
         self.parts = parts
-        self.problems: list[str] = list(self.twin.problems) if self.twin is not None else []
+        self.problems: list[str] = []
         self.model_plan: ModelLoadPlan | None = None
         self.optim_plan: OptimizerLoadPlan | None = None
 

@@ -35,7 +35,6 @@ class Twin:
         self.real_optims = tuple(optimizers)
         real = ModelIndex(model, modifiers_attr, fsdp1=True)
         self.units: list[UnitLayout] = []
-        self.problems: list[str] = []
         for module, raw in real.fsdp1_modules:
             unit = _compat.fsdp1_unit(module)
             if unit is None:
@@ -44,11 +43,6 @@ class Twin:
                 raise StateDictError(
                     f"FSDP1 module {raw[:-1] or '<root>'!r} uses NO_SHARD; hyperdsd reads FSDP1's sharded strategies "
                     "(use DDP for replicated training)"
-                )
-            if unit.unsharded:
-                self.problems.append(
-                    f"FSDP1 module {raw[:-1] or '<root>'!r} holds its parameters unsharded (a forward of "
-                    "SHARD_GRAD_OP); load after the backward or the optimizer step"
                 )
             fqns, aliases = layout_of.canonical_names(real, raw, unit)
             size, index = moves.shard_index(unit)
@@ -165,6 +159,8 @@ class Twin:
         if model:
             for u, twins in zip(self.units, self.params):
                 moves.to_flat(u, [_compat.local_tensor(t) for t in twins], into=u.unit.local)
+                if u.unit.unsharded:  # the copy a forward left would go on serving the old values
+                    _compat.fsdp1_reshard(u.unit.module)
         if optim:
             self._write_optimizers()
 

@@ -70,9 +70,10 @@ def _full(model, optimizer) -> tuple[dict, dict]:
     return hyperdsd.get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
 
-def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict], exact: bool = True) -> None:
+def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict], exact: bool = True, ordered: bool = True) -> None:
     (ma, oa), (mb, ob) = a, b
-    assert list(ma) == list(mb), (list(ma), list(mb))
+    order = list if ordered else sorted
+    assert order(ma) == order(mb), (list(ma), list(mb))
     assert list(oa["state"]) == list(ob["state"]), (list(oa["state"]), list(ob["state"]))
     pairs = [(k, ma[k], mb[k]) for k in ma]
     pairs += [(f"{f}/{k}", v, ob["state"][f][k]) for f, e in oa["state"].items() for k, v in e.items()]
@@ -215,3 +216,124 @@ def bad_input(ctx, uop: bool, what: str):
         return "loaded"
     assert _equal(before, _snapshot(target, target_opt)), "a refused set changed the target"
     return "3.9.weight" in message if what != "shape" else "0.weight" in message
+
+
+def never_stepped(ctx, uop: bool):
+    """A never-stepped FSDP1 optimizer gives placeholder state keyed by FQN,
+    which a DCP load fills; set into it resumes exactly, and a fresh source
+    loads as fresh (no state)."""
+    fresh, fresh_opt = _fsdp1(ctx, 0, uop)
+    _, osd = hyperdsd.get_state_dict(fresh, fresh_opt)
+    assert sorted(osd["state"]) == sorted(k for k in KEYS_PARAMS), sorted(osd["state"])
+    assert not fresh_opt.state, "the get stepped the optimizer"
+    source, source_opt = _fsdp1(ctx, 2, uop)
+    _steps(source, source_opt, 0, 2)
+    path = _shared_path(ctx)
+    msd, osd = hyperdsd.get_state_dict(source, source_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    msd, osd = hyperdsd.get_state_dict(fresh, fresh_opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    hyperdsd.set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    _steps(source, source_opt, 2, 2)
+    _steps(fresh, fresh_opt, 2, 2)
+    _assert_same(_full(source, source_opt), _full(fresh, fresh_opt))
+    # a checkpoint taken before the first step loads as no state
+    blank, blank_opt = _fsdp1(ctx, 3, uop)
+    msd, osd = hyperdsd.get_state_dict(blank, blank_opt)
+    hyperdsd.set_optimizer_state_dict(source, source_opt, osd)
+    return len(source_opt.state)
+
+
+KEYS_PARAMS = ["0.weight", "0.bias", "1.weight", "1.bias", "3.0.weight", "3.0.bias", "3.2.weight", "3.2.bias"]
+
+
+def loop_point(ctx, uop: bool):
+    """After an evaluation forward (SHARD_GRAD_OP keeps the unsharded copy it
+    gathered, and its next forward reuses it), a get returns what a get right
+    after the step does, and a set there resumes exactly: it frees the copy."""
+    source, source_opt = _fsdp1(ctx, 0, uop, "SHARD_GRAD_OP")
+    _steps(source, source_opt, 0, 2)
+    after_step = _full(source, source_opt)
+    target, target_opt = _fsdp1(ctx, 1, uop, "SHARD_GRAD_OP")
+    _steps(target, target_opt, 50, 1)
+    for model in (source, target):
+        model.eval()
+        with torch.no_grad():
+            model(torch.ones(2, 3))
+        model.train()
+    _assert_same(after_step, _full(source, source_opt))
+    msd, osd = hyperdsd.get_state_dict(source, source_opt)
+    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd)
+    _steps(source, source_opt, 2, 2)
+    _steps(target, target_opt, 2, 2)
+    _assert_same(_full(source, source_opt), _full(target, target_opt))
+    return True
+
+
+def torch_interop(ctx, writer: str, uop: bool):
+    """A DCP checkpoint of an FSDP1 model written by torch's own functions
+    (ShardedTensor values) loads through hyperdsd, and the other way round;
+    either way training goes on as the writer's uninterrupted run."""
+    from torch.distributed.checkpoint import state_dict as torch_sd
+
+    impl = {"torch": torch_sd, "hyperdsd": hyperdsd}
+    reader = "hyperdsd" if writer == "torch" else "torch"
+    source, source_opt = _fsdp1(ctx, 0, uop)
+    _steps(source, source_opt, 0, 2)
+    path = _shared_path(ctx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = impl[writer].get_state_dict(source, source_opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        target, target_opt = _fsdp1(ctx, 1, uop)
+        _steps(target, target_opt, 50, 1)
+        msd, osd = impl[reader].get_state_dict(target, target_opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        impl[reader].set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd)
+    _steps(source, source_opt, 2, 2)
+    _steps(target, target_opt, 2, 2)
+    _assert_same(_full(source, source_opt), _full(target, target_opt))
+    return True
+
+
+def _tied(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 3))
+    model[2].weight = model[0].weight
+    return model
+
+
+def tied(ctx, uop: bool):
+    """Tied parameters in one FSDP1 unit: the model state lists both names and
+    the optimizer state the first, as the single-process model's; a set
+    resumes exactly."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def make(seed):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = FSDP(_tied(seed), device_id=CPU, use_orig_params=uop)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1))
+
+    def steps(model, optimizer, start, n):
+        for i in range(start, start + n):
+            model(torch.randn(5, 4, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    ref = _tied(0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    source, source_opt = make(0)
+    steps(ref, ref_opt, 0, 2)
+    steps(source, source_opt, 0, 2)
+    want = hyperdsd.get_state_dict(ref, ref_opt)
+    # (a tied name comes after its module's other parameters: FSDP1 keeps no record of their order)
+    _assert_same(_full(source, source_opt), want, exact=False, ordered=False)
+    msd, osd = hyperdsd.get_state_dict(source, source_opt)
+    target, target_opt = make(1)
+    steps(target, target_opt, 50, 1)
+    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd)
+    steps(source, source_opt, 2, 2)
+    steps(target, target_opt, 2, 2)
+    _assert_same(_full(source, source_opt), _full(target, target_opt))
+    return sorted(msd), sorted(osd["state"])

@@ -46,3 +46,28 @@ def test_a_dcp_checkpoint_moves_between_fsdp1_and_fsdp2(pools, writer):
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
 def test_bad_input_raises_on_every_rank_and_changes_nothing(pools, uop, what):
     assert run(pools, 2, "bad_input", uop=uop, what=what) == [True, True]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_never_stepped_optimizer_gives_placeholders_that_dcp_fills(pools, uop):
+    assert run(pools, 2, "never_stepped", uop=uop) == [0, 0]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_get_and_set_after_an_eval_forward_of_shard_grad_op(pools, uop):
+    assert run(pools, 2, "loop_point", uop=uop) == [True, True]
+
+
+@pytest.mark.parametrize("writer", ["torch", "hyperdsd"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_dcp_checkpoint_moves_between_torch_and_hyperdsd(pools, uop, writer):
+    """torch's sharded FSDP1 state is ShardedTensor, hyperdsd's DTensor: DCP
+    records the same FQNs, global shapes and row chunks for both."""
+    assert run(pools, 2, "torch_interop", writer=writer, uop=uop) == [True, True]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_tied_parameters_keep_both_names_and_one_state(pools, uop):
+    names = ["0.bias", "0.weight", "2.bias", "2.weight", "3.bias", "3.weight"]
+    state = ["0.bias", "0.weight", "2.bias", "3.bias", "3.weight"]
+    assert run(pools, 2, "tied", uop=uop) == [(names, state)] * 2
