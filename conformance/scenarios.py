@@ -25,11 +25,12 @@ import hashlib
 import json
 import os
 import zlib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
+from . import clauses
+from .cases import DEFAULT_DEADLINE_S, Case, Phase
 from .layouts import parse_layout
-from .registry import DEFAULT_DEADLINE_S, Case, Phase
 
 FORMAT = 1
 TOKEN_PREFIX = "s1."
@@ -46,9 +47,8 @@ MODEL_KEYS = ("", "strict", "nonstrict")
 # or reversed in the target only (a load must pair groups by their FQNs: OPT-KEYS-1).
 GROUP_ORDERS = ("", "reversed", "reversed-target")
 MODEL_KEYS_MODES = ("sharded", "full", "bcast", "file")  # MODEL-2's: a model dict that a rank can edit
-# Layouts whose model is sharded over more than one rank: a broadcast load
-# there must send each rank its own shard, not the whole (MODEL-3).
-_SHARDED_KINDS = ("fsdp", "hsdp", "ppfsdp")
+# The modes a checkpoint can also be loaded on another layout in (OPT-RESHARD-1 and -3).
+RESHARD_MODES = ("dcp", "bcast")
 
 
 @dataclass(frozen=True)
@@ -256,6 +256,10 @@ class Scenario:
     def world_size(self) -> int:
         return parse_layout(self.layout).world_size
 
+    def trained_args(self, **more) -> dict:
+        """The arguments of a check that trains the scenario's recipe."""
+        return {"layout": self.where, "opt": self.optimizer, "mode": self.mode, "how": self.recipe(), **more}
+
     @property
     def pp(self) -> int:
         return parse_layout(self.layout).pp
@@ -314,41 +318,19 @@ _DEFAULTS = {f.name: f.default for f in fields(Scenario)}
 
 # -- the clauses a scenario exercises ----------------------------------------
 
+
 # The order checks run in, most specific first: the first that fails names
 # the scenario's failure (a round trip that fails because of an empty group
 # is OPT-EMPTY-1's deviation before it is OPT-RT-1's).
 # Resharding comes last: it counts only where the scenario round-trips on its own layout;
 # so does a load into groups in another order (OPT-KEYS-1), which is a round trip and more.
-CLAUSE_ORDER = (
-    "MODEL-3",
-    "MODEL-5",
-    "MODEL-2",
-    "OPT-EMPTY-1",
-    "OPT-SCHED-2",
-    "MODEL-1",
-    "LOOP-1",
-    "LOOP-2",
-    "LOOP-3",
-    "OPT-PURE-1",
-    "OPT-PURE-2",
-    "OPT-PURE-3",
-    "OPT-PART-3",
-    "OPT-RT-5",
-    "OPT-RT-1",
-    "OPT-KEYS-1",
-    "OPT-RESHARD-1",
-    "OPT-RESHARD-3",
-)
-RESHARD_CLAUSE = {"dcp": "OPT-RESHARD-1", "bcast": "OPT-RESHARD-3"}
-
-
 def reshard_problems(s: "Scenario") -> list[str]:
     """Why ``s`` cannot also be resharded to ``s.reshard_to``, in words ([] when it can)."""
     if s.reshard_to not in LAYOUTS:
         return [f"reshard_to {s.reshard_to!r} is not one of {LAYOUTS}"]
     if s.reshard_to == s.layout:
         return ["reshard_to is the layout itself"]
-    if s.mode not in RESHARD_CLAUSE:
+    if s.mode not in RESHARD_MODES:
         return [f"resharding goes through dcp or bcast, not {s.mode}"]
     a, b = parse_layout(s.layout).pp, parse_layout(s.reshard_to).pp
     out = []
@@ -377,114 +359,22 @@ def reshard_problems(s: "Scenario") -> list[str]:
 
 
 def clauses_of(s: Scenario) -> tuple[str, ...]:
-    """The clauses whose features ``s`` contains, in :data:`CLAUSE_ORDER`."""
-    lay = parse_layout(s.layout)
-    out = {"OPT-RT-5" if s.warm else "OPT-RT-1", "MODEL-1"}
-    if s.mode == "bcast" and lay.kind.name in _SHARDED_KINDS and lay.world_size > 1:
-        out.add("MODEL-3")
-    if s.extra_state:
-        out.add("MODEL-5")
-    if s.model_keys:
-        out.add("MODEL-2")
-    if s.empty_at:
-        out.add("OPT-EMPTY-1")
-    if s.scheduler:
-        out.add("OPT-SCHED-2")
-    if s.group_order == "reversed-target":
-        out.add("OPT-KEYS-1")
-    if s.reshard_to:
-        out.add(RESHARD_CLAUSE[s.mode])
-    if s.loop_point:
-        out.add("LOOP-1")
-        from .loops import POINTS
-
-        if s.warm and POINTS[s.loop_point].rollback(lay) is None:
-            out.add("LOOP-2")
-    if s.policy and s.before:
-        out.add("LOOP-3")
-    if s.freeze_after:
-        out.add("OPT-PART-3")
-    out.add(_purity_clause(s))
-    return tuple(c for c in CLAUSE_ORDER if c in out)
-
-
-def _purity_clause(s: Scenario) -> str:
-    """get changes nothing: on a never-stepped optimizer (before=0) OPT-PURE-1,
-    or OPT-PURE-3 in the full and flat layouts; after steps, OPT-PURE-2."""
-    if s.before:
-        return "OPT-PURE-2"
-    return "OPT-PURE-1" if s.mode in ("sharded", "dcp") else "OPT-PURE-3"
-
-
-def _check(s: Scenario, clause: str):
-    """The section's check function for ``clause`` and its arguments on ``s``."""
-    from . import flows
-    from .sections import empty_groups, keys, loop, model, partial, purity, roundtrip, scheduler
-
-    cfg = s.cfg()
-    layout = s.where
-
-    def trained(**more):  # the arguments of a check that trains the scenario's recipe
-        return {"layout": layout, "opt": s.optimizer, "mode": s.mode, "how": s.recipe(), **more}
-
-    if clause in ("LOOP-1", "LOOP-2", "LOOP-3"):
-        args = {"layout": layout, "mode": s.mode, "how": s.recipe(), "before": s.before}
-        if clause == "LOOP-3":
-            return loop.loop_3, args
-        args |= {"point": s.loop_point, "after": s.after}
-        return (loop.loop_1, args) if clause == "LOOP-1" else (loop.loop_2, {**args, "warm": s.warm})
-
-    if clause == "OPT-PART-3":
-        return partial.part_3_resume, {
-            "layout": layout,
-            "mode": s.mode,
-            "how": s.recipe(),
-            "before": s.before,
-            "after": s.after,
-            "warm": s.warm,
-        }
-    if clause == "OPT-RT-1":
-        return roundtrip.rt_1, trained(before=s.before, after=s.after)
-    if clause == "OPT-RT-5":
-        return roundtrip.rt_5, trained(before=s.before, after=s.after, warm=s.warm)
-    if clause in ("OPT-PURE-1", "OPT-PURE-3"):
-        return purity.pure_1, trained(grads=False)
-    if clause == "OPT-PURE-2":
-        return purity.pure_2, trained()
-    if clause == "OPT-KEYS-1":  # the target's groups in another order: only this check builds it so
-        how = flows.recipe(layout, s.optimizer, cfg=cfg, groups=replace(s.groups(), target_reverse=True))
-        return keys.keys_regrouped, {**trained(before=s.before, after=s.after, warm=s.warm), "how": how}
-    if clause == "MODEL-1":
-        return model.model_1, {"layout": layout, "mode": s.mode, "cfg": cfg}
-    if clause == "MODEL-2":
-        return model.model_2, {"layout": layout, "mode": s.mode, "strict": s.model_keys == "strict", "cfg": cfg}
-    if clause == "MODEL-3":
-        return model.model_3, {"layout": layout, "cfg": cfg}
-    if clause == "MODEL-5":
-        return model.model_5, {"layout": layout, "mode": s.mode, "kind": s.extra_state, "cfg": cfg}
-    if clause == "OPT-EMPTY-1":
-        return empty_groups.empty_1, {
-            "layout": layout,
-            "opt": s.optimizer,
-            "mode": s.mode,
-            "empty_at": s.empty_at,
-            "cfg": cfg,
-            "split": not s.one_group,
-        }
-    if clause == "OPT-SCHED-2":
-        return scheduler.sched_2, {"layout": layout, "mode": s.mode, "opt": s.optimizer, "cfg": cfg}
-    raise ValueError(f"no scenario check for clause {clause!r}")
+    """The clauses whose features ``s`` contains, in the order their checks run
+    (each section declares its clauses' features and checks: conformance.clauses)."""
+    return tuple(clause_id for clause_id, c in clauses.explored() if c.contains(s))
 
 
 def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
     """``clause``'s check on ``s`` as a case: ``CLAUSE[<tag or explore-<digest>>]``."""
     case_id = f"{clause}[{tag or 'explore-' + s.digest}]"
     source = json.dumps({"format": FORMAT, "id": case_id, "clause": clause, "scenario": s.to_dict()}, sort_keys=True)
-    if clause in RESHARD_CLAUSE.values():
-        return _resharded(s, clause, case_id, source)
-    fn, params = _check(s, clause)
+    declared = clauses.clause(clause)
+    if declared.build is not None:
+        return declared.build(s, case_id, source)
+    if declared.check is None:
+        raise ValueError(f"no scenario check for clause {clause!r}")
+    fn, params = declared.check(s)
     lay = parse_layout(s.where)
-    mode = "bcast" if clause == "MODEL-3" else s.mode
     return Case(
         id=case_id,
         clause=clause,
@@ -492,26 +382,6 @@ def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
         phases=(Phase(lay.world_size, fn, params),),
         deadline_s=DEFAULT_DEADLINE_S,
         meshes=lay.mesh_specs,
-        mode=mode,
-        source=source,
-    )
-
-
-def _resharded(s: Scenario, clause: str, case_id: str, source: str) -> Case:
-    """Save on the scenario's layout, load on ``reshard_to``: the section's two phases."""
-    from .sections import reshard
-
-    a, b = parse_layout(s.where), parse_layout(s.reshard_to)
-    params = {"src": s.where, "dst": s.reshard_to, "opt": s.optimizer, "kind": s.mode}
-    params |= {"cfg": s.cfg(), "groups": s.groups()}
-    return Case(
-        id=case_id,
-        clause=clause,
-        layout=f"{s.where}_to_{s.reshard_to}",
-        phases=(Phase(a.world_size, reshard.save_phase, params), Phase(b.world_size, reshard.load_phase, params)),
-        deadline_s=90,
-        rtol=reshard.RTOL,
-        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
         mode=s.mode,
         source=source,
     )

@@ -7,11 +7,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup, canonical
 from ..models import GroupSpec
 from ..oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
-from ..registry import make_case
 
 GHOST = "ghost.weight"
 TARGET = "layers.1.fc1.weight"  # a parameter every layout's rank 0 ... (pp: stage 0) holds
@@ -327,3 +328,11 @@ def cases():
     for layout in ("ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
         for mode in ("sharded", "full", "flat", "bcast"):
             yield make_case("OPT-ATOM-4", layout, atom_4, mode=mode, deadline_s=30)
+
+
+CLAUSES = {
+    "OPT-ATOM-1": Clause(),
+    "OPT-ATOM-2": Clause(),
+    "OPT-ATOM-3": Clause(side="load", options=("options_type",)),
+    "OPT-ATOM-4": Clause(),
+}

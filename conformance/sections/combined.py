@@ -17,8 +17,9 @@ import torch.distributed.checkpoint as dcp
 
 from .. import flows
 from ..adapters import iut_call
+from ..cases import make_case
+from ..clauses import Clause
 from ..oracle import check, clone_tree, diff_snapshots, diff_values, expect_error, fail_if, snapshot
-from ..registry import make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "hsdp2x2", "pp2xfsdp2")
 OPT = "adamw"
@@ -170,3 +171,6 @@ def cases():
             yield make_case("API-1", layout, api_1, opt=OPT, mode=mode)
     for mode in flows.MODES:
         yield make_case("API-1", "fsdp2", api_1_strict, opt=OPT, mode=mode, variant="strict")
+
+
+CLAUSES = {"API-1": Clause(combined=True)}

@@ -6,12 +6,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..context import NotApplicable
 from ..flows import get_options, optimizers_arg
 from ..layouts import Setup
 from ..models import ModelConfig
 from ..oracle import check, diff_values, fail_if, layout_problems, snapshot
-from ..registry import make_case
 
 SHARDED = ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
 
@@ -157,3 +158,6 @@ def cases():
         yield make_case(
             "OPT-DT-4", layout, dt_4, opt="adamw", mode="sharded", variant="pinned", profile="inplace", pinned=True
         )
+
+
+CLAUSES = {"OPT-DT-1": Clause(side="get"), "OPT-DT-2": Clause(), "OPT-DT-3": Clause(), "OPT-DT-4": Clause()}

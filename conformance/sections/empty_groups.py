@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..layouts import Setup
 from ..models import GroupSpec
 from ..oracle import check, diff_values, fail_if, snapshot
-from ..registry import make_case
 
 EMPTY_AT = (0, 2, 9)  # first, in the middle, last
 
@@ -91,3 +92,23 @@ def cases():
             yield make_case(
                 "OPT-EMPTY-2", layout, empty_2, opt="adamw", mode="flat", variant=f"{name}", target_empty=target_empty
             )
+
+
+CLAUSES = {
+    "OPT-EMPTY-1": Clause(
+        contains=lambda s: bool(s.empty_at),
+        check=lambda s: (
+            empty_1,
+            {
+                "layout": s.where,
+                "opt": s.optimizer,
+                "mode": s.mode,
+                "empty_at": s.empty_at,
+                "cfg": s.cfg(),
+                "split": not s.one_group,
+            },
+        ),
+        rank=40,
+    ),
+    "OPT-EMPTY-2": Clause(),
+}

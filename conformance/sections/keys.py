@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import flows
+from ..cases import loads, make_case
+from ..clauses import Clause
 from ..flows import get_options, optimizers_arg
 from ..layouts import WRAPPER_SEGMENTS, Setup, canonical
 from ..models import ModelConfig, reordered
 from ..oracle import check, diff_snapshots, fail_if, snapshot
-from ..registry import loads, make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 WRAPPERS = {  # layout -> wrapper variants
@@ -168,3 +171,19 @@ def cases():
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("sharded", "full", "full_cpu", "flat", "dcp"):
             yield make_case("OPT-KEYS-4", layout, keys_4, mode=mode)
+
+
+def _explore_regrouped(s):
+    # The target's groups in another order: only this check builds it so.
+    how = flows.recipe(s.where, s.optimizer, cfg=s.cfg(), groups=replace(s.groups(), target_reverse=True))
+    return keys_regrouped, s.trained_args(before=s.before, after=s.after, warm=s.warm, how=how)
+
+
+CLAUSES = {
+    "OPT-KEYS-1": Clause(
+        side="get", contains=lambda s: s.group_order == "reversed-target", check=_explore_regrouped, rank=160
+    ),
+    "OPT-KEYS-2": Clause(),
+    "OPT-KEYS-3": Clause(),
+    "OPT-KEYS-4": Clause(),
+}

@@ -6,8 +6,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import flows, loops, policies, tree
+from ..cases import make_case
+from ..clauses import Clause
+from ..layouts import parse_layout
 from ..oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
-from ..registry import make_case
 
 # Every layout runs every mode and each of its points (the point rotates with the mode).
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2")
@@ -188,3 +190,27 @@ def cases():
             yield make_case("LOOP-3", f"fsdp4.{variant}", loop_3, mode=mode)
     for i, variant in enumerate(policies.VARIANTS):  # the 2-D mesh: each policy, modes in turn
         yield make_case("LOOP-3", f"hsdp2x2.{variant}", loop_3, mode=flows.MODES[i % len(flows.MODES)])
+
+
+def _loop_args(s) -> dict:
+    return {"layout": s.where, "mode": s.mode, "how": s.recipe(), "before": s.before}
+
+
+def _rolls_back(s) -> bool:
+    """A warm target that LOOP-2 can set mid-loop (a loop point it can roll back to)."""
+    return bool(s.warm) and loops.POINTS[s.loop_point].rollback(parse_layout(s.layout)) is None
+
+
+CLAUSES = {
+    "LOOP-1": Clause(
+        contains=lambda s: bool(s.loop_point),
+        check=lambda s: (loop_1, {**_loop_args(s), "point": s.loop_point, "after": s.after}),
+        rank=70,
+    ),
+    "LOOP-2": Clause(
+        contains=lambda s: bool(s.loop_point) and _rolls_back(s),
+        check=lambda s: (loop_2, {**_loop_args(s), "point": s.loop_point, "after": s.after, "warm": s.warm}),
+        rank=80,
+    ),
+    "LOOP-3": Clause(contains=lambda s: bool(s.policy and s.before), check=lambda s: (loop_3, _loop_args(s)), rank=90),
+}

@@ -16,9 +16,10 @@ import os
 import time
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..layouts import Setup, parse_layout, serving
 from ..oracle import diff_snapshots, fail_if, snapshot
-from ..registry import make_case
 from .reshard import resharded_case
 from .state import check_get, check_loaded
 
@@ -87,3 +88,6 @@ def cases():
     for layout in serving("OPT-MESH-2"):
         for mode in flows.MODES:
             yield make_case("OPT-MESH-2", layout, mesh_2, opt=OPT, mode=mode, deadline_s=DEADLINE_S)
+
+
+CLAUSES = {"OPT-MESH-1": Clause(), "OPT-MESH-2": Clause()}

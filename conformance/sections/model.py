@@ -9,12 +9,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..flows import get_options, set_options
-from ..layouts import Setup
+from ..layouts import Setup, parse_layout
 from ..meter import ReceiveMeter
 from ..models import ModelConfig, ToyModel
 from ..oracle import check, clone_tree, diff_values, expect_error, fail_if
-from ..registry import make_case
 from .keys import WRAPPERS
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
@@ -230,3 +231,41 @@ def cases():
     for layout in ("fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("full", "bcast"):
             yield make_case("MODEL-4", layout, model_4, mode=mode)
+
+
+# Layouts whose model is sharded over more than one rank: a broadcast load
+# there must send each rank its own shard, not the whole (MODEL-3).
+SHARDED_KINDS = ("fsdp", "hsdp", "ppfsdp")
+
+
+def _sharded(layout: str) -> bool:
+    lay = parse_layout(layout)
+    return lay.kind.name in SHARDED_KINDS and lay.world_size > 1
+
+
+CLAUSES = {
+    "MODEL-1": Clause(
+        contains=lambda s: True,
+        check=lambda s: (model_1, {"layout": s.where, "mode": s.mode, "cfg": s.cfg()}),
+        rank=60,
+    ),
+    "MODEL-2": Clause(
+        contains=lambda s: bool(s.model_keys),
+        check=lambda s: (
+            model_2,
+            {"layout": s.where, "mode": s.mode, "strict": s.model_keys == "strict", "cfg": s.cfg()},
+        ),
+        rank=30,
+    ),
+    "MODEL-3": Clause(
+        contains=lambda s: s.mode == "bcast" and _sharded(s.layout),
+        check=lambda s: (model_3, {"layout": s.where, "cfg": s.cfg()}),
+        rank=10,
+    ),
+    "MODEL-4": Clause(),
+    "MODEL-5": Clause(
+        contains=lambda s: bool(s.extra_state),
+        check=lambda s: (model_5, {"layout": s.where, "mode": s.mode, "kind": s.extra_state, "cfg": s.cfg()}),
+        rank=20,
+    ),
+}

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
 from ..models import GroupSpec
 from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
-from ..registry import make_case
 
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 
@@ -97,3 +98,6 @@ def cases():
     for layout in ("single", "fsdp4", "pp2", "pp2xfsdp2"):
         for opt in ("adamw", "sgd"):
             yield make_case("OPT-MPMD-3", layout, mpmd_3, opt=opt, mode="flat")
+
+
+CLAUSES = {"OPT-MPMD-1": Clause(), "OPT-MPMD-2": Clause(), "OPT-MPMD-3": Clause()}

@@ -18,6 +18,8 @@ import pickle
 from torch.distributed.checkpoint import FileSystemReader
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
 from ..models import GroupSpec, ModelConfig
@@ -31,7 +33,6 @@ from ..oracle import (
     optimizer_view,
     snapshot,
 )
-from ..registry import make_case
 from . import reshard
 
 ADAPTER = ["adapter.weight", "adapter.bias"]
@@ -171,7 +172,7 @@ def part_3_resume(c, layout, mode, *, how=None, before=2, after=1, warm=0):
     b.train(after)
     fail_if(
         diff_snapshots(want, snapshot(b)),
-        f"OPT-PART-3: {mode}: resumed with parameters frozen after training, the run differs from the uninterrupted"
+        f"OPT-PART-3: {mode}: resumed with parameters frozen after training, the run differs from the uninterrupted",
     )
 
 
@@ -371,3 +372,28 @@ def cases():
         yield make_case("OPT-PART-6", layout, part_6, mode="dcp", variant=f"no_{key}-warm", fqn=fqn, key=key, warm=True)
     for layout, fqn, key, mode in PART_6_MEMORY:
         yield make_case("OPT-PART-6", layout, part_6, mode=mode, variant=f"no_{key}-warm", fqn=fqn, key=key, warm=True)
+
+
+CLAUSES = {
+    "OPT-PART-1": Clause(),
+    "OPT-PART-2": Clause(),
+    "OPT-PART-3": Clause(
+        options=("ignore_frozen_params",),
+        contains=lambda s: s.freeze_after,
+        check=lambda s: (
+            part_3_resume,
+            {
+                "layout": s.where,
+                "mode": s.mode,
+                "how": s.recipe(),
+                "before": s.before,
+                "after": s.after,
+                "warm": s.warm,
+            },
+        ),
+        rank=130,
+    ),
+    "OPT-PART-4": Clause(),
+    "OPT-PART-5": Clause(),
+    "OPT-PART-6": Clause(),
+}

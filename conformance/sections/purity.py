@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..flows import get_options, optimizers_arg
 from ..models import batch, loss_fn
 from ..oracle import diff_snapshots, diff_values, expect_unchanged, fail_if, grads_view, optimizer_view, snapshot
-from ..registry import make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
@@ -118,3 +119,24 @@ def cases():
         for mode in ("full", "full_cpu", "flat"):
             yield make_case("OPT-PURE-3", layout, pure_1, opt="adamw", mode=mode, variant="fresh", grads=False)
             yield make_case("OPT-PURE-3", layout, pure_2, opt="adamw", mode=mode, variant="stepped")
+
+
+# get changes nothing: on a never-stepped optimizer (before=0) OPT-PURE-1, or
+# OPT-PURE-3 in the full and flat layouts; after steps, OPT-PURE-2.
+CLAUSES = {
+    "OPT-PURE-1": Clause(
+        side="get",
+        contains=lambda s: not s.before and s.mode in ("sharded", "dcp"),
+        check=lambda s: (pure_1, s.trained_args(grads=False)),
+        rank=100,
+    ),
+    "OPT-PURE-2": Clause(
+        side="get", contains=lambda s: bool(s.before), check=lambda s: (pure_2, s.trained_args()), rank=110
+    ),
+    "OPT-PURE-3": Clause(
+        side="get",
+        contains=lambda s: not s.before and s.mode not in ("sharded", "dcp"),
+        check=lambda s: (pure_1, s.trained_args(grads=False)),
+        rank=120,
+    ),
+}

@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from .. import flows
+from ..cases import Case, Phase, case_id
+from ..clauses import Clause
 from ..flows import Saved
 from ..layouts import Setup, parse_layout
 from ..models import GroupSpec, ModelConfig
 from ..oracle import check, diff_values, fail_if, full_snapshot
-from ..registry import Case, Phase, case_id
 
 BEFORE, AFTER = 1, 1
 # Models here are float64. Another world size sums gradients in another
@@ -218,3 +219,36 @@ def cases():
         ("hsdp2x2", "single"),
     ):
         yield resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast")
+
+
+def _explored(s, clause: str, case_id: str, source: str) -> Case:
+    """Save on the scenario's layout, load on ``reshard_to``: this section's two phases."""
+    a, b = parse_layout(s.where), parse_layout(s.reshard_to)
+    params = {"src": s.where, "dst": s.reshard_to, "opt": s.optimizer, "kind": s.mode}
+    params |= {"cfg": s.cfg(), "groups": s.groups()}
+    return Case(
+        id=case_id,
+        clause=clause,
+        layout=f"{s.where}_to_{s.reshard_to}",
+        phases=(Phase(a.world_size, save_phase, params), Phase(b.world_size, load_phase, params)),
+        deadline_s=90,
+        rtol=RTOL,
+        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
+        mode=s.mode,
+        source=source,
+    )
+
+
+CLAUSES = {
+    "OPT-RESHARD-1": Clause(
+        contains=lambda s: bool(s.reshard_to) and s.mode == "dcp",
+        build=lambda s, case_id, source: _explored(s, "OPT-RESHARD-1", case_id, source),
+        rank=170,
+    ),
+    "OPT-RESHARD-2": Clause(),
+    "OPT-RESHARD-3": Clause(
+        contains=lambda s: bool(s.reshard_to) and s.mode == "bcast",
+        build=lambda s, case_id, source: _explored(s, "OPT-RESHARD-3", case_id, source),
+        rank=180,
+    ),
+}

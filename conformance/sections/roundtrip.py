@@ -7,12 +7,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import flows, tree
+from ..cases import make_case
+from ..clauses import Clause
 from ..flows import get_options, optimizers_arg, set_options
 from ..layouts import Setup
 from ..meter import ReceiveMeter
 from ..models import GroupSpec, ModelConfig
 from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
-from ..registry import make_case
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
@@ -222,3 +223,18 @@ def cases():
     for layout in LAYOUTS:
         for opt in ("adamw", "sgd"):
             yield make_case("OPT-RT-3", layout, rt_3, opt=opt, mode="full_cpu")
+
+
+CLAUSES = {
+    "OPT-RT-1": Clause(
+        contains=lambda s: not s.warm, check=lambda s: (rt_1, s.trained_args(before=s.before, after=s.after)), rank=150
+    ),
+    "OPT-RT-2": Clause(),
+    "OPT-RT-3": Clause(side="get"),
+    "OPT-RT-4": Clause(),
+    "OPT-RT-5": Clause(
+        contains=lambda s: bool(s.warm),
+        check=lambda s: (rt_5, s.trained_args(before=s.before, after=s.after, warm=s.warm)),
+        rank=140,
+    ),
+}

@@ -11,10 +11,11 @@ any implementation, and is checked in the other modes.
 from __future__ import annotations
 
 from .. import flows
+from ..cases import make_case
+from ..clauses import Clause
 from ..layouts import Setup
 from ..models import GroupSpec
 from ..oracle import check, diff_snapshots, diff_values, fail_if, snapshot
-from ..registry import make_case
 
 
 def _fields(snap) -> list[dict]:
@@ -106,3 +107,14 @@ def cases():
     for layout in ("single", "fsdp4", "pp2"):
         for mode in ("sharded", "full", "bcast", "flat"):
             yield make_case("OPT-SCHED-3", layout, sched_3, opt="adamw", mode=mode)
+
+
+CLAUSES = {
+    "OPT-SCHED-1": Clause(),
+    "OPT-SCHED-2": Clause(
+        contains=lambda s: s.scheduler,
+        check=lambda s: (sched_2, {"layout": s.where, "mode": s.mode, "opt": s.optimizer, "cfg": s.cfg()}),
+        rank=50,
+    ),
+    "OPT-SCHED-3": Clause(),
+}

@@ -8,10 +8,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import flows, tree
+from ..cases import make_case
+from ..clauses import Clause
 from ..flows import get_options, optimizers_arg
 from ..models import ModelConfig
 from ..oracle import diff_snapshots, fail_if, layout_problems, snapshot
-from ..registry import make_case
 from .reshard import resharded_case
 from .roundtrip import LAYOUTS
 
@@ -155,3 +156,6 @@ def cases():
         yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode="dcp", variant="lazy", lazy=True)
     for src, dst in (("fsdp4", "fsdp3"), ("hsdp2x2", "fsdp2"), ("pp2xfsdp2", "pp2")):
         yield resharded_case("OPT-STATE-1", src, dst, OPT, "dcp")
+
+
+CLAUSES = {"OPT-STATE-1": Clause()}

@@ -1,0 +1,138 @@
+"""A case: one clause on one layout (or a pair of layouts, for resharding)
+with one optimizer and mode where those apply, as the phases every rank
+runs. Its ID starts with the clause: ``OPT-RT-1[fsdp4-adamw-sharded]``.
+Section modules build their cases with :func:`make_case`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .adapters import GET_OF, Needs
+from .clauses import clause
+from .layouts import parse_layout
+
+DEFAULT_DEADLINE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What every rank of a world of ``world_size`` runs: ``fn(c, **params)``."""
+
+    world_size: int
+    fn: Callable
+    params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    clause: str
+    layout: str  # the matrix column: "fsdp4", or "fsdp4_to_fsdp2" for resharding
+    phases: tuple[Phase, ...]
+    deadline_s: float = DEFAULT_DEADLINE_S
+    profile: str = "core"
+    rtol: float = 0.0
+    meshes: tuple[str, ...] = ()
+    mode: str | None = None  # the mode the case runs in (None: modes do not apply)
+    # A case built from a scenario (conformance.scenarios): the JSON every
+    # rank rebuilds it from, since no registry lists a generated case.
+    source: str | None = field(default=None, compare=False)
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return tuple(p.world_size for p in self.phases)
+
+    @property
+    def needs(self) -> Needs:
+        return needs_of(self)
+
+    def manifest_entry(self) -> dict:
+        return {
+            "id": self.id,
+            "clause": self.clause,
+            "layout": self.layout,
+            "profile": self.profile,
+            "world_sizes": list(self.world_sizes),
+            "meshes": list(self.meshes),
+            "mode": self.mode,
+            "needs": {k: v for k, v in vars(self.needs).items() if v},
+            "phases": [f"{p.fn.__module__.rsplit('.', 1)[-1]}.{p.fn.__name__}@{p.world_size}" for p in self.phases],
+            "deadline_s": self.deadline_s,
+            "rtol": self.rtol,
+        }
+
+
+def loads(fn: Callable) -> Callable:
+    """Marks a check of a get-side clause that loads too (its cases need the mode's load declared)."""
+    fn.loads = True
+    return fn
+
+
+def needs_of(case: Case) -> Needs:
+    """What ``case`` needs declared: derived from its clause, mode, layout and
+    parameters, in one place, so that the sections need not say it."""
+    layouts = []
+    parts = case.layout.replace("_to_", " ").split()
+    if any("pp" in p for p in parts):
+        layouts.append("pipeline")
+    if any("tp" in p for p in parts):
+        layouts.append("tensor_parallel")
+    if any("+" in p for p in parts):  # fsdp4+ep2x2: experts on a mesh of their own
+        layouts.append("several_meshes")
+    if any(p.startswith("halves") for p in parts):
+        layouts.append("part_of_world")
+    if any("." in p for p in parts):  # fsdp4.bf16: an FSDP2 policy variant, passed to the adapter's shard
+        layouts.append("policies")
+    declared = clause(case.clause)
+    options = list(declared.options)
+    strict = [p.params.get("strict") for p in case.phases]
+    # A consolidated file holds every stage; a stage loads its own with strict=False.
+    if False in strict or (case.mode == "file" and "pipeline" in layouts):
+        options.append("strict")
+    mode = case.mode
+    get = load = None
+    if mode is not None:
+        get = "flat" if mode == "dcp" and "pipeline" in layouts else GET_OF[mode]
+        load = mode
+    if declared.side == "get" and not any(getattr(p.fn, "loads", False) for p in case.phases):
+        load = None
+    if declared.side == "load":
+        get = None
+    return Needs(get, load, tuple(layouts), tuple(dict.fromkeys(options)), declared.combined)
+
+
+def case_id(clause: str, *parts: str | None) -> str:
+    return f"{clause}[{'-'.join(p for p in parts if p)}]"
+
+
+def make_case(
+    clause: str,
+    layout: str,
+    fn: Callable,
+    *,
+    opt: str | None = None,
+    mode: str | None = None,
+    variant: str | None = None,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    profile: str = "core",
+    rtol: float = 0.0,
+    **params: Any,
+) -> Case:
+    """The common shape: one phase, on one layout."""
+    lay = parse_layout(layout)
+    accepted = inspect.signature(fn).parameters
+    params = {k: v for k, v in {"layout": layout, "opt": opt, "mode": mode}.items() if k in accepted} | params
+    return Case(
+        id=case_id(clause, layout, opt, mode, variant),
+        clause=clause,
+        layout=layout,
+        phases=(Phase(lay.world_size, fn, params),),
+        deadline_s=deadline_s,
+        profile=profile,
+        rtol=rtol,
+        meshes=lay.mesh_specs,
+        mode=mode,
+    )
