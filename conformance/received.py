@@ -213,6 +213,14 @@ def _key_problems(r: _Result) -> list[str]:
             outside = [k for k in r.optim[1] if not any(k.split(".", 1)[1].startswith(n + ".") for n in stepped_names)]
             if outside:
                 out.append(f"flat keys naming no parameter the optimizer steps: {_some(outside)}")
+            grouped = {k.split(".", 1)[1] for k in r.optim[1] if k.startswith("param_groups.")}
+            ungrouped = [
+                min(names)
+                for names in stepped
+                if names and not any(g.startswith(n + ".") for g in grouped for n in names)
+            ]
+            if ungrouped:
+                out.append(f"no param_groups.<FQN>.<field> keys for {_some(ungrouped)}")
         else:
             state, grouped = r.optim
             unknown = (state | grouped) - stepped_names

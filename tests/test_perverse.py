@@ -63,8 +63,14 @@ def _model_and_optimizer():
 def _received(twist: str) -> list[str]:
     """What Received finds in the perverse implementation's output on a plain model."""
     model, optim = _model_and_optimizer()
-    impl = getattr(perverse_impls, twist)()
     got = Received()
+    if twist.endswith("_flat"):
+        impl = getattr(perverse_impls, twist.removesuffix("_flat"))()
+        options = impl.options(flatten_optimizer_state_dict=True)
+        flat = impl.get_optimizer_state_dict(model, optim, options=options)
+        got.note("get_optimizer_state_dict", (model, optim), {"options": options}, flat)
+        return got.surprises()
+    impl = getattr(perverse_impls, twist)()
     got.note("get_model_state_dict", (model,), {}, impl.get_model_state_dict(model))
     got.note("get_optimizer_state_dict", (model, optim), {}, impl.get_optimizer_state_dict(model, optim))
     got.note("get_state_dict", (model, optim), {}, impl.get_state_dict(model, optim))
@@ -83,6 +89,7 @@ def _received(twist: str) -> list[str]:
         ("items", ["it is list, not a dict"]),
         ("tensors", ["holds Tensor where a dict belongs"]),
         ("no_groups", ["'param_groups' is None"]),
+        ("no_groups_flat", ["no param_groups.<FQN>.<field> keys for '0.bias'"]),
         ("set_returns", ["set_model_state_dict returned what", "not the missing_keys and unexpected_keys"]),
     ],
 )
