@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -626,14 +625,3 @@ def _write(path: str, info, impl: str, report: Exploration | None, findings, rep
         section["verdict"] = replayed.status.value
         section["scenario"] = replayed.scenario.to_dict()
     write_json(path, {**info.header(), "explore": section})
-
-
-def main(argv: list[str]) -> int:
-    """Entry point from ``python -m conformance explore ...``."""
-    from .cli import explore_main
-
-    return explore_main(argv)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main(sys.argv[1:]))

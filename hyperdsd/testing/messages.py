@@ -11,10 +11,14 @@ verdicts and short values.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .status import RankStatus
+
+# The signal a controller sends a rank for the stacks of all its threads.
+STACK_SIGNAL = signal.SIGUSR1
 
 # What a task's verdict holds against the code under test (see outcome.judge):
 # everything the task does, or only the code it runs in ``ctx.under_test``.

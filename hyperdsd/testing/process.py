@@ -17,8 +17,9 @@ import os
 import signal
 import sys
 
+from .messages import STACK_SIGNAL
+
 PR_SET_PDEATHSIG = 1
-STACK_SIGNAL = signal.SIGUSR1
 
 
 def isolate_worker(parent_pid: int, *, forked: bool = False) -> None:

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from . import messages as m
 from .context import RankContext, execute, select_device
 from .group import Membership
-from .process import STACK_SIGNAL
+from .messages import STACK_SIGNAL
 from .status import RankStatus
 
 
