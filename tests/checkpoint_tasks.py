@@ -329,7 +329,7 @@ def left_in(root) -> list[str]:
 
 
 def _staging_left(path: str) -> bool:
-    from hyperdsd.commit import staging_of
+    from hyperdsd.checkpoint.commit import staging_of
 
     return staging_of(pathlib.Path(path)).exists()
 
@@ -409,7 +409,7 @@ def crash_in_save(ctx, layout: str, root: str, where: str):
     the commit, before it renames anything (``before_commit``) or between
     setting the previous checkpoint aside and renaming the new one in place
     (``mid_commit``). The process dies here; :func:`resume_after_crash` is the restarted job."""
-    from hyperdsd import commit
+    from hyperdsd.checkpoint import commit
 
     a, _ = _two_states(ctx, layout)
     opts = _options(a)
@@ -439,7 +439,7 @@ def crash_in_save(ctx, layout: str, root: str, where: str):
 def resume_after_crash(ctx, layout: str, root: str, where: str):
     """The restarted job: the load returns exactly the checkpoint committed
     before the crash; the next save clears what the crash left and commits."""
-    from hyperdsd import commit
+    from hyperdsd.checkpoint import commit
 
     path = pathlib.Path(root) / "latest"
     if ctx.rank == 0:
@@ -554,7 +554,7 @@ def bulk_plans_match_dcp(ctx, layout: str):
         create_default_local_save_plan,
     )
 
-    from hyperdsd.dcp_plans import local_load_plan, local_save_plan
+    from hyperdsd.checkpoint.plans import local_load_plan, local_save_plan
 
     a = _setup(ctx, layout, 0)
     a.train(1)
@@ -586,7 +586,7 @@ def _global_plan_matches_dcp(ctx, setup, opts):
     has DCP's metadata, and torch's own ``dcp.load`` loads from it what it loads from DCP's."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from hyperdsd.dcp_plans import SavePlanner
+    from hyperdsd.checkpoint.plans import SavePlanner
 
     def state():
         msd, osd = hyperdsd.get_state_dict(setup.model, setup.optimizers[0], options=opts)

@@ -19,7 +19,8 @@ from helpers import run_task
 from torch import nn
 
 import hyperdsd
-from hyperdsd import StateDictError, checkpoint, commit
+from hyperdsd import StateDictError, checkpoint
+from hyperdsd.checkpoint import commit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -127,8 +128,8 @@ def test_a_save_over_an_existing_path_loads_the_new_state_and_leaves_nothing_bes
 def test_the_metadata_a_commit_leaves_for_dcp_to_send_every_rank_is_emptied_and_the_file_is_whole(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hyperdsd.dcp_plans import SavePlanner
-    from hyperdsd.dcp_writer import Writer
+    from hyperdsd.checkpoint.plans import SavePlanner
+    from hyperdsd.checkpoint.writer import Writer
 
     path = tmp_path / "ckpt"
     model, opt = _trained(steps=1)
@@ -159,7 +160,7 @@ def test_the_metadata_a_commit_leaves_for_dcp_to_send_every_rank_is_emptied_and_
 
 def test_the_committing_writer_passes_on_its_writers_storage_meta(tmp_path):
     """What DCP records of the save in the checkpoint's metadata comes from the wrapped writer."""
-    from hyperdsd.dcp_writer import Writer
+    from hyperdsd.checkpoint.writer import Writer
 
     inner = Writer(str(tmp_path / "staging"))
     writer = commit.CommittingWriter(inner, tmp_path / "ckpt")

@@ -8,9 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 
-from hyperdsd import dcp_reader
-from hyperdsd.dcp_reader import Reader, tensor_from_bytes
-from hyperdsd.dcp_writer import Writer, save_tensor
+from hyperdsd.checkpoint import reader as dcp_reader
+from hyperdsd.checkpoint.reader import Reader, tensor_from_bytes
+from hyperdsd.checkpoint.writer import Writer, save_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -112,7 +112,7 @@ def test_reader_refuses_a_data_file_shorter_than_its_metadata(tmp_path):
 
 def test_metadata_read_before_is_used_once_and_only_while_unchanged(tmp_path, monkeypatch):
     dcp.save(_state(), checkpoint_id=str(tmp_path))
-    from hyperdsd import commit
+    from hyperdsd.checkpoint import commit
 
     metadata = FileSystemReader(str(tmp_path)).read_metadata()
     stamp = commit.metadata_stamp(tmp_path)

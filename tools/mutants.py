@@ -440,7 +440,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a stage sliced from a pp x dp mesh is taken for a model of its own",
         ("OPT-RT-1[pp2xfsdp2-adamw-full_cpu]",),
     ),
-    # -- DCP load planner (checkpoint.py, checkpoint_plan.py) ---------------------------
+    # -- DCP load planner (hyperdsd/checkpoint/planner.py) ---------------------------------
     Mutant(
         "dcp-flat-lazy-fields-dropped",
         "hyperdsd.state.dcp_template.judge",

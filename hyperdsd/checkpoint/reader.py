@@ -32,7 +32,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from . import _compat, commit
+from .. import _compat
+from . import commit
 
 __all__ = ["Reader", "SPAN_BYTES"]
 

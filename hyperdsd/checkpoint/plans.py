@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from .. import _compat
 
 __all__ = ["SavePlanner", "global_save_plan", "local_load_plan", "local_save_plan"]
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import _compat
+from .. import _compat
 
 __all__ = ["Writer", "save_tensor"]
 
