@@ -349,7 +349,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     except KeyboardInterrupt:
         executor.kill()
         if reporter:
-            console.write(f"\ninterrupted after {len(results)} of {len(cases)} cases; all ranks stopped")
+            console.write(f"\ninterrupted after {len(results)} of {len(cases) * args.repeat} cases; all ranks stopped")
             partial("run interrupted")
         return 1
     except WorldLost as exc:
