@@ -13,6 +13,7 @@ tensor of the twin that stands for flat state is new.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -91,10 +92,12 @@ class Twin:
             for j, p in enumerate(params):
                 opt = owner.get(id(p))
                 entry = opt.state.get(p) if opt is not None else None
-                if not entry:
+                numel = u.shard if u.unit.params is None else (u.unit.in_shard[j] or (0, 0))[1]
+                if not entry or (u.unit.params is not None and not numel):
+                    # (use_orig_params=True: a rank without the parameter's elements never steps it;
+                    # what it holds, such as Adagrad's state from its constructor, tells nothing)
                     summaries.append(None)
                     continue
-                numel = u.shard if u.unit.params is None else (u.unit.in_shard[j] or (0, 0))[1]
                 summaries.append(summarize(entry, numel))
             mine.append(summaries)
         everyone = moves.exchange_by_group(mine, [u.unit.pg for u in self.units])
@@ -125,7 +128,8 @@ class Twin:
                 summary, (_, p, opt) = merged[j], targets[j]
                 if summary is None:
                     continue
-                own = opt.state.get(p) or {}
+                here = u.unit.params is None or (u.unit.in_shard[j] or (0, 0))[1]
+                own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
                 entry = twins_of[id(opt)].state[twin]
                 for key, (kind, value) in summary.items():
                     if kind == "value":
@@ -214,17 +218,22 @@ class Twin:
                 continue
             mine = [e for i, e in enumerate(entries) if (flat_mode or i == j) and e]
             where = (0, u.shard) if flat_mode else u.unit.in_shard[j]
-            if not mine or where is None or not where[1]:
-                opt.state.pop(p, None)  # no state, or (use_orig_params=True) none of its elements here
+            if not flat_mode and (where is None or not where[1]):
+                continue  # none of its elements here: this rank never steps it, and the load has nothing for it
+            if not mine:
+                opt.state.pop(p, None)
                 continue
             current = opt.state.get(p) or {}
             new: dict[Any, Any] = {}
+            # A flat shard's padding belongs to no parameter: a load leaves what the optimizer holds there.
+            valid = self._unpadded(u) if flat_mode else where[1]
             for key, value in mine[0].items():
                 if key in flats:
                     piece = flats[key][where[0] : where[0] + where[1]]
                     old = current.get(key)
                     if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
-                        new[key] = old.copy_(piece)
+                        old[:valid].copy_(piece[:valid])
+                        new[key] = old
                     else:
                         new[key] = piece.clone()
                 else:
@@ -234,6 +243,12 @@ class Twin:
                     else:
                         new[key] = value
             opt.state[p] = new
+
+    @staticmethod
+    def _unpadded(u: UnitLayout) -> int:
+        """Elements of this rank's flat shard that belong to a parameter (the rest pads the last shards)."""
+        total = max((off + math.prod(shape) for off, shape in zip(u.unit.offsets, u.unit.shapes)), default=0)
+        return max(0, min(u.shard, total - u.index * u.shard))
 
 
 def _per_element(value: Any) -> bool:

@@ -337,3 +337,38 @@ def tied(ctx, uop: bool):
     steps(target, target_opt, 2, 2)
     _assert_same(_full(source, source_opt), _full(target, target_opt))
     return sorted(msd), sorted(osd["state"])
+
+
+def adagrad_resume(ctx, uop: bool, mode: str):
+    """Adagrad makes state for every parameter in its constructor: a rank that
+    holds none of a parameter's elements (use_orig_params=True) never steps
+    that entry, and a flat shard's padding keeps its initial sum. A get takes
+    scalars such as ``step`` from the ranks that hold elements, and a set
+    leaves the rest as it is: the resumed run's state, rank by rank, equals
+    the uninterrupted run's bitwise."""
+
+    def make(seed):
+        model, _ = _fsdp1(ctx, seed, uop)
+        return model, torch.optim.Adagrad(model.parameters(), lr=0.01 * (seed + 1), initial_accumulator_value=0.1)
+
+    def local(model, optimizer) -> list:
+        out = []
+        for p in model.parameters():
+            entry = optimizer.state.get(p) or {}
+            out += [p.detach().clone(), sorted(entry)] + [entry[k].clone() for k in sorted(entry)]
+        return out
+
+    source, source_opt = make(0)
+    _steps(source, source_opt, 0, 2)
+    msd, osd = hyperdsd.get_state_dict(source, source_opt, options=StateDictOptions(**GET[mode]))
+    target, target_opt = make(1)
+    hyperdsd.set_state_dict(
+        target,
+        target_opt,
+        model_state_dict=msd,
+        optim_state_dict=osd,
+        options=StateDictOptions(**PUT.get(mode, GET[mode])),
+    )
+    _steps(source, source_opt, 2, 1)
+    _steps(target, target_opt, 2, 1)
+    return _equal(local(source, source_opt), local(target, target_opt))

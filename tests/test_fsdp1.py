@@ -71,3 +71,13 @@ def test_tied_parameters_keep_both_names_and_one_state(pools, uop):
     names = ["0.bias", "0.weight", "2.bias", "2.weight", "3.bias", "3.weight"]
     state = ["0.bias", "0.weight", "2.bias", "3.bias", "3.weight"]
     assert run(pools, 2, "tied", uop=uop) == [(names, state)] * 2
+
+
+@pytest.mark.parametrize("mode", ["full_cpu", "sharded"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_adagrad_state_of_ranks_without_elements_and_of_padding_resumes_exactly(pools, uop, mode):
+    """Found by the suite's FSDP1 layouts (OPT-RT-1[fsdp1-2-adagrad-bcast], [fsdp1-4-flat-adagrad-full_cpu]):
+    a full get took ``step`` from a rank whose Adagrad entry was never stepped, a set dropped that rank's
+    entry, and a set zeroed a flat shard's padding, where Adagrad keeps its initial sum."""
+    world = 2 if uop else 4  # (four ranks pad the flat shards: 30 and 58 elements)
+    assert run(pools, world, "adagrad_resume", uop=uop, mode=mode) == [True] * world
