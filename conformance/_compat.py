@@ -200,3 +200,83 @@ def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | No
     has it unsharded, the unsharded tensors, which ``named_parameters`` would
     hide behind nothing else to tell them from the sharded ones."""
     return module._parameters
+
+
+def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonical) -> dict:
+    """The full state of an FSDP1 model and its optimizers by original parameter, as
+    ``conformance.oracle.full_snapshot`` gives it for DTensors: ``{"params": {fqn: full tensor},
+    "state": {fqn: {key: full value}}, "groups": [{fields, "params": [fqn, ...]}]}``, on every rank.
+
+    FSDP1 holds each unit's original parameters as one flat parameter, sharded in equal chunks
+    over its process group (the shard group under HYBRID_SHARD), and tells which part of which
+    original parameter each rank's chunk holds only through the flat parameter's private fields
+    (``_fqns``, ``_shapes``, ``_numels``, ``_shard_param_infos``, ``_local_shard``, and ``_params`` with
+    ``use_orig_params``). The suite's own gather, independent of torch's FSDP1 state-dict code
+    (an implementation it judges). Collective over every unit's group.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    state_of = {}  # parameter -> optimizer state
+    for opt in optimizers:
+        for p, entry in opt.state.items():
+            if entry:
+                state_of[p] = entry
+    params: dict = {}
+    state: dict = {}
+    expand: dict = {}  # flat parameter -> the FQNs of its original parameters
+    for name, unit in root.named_modules():
+        if not isinstance(unit, FSDP) or unit._handle is None:
+            continue
+        flat = unit._handle.flat_param
+        prefix = canonical(name)
+        fqns = [canonical(f"{prefix}.{f}" if prefix else f) for f in flat._fqns]
+        expand[flat] = fqns
+        originals = getattr(flat, "_params", None)  # use_orig_params: the original parameters
+        # This rank's pieces: fqn -> (start, end) within the parameter, its values, its state.
+        pieces = {}
+        for i, info in enumerate(flat._shard_param_infos):
+            if not info.in_shard:
+                continue
+            span = slice(info.offset_in_shard, info.offset_in_shard + info.numel_in_shard)
+            if originals is not None:
+                entry = state_of.get(originals[i], {})
+            else:
+                entry = {
+                    k: (v[span] if isinstance(v, torch.Tensor) and v.dim() else v)
+                    for k, v in state_of.get(flat, {}).items()
+                }
+            own = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+            pieces[fqns[i]] = (
+                info.intra_param_start_idx,
+                info.intra_param_end_idx,
+                flat._local_shard[span].clone(),
+                own,
+            )
+        everyone = [None] * dist.get_world_size(unit.process_group)
+        dist.all_gather_object(everyone, pieces, group=unit.process_group)
+        for fqn, shape, numel in zip(fqns, flat._shapes, flat._numels):
+            full = torch.zeros(numel, dtype=flat.dtype)
+            entry: dict = {}
+            for part in everyone:
+                if fqn not in part:
+                    continue
+                start, end, values, own = part[fqn]
+                full[start : end + 1] = values
+                for k, v in own.items():
+                    if isinstance(v, torch.Tensor) and v.dim():
+                        entry.setdefault(k, torch.zeros(numel, dtype=v.dtype))[start : end + 1] = v
+                    else:
+                        entry.setdefault(k, v)
+            params[fqn] = full.view(shape)
+            if entry:
+                state[fqn] = {
+                    k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in entry.items()
+                }
+    groups = []
+    for opt in optimizers:
+        for group in opt.param_groups:
+            fields = {k: v for k, v in group.items() if k != "params"}
+            names = [n for p in group["params"] for n in (expand.get(p) or [fqn_of[p]])]
+            groups.append({**fields, "params": names})
+    return {"params": params, "state": state, "groups": groups}

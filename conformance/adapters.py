@@ -64,7 +64,7 @@ GET_OF = {
     "dcp": "sharded",
 }
 # Layouts beyond data parallelism (single, ddp, fsdp, hsdp), as an IUT declares them (SPEC §1).
-LAYOUTS = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world", "policies")
+LAYOUTS = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world", "policies", "fsdp1")
 # Options an IUT may lack (SPEC §1): its own options type (what OPT-ATOM-3's
 # contradiction is made of), ``strict=False`` loads, ``ignore_frozen_params``.
 OPTIONS = ("options_type", "strict", "ignore_frozen_params")

@@ -84,6 +84,8 @@ def needs_of(case: Case) -> Needs:
         layouts.append("several_meshes")
     if any(p.startswith("halves") for p in parts):
         layouts.append("part_of_world")
+    if any(p.startswith(("fsdp1-", "hsdp1-")) for p in parts):  # torch's FullyShardedDataParallel (SPEC §2, 1.3)
+        layouts.append("fsdp1")
     if any("." in p for p in parts):  # fsdp4.bf16: an FSDP2 policy variant, passed to the adapter's shard
         layouts.append("policies")
     declared = clause(case.clause)

@@ -101,6 +101,10 @@ class LayoutKind:
     wrap: Callable[[nn.Module], nn.Module] = lambda module: module
     parts: bool = False
     serves: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # FSDP1 (SPEC §2, 1.3): the suite wraps with torch's FullyShardedDataParallel;
+    # ``flat``: use_orig_params=False (the optimizer holds flat parameters).
+    fsdp1: bool = False
+    flat: bool = False
 
 
 # -- how each kind builds its meshes ---------------------------------------
@@ -234,6 +238,30 @@ def _second_model_differs(cfg: ModelConfig, setup: "Setup") -> ModelConfig:
     return replace(cfg, n_layers=cfg.n_layers + setup.part)
 
 
+def _fsdp1_units(setup: "Setup", *, flat: bool, strategy: str) -> None:
+    """FSDP1 (torch's ``FullyShardedDataParallel``) on every block, then on the
+    root, with ``device_id`` the rank's device (SPEC §2). The suite wraps with
+    torch's own class, whatever the implementation under test: it is judged on
+    its state-dict functions, and FSDP1 has no sharding API to adapt (FSDP2's
+    ``fully_shard`` is the adapter's ``shard``). ``setup.module`` becomes the
+    root wrapper: its own ``state_dict`` (FSDP1's full state dict, canonical
+    keys) is the suite's reference way for the model."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    kwargs = {"device_id": setup.device, "use_orig_params": not flat, "sharding_strategy": ShardingStrategy[strategy]}
+    if strategy == "HYBRID_SHARD":
+        kwargs["device_mesh"] = setup.mesh
+    module = setup.module
+    with warnings.catch_warnings():  # FSDP1's deprecation notice, and its notes on CPU devices
+        warnings.simplefilter("ignore")
+        for name in list(module.layers):
+            module.layers[name] = FSDP(module.layers[name], **kwargs)
+        setup.module = FSDP(module, **kwargs)
+
+
 # -- data parallelism -------------------------------------------------------
 
 
@@ -319,6 +347,45 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_dp,
         model=_experts,
         serves=(("OPT-MESH-1", ("fsdp4+rep2",)),),
+    ),
+    # FSDP1 (SPEC §2, 1.3): FullyShardedDataParallel on every block and the root.
+    LayoutKind(
+        "fsdp1",
+        r"fsdp1-(\d+)",
+        lambda n: (n, ((f"{n}", ("shard",)),), 1),
+        _world_mesh,
+        lambda setup: _fsdp1_units(setup, flat=False, strategy="FULL_SHARD"),
+        _world_dp,
+        fsdp1=True,
+    ),
+    LayoutKind(
+        "fsdp1-flat",
+        r"fsdp1-(\d+)-flat",
+        lambda n: (n, ((f"{n}", ("shard",)),), 1),
+        _world_mesh,
+        lambda setup: _fsdp1_units(setup, flat=True, strategy="FULL_SHARD"),
+        _world_dp,
+        fsdp1=True,
+        flat=True,
+    ),
+    # SHARD_GRAD_OP: parameters stay unsharded from the forward to the backward.
+    LayoutKind(
+        "fsdp1-shard_grad_op",
+        r"fsdp1-(\d+)-shard_grad_op",
+        lambda n: (n, ((f"{n}", ("shard",)),), 1),
+        _world_mesh,
+        lambda setup: _fsdp1_units(setup, flat=False, strategy="SHARD_GRAD_OP"),
+        _world_dp,
+        fsdp1=True,
+    ),
+    LayoutKind(
+        "hsdp1",
+        r"hsdp1-(\d+)x(\d+)",
+        lambda r, s: (r * s, ((f"{r}x{s}", ("replicate", "shard")),), 1),
+        _world_mesh,
+        lambda setup: _fsdp1_units(setup, flat=False, strategy="HYBRID_SHARD"),
+        _world_dp,
+        fsdp1=True,
     ),
     # Models on disjoint parts of the world, each fully sharded on its own
     # mesh (colocated trainers: an actor on ranks 0-1, a critic on 2-3).
@@ -410,8 +477,16 @@ class Setup:
         if not meta and self.device.type != "cpu":
             module.to(self.device)  # built on the CPU for the same values on every device
         self.module = module
+        # FSDP1 with its original parameters keeps the very parameter objects,
+        # as 1-D views of its shards: the groups by role go by their shapes
+        # before the wrap.
+        by_role = None
+        if with_optimizer and lay.kind.fsdp1 and not lay.kind.flat:
+            by_role = param_groups(
+                [(n, p) for n, p in self.named_parameters() if trainable is None or trainable(n)], groups
+            )
         lay.kind.shard(self)
-        model: nn.Module = lay.kind.wrap(module)
+        model: nn.Module = lay.kind.wrap(self.module)
         if "compile" in wrappers:
             model = torch.compile(model, backend="eager")
         self.model = model  # what the implementation under test is given
@@ -420,7 +495,7 @@ class Setup:
         self.schedulers: list = []
         if with_optimizer:
             named = [(n, p) for n, p in self.named_parameters() if trainable is None or trainable(n)]
-            all_groups = param_groups(named, groups)
+            all_groups = by_role or param_groups(named, groups)
             chunks = [all_groups] if n_optimizers == 1 else [all_groups[:1], all_groups[1:]]
             self.optimizers = [OPTIMIZERS[optimizer](chunk) for chunk in chunks]
             if scheduler:
@@ -466,6 +541,14 @@ class Setup:
                     seen.add(id(param))
                     out.append((canonical(f"{prefix}.{name}" if prefix else name), param))
         return out
+
+    def gathered(self) -> dict | None:
+        """For FSDP1 layouts, :func:`conformance.oracle.full_snapshot`'s full
+        state by original parameter's FQN (FSDP1 holds flat shards, not
+        DTensors); None for every other layout. Collective."""
+        if not self.layout.kind.fsdp1:
+            return None
+        return _compat.fsdp1_full_snapshot(self.module, self.optimizers, self.fqn_of(), canonical)
 
     def fqn_of(self) -> dict[nn.Parameter, str]:
         return {p: n for n, p in self.named_parameters()}

@@ -153,6 +153,10 @@ def full_snapshot(setup) -> dict:
     Collective: every rank of the setup's meshes must call it.
     """
 
+    gathered = setup.gathered()  # a layout without DTensors gathers its own way (FSDP1)
+    if gathered is not None:
+        return gathered
+
     def full(leaf, _path):
         return leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
 

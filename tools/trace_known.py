@@ -30,7 +30,8 @@ PIPELINE = ("pp2", "pp2xfsdp2")
 
 
 def _mode(case_id: str) -> str:
-    parts = case_id.split("[", 1)[1].rstrip("]").split("-")
+    # (the FSDP1 layout fsdp1-N-flat names the mode flat in its own name)
+    parts = re.sub(r"fsdp1-\d+-flat", "fsdp1", case_id.split("[", 1)[1].rstrip("]")).split("-")
     return next((p for p in parts if p in MODES), "")
 
 

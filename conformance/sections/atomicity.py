@@ -322,6 +322,22 @@ def cases():
             yield make_case(
                 "OPT-ATOM-2", layout, atom_bad_input, mode="sharded", variant=kind, kind=kind, which="OPT-ATOM-2"
             )
+    for layout in ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2"):  # FSDP1 (SPEC §2, 1.3)
+        for mode in ("sharded", "full"):
+            yield make_case(
+                "OPT-ATOM-1",
+                layout,
+                atom_bad_input,
+                mode=mode,
+                variant="unknown_fqn",
+                kind="unknown_fqn",
+                which="OPT-ATOM-1",
+            )
+            # (OPT-ATOM-2's bad value goes under the FQN of one of the optimizer's parameters: a flat one has none)
+            for kind in ("wrong_shape", "non_tensor") if not layout.endswith("-flat") else ():
+                yield make_case(
+                    "OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant=kind, kind=kind, which="OPT-ATOM-2"
+                )
     for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2"):
         for target in ("optim", "model"):
             yield make_case("OPT-ATOM-3", layout, atom_3, variant=target, target=target, deadline_s=30)

@@ -75,6 +75,9 @@ def cases():
         for opt in ("adamw", "sgd"):
             for mode in flows.MODES:
                 yield make_case("OPT-EMPTY-1", layout, empty_1, opt=opt, mode=mode)
+    for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3)
+        for mode in flows.MODES:
+            yield make_case("OPT-EMPTY-1", layout, empty_1, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4"):
         for mode in ("sharded", "full_cpu", "dcp"):
             yield make_case(

@@ -163,6 +163,22 @@ def cases():
     for layout, wrappers in (("single", ("checkpoint", "compile")), ("ddp", ()), ("fsdp2", ("checkpoint",))):
         name = "+".join(wrappers) or "plain"
         yield make_case("OPT-KEYS-2", layout, keys_2, mode="file", variant=name, wrappers=wrappers, deadline_s=120)
+    # FSDP1 (SPEC §2, 1.3). OPT-KEYS-1 pairs each of the optimizer's parameters with its FQN, which a flat
+    # parameter has not (it holds several): the layouts with original parameters; not full_cpu, where only
+    # rank 0 reads the model's own state dict, which FSDP1 gathers from every rank. Wrappers on both kinds.
+    for layout in ("fsdp1-2", "hsdp1-2x2", "fsdp1-2-shard_grad_op"):
+        for mode in ("sharded", "full"):
+            yield make_case("OPT-KEYS-1", layout, keys_1, opt="adamw", mode=mode)
+    for layout, variants in (
+        ("fsdp1-2", (("checkpoint",), ("compile",), ("checkpoint", "compile"))),
+        ("fsdp1-4-flat", ((), ("checkpoint",))),
+    ):
+        for wrappers in variants:
+            for mode in ("sharded", "full"):
+                name = "+".join(wrappers) or "plain"
+                yield make_case(
+                    "OPT-KEYS-2", layout, keys_2, mode=mode, variant=name, wrappers=wrappers, deadline_s=120
+                )
     for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-KEYS-3", layout, keys_3, mode=mode)

@@ -211,6 +211,31 @@ def cases():
     for layout in ("single", "fsdp2", "hsdp2x2"):
         for mode in ("sharded", "full", "dcp"):
             yield make_case("MODEL-1", layout, model_1, mode=mode, variant="tied", tie=True)
+    # FSDP1 (SPEC §2, 1.3): every mode on both kinds of parameters, two on the others; wrappers.
+    # (MODEL-3 counts a rank's share in DTensor shards of the model's own state dict: FSDP1 has none.)
+    for layout, modes in (
+        ("fsdp1-2", flows.MODES),
+        ("fsdp1-4-flat", flows.MODES),
+        ("hsdp1-2x2", ("sharded", "bcast")),
+        ("fsdp1-2-shard_grad_op", ("full", "dcp")),
+    ):
+        for mode in modes:
+            yield make_case("MODEL-1", layout, model_1, mode=mode)
+    for mode in ("sharded", "full"):
+        yield make_case(
+            "MODEL-1",
+            "fsdp1-2",
+            model_1,
+            mode=mode,
+            variant="checkpoint+compile",
+            wrappers=("checkpoint", "compile"),
+            deadline_s=120,
+        )
+    for mode in ("sharded", "full", "bcast", "file"):
+        for strict in (True, False):
+            yield make_case(
+                "MODEL-2", "fsdp1-2", model_2, mode=mode, variant="strict" if strict else "nonstrict", strict=strict
+            )
     for mode in ("sharded", "full", "bcast", "dcp"):
         yield make_case("MODEL-1", "fsdp2xtp2", model_1, mode=mode, profile="tp")
     for layout in ("fsdp2",):

@@ -349,6 +349,19 @@ def cases():
     for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-3", layout, part_3, mode=mode)
+    # FSDP1 (SPEC §2, 1.3): frozen parameters need the original ones (a flat parameter
+    # freezes whole); strict partial loads, frozen state resumed. (A non-strict load goes into
+    # a model with a parameter more, whose FSDP1 units shard every parameter at other offsets:
+    # the case's rank-by-rank comparison of pieces cannot pair them.)
+    for layout, modes in (("fsdp1-2", ("sharded", "full", "flat", "dcp")), ("hsdp1-2x2", ("dcp",))):
+        for mode in modes:
+            yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="strict", strict=True)
+    for mode in ("sharded", "full", "flat", "dcp"):
+        yield make_case("OPT-PART-3", "fsdp1-2", part_3, mode=mode)
+    for mode in ("dcp", "full_cpu"):
+        for warm in (0, 2):
+            variant = "frozen_after-" + ("warm" if warm else "fresh")
+            yield make_case("OPT-PART-3", "fsdp1-2", part_3_resume, mode=mode, variant=variant, warm=warm)
     for layout in ("single", "fsdp4"):  # a frozen parameter in a checkpoint taken before the first step
         for mode in flows.MODES:
             yield make_case("OPT-PART-3", layout, part_3_step0, mode=mode, variant="step0")

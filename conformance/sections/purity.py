@@ -108,6 +108,10 @@ def cases():
     for layout in LAYOUTS:
         for mode in ("sharded", "flat"):
             yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
+    for layout in ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op"):  # FSDP1 (SPEC §2, 1.3)
+        for mode in ("sharded", "flat"):
+            yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
+    yield make_case("OPT-PURE-2", "fsdp1-2", pure_2, opt="adamw", mode="full_cpu")
     for layout in ("single", "fsdp4"):  # nested state (dicts and lists) must be copies too
         yield make_case("OPT-PURE-2", layout, pure_2, opt="custom", mode="sharded")
     # The same clauses for an implementation whose get only gathers to rank 0 (SPEC §1:

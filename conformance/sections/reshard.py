@@ -203,6 +203,22 @@ def cases():
     for src, dst in PAIRS:
         for opt in ("adamw", "sgd"):
             yield resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp")
+    # FSDP1 and FSDP2 through DCP, both ways (SPEC §2, 1.3). The flat layout's
+    # optimizer holds one flat parameter per unit, so its groups cannot go by
+    # role: both sides of its pairs put every parameter in one group.
+    for src, dst in (
+        ("fsdp1-4-flat", "fsdp4"),
+        ("fsdp4", "fsdp1-4-flat"),
+        ("fsdp4", "fsdp1-2"),
+        ("fsdp1-2", "fsdp2"),
+        ("fsdp2", "fsdp1-2"),
+    ):
+        for opt in ("adamw", "sgd"):
+            case = resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp")
+            if "-flat" in src + dst:
+                one = GroupSpec(split=False)
+                case = replace(case, phases=tuple(replace(p, params={**p.params, "groups": one}) for p in case.phases))
+            yield case
     for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("single", "hsdp2x2")):
         yield resharded_case("OPT-RESHARD-2", src, dst, "adamw", "dcp", lazy="subset")
     # A parameter the checkpoint lists without state (lazy), loaded where a

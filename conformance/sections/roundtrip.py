@@ -16,6 +16,8 @@ from ..models import GroupSpec, ModelConfig
 from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
+# FSDP1 (SPEC §2, 1.3): original parameters, flat parameters, HYBRID_SHARD, SHARD_GRAD_OP.
+FSDP1 = ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 BEFORE, AFTER = 1, 1
 # The warm target's own steps (OPT-RT-5): not the checkpoint's count, so a
@@ -217,6 +219,13 @@ def cases():
         yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode="dcp", variant="step0-frozen", before=0, how=frozen)
     for mode in flows.MODES:  # optional: FSDP over tensor parallelism (strided shards)
         yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
+    # FSDP1 (SPEC §2, 1.3): every mode with AdamW and with the other optimizers in turn; warm targets alike.
+    for i, layout in enumerate(FSDP1):
+        for j, mode in enumerate(flows.MODES):
+            other = OPTS[1 + (i + j) % (len(OPTS) - 1)]
+            yield make_case("OPT-RT-1", layout, rt_1, opt="adamw", mode=mode)
+            yield make_case("OPT-RT-1", layout, rt_1, opt=other, mode=mode)
+            yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
     for layout in LAYOUTS:
         for mode in ("sharded", "full", "full_cpu", "flat"):
             yield make_case("OPT-RT-2", layout, rt_2, opt="adamw", mode=mode)

@@ -86,7 +86,7 @@ def sched_3(c, layout, mode):
 
 
 def cases():
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
+    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
         for mode in flows.MODES:
             yield make_case("OPT-SCHED-1", layout, sched_1, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
