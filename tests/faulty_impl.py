@@ -90,6 +90,14 @@ def _own(fn):
     return call
 
 
+def _judged(base, name: str, **changed):
+    """``base`` named ``name`` with ``changed`` functions; the others are hyperdsd's own."""
+    from conformance.adapters import FUNCTIONS
+
+    own = {f: _own(getattr(base, f)) for f in FUNCTIONS if f not in changed}
+    return replace(base, name=name, version="0", **own, **changed)
+
+
 def halves_router_state():
     """hyperdsd, but a load into a model with routers (a feature the base
     model lacks) halves every floating-point tensor of optimizer state: a
@@ -107,15 +115,7 @@ def halves_router_state():
         with iut_call():
             return base.set_optimizer_state_dict(model, optimizers, osd, options=options)
 
-    return replace(
-        base,
-        name="halves-router-state",
-        version="0",
-        set_optimizer_state_dict=set_optimizer_state_dict,
-        get_model_state_dict=_own(base.get_model_state_dict),
-        set_model_state_dict=_own(base.set_model_state_dict),
-        get_optimizer_state_dict=_own(base.get_optimizer_state_dict),
-    )
+    return _judged(base, "halves-router-state", set_optimizer_state_dict=set_optimizer_state_dict)
 
 
 def groups_by_position():
@@ -240,12 +240,4 @@ def frozen_keep_their_own_state():
                 o.state[p] = entry
             return out
 
-    return replace(
-        base,
-        name="frozen-keep-their-own-state",
-        version="0",
-        set_optimizer_state_dict=set_optimizer_state_dict,
-        get_model_state_dict=_own(base.get_model_state_dict),
-        set_model_state_dict=_own(base.set_model_state_dict),
-        get_optimizer_state_dict=_own(base.get_optimizer_state_dict),
-    )
+    return _judged(base, "frozen-keep-their-own-state", set_optimizer_state_dict=set_optimizer_state_dict)

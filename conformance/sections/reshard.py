@@ -173,17 +173,23 @@ def _largest(values) -> float:
 
 def resharded_case(clause, src, dst, opt, kind, lazy=None) -> Case:
     """Save on ``src``, load on ``dst``; ``lazy``: None, "subset", "aux" or one of ROUTERS."""
-    a, b = parse_layout(src), parse_layout(dst)
     params = {"src": src, "dst": dst, "opt": opt, "kind": kind, "lazy": lazy}
+    return _two_phases(case_id(clause, f"{src}_to_{dst}", opt, kind, lazy), clause, params)
+
+
+def _two_phases(cid: str, clause: str, params: dict, source: str | None = None) -> Case:
+    """The case that saves on ``params["src"]`` and loads on ``params["dst"]``."""
+    a, b = parse_layout(params["src"]), parse_layout(params["dst"])
     return Case(
-        id=case_id(clause, f"{src}_to_{dst}", opt, kind, lazy),
+        id=cid,
         clause=clause,
-        layout=f"{src}_to_{dst}",
+        layout=f"{params['src']}_to_{params['dst']}",
         phases=(Phase(a.world_size, save_phase, params), Phase(b.world_size, load_phase, params)),
         deadline_s=90,
         rtol=RTOL,
         meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
-        mode=kind,
+        mode=params["kind"],
+        source=source,
     )
 
 
@@ -237,22 +243,10 @@ def cases():
         yield resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast")
 
 
-def _explored(s, clause: str, case_id: str, source: str) -> Case:
+def _explored(s, clause: str, cid: str, source: str) -> Case:
     """Save on the scenario's layout, load on ``reshard_to``: this section's two phases."""
-    a, b = parse_layout(s.where), parse_layout(s.reshard_to)
     params = {"src": s.where, "dst": s.reshard_to, "opt": s.optimizer, "kind": s.mode}
-    params |= {"cfg": s.cfg(), "groups": s.groups()}
-    return Case(
-        id=case_id,
-        clause=clause,
-        layout=f"{s.where}_to_{s.reshard_to}",
-        phases=(Phase(a.world_size, save_phase, params), Phase(b.world_size, load_phase, params)),
-        deadline_s=90,
-        rtol=RTOL,
-        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
-        mode=s.mode,
-        source=source,
-    )
+    return _two_phases(cid, clause, params | {"cfg": s.cfg(), "groups": s.groups()}, source)
 
 
 CLAUSES = {
