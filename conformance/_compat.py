@@ -280,3 +280,14 @@ def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonic
             names = [n for p in group["params"] for n in (expand.get(p) or [fqn_of[p]])]
             groups.append({**fields, "params": names})
     return {"params": params, "state": state, "groups": groups}
+
+
+def sharded_tensor_pieces(value) -> list | None:
+    """``[(offsets, local tensor), ...]`` of a ``ShardedTensor`` (what torch's own FSDP1 state dicts hold
+    in the sharded mode), or None for anything else. ShardedTensor lives in a private module path and
+    supports few tensor functions (not ``numel``): the oracle compares its global size and local shards."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not isinstance(value, ShardedTensor):
+        return None
+    return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from . import tree
+from . import _compat, tree
 
 
 class CheckFailure(AssertionError):
@@ -67,6 +67,19 @@ def describe_tensor_difference(
     ``atol`` (absolute)."""
     if not isinstance(actual, torch.Tensor):
         return f"{where}: expected a tensor, got {type(actual).__name__}"
+    pieces = _compat.sharded_tensor_pieces(expected), _compat.sharded_tensor_pieces(actual)
+    if pieces != (None, None):  # a ShardedTensor (torch's FSDP1): its global size and local shards
+        if None in pieces:
+            return f"{where}: expected {type(expected).__name__}, got {type(actual).__name__}"
+        if tuple(expected.size()) != tuple(actual.size()):
+            return f"{where}: global shape {tuple(actual.size())}, expected {tuple(expected.size())}"
+        if [o for o, _ in pieces[0]] != [o for o, _ in pieces[1]]:
+            return f"{where}: local shards at {[o for o, _ in pieces[1]]}, expected {[o for o, _ in pieces[0]]}"
+        for (offsets, e), (_, a) in zip(*pieces):
+            d = describe_tensor_difference(e, a, f"{where}.shard{list(offsets)}", rtol, atol)
+            if d:
+                return d
+        return None
     if isinstance(expected, DTensor) != isinstance(actual, DTensor):
         return f"{where}: expected {type(expected).__name__}, got {type(actual).__name__}"
     if isinstance(expected, DTensor):

@@ -84,7 +84,69 @@ def _pp_stage_only(case, sig) -> bool:
     )
 
 
+def _fsdp1(case) -> bool:
+    """Whether a side of the case is an FSDP1 layout (SPEC §2, 1.3)."""
+    return any(side.startswith(("fsdp1-", "hsdp1-")) for side in case["layout"].split("_to_"))
+
+
 CAUSES: tuple[Cause, ...] = (
+    Cause(
+        "FSDP1 full model state under cpu_offload",
+        "on an FSDP1 model, get_model_state_dict with full_state_dict + cpu_offload (full_cpu, and the bcast and "
+        "file saves) kills rank 0 with SIGSEGV (use_orig_params=True, HYBRID_SHARD and SHARD_GRAD_OP alike) and, "
+        "with flat parameters, raises 'setStorage: ... out of bounds for storage of size 0' on rank 0, while the "
+        "other ranks wait in its collective; without cpu_offload (full) it passes",
+        lambda c, s: _fsdp1(c) and "in get_model_state_dict" in s and ("SIGSEGV" in s or "setStorage" in s),
+    ),
+    Cause(
+        "wrapper prefixes on FSDP1",
+        "on an FSDP1 model, torch.compile's _orig_mod. and, with flat parameters, activation checkpointing's "
+        "_checkpoint_wrapped_module. stay in the optimizer state's keys: the load of the dict get returned raises "
+        "a KeyError naming '_orig_mod.layers.0._orig_mod.norm.weight', or finds no state for "
+        "'layers.0._checkpoint_wrapped_module.fc2.bias'; FSDP2 and DDP models under the same wrappers pass",
+        lambda c, s: (
+            _fsdp1(c)
+            and c["clause"] == "OPT-KEYS-2"
+            and any(w in (c["message"] or "") for w in ("'_orig_mod.", "._checkpoint_wrapped_module."))
+        ),
+    ),
+    Cause(
+        "Adagrad's state on FSDP1",
+        "Adagrad makes state for every parameter in its constructor; on FSDP1, a load drops the entries of a "
+        "rank that holds none of a parameter's elements (use_orig_params=True), which the uninterrupted run keeps, "
+        "or writes another value into a flat shard's padding than Adagrad's initial sum (hyperdsd had the same "
+        "deviation, fixed with tests/test_fsdp1.py's Adagrad test)",
+        lambda c, s: (
+            _fsdp1(c)
+            and "-adagrad-" in c["id"]
+            and c["clause"] in ("OPT-RT-1", "OPT-RT-5")
+            and ("differs from the uninterrupted" in s or "does not reproduce the source" in s)
+        ),
+    ),
+    Cause(
+        "FSDP1 full optimizer state under cpu_offload",
+        "on an FSDP1 model with its original parameters, an optimizer state dict taken with full_state_dict + "
+        "cpu_offload (full_cpu, bcast, file) resumes into other values on the first rank of each shard group: "
+        "parameters differ after one step from the uninterrupted run, where the same round trip without "
+        "cpu_offload (full) equals it",
+        lambda c, s: (
+            _fsdp1(c)
+            and _mode(c["id"]) in ("full_cpu", "bcast", "file")
+            and ("differs from the uninterrupted" in s or "does not reproduce the source" in s)
+        ),
+    ),
+    Cause(
+        "FSDP1 flattened optimizer state",
+        "flatten_optimizer_state_dict on FSDP1: loading into a stepped optimizer kills a rank with SIGABRT in "
+        "set_optimizer_state_dict, and with flat parameters and plain SGD (no state) the load raises 'The state "
+        "of _OptimStateKey(...) is empty. This should happen when use_orig_params=True'",
+        lambda c, s: (
+            _fsdp1(c)
+            and _mode(c["id"]) == "flat"
+            and "set_optimizer_state_dict" in s
+            and ("SIGABRT" in s or "_OptimStateKey" in s)
+        ),
+    ),
     Cause(
         "pipeline stages under full_cpu",
         "with pipeline stages, full_state_dict + cpu_offload keeps on rank 0 only rank 0's own stage, so a "
