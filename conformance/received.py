@@ -191,6 +191,8 @@ def _key_problems(r: _Result) -> list[str]:
     if r.model is None or not isinstance(r.model, torch.nn.Module) or "submodules" in r.kwargs_keys:
         return []
     params, others = _names(r.model)
+    if any(n.endswith("_flat_param") for names in params.values() for n in names):
+        return []  # FSDP1's flat parameters hide the model's own names: only the form is judged
     every = set().union(*params.values(), others) if params else set(others)
     out = []
     if r.model_keys is not None:
