@@ -1,7 +1,7 @@
 """The mutants ``tools/mutate.py`` applies to hyperdsd: small, realistic bugs.
 
 Each names the function it plants its bug in, by its dotted name
-(``hyperdsd.state.model.plan_load``, ``hyperdsd.checkpoint.LoadPlanner.__init__``),
+(``hyperdsd.state.model.plan_load``, ``hyperdsd.checkpoint.planner.LoadPlanner.__init__``),
 a ``pattern`` inside it and the ``replacement``: snippets of Python, matched by
 their syntax tree, not their text (``tools/anchor.py``), so that reformatting
 the code, or moving the function to another module, does not break the mutant.
@@ -453,7 +453,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dcp-coordinator-own-keys",
-        "hyperdsd.checkpoint.LoadPlanner.create_global_plan",
+        "hyperdsd.checkpoint.planner.LoadPlanner.create_global_plan",
         "asked.update(keys)",
         "asked.update(self.asked)",
         "the coordinator judges unexpected checkpoint entries by its own state dict "
@@ -462,7 +462,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dcp-unexpected-entries-ignored",
-        "hyperdsd.checkpoint.LoadPlanner.create_global_plan",
+        "hyperdsd.checkpoint.planner.LoadPlanner.create_global_plan",
         "if extra: ...",
         "if False: ...",
         "strict DCP loads ignore checkpoint entries no rank asks for (a checkpoint with a param group more loads)",
@@ -470,7 +470,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dcp-planner-always-partial",
-        "hyperdsd.checkpoint.LoadPlanner.__init__",
+        "hyperdsd.checkpoint.planner.LoadPlanner.__init__",
         "super().__init__(allow_partial_load=not strict)",
         "super().__init__(allow_partial_load=True)",
         "strict DCP loads skip template entries the checkpoint lacks (they keep the target's values)",
