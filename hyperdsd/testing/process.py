@@ -17,8 +17,6 @@ import os
 import signal
 import sys
 
-from .messages import STACK_SIGNAL
-
 PR_SET_PDEATHSIG = 1
 
 
@@ -316,6 +314,9 @@ def kill_tree(pid: int) -> None:
 
 
 def request_stacks(pid: int) -> None:
+    # By its absolute name: this file also runs as a script, the entry point of a spawned rank.
+    from hyperdsd.testing.messages import STACK_SIGNAL
+
     try:
         os.kill(pid, STACK_SIGNAL)
     except (ProcessLookupError, PermissionError):
