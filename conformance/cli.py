@@ -449,10 +449,9 @@ def _explore(args) -> int:
 
     from hyperdsd.testing import PoolSet, environment_problems, launched_by_torchrun, stop_fork_server
 
-    from .explore import ExploreUsageError, parse_budget, run_command
+    from .explore import ExploreUsageError, check_request, run_command
     from .reporting import RunInfo
     from .runner import Runner
-    from .scenarios import Scenario
 
     try:
         import hypothesis  # noqa: F401
@@ -461,9 +460,7 @@ def _explore(args) -> int:
     if launched_by_torchrun():
         raise UsageError("explore runs its own rank pools; run it with python, not torchrun")
     try:
-        parse_budget(args.budget)
-        if args.replay:
-            Scenario.from_token(args.replay)
+        check_request(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     for problem in environment_problems():

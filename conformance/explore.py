@@ -553,12 +553,12 @@ def save_finding(directory: str, f: Finding, impl: str) -> str:
     return write_found(directory, record)
 
 
-def run_command(args, adapter, runner: Runner, info) -> int:
-    """The explore command, on a runner the CLI set up; returns the exit status."""
-    impl = adapter.spec
+def check_request(args) -> None:
+    """Raise ExploreUsageError (a ValueError) for a request the command cannot
+    serve, before any rank starts: a usage error costs no pool."""
+    parse_budget(args.budget)
     if args.clause and not args.replay:
         raise ExploreUsageError("--clause goes with --replay")
-    sr = ScenarioRunner(runner, only=args.clause)
     if args.replay:
         s = Scenario.from_token(args.replay)
         if args.clause and not any(c.clause == args.clause for c in clause_cases(s)):
@@ -566,6 +566,14 @@ def run_command(args, adapter, runner: Runner, info) -> int:
                 f"--clause {args.clause}: not a clause the scenario exercises "
                 f"({', '.join(c.clause for c in clause_cases(s))})"
             )
+
+
+def run_command(args, adapter, runner: Runner, info) -> int:
+    """The explore command, on a runner the CLI set up (after check_request); returns the exit status."""
+    impl = adapter.spec
+    sr = ScenarioRunner(runner, only=args.clause)
+    if args.replay:
+        s = Scenario.from_token(args.replay)
         described = "\n".join("  " + x for x in s.describe().splitlines())
         print(f"replaying {s.digest} against {adapter.name}:\n{described}")
         verdict = sr.run(s)

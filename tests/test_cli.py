@@ -64,10 +64,19 @@ def test_list_prints_the_manifest():
         (["--backend", "nosuchbackend"], "no such process-group backend"),
     ],
 )
-def test_usage_errors_exit_2(args, needle):
-    proc, _ = run_cli(args)
-    assert proc.returncode == 2
-    assert needle in proc.stderr
+def test_usage_errors_exit_2(args, needle, capsys, monkeypatch):
+    # In process: a usage error is found before any rank starts.
+    from conformance.cli import main
+    from hyperdsd.testing import PoolSet
+
+    monkeypatch.setattr(PoolSet, "__init__", lambda *a, **k: pytest.fail("a usage error started rank pools"))
+    assert main(args) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_usage_error_is_the_commands_exit_status_2():
+    proc, _ = run_cli(["--mesh", "2y2"])
+    assert proc.returncode == 2 and "joined by 'x'" in proc.stderr, proc.stderr
 
 
 def test_missing_numpy_is_one_clear_usage_error(monkeypatch, capsys):
