@@ -2,8 +2,6 @@
 
 import json
 
-from helpers import run_cli
-
 from conformance import spec
 from conformance.registry import all_cases
 
@@ -37,7 +35,16 @@ def _report(path, statuses, deviations=()):
     return str(path)
 
 
-def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path):
+def _diff(*args, capsys):
+    """``python -m conformance diff`` in process (it reads two JSON files): (exit status, stdout, stderr)."""
+    from conformance.cli import main
+
+    status = main(["diff", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path, capsys):
     old = _report(
         tmp_path / "old.json",
         {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "failed", "OPT-DT-1[a]": "passed", "OPT-DT-1[b]": "passed"},
@@ -47,19 +54,18 @@ def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path):
         {"OPT-RT-1[a]": "passed", "OPT-RT-1[b]": "passed", "OPT-DT-1[a]": "error", "OPT-PART-5[a]": "passed"},
         [{"signature": "x", "status": "error", "clauses": ["OPT-DT-1"], "count": 1, "message": "error because"}],
     )
-    proc, _ = run_cli(["diff", old, new])
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    out = proc.stdout
+    status, out, err = _diff(old, new, capsys=capsys)
+    assert status == 1, out + err
     assert "fixed: OPT-RT-1[b]: failed -> passed" in out
     assert "REGRESSED: OPT-DT-1[a]: passed -> error" in out
     assert "REGRESSED: OPT-DT-1[b]: was passed, not in the new run" in out
     assert "+ 1 new case(s): 1 passed" in out
     assert "+ error in 1 case(s) of OPT-DT-1: error because" in out
     assert out.rstrip().endswith("2 regressed, 1 fixed")
-    same, _ = run_cli(["diff", old, old])
-    assert same.returncode == 0 and "every case has the same status" in same.stdout
-    bad, _ = run_cli(["diff", old, str(tmp_path / "missing.json")])
-    assert bad.returncode == 2 and "cannot read" in bad.stderr
+    status, out, _ = _diff(old, old, capsys=capsys)
+    assert status == 0 and "every case has the same status" in out
+    status, _, err = _diff(old, str(tmp_path / "missing.json"), capsys=capsys)
+    assert status == 2 and "cannot read" in err
 
 
 def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
