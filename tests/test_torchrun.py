@@ -10,7 +10,7 @@ import sys
 import uuid
 from unittest import mock
 
-from helpers import ROOT, TESTS, lingering, run_cli, scaled, slowness, wait_for
+from helpers import ROOT, TESTS, lingering, scaled, slowness, wait_for
 
 # Waits on an event (a process exits, a thread acts): only a hang reaches these.
 EVENT_LIMIT_S = scaled(600)
@@ -68,12 +68,13 @@ def test_every_world_size_runs_on_sub_worlds_with_the_pools_verdicts(tmp_path):
     proc = _torchrun([*SLICE, "--json", str(launched)], str(tmp_path), mark)
     out, _ = proc.communicate(timeout=EVENT_LIMIT_S)
     assert proc.returncode == 0, out[-4000:]
-    pools = tmp_path / "pools.json"
-    pool_run, _ = run_cli([*SLICE, "--json", str(pools)])
-    assert pool_run.returncode == 0, pool_run.stdout[-3000:]
-    got, want = _statuses(launched), _statuses(pools)
+    # The pools' verdict on every case of the slice is "passed" (the matrix test runs each on
+    # pools): the launched world must select the same cases and pass them all, none n/a.
+    from conformance.registry import all_cases
+
+    patterns = SLICE[1::2]
+    got, want = _statuses(launched), {c.id: "passed" for c in all_cases() if any(p in c.id for p in patterns)}
     assert got == want
-    assert set(got.values()) == {"passed"}, got  # none n/a for its world size
     sizes = json.loads(launched.read_text())["world_sizes"]
     assert sizes == [1, 2, 3, 4]
     assert lingering(mark) == []
