@@ -383,6 +383,8 @@ CATEGORIES = (
             "hyperdsd/state/optimizer_load.py",
             "hyperdsd/state/optimizer_input.py",
             "hyperdsd/state/placeholders.py",
+            "hyperdsd/state/templates.py",
+            "hyperdsd/state/saved_templates.py",
             "hyperdsd/api.py",
         ),
     ),

@@ -4,8 +4,8 @@ Names (:mod:`.fqn`), the model's and the optimizers' state (:mod:`.model`,
 :mod:`.optimizer`), a state dict to load parsed against its target
 (:mod:`.optimizer_input`), load plans that check everything before anything
 changes (:mod:`.load_plan`, :mod:`.optimizer_load`), placeholder state for
-never-stepped optimizers (:mod:`.placeholders`), the flat layout
-(:mod:`.flat`) and a DCP template judged against a checkpoint
-(:mod:`.dcp_template`). Nothing here issues a collective: who sends what to
-whom is :mod:`hyperdsd.transport`'s.
+never-stepped optimizers (:mod:`.placeholders`, :mod:`.templates`,
+:mod:`.saved_templates`), the flat layout (:mod:`.flat`) and a DCP template
+judged against a checkpoint (:mod:`.dcp_template`). Nothing here issues a
+collective: who sends what to whom is :mod:`hyperdsd.transport`'s.
 """

@@ -34,7 +34,7 @@ class TensorMeta:
     shape: tuple
     dtype: torch.dtype
     index: int
-    # The one value every element holds (:func:`~hyperdsd.state.placeholders.tensor_fill`),
+    # The one value every element holds (:func:`~hyperdsd.state.saved_templates.tensor_fill`),
     # worked out on the root for the state of never-stepped entries only; None: not known.
     fill: Any = None
 

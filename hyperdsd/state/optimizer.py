@@ -20,7 +20,7 @@ from ..tree import is_container, rebuild
 from .flat import GROUPS, STATE
 from .fqn import ModelIndex
 from .load_plan import OptimizerLoadPlan, Prepared, copy_into, fits, materialize, redistribute
-from .placeholders import stateless_template, template_state
+from .templates import stateless_template, template_state
 
 
 def _own(value: Any) -> Any:

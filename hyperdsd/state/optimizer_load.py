@@ -35,17 +35,16 @@ from .load_plan import (
     refused,
 )
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placeholders import (
-    has_placeholders,
+from .placeholders import has_placeholders
+from .saved_templates import (
     is_saved_stepless_template,
     is_saved_template,
-    scratch_step,
-    stateless_scratch,
     step_is_zero,
     stepless_fills,
     surely_real,
     template_fills,
 )
+from .templates import scratch_step, stateless_scratch
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -203,7 +202,7 @@ def _prepare_all(
 def _ask_stepless(plan: OptimizerLoadPlan, expectation: _Expectations, found: list[tuple], name: str) -> None:
     """Ask whether an optimizer's entries without ``step`` are a saved
     never-stepped template: only if all of them are, on every rank (see
-    :mod:`hyperdsd.state.placeholders`). ``name`` stands for the optimizer in
+    :mod:`hyperdsd.state.saved_templates`). ``name`` stands for the optimizer in
     the vote: its position among the optimizers loaded, alike on every rank
     (NUL never occurs in an FQN). Pipeline stages each load their own
     optimizer at the same position, the parts of one optimizer that steps as
