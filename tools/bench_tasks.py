@@ -388,7 +388,10 @@ CATEGORIES = (
             "hyperdsd/api.py",
         ),
     ),
-    ("plan objects (Prepared, layouts)", ("hyperdsd/state/load_plan.py", "hyperdsd/placement.py")),
+    (
+        "plan objects (Prepared, layouts)",
+        ("hyperdsd/state/load_plan.py", "hyperdsd/state/load_checks.py", "hyperdsd/placement.py"),
+    ),
     ("reading state (get)", ("hyperdsd/state/optimizer.py",)),
     ("applying (copies, new state)", ()),
     (

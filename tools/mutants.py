@@ -138,7 +138,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fits-ignores-dtype",
-        "hyperdsd.state.load_plan.accepted",
+        "hyperdsd.state.load_checks.accepted",
         'Verdict("", layout, moves, fits and existing.dtype == dtype)',
         'Verdict("", layout, moves, fits)',
         "set copies into an existing state tensor of another dtype (the loaded state takes the old dtype)",

@@ -19,7 +19,8 @@ from ..errors import StateDictError
 from ..tree import is_container, rebuild
 from .flat import GROUPS, STATE
 from .fqn import ModelIndex
-from .load_plan import OptimizerLoadPlan, Prepared, copy_into, fits, materialize, redistribute
+from .load_checks import fits
+from .load_plan import OptimizerLoadPlan, Prepared, copy_into, materialize, redistribute
 from .templates import stateless_template, template_state
 
 

@@ -19,9 +19,7 @@ from .. import _compat
 from ..placement import LayoutCache
 from ..tree import is_container
 from .fqn import ModelIndex
-from .load_plan import (
-    OptimizerLoadPlan,
-    ParamLoad,
+from .load_checks import (
     Verdict,
     Verdicts,
     accepted,
@@ -34,6 +32,7 @@ from .load_plan import (
     planned,
     refused,
 )
+from .load_plan import OptimizerLoadPlan, ParamLoad
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .placeholders import has_placeholders
 from .saved_templates import (
