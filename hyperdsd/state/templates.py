@@ -8,6 +8,10 @@ with zero gradients. The real optimizer, its parameters and its gradients
 are never touched. The template's tensors are placeholders
 (:mod:`.placeholders`), its ``step`` 0: saved as it is, it means "never
 stepped" (:mod:`.saved_templates`).
+
+A load checks each optimizer's entries against its :class:`Expectations`:
+the state the optimizer keeps or, for a parameter without state, the
+template's, and whether a saved entry is the template.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ import torch
 
 from .. import _compat
 from .placeholders import mark_placeholder, state_tensors
+from .saved_templates import (
+    is_saved_stepless_template,
+    is_saved_template,
+    step_is_zero,
+    stepless_fills,
+    surely_real,
+    template_fills,
+)
 
 # -- the scratch step --------------------------------------------------------
 
@@ -131,3 +143,66 @@ def _as_placeholders(state: dict[torch.Tensor, dict]) -> dict[torch.Tensor, dict
             for t in state_tensors(value):
                 mark_placeholder(t)
     return state
+
+
+# -- what a load expects -------------------------------------------------------
+
+
+class Expectations:
+    """What one optimizer's state should look like, for one load: each
+    parameter's current state or, for a parameter without state, what a step
+    would create (built once, only when needed: for a stepped optimizer, over
+    its parameters without state alone); and whether an entry the load holds
+    is this optimizer's never-stepped template, saved."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.fresh = not opt.state
+        self._found: tuple | None | bool = False
+        self._fills: dict | None = None
+        self._stepless: dict | None = None
+        self._stateless: dict | None = None
+
+    def _scratch_step(self) -> tuple | None:
+        """The scratch step (see :func:`scratch_step`), taken once per load and optimizer."""
+        if self._found is False:
+            self._found = scratch_step(self.opt, warn=self.fresh)
+        return self._found
+
+    def scratch(self) -> dict | None:
+        if not self.fresh:
+            return None
+        found = self._scratch_step()
+        return found[0] if found is not None else None
+
+    def saved_template(self, p, entry: dict) -> bool:
+        """Whether ``entry`` is this optimizer's never-stepped template, saved
+        (see :func:`is_saved_template`); the template is built on first need."""
+        if not step_is_zero(entry):
+            return False
+        if self._fills is None:
+            self._fills = template_fills(self._scratch_step())
+        return is_saved_template(entry, self._fills.get(p))
+
+    def stepless_template(self, entries: list[tuple]) -> bool:
+        """Whether every one of ``entries`` (``(param, entry)``, entries
+        without ``step``) is, on this rank, this optimizer's never-stepped
+        template, saved. Real values are looked for first, so a load of real
+        state builds no template."""
+        if any(surely_real(entry) for _, entry in entries):
+            return False
+        if self._stepless is None:
+            self._stepless = stepless_fills(self._scratch_step())
+        return all(is_saved_stepless_template(entry, self._stepless.get(p)) for p, entry in entries)
+
+    def of(self, p) -> dict | None:
+        entry = self.opt.state.get(p)
+        if entry:
+            return entry
+        if self.fresh:
+            scratch = self.scratch()
+        else:  # a stepped optimizer's parameter without state (frozen, or no gradient since)
+            if self._stateless is None:
+                self._stateless = stateless_scratch(self.opt)
+            scratch = self._stateless
+        return scratch.get(p) if scratch else None
