@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from . import _compat
 from .state.flat import is_flat
 from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan, TensorMeta
-from .state.placeholders import UNKNOWN, VARIES, never_stepped_tensors, tensor_fill
+from .state.saved_templates import UNKNOWN, VARIES, never_stepped_tensors, tensor_fill
 from .transport import collectives
 from .transport.delivery import deliver, needs_for
 from .transport.group import Group
@@ -45,14 +45,13 @@ class LocalAgreement:
 
     foreign_ok = False  # every name must be this rank's own
 
-    def __init__(self, parts: dict[str, Any], group: Group):
-        self.parts = parts
+    def __init__(self, group: Group):
         self.group = group
         self.problems: list[str] = []
 
-    def manifests(self) -> dict[str, Any]:
+    def manifests(self, parts: dict[str, Any]) -> dict[str, Any]:
         """What every rank plans against: its own dicts."""
-        return self.parts
+        return parts
 
     def agree(
         self,
@@ -77,6 +76,7 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
     they hold, if they do (``TensorMeta.fill``): every rank needs it to tell
     a saved never-stepped template from real state.
     """
+    # By id(): the tensors live in ``state_dict`` for the call, and compare elementwise.
     summarise = never_stepped_tensors(state_dict.get("optim")) if isinstance(state_dict, dict) else set()
     fulls: list[torch.Tensor] = []
     metas: list[ShapeDtype] = []
@@ -120,16 +120,11 @@ def optimizer_names(manifest: Any) -> list[str]:
 
 
 class BroadcastAgreement:
-    """One broadcast load of a model's and/or optimizers' state dicts.
-
-    ``parts`` maps "model" and/or "optim" to the caller's dict; only the
-    root's are read, but every rank of ``group`` passes the same keys.
-    """
+    """One broadcast load of a model's and/or optimizers' state dicts."""
 
     foreign_ok = True  # the root's dict names what other ranks (pipeline stages) load
 
-    def __init__(self, parts: dict[str, Any], group: Group):
-        self.parts = parts
+    def __init__(self, group: Group):
         self.group = group
         self.problems: list[str] = []  # the root's: tensors it cannot broadcast
         self.fulls: list[torch.Tensor] = []
@@ -137,13 +132,16 @@ class BroadcastAgreement:
         self.model_names: list[str] = []
         self.optim_names: list[str] = []
 
-    def manifests(self) -> dict[str, Any]:
-        """The root's dicts as manifests, on every rank (its tensors stay on the root)."""
+    def manifests(self, parts: dict[str, Any]) -> dict[str, Any]:
+        """The root's dicts as manifests, on every rank (its tensors stay on the root).
+
+        ``parts`` maps "model" and/or "optim" to the caller's dict; only the
+        root's are read, but every rank of the group passes the same keys.
+        """
         manifest, problems, metas = None, [], None
         if self.group.is_root:
-            manifest, self.fulls, metas, problems = describe(
-                self.parts
-            )  # metas sent along: no rank walks the manifest for them
+            # metas sent along: no rank walks the manifest for them
+            manifest, self.fulls, metas, problems = describe(parts)
         manifest, problems, metas = collectives.broadcast_object((manifest, problems, metas), self.group)
         if self.group.is_root:
             self.problems = problems

@@ -171,32 +171,33 @@ def _run_post_hooks(optims) -> None:
 
 
 class _Load:
-    """One load of a model and/or optimizers: plan on every rank, agree, apply.
+    """One load of a model and/or optimizers: plan on every rank, agree, apply,
+    in one pass (:meth:`run`): the optimizers' load pre-hooks, the dicts to
+    plan against, a plan per part that changes nothing, one agreement, and
+    the plans applied with the optimizers' post-hooks.
 
-    ``parts`` maps "model" and/or "optim" to the state dict to load. The
-    agreement (:mod:`.agreement`) says what the plans are made against and
+    The agreement (:mod:`.agreement`) says what the plans are made against and
     how the ranks agree: with ``broadcast_from_rank0`` the root's manifests,
     agreement coming with the transfers; without it, each rank's own dicts
     and one all-reduce. Both run in the model's group.
     """
 
-    def __init__(self, model: nn.Module, opts: StateDictOptions, parts: dict[str, Any], optimizers=()):
+    def __init__(self, model: nn.Module, opts: StateDictOptions, optimizers=()):
         self.opts = opts
-        target = _Target(model, optimizer_params(optimizers) if "optim" in parts else (), opts)
+        target = _Target(model, optimizer_params(optimizers), opts)
         self.model, self.index, self.optims, self.twin = target.model, target.index, target.optims, target.twin
         self.group = groups.of_params(self.index.fqn_of)
-        self.parts = parts
         self.problems: list[str] = []
         self.model_plan: ModelLoadPlan | None = None
         self.optim_plan: OptimizerLoadPlan | None = None
 
-    def run(self, what: str) -> None:
-        parts = dict(self.parts)
+    def run(self, what: str, parts: dict[str, Any]) -> None:
+        """Load ``parts``, "model" and/or "optim" mapped to the state dict to load, in one pass."""
         if "optim" in parts:
-            parts["optim"] = _run_pre_hooks(self.optims, parts["optim"])
+            parts = {**parts, "optim": _run_pre_hooks(self.optims, parts["optim"])}
         broadcast = self.opts.broadcast_from_rank0 and self.group.has_peers
-        agreement = (BroadcastAgreement if broadcast else LocalAgreement)(parts, self.group)
-        parts = agreement.manifests()
+        agreement = (BroadcastAgreement if broadcast else LocalAgreement)(self.group)
+        parts = agreement.manifests(parts)
         self.problems += agreement.problems
         self._plan(parts, foreign_ok=agreement.foreign_ok)
         self._apply(agreement.agree(what, self.problems, self.model_plan, self.optim_plan, self.opts.strict))
@@ -240,8 +241,8 @@ def set_model_state_dict(
     """
     opts = resolve_options(options)
     with _working():
-        load = _Load(model, opts, {"model": model_state_dict})
-        load.run("set_model_state_dict")
+        load = _Load(model, opts)
+        load.run("set_model_state_dict", {"model": model_state_dict})
     return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)
 
 
@@ -260,7 +261,8 @@ def set_optimizer_state_dict(
     """
     opts = resolve_options(options)
     with _working():
-        _Load(model, opts, {"optim": optim_state_dict}, optimizers).run("set_optimizer_state_dict")
+        load = _Load(model, opts, optimizers)
+        load.run("set_optimizer_state_dict", {"optim": optim_state_dict})
 
 
 def set_state_dict(
@@ -274,8 +276,8 @@ def set_state_dict(
     """Both at once: nothing is changed unless both load."""
     opts = resolve_options(options)
     with _working():
-        load = _Load(model, opts, {"model": model_state_dict, "optim": optim_state_dict}, optimizers)
-        load.run("set_state_dict")
+        load = _Load(model, opts, optimizers)
+        load.run("set_state_dict", {"model": model_state_dict, "optim": optim_state_dict})
     return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)
 
 

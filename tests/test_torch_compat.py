@@ -1,4 +1,4 @@
-"""What hyperdsd and the suite do differently on older torch releases (hyperdsd/_compat.py,
+"""What hyperdsd and the suite do differently on older torch releases (hyperdsd/_compat/,
 conformance/_compat.py), exercised on this torch: both paths where the old one can run here."""
 
 import dist_tasks

@@ -383,10 +383,15 @@ CATEGORIES = (
             "hyperdsd/state/optimizer_load.py",
             "hyperdsd/state/optimizer_input.py",
             "hyperdsd/state/placeholders.py",
+            "hyperdsd/state/templates.py",
+            "hyperdsd/state/saved_templates.py",
             "hyperdsd/api.py",
         ),
     ),
-    ("plan objects (Prepared, layouts)", ("hyperdsd/state/load_plan.py", "hyperdsd/placement.py")),
+    (
+        "plan objects (Prepared, layouts)",
+        ("hyperdsd/state/load_plan.py", "hyperdsd/state/load_checks.py", "hyperdsd/placement.py"),
+    ),
     ("reading state (get)", ("hyperdsd/state/optimizer.py",)),
     ("applying (copies, new state)", ()),
     (

@@ -56,7 +56,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-template-on-real-params",
-        "hyperdsd.state.placeholders.scratch_step",
+        "hyperdsd.state.templates.scratch_step",
         '{**group, "params": [stand_ins[p] for p in mine]}',
         '{**group, "params": mine}',
         "the template's scratch optimizer is built over the real parameters (their gradients step them)",
@@ -138,7 +138,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fits-ignores-dtype",
-        "hyperdsd.state.load_plan.accepted",
+        "hyperdsd.state.load_checks.accepted",
         'Verdict("", layout, moves, fits and existing.dtype == dtype)',
         'Verdict("", layout, moves, fits)',
         "set copies into an existing state tensor of another dtype (the loaded state takes the old dtype)",
@@ -328,7 +328,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "step-placeholder-not-zeroed",
-        "hyperdsd.state.placeholders._as_placeholders",
+        "hyperdsd.state.templates._as_placeholders",
         "value.zero_()",
         "pass",
         "a never-stepped optimizer's template says step 1, as after the scratch step",
@@ -500,9 +500,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "nested-placeholders-unmarked",
-        "hyperdsd.state.placeholders._as_placeholders",
+        "hyperdsd.state.templates._as_placeholders",
         """
-        for t in _tensors(value):
+        for t in state_tensors(value):
             mark_placeholder(t)
         """,
         """

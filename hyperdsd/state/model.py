@@ -14,25 +14,20 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from .fqn import ModelIndex
-from .load_plan import (
-    ModelLoadPlan,
-    Prepared,
+from .load_checks import (
     Verdict,
     Verdicts,
     accepted,
-    copy_into,
     dtensor_layout,
     dtensor_problem,
     full_signature,
     is_tensorish,
     kind_differs,
     layout_key,
-    materialize,
     planned,
-    redistribute,
     refused,
-    same_memory,
 )
+from .load_plan import ModelLoadPlan, Prepared, copy_into, materialize, redistribute, same_memory
 
 _EXTRA_STATE = "_extra_state"  # the key suffix of a module's extra state, which is not detached
 

@@ -19,8 +19,9 @@ from ..errors import StateDictError
 from ..tree import is_container, rebuild
 from .flat import GROUPS, STATE
 from .fqn import ModelIndex
-from .load_plan import OptimizerLoadPlan, Prepared, copy_into, fits, materialize, redistribute
-from .placeholders import stateless_template, template_state
+from .load_checks import fits
+from .load_plan import OptimizerLoadPlan, Prepared, copy_into, materialize, redistribute
+from .templates import stateless_template, template_state
 
 
 def _own(value: Any) -> Any:

@@ -28,11 +28,13 @@ class TargetGroup:
     opt: torch.optim.Optimizer
     group: dict
     fqns: list[str]  # canonical FQN of each of ``group["params"]``
+    position: int  # the optimizer's place among those loaded (its first, if it is given twice)
 
 
-@dataclass
+@dataclass(eq=False)
 class SourceGroup:
-    """One param group of the checkpoint."""
+    """One param group of the checkpoint: itself, however alike another is
+    (compared and hashed by identity)."""
 
     fields: dict  # its hyperparameters (structural keys are dropped when applied)
     fqns: list[str]
@@ -51,28 +53,30 @@ class Source:
 
 
 class UnwrittenKeys:
-    """:func:`unwritten_keys` of each state entry, worked out once per entry and load."""
+    """:func:`unwritten_keys` of the state entry of each canonical FQN, worked
+    out once per load (a load holds one entry per FQN)."""
 
     def __init__(self):
-        self._by_entry: dict[int, Unwritten] = {}
+        self._by_fqn: dict[str, Unwritten] = {}
 
-    def __call__(self, entry: dict | None) -> Unwritten:
+    def __call__(self, fqn: str, entry: dict | None) -> Unwritten:
         if not entry:
             return Unwritten(set(), False)
-        found = self._by_entry.get(id(entry))
+        found = self._by_fqn.get(fqn)
         if found is None:
-            found = self._by_entry[id(entry)] = unwritten_keys(entry)
+            found = self._by_fqn[fqn] = unwritten_keys(entry)
         return found
 
-    def lists(self, entry: dict | None) -> bool:
+    def lists(self, fqn: str, entry: dict | None) -> bool:
         """Whether the entry holds anything somebody wrote (a template's placeholders do not list a parameter)."""
-        return bool(entry) and len(self(entry).keys) < len(entry)
+        return bool(entry) and len(self(fqn, entry).keys) < len(entry)
 
 
 def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[TargetGroup] | None:
     """Every param group of ``optimizers``, in order; None if one holds a stranger."""
     targets = []
     for opt in optimizers:
+        position = next(i for i, o in enumerate(optimizers) if o is opt)
         for gi, g in enumerate(opt.param_groups):
             unknown = [i for i, p in enumerate(g["params"]) if p not in index.fqn_of]
             if unknown:
@@ -81,7 +85,7 @@ def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[Ta
                     f"(positions {unknown})"
                 )
                 return None
-            targets.append(TargetGroup(opt, g, [index.fqn_of[p] for p in g["params"]]))
+            targets.append(TargetGroup(opt, g, [index.fqn_of[p] for p in g["params"]], position))
     return targets
 
 
@@ -106,7 +110,7 @@ def _index_state(source: Source, index: ModelIndex) -> None:
             canon = index.canonical(fqn)
             if canon is not None and (canon not in source.by_name or fqn == canon):
                 source.by_name[canon] = entry
-    source.listed.update(f for f, e in source.by_name.items() if source.unwritten.lists(e))
+    source.listed.update(f for f, e in source.by_name.items() if source.unwritten.lists(f, e))
 
 
 def _from_nested(osd: Any, index: ModelIndex, targets: list[TargetGroup], problems: list[str]) -> Source | None:
@@ -178,8 +182,8 @@ def unpaired_groups(targets: list[TargetGroup], source: Source) -> list[str]:
     if not source.nested:
         return []
     foreign = set(source.foreign)
-    others = {id(s) for s in source.groups if s.fqns and all(f in foreign for f in s.fqns)}
-    uses = Counter(id(m) for m in source.matched if m is not None)
+    others = {s for s in source.groups if s.fqns and all(f in foreign for f in s.fqns)}
+    uses = Counter(m for m in source.matched if m is not None)
     target_of = {f: i for i, t in enumerate(targets) for f in t.fqns}
 
     def same_as_matched(s: SourceGroup) -> bool:
@@ -196,13 +200,13 @@ def unpaired_groups(targets: list[TargetGroup], source: Source) -> list[str]:
 
     problems = []
     for j, s in enumerate(source.groups):
-        if uses[id(s)] > 1:
+        if uses[s] > 1:
             shared = [i for i, m in enumerate(source.matched) if m is s]
             problems.append(
                 f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) "
                 f"holds the parameters of the optimizer's groups {shared}"
             )
-        elif not uses[id(s)] and not (others and (id(s) in others or not s.fqns)) and not same_as_matched(s):
+        elif not uses[s] and not (others and (s in others or not s.fqns)) and not same_as_matched(s):
             problems.append(
                 f"the checkpoint's param_groups[{j}] ({_describe(s.fields, s.fqns)}) matches no group of the optimizer"
             )
@@ -242,7 +246,7 @@ def _from_flat(
     state, fields, unknown = unflatten(osd, set(index.param_of))
 
     def listed(f: str) -> bool:
-        if unwritten.lists(state.get(f)):
+        if unwritten.lists(f, state.get(f)):
             return True
         # Group fields count unless they are still the template's own objects
         # (DCP replaces every value it loads; some it copies even when not).

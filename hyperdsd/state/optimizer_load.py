@@ -1,11 +1,13 @@
 """Planning an optimizer load: check everything, describe the change, change nothing.
 
-Three steps over the optimizers' param groups (:class:`TargetGroup`):
-parse the checkpoint (:mod:`hyperdsd.state.optimizer_input`), list which parameters it
-holds state for, and prepare each value it holds against the parameter and
-the state the optimizer keeps (or, never stepped, would create). The result
-is an :class:`OptimizerLoadPlan` and the problems found; :mod:`hyperdsd.state.optimizer`
-applies the plan once every rank has agreed there are none.
+One pass, in the order :func:`plan_load` takes it: the optimizers' param
+groups and the checkpoint parsed against them (:mod:`.optimizer_input`);
+which parameters it holds state for; each value it holds prepared against
+its parameter and the state its optimizer keeps or, never stepped, would
+create (:class:`~.templates.Expectations`), every tensor checked by
+:mod:`.load_checks`. The result is an :class:`~.load_plan.OptimizerLoadPlan`
+and the problems found; once every rank has agreed there are none,
+:func:`hyperdsd.state.optimizer.apply_load` carries it out.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ from .. import _compat
 from ..placement import LayoutCache
 from ..tree import is_container
 from .fqn import ModelIndex
-from .load_plan import (
-    OptimizerLoadPlan,
-    ParamLoad,
+from .load_checks import (
     Verdict,
     Verdicts,
     accepted,
@@ -34,18 +34,11 @@ from .load_plan import (
     planned,
     refused,
 )
+from .load_plan import OptimizerLoadPlan, ParamLoad
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .placeholders import (
-    has_placeholders,
-    is_saved_stepless_template,
-    is_saved_template,
-    scratch_step,
-    stateless_scratch,
-    step_is_zero,
-    stepless_fills,
-    surely_real,
-    template_fills,
-)
+from .placeholders import has_placeholders
+from .saved_templates import step_is_zero
+from .templates import Expectations
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -83,81 +76,23 @@ def plan_load(
     return plan, problems
 
 
-class _Expectations:
-    """What each parameter's state should look like: its current state, or,
-    for a parameter without state, what a step would create (built once,
-    only when needed: for a stepped optimizer, over its parameters without
-    state alone)."""
-
-    def __init__(self, opt):
-        self.opt = opt
-        self.fresh = not opt.state
-        self._found: tuple | None | bool = False
-        self._fills: dict | None = None
-        self._stepless: dict | None = None
-        self._stateless: dict | None = None
-
-    def _scratch_step(self) -> tuple | None:
-        """The scratch step (see :func:`scratch_step`), taken once per load and optimizer."""
-        if self._found is False:
-            self._found = scratch_step(self.opt, warn=self.fresh)
-        return self._found
-
-    def scratch(self) -> dict | None:
-        if not self.fresh:
-            return None
-        found = self._scratch_step()
-        return found[0] if found is not None else None
-
-    def saved_template(self, p, entry: dict) -> bool:
-        """Whether ``entry`` is this optimizer's never-stepped template, saved
-        (see :func:`is_saved_template`); the template is built on first need."""
-        if not step_is_zero(entry):
-            return False
-        if self._fills is None:
-            self._fills = template_fills(self._scratch_step())
-        return is_saved_template(entry, self._fills.get(p))
-
-    def stepless_template(self, entries: list[tuple]) -> bool:
-        """Whether every one of ``entries`` (``(param, entry)``, entries
-        without ``step``) is, on this rank, this optimizer's never-stepped
-        template, saved. Real values are looked for first, so a load of real
-        state builds no template."""
-        if any(surely_real(entry) for _, entry in entries):
-            return False
-        if self._stepless is None:
-            self._stepless = stepless_fills(self._scratch_step())
-        return all(is_saved_stepless_template(entry, self._stepless.get(p)) for p, entry in entries)
-
-    def of(self, p) -> dict | None:
-        entry = self.opt.state.get(p)
-        if entry:
-            return entry
-        if self.fresh:
-            scratch = self.scratch()
-        else:  # a stepped optimizer's parameter without state (frozen, or no gradient since)
-            if self._stateless is None:
-                self._stateless = stateless_scratch(self.opt)
-            scratch = self._stateless
-        return scratch.get(p) if scratch else None
-
-
 def _prepare_all(
     plan: OptimizerLoadPlan, targets: list[TargetGroup], source: Source, strict: bool, problems: list[str]
 ) -> None:
     """A :class:`ParamLoad` for every parameter the checkpoint lists; group fields to set."""
-    expectations = {id(opt): _Expectations(opt) for opt in plan.optimizers}
-    stepless: dict[int, list[tuple]] = {}  # by optimizer: its entries without step, (param, fqn, entry)
+    # By the optimizer's position: what it expects, and its entries without step, (param, fqn, entry).
+    expectations = [Expectations(opt) for opt in plan.optimizers]
+    stepless: list[list[tuple]] = [[] for _ in plan.optimizers]
     verdicts = Verdicts()
     for target, src in zip(targets, source.matched):
         if src is not None:
             plan.groups.append((target.group, {k: v for k, v in src.fields.items() if k not in _STRUCTURAL}))
-        expectation = expectations[id(target.opt)]
+        expectation = expectations[target.position]
         for p, fqn in zip(target.group["params"], target.fqns):
             if fqn not in source.listed:
                 continue  # not in the checkpoint: left as it is
             entry = source.by_name.get(fqn)
-            skip, unknown = source.unwritten(entry)
+            skip, unknown = source.unwritten(fqn, entry)
             if entry and has_placeholders(entry):
                 plan.questions[fqn] = None if unknown else len(skip) < len(entry)
             written = {k: v for k, v in (entry or {}).items() if k not in skip}
@@ -172,7 +107,7 @@ def _prepare_all(
                 plan.confirm.add(fqn)
             elif len(written) == len(entry) and "step" not in entry and not unknown:
                 # (an entry this rank cannot tell written from unwritten goes by the other ranks alone)
-                stepless.setdefault(id(target.opt), []).append((p, fqn, entry))
+                stepless[target.position].append((p, fqn, entry))
             expected = expectation.of(p)
             if expected and strict and not expected.keys() <= written.keys():
                 lacking = sorted(str(k) for k in expected if k not in written)
@@ -194,16 +129,15 @@ def _prepare_all(
                 for key, value in written.items()
             }
             plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
-    for key, found in stepless.items():
-        opt = expectations[key].opt
-        position = next(i for i, o in enumerate(plan.optimizers) if o is opt)
-        _ask_stepless(plan, expectations[key], found, f"\0optimizer {position}")
+    for position, found in enumerate(stepless):
+        if found:
+            _ask_stepless(plan, expectations[position], found, f"\0optimizer {position}")
 
 
-def _ask_stepless(plan: OptimizerLoadPlan, expectation: _Expectations, found: list[tuple], name: str) -> None:
+def _ask_stepless(plan: OptimizerLoadPlan, expectation: Expectations, found: list[tuple], name: str) -> None:
     """Ask whether an optimizer's entries without ``step`` are a saved
     never-stepped template: only if all of them are, on every rank (see
-    :mod:`hyperdsd.state.placeholders`). ``name`` stands for the optimizer in
+    :mod:`hyperdsd.state.saved_templates`). ``name`` stands for the optimizer in
     the vote: its position among the optimizers loaded, alike on every rank
     (NUL never occurs in an FQN). Pipeline stages each load their own
     optimizer at the same position, the parts of one optimizer that steps as

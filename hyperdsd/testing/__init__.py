@@ -13,7 +13,8 @@ from .executor import Executor
 from .mesh import MeshSpec, parse_mesh
 from .messages import REGIONS, WHOLE_TASK, RankResult, Task
 from .outcome import TaskOutcome, judge
-from .pool import PoolSet, PoolStartError, WorkerPool
+from .pool import PoolStartError, WorkerPool
+from .pool_set import PoolSet
 from .process import environment_problems, stop_fork_server
 from .status import RankStatus, Status
 from .world import TorchrunWorld, WorldLost, launched_by_torchrun

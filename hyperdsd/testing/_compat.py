@@ -1,5 +1,5 @@
 """The private torch APIs the harness touches, apart from hyperdsd's own
-(``hyperdsd/_compat.py``): the harness judges other implementations too, so
+(``hyperdsd/_compat/``): the harness judges other implementations too, so
 it loads nothing of the library it ships with. Each entry says why no public
 API does the job."""
 

@@ -1,6 +1,6 @@
 """What runs a task on a world of ranks: one interface, two implementations.
 
-* :class:`~hyperdsd.testing.pool.PoolSet`: ranks this process spawns, a
+* :class:`~hyperdsd.testing.pool_set.PoolSet`: ranks this process spawns, a
   persistent pool per world size (``python -m conformance``, pytest).
 * :class:`~hyperdsd.testing.world.TorchrunWorld`: ranks someone else
   launched (``torchrun``); a task for fewer ranks runs on a sub-world of them.

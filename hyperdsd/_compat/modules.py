@@ -1,0 +1,211 @@
+"""Modules and optimizers: their registries and hooks, FSDP2's among them, read in place."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+
+def child_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    # ``named_children()`` yields a module registered under two names once;
+    # canonical FQNs need every name, and a dict lookup per child.
+    return module._modules
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    # ``named_parameters(recurse=False, remove_duplicate=False)`` gives the
+    # same entries through a generator per module; the index reads thousands.
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor | None], set[str]]:
+    """A module's own buffers, and the names of those not in its state dict."""
+    # As own_parameters: ``named_buffers`` goes through a generator per module,
+    # and tells nothing of persistence.
+    return module._buffers, module._non_persistent_buffers_set
+
+
+_FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+
+
+@contextlib.contextmanager
+def fsdp2_reshard_hooks_off(model: torch.nn.Module):
+    """``model.state_dict()`` without FSDP2's pre-hook, which reshards the
+    modules a forward left unsharded: a get reads the sharded parameters from
+    FSDP2's groups instead and leaves the modules as it found them."""
+    # The hook registries are private to nn.Module; the hooks are put back in
+    # their order.
+    saved = []
+    for module in model.modules():
+        hooks = module._state_dict_pre_hooks
+        if any(getattr(h, "__qualname__", None) == _FSDP_RESHARD_HOOK for h in hooks.values()):
+            saved.append((hooks, list(hooks.items())))
+            for key in [k for k, h in hooks.items() if getattr(h, "__qualname__", None) == _FSDP_RESHARD_HOOK]:
+                del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.clear()
+            hooks.update(items)
+
+
+@functools.cache
+def _fsdp2_class() -> type:
+    # Imported once: the index asks every module of a large model.
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """(module, attribute name, sharded parameter) for each parameter that
+    ``module``'s FSDP2 state manages and that is registered as something else
+    now: the unsharded parameter after a forward that left it unsharded
+    (``reshard_after_forward=False`` or an int, an explicit ``unshard()``).
+
+    The optimizer steps the sharded parameters wherever the module's
+    attributes point; FSDP2 says where they are only through its parameter
+    groups (``state_dict()``'s pre-hook finds them by resharding, which a get
+    must not do)."""
+    if not isinstance(module, _fsdp2_class()):
+        return []
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # a list in newer torch, one group before
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    found = []
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            info, sharded = fsdp_param._module_info, fsdp_param.sharded_param
+            places = [(info.module, info.param_name)]
+            places += list(zip(info.shared_modules, info.shared_param_names))
+            for owner, name in places:
+                if owner._parameters.get(name) is not sharded:
+                    found.append((owner, name, sharded))
+    return found
+
+
+def module_state_hooks(module: torch.nn.Module) -> list[Callable] | None:
+    """The pre-hooks to run before reading ``module``'s own state straight
+    from its ``_parameters`` and ``_buffers``; None when ``state_dict()``
+    could give anything else (overridden, extra state, other hooks)."""
+    # ``model.state_dict()`` is a recursive call, a hook loop and a dict per
+    # module: a fifth of a sharded get on a model of small layers. Hook
+    # registries and the extra-state protocol are private to nn.Module; the
+    # only hook allowed is FSDP2's, which reshards the module's group.
+    cls = type(module)
+    if cls not in _PLAIN_MODULE_CLASSES:
+        _PLAIN_MODULE_CLASSES[cls] = (
+            cls.state_dict is torch.nn.Module.state_dict
+            and cls._save_to_state_dict is torch.nn.Module._save_to_state_dict
+            and cls.get_extra_state is torch.nn.Module.get_extra_state
+        )
+    if not _PLAIN_MODULE_CLASSES[cls] or module._state_dict_hooks:
+        return None
+    hooks = list(module._state_dict_pre_hooks.values())
+    for hook in hooks:
+        if getattr(hook, "__qualname__", None) != _FSDP_RESHARD_HOOK:
+            return None
+    return hooks
+
+
+_PLAIN_MODULE_CLASSES: dict[type, bool] = {}
+
+# FSDP2's load hooks: before, the module's group resharded (as before a read);
+# after, each sharded parameter re-padded if loading replaced its local tensor.
+_FSDP_LOAD_HOOKS = (_FSDP_RESHARD_HOOK, "FSDPParam.__init__.<locals>.<lambda>")
+
+
+def loads_plainly(module: torch.nn.Module) -> bool:
+    """Whether ``load_state_dict`` would do no more for ``module``'s own
+    parameters and buffers than copy each value into its tensor, so that a
+    value of the tensor's layout and dtype may be copied in directly."""
+    # ``model.load_state_dict`` hands each child the entries under its prefix,
+    # filtered from its parent's: every key is tested once per sibling of each
+    # module above it, thousands of times on a module with thousands of
+    # children. Load hooks and ``_load_from_state_dict`` are private to
+    # nn.Module. FSDP2's hooks do nothing to a copy made in place into the
+    # sharded parameter (the plan reads the model resharded, and the local
+    # tensor is kept).
+    if (
+        type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+        or "_load_from_state_dict" in module.__dict__  # patched on the instance
+    ):
+        return False
+    for hooks in (module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
+        for hook in hooks.values():
+            if getattr(hook, "__qualname__", None) not in _FSDP_LOAD_HOOKS:
+                return False
+    return True
+
+
+def loads_by_copying(model: torch.nn.Module) -> bool:
+    """Whether ``model.load_state_dict`` itself, not overridden, copies values
+    into the tensors (swapping tensors, when torch is told to, runs each
+    parameter's own ``module_load``)."""
+    return (
+        type(model).load_state_dict is torch.nn.Module.load_state_dict
+        and "load_state_dict" not in model.__dict__
+        and not torch.__future__.get_swap_module_params_on_conversion()
+    )
+
+
+def plain_state_dict(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.state_dict()`` would only repackage ``opt.state`` and
+    ``opt.param_groups`` (not overridden, no state-dict hooks registered)."""
+    # Then the state is read in place: state_dict()'s packing (a dict by
+    # integer id, a copy of every group) is a tenth of a get on a model of
+    # small tensors. Registration of the hooks is public, the registry not.
+    return (
+        getattr(type(opt), "state_dict", None) is torch.optim.Optimizer.state_dict
+        and not getattr(opt, "_optimizer_state_dict_pre_hooks", None)
+        and not getattr(opt, "_optimizer_state_dict_post_hooks", None)
+    )
+
+
+class LoadHooks(NamedTuple):
+    pre: list[Callable]
+    post: list[Callable]
+
+
+def optimizer_load_hooks(opt: torch.optim.Optimizer) -> LoadHooks:
+    # Optimizer.load_state_dict replays these; loading in place means we
+    # replay them ourselves (registration is public, the registry is not).
+    pre = list(getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values())
+    post = list(getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values())
+    return LoadHooks(pre, post)
+
+
+def unhooked_step(opt_class: type) -> Callable:
+    # Optimizer patches ``step`` at class level with a wrapper that runs the
+    # instance's and the global step hooks; a scratch step must not run them.
+    step = opt_class.step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return step.__wrapped__
+    return step
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    # Checked by name: importing torch._dynamo costs a second of start-up.
+    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]):
+    # What Module.load_state_dict returns; set_model_state_dict returns the same type.
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    # Activation checkpointing's wrapper module, whose child name
+    # (_checkpoint_wrapped_module) state dicts must hide; torch keeps it in a
+    # private module path. The suite wraps models with it.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module)

@@ -1,0 +1,135 @@
+"""DTensors, device meshes and collectives: what torch keeps private of them."""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor is its own."""
+    # ``to_local()`` goes through autograd when grad mode is on; the wrapped
+    # tensor itself is what DCP reads and writes in place.
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``: the same data, version counter and layout, without autograd."""
+    # DTensor.detach() goes through DTensor's op dispatcher (about 8 us a
+    # tensor); the private constructor with the same spec makes the same
+    # DTensor around the detached local tensor directly. ``__new__`` alone:
+    # DTensor's ``__init__`` does nothing but costs two decorator layers
+    # (dynamo's and export's), more than half of the rest.
+    if type(t) is DTensor:
+        return DTensor.__new__(DTensor, t._local_tensor.detach(), t._spec, requires_grad=False)
+    return t.detach()
+
+
+# An object that stands for a DTensor's mesh, placements, global shape, stride
+# and dtype, shared by DTensors laid out alike: its spec. Planning a load checks
+# each value's layout against its parameter's; tens of thousands of small
+# tensors share a handful of specs (FSDP2 and the ops that make state reuse
+# them), so the checks run once per distinct spec. A plan keys by the specs'
+# identity only while the tensors holding them are alive. An attrgetter: called
+# several times per value, a Python function's call cost more than the lookup.
+layout_token: Callable[[DTensor], object] = operator.attrgetter("_spec")
+
+
+# A DTensor's local tensor, for code that knows it holds a DTensor (see local_tensor).
+dtensor_local: Callable[[DTensor], torch.Tensor] = operator.attrgetter("_local_tensor")
+
+
+def version_of(t: torch.Tensor) -> int:
+    # The in-place version counter is how we know whether anyone (DCP) wrote
+    # into a placeholder tensor; there is no public accessor.
+    return local_tensor(t)._version
+
+
+def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    fn = getattr(dist, "all_gather_single", None)
+    if fn is not None:
+        fn(output, inp, group=group)
+    else:
+        dist.all_gather_into_tensor(output, inp, group=group)
+
+
+def root_mesh(mesh):
+    # The mesh a slice (``mesh["dp"]``) or an FSDP-concatenated mesh was cut
+    # from; it tells a model on a slice of a world mesh (one SPMD job) from a
+    # model on a mesh built over part of the world. DeviceMesh keeps it private.
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    # Before DeviceMesh had the method (torch 2.6 to 2.9), the
+    # module's mesh registry kept the slice-to-root map.
+    from torch.distributed import device_mesh
+
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    if resources is None:
+        return mesh
+    root = resources.get_root_mesh(mesh)
+    # The registry is keyed by value (ranks, shape, dim names), not identity:
+    # a mesh equal to a slice of another mesh built earlier maps to that
+    # mesh's root. The root is this mesh's own only if it holds this mesh's
+    # process groups, as one of its dims or as a dim flattened from them.
+    own = _group_names(mesh)
+    if root is mesh or not own or own <= _group_names(root) | _flattened_group_names(resources, root):
+        return root
+    return mesh
+
+
+def _group_names(mesh) -> set[str]:
+    names = getattr(mesh, "_dim_group_names", None)
+    if names is None:  # torch 2.6 to 2.7: (tag, ranks, group name) per dim
+        names = [info[-1] for info in getattr(mesh, "_dim_group_infos", None) or ()]
+    return set(names)
+
+
+def _flattened_group_names(resources, root) -> set[str]:
+    flattened = getattr(resources, "root_to_flatten_mapping", {}).get(root) or {}
+    return {name for flat in flattened.values() for name in _group_names(flat)}
+
+
+def collective_device() -> torch.device:
+    """Where buffers for the default group's collectives must live."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def distribute_locally(full: torch.Tensor, mesh, placements) -> DTensor:
+    """``distribute_tensor(full, mesh, placements, src_data_rank=None)``: every rank holds ``full`` and cuts its
+    own piece, with no communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if _HAS_SRC_DATA_RANK:
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    # torch 2.6 has no src_data_rank: its distribute_tensor always scatters
+    # (or broadcasts) rank 0's tensor, which would be every rank's own piece
+    # anyway. The collectives it calls are swapped for local copies meanwhile.
+    from torch.distributed.tensor import placement_types
+
+    def scatter(output, scatter_list, mesh, mesh_dim=0, **_):
+        output.copy_(scatter_list[mesh.get_local_rank(mesh_dim)])
+
+    saved = placement_types.mesh_scatter, placement_types.mesh_broadcast
+    placement_types.mesh_scatter, placement_types.mesh_broadcast = scatter, lambda *a, **k: None
+    try:
+        return distribute_tensor(full, mesh, placements)
+    finally:
+        placement_types.mesh_scatter, placement_types.mesh_broadcast = saved
+
+
+def _has_src_data_rank() -> bool:
+    from torch.distributed.tensor import distribute_tensor
+
+    return "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+_HAS_SRC_DATA_RANK = _has_src_data_rank()
