@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from .adapters import GET_OF, Needs
 from .clauses import clause
-from .layouts import parse_layout
+from .world.layouts import parse_layout
 
 DEFAULT_DEADLINE_S = 60.0
 

@@ -26,9 +26,6 @@ from dataclasses import dataclass, field, replace
 from hyperdsd.testing import Status
 
 from .adapters import MODES
-from .layouts import parse_layout
-from .loops import POINTS
-from .policies import VARIANTS
 from .results import CaseResult
 from .runner import Runner, undeclared
 from .scenarios import (
@@ -46,6 +43,9 @@ from .scenarios import (
     scenario_case,
     write_found,
 )
+from .world.layouts import parse_layout
+from .world.loops import POINTS
+from .world.policies import VARIANTS
 
 GENERATE_SHARE = 0.7  # of the budget: new scenarios; the rest is for shrinking
 ROUND_EXAMPLES = 200  # scenarios per hypothesis round at most

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from .layouts import canonical
+from .world.layouts import canonical
 
 __all__ = ["Received", "RECEIVES"]
 

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 
 from conformance.adapters import load_adapter
 from conformance.explore import Scenario, choices, normalise, parse_budget, strategy
-from conformance.layouts import parse_layout
 from conformance.runner import undeclared
 from conformance.scenarios import clause_cases, clauses_of, found_cases, load_found, scenario_case
+from conformance.world.layouts import parse_layout
 
 PLANTED = "faulty_impl:halves_router_state"
 # A bounded exploration: one round at world size 1, where a scenario takes
@@ -82,7 +82,7 @@ def test_a_scenario_runs_the_checks_of_the_clauses_it_contains():
 
 
 def test_groups_in_another_order():
-    from conformance.models import GroupSpec, reordered
+    from conformance.world.models import GroupSpec, reordered
 
     groups = [{"params": ["a", "b"]}, {"params": []}, {"params": ["c"]}, {"params": ["d", "e"], "lr": 2}]
     assert reordered(groups) == [

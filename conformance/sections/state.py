@@ -1,5 +1,5 @@
 """SPEC §3 State values (OPT-STATE): per-parameter state beyond tensors
-shaped like the parameter, as custom optimizers keep it (see custom_optim)."""
+shaped like the parameter, as custom optimizers keep it (see world/optimizers.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import flows, tree
+from .. import tree
 from ..cases import make_case
 from ..clauses import Clause
-from ..flows import get_options, optimizers_arg
-from ..models import ModelConfig
 from ..oracle import diff_snapshots, fail_if, layout_problems, snapshot
+from ..world import modes
+from ..world.models import ModelConfig
+from ..world.modes import get_options, optimizers_arg
 from .reshard import resharded_case
 from .roundtrip import LAYOUTS
 
@@ -26,8 +27,8 @@ def state_1(c, layout, mode, lazy=False):
     clause says, and so is what set loads. ``lazy``: a parameter never gets a
     gradient, so a never-stepped target's template holds nested placeholders
     for state the checkpoint does not have; it must stay without state."""
-    how = flows.recipe(layout, OPT, cfg=ModelConfig(lazy_aux=True)) if lazy else flows.recipe(layout, OPT)
-    r = flows.resume(c, how, mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
+    how = modes.recipe(layout, OPT, cfg=ModelConfig(lazy_aux=True)) if lazy else modes.recipe(layout, OPT)
+    r = modes.resume(c, how, mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
         f"{mode}: after resuming, the custom optimizer's run differs from the uninterrupted one",
@@ -149,7 +150,7 @@ SOME_MODES = ("sharded", "bcast", "dcp")
 
 def cases():
     for layout in LAYOUTS:
-        for mode in flows.MODES if layout in EVERY_MODE else SOME_MODES:
+        for mode in modes.MODES if layout in EVERY_MODE else SOME_MODES:
             yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
     # Lazy state through DCP (fsdp4: a rank holds an empty shard of aux; pipelines go flat).
     for layout in ("single", "fsdp4", "pp2xfsdp2"):

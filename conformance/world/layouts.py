@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat, policies
+from .. import _compat
+from . import policies
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
 # FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
@@ -623,7 +624,7 @@ class Setup:
         """A copy of everything training changes. Optimizer state is copied
         as it is held, by parameter: torch's own Optimizer.load_state_dict
         would turn a string in the state into a generator's text."""
-        from .oracle import clone_tree
+        from ..oracle import clone_tree
 
         return {
             "model": clone_tree(self.module.state_dict()),
