@@ -37,8 +37,8 @@ def _c(ctx):
 
 
 def _setup(ctx, layout: str, seed: int, **kw):
-    from conformance.world.layouts import Setup
     from conformance.world.models import GroupSpec, ModelConfig
+    from conformance.world.setup import Setup
 
     cfg = ModelConfig(**{"router": True, **kw.pop("cfg", {})})
     groups = GroupSpec.for_seed(seed, **kw.pop("groups", {}))

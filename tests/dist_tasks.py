@@ -137,8 +137,8 @@ def agree(ctx, bad_rank: int = 1):
 def _setup(ctx, layout, seed, impl, opt="adamw"):
     from conformance.adapters import load_adapter
     from conformance.context import CaseContext
-    from conformance.world.layouts import Setup
     from conformance.world.models import ModelConfig
+    from conformance.world.setup import Setup
 
     c = CaseContext(ctx, None, 0, load_adapter(impl), "")
     # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.

@@ -15,7 +15,7 @@ def _context(ctx):
 
 
 def _setup(ctx, layout: str, optimizer: str, seed: int = 0, scheduler: bool = False):
-    from conformance.world.layouts import Setup
+    from conformance.world.setup import Setup
 
     return Setup(_context(ctx), layout, optimizer, seed=seed, scheduler=scheduler)
 

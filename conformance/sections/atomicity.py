@@ -10,9 +10,10 @@ from ..cases import make_case
 from ..clauses import Clause
 from ..oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
 from ..world import modes
-from ..world.layouts import Setup, canonical
+from ..world.layouts import canonical
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 
 GHOST = "ghost.weight"
 TARGET = "layers.1.fc1.weight"  # a parameter every layout's rank 0 ... (pp: stage 0) holds

@@ -10,9 +10,9 @@ from ..clauses import Clause
 from ..context import NotApplicable
 from ..oracle import check, diff_values, fail_if, layout_problems, snapshot
 from ..world import modes
-from ..world.layouts import Setup
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg
+from ..world.setup import Setup
 
 SHARDED = ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
 

@@ -6,8 +6,8 @@ from ..cases import make_case
 from ..clauses import Clause
 from ..oracle import check, diff_values, fail_if, snapshot
 from ..world import modes
-from ..world.layouts import Setup
 from ..world.models import GroupSpec
+from ..world.setup import Setup
 
 EMPTY_AT = (0, 2, 9)  # first, in the middle, last
 

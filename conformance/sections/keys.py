@@ -8,9 +8,10 @@ from ..cases import loads, make_case
 from ..clauses import Clause
 from ..oracle import check, diff_snapshots, fail_if, snapshot
 from ..world import modes
-from ..world.layouts import WRAPPER_SEGMENTS, Setup, canonical
+from ..world.layouts import WRAPPER_SEGMENTS, canonical
 from ..world.models import ModelConfig, reordered
 from ..world.modes import get_options, optimizers_arg
+from ..world.setup import Setup
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 WRAPPERS = {  # layout -> wrapper variants

@@ -19,7 +19,8 @@ from ..cases import make_case
 from ..clauses import Clause
 from ..oracle import diff_snapshots, fail_if, snapshot
 from ..world import modes
-from ..world.layouts import Setup, parse_layout, serving
+from ..world.layouts import parse_layout, serving
+from ..world.setup import Setup
 from .reshard import resharded_case
 from .state import check_get, check_loaded
 

@@ -13,9 +13,10 @@ from ..clauses import Clause
 from ..meter import ReceiveMeter
 from ..oracle import check, clone_tree, diff_values, expect_error, fail_if
 from ..world import modes
-from ..world.layouts import Setup, parse_layout
+from ..world.layouts import parse_layout
 from ..world.models import ModelConfig, ToyModel
 from ..world.modes import get_options, set_options
+from ..world.setup import Setup
 from .keys import WRAPPERS
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")

@@ -8,9 +8,9 @@ from ..cases import make_case
 from ..clauses import Clause
 from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
 from ..world import modes
-from ..world.layouts import Setup
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 

@@ -30,9 +30,9 @@ from ..oracle import (
     snapshot,
 )
 from ..world import modes
-from ..world.layouts import Setup
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 from . import reshard
 
 ADAPTER = ["adapter.weight", "adapter.bias"]

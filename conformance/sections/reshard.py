@@ -29,9 +29,10 @@ from ..cases import Case, Phase, case_id
 from ..clauses import Clause
 from ..oracle import check, diff_values, fail_if, full_snapshot
 from ..world import modes
-from ..world.layouts import Setup, parse_layout
+from ..world.layouts import parse_layout
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import Saved
+from ..world.setup import Setup
 
 BEFORE, AFTER = 1, 1
 # Models here are float64. Another world size sums gradients in another

@@ -12,9 +12,9 @@ from ..clauses import Clause
 from ..meter import ReceiveMeter
 from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
 from ..world import modes
-from ..world.layouts import Setup
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 # FSDP1 (SPEC §2, 1.3): original parameters, flat parameters, HYBRID_SHARD, SHARD_GRAD_OP.

@@ -14,8 +14,8 @@ from ..cases import make_case
 from ..clauses import Clause
 from ..oracle import check, diff_snapshots, diff_values, fail_if, snapshot
 from ..world import modes
-from ..world.layouts import Setup
 from ..world.models import GroupSpec
+from ..world.setup import Setup
 
 
 def _fields(snap) -> list[dict]:

@@ -22,7 +22,8 @@ import torch
 
 from .. import _compat
 from ..oracle import snapshot
-from .layouts import Layout, Setup, model_group
+from .layouts import Layout, model_group
+from .setup import Setup
 
 # Where evaluation batches come from: data no training step uses.
 EVAL_STREAM = 7

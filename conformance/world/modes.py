@@ -240,8 +240,8 @@ class Recipe:
     options: tuple = ()
 
     def build(self, c, seed: int):
-        from .layouts import Setup
         from .models import GroupSpec
+        from .setup import Setup
 
         kwargs = dict(self.options)
         groups = kwargs.pop("groups", None)
