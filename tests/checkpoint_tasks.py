@@ -51,13 +51,13 @@ def _options(setup) -> StateDictOptions:
 
 
 def _snapshot(setup):
-    from conformance.oracle import snapshot
+    from conformance.judging.oracle import snapshot
 
     return snapshot(setup)
 
 
 def _diff(a, b) -> list[str]:
-    from conformance.oracle import diff_snapshots
+    from conformance.judging.oracle import diff_snapshots
 
     return diff_snapshots(a, b)
 

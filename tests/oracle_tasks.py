@@ -23,7 +23,7 @@ def _setup(ctx, layout: str, optimizer: str, seed: int = 0, scheduler: bool = Fa
 def run_ahead_is_the_uninterrupted_run(ctx, layout: str, optimizer: str, scheduler: bool) -> list[str]:
     """What running a source ahead gives is what a fresh run of as many
     steps gives, and the source, put back, goes on as if never run ahead."""
-    from conformance.oracle import diff_snapshots, snapshot
+    from conformance.judging.oracle import diff_snapshots, snapshot
     from conformance.world.modes import _run_ahead
 
     source = _setup(ctx, layout, optimizer, scheduler=scheduler)
@@ -111,7 +111,7 @@ def warm_target_differs_everywhere(ctx, layout: str, optimizer: str) -> list[str
     are zero in every run, so no run can tell them apart."""
     import torch
 
-    from conformance.oracle import snapshot
+    from conformance.judging.oracle import snapshot
     from conformance.sections.roundtrip import BEFORE, WARM
     from conformance.world import modes
     from hyperdsd import tree

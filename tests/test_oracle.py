@@ -63,7 +63,7 @@ def test_a_tolerance_by_state_key_forgives_rounding_noise_and_nothing_larger():
     by a fraction of the values around it."""
     import torch
 
-    from conformance.oracle import diff_values
+    from conformance.judging.oracle import diff_values
 
     big = {"exp_avg": torch.tensor([1e-2, 2e-2]), "exp_avg_sq": torch.tensor([1e-4, 2e-4])}
     want = {"a": big, "b": {"exp_avg": torch.tensor([3e-17]), "exp_avg_sq": torch.tensor([1e-33])}}

@@ -11,7 +11,7 @@ from helpers import run_cli, slowness
 
 from conformance.adapters import load_adapter
 from conformance.cli import verdict_changes
-from conformance.received import Received
+from conformance.judging.received import Received
 from conformance.registry import by_id
 from conformance.runner import Runner
 from hyperdsd.testing import PoolSet

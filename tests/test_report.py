@@ -93,7 +93,7 @@ def test_failures_are_grouped_into_distinct_deviations(tmp_path):
         "OPT-RT-1[fsdp2-sgd-dcp]": "ranks 0,1 raised KeyError in set_optimizer_state_dict: 'aux.bias'",
     }
     other = {
-        "OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.oracle.CheckFailure: "
+        "OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.judging.oracle.CheckFailure: "
         "full: state dtypes or values were not kept:\n"
         "  state['aux.weight']['exp_avg']: dtype torch.bfloat16, expected torch.float32"
     }

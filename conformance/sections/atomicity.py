@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
+from ..judging.oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
 from ..world import modes
 from ..world.layouts import canonical
 from ..world.models import GroupSpec

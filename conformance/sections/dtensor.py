@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from ..cases import make_case
 from ..clauses import Clause
 from ..context import NotApplicable
-from ..oracle import check, diff_values, fail_if, layout_problems, snapshot
+from ..judging.oracle import check, diff_values, fail_if, layout_problems, snapshot
 from ..world import modes
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import check, diff_values, fail_if, snapshot
+from ..judging.oracle import check, diff_values, fail_if, snapshot
 from ..world import modes
 from ..world.models import GroupSpec
 from ..world.setup import Setup

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from ..cases import loads, make_case
 from ..clauses import Clause
-from ..oracle import check, diff_snapshots, fail_if, snapshot
+from ..judging.oracle import check, diff_snapshots, fail_if, snapshot
 from ..world import modes
 from ..world.layouts import WRAPPER_SEGMENTS, canonical
 from ..world.models import ModelConfig, reordered

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import tree
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
+from ..judging import nested
+from ..judging.oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
 from ..world import loops, modes, policies
 from ..world.layouts import parse_layout
 
@@ -113,14 +113,14 @@ def _kinds(state, params: dict, where: str, *, local: bool) -> list[str]:
     (the sharded parameter's, not the compute dtype), or, with ``local``, not
     on its parameter's device and pinning."""
     problems = []
-    for path, value in tree.leaves(state):
+    for path, value in nested.leaves(state):
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         fqn = next((k for k in path if isinstance(k, str) and k in params), None)
         if fqn is None:
             continue
         p = params[fqn]
-        at = f"{where}{tree.where(path)}"
+        at = f"{where}{nested.where(path)}"
         if value.dtype != p.dtype:
             problems.append(f"{at}: dtype {value.dtype}, the sharded parameter's is {p.dtype}")
         if local:

@@ -17,7 +17,7 @@ import time
 
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import diff_snapshots, fail_if, snapshot
+from ..judging.oracle import diff_snapshots, fail_if, snapshot
 from ..world import modes
 from ..world.layouts import parse_layout, serving
 from ..world.setup import Setup

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
+from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
 from ..world import modes
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options

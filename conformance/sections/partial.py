@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import (
+from ..judging.oracle import (
     check,
     diff_snapshots,
     diff_values,

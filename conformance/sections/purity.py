@@ -6,7 +6,15 @@ import torch
 
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import diff_snapshots, diff_values, expect_unchanged, fail_if, grads_view, optimizer_view, snapshot
+from ..judging.oracle import (
+    diff_snapshots,
+    diff_values,
+    expect_unchanged,
+    fail_if,
+    grads_view,
+    optimizer_view,
+    snapshot,
+)
 from ..world import modes
 from ..world.models import batch, loss_fn
 from ..world.modes import get_options, optimizers_arg

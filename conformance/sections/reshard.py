@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..cases import Case, Phase, case_id
 from ..clauses import Clause
-from ..oracle import check, diff_values, fail_if, full_snapshot
+from ..judging.oracle import check, diff_values, fail_if, full_snapshot
 from ..world import modes
 from ..world.layouts import parse_layout
 from ..world.models import GroupSpec, ModelConfig

@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import tree
 from ..cases import make_case
 from ..clauses import Clause
-from ..meter import ReceiveMeter
-from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
+from ..judging import nested
+from ..judging.meter import ReceiveMeter
+from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
 from ..world import modes
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
@@ -181,13 +181,13 @@ def _full(v):
 
 
 def _cpu(state):
-    return tree.rebuild(
+    return nested.rebuild(
         state, lambda leaf, _path: leaf.detach().cpu().clone() if isinstance(leaf, torch.Tensor) else leaf
     )
 
 
 def _tensors(state):
-    return ((tree.where(path), leaf) for path, leaf in tree.leaves(state) if isinstance(leaf, torch.Tensor))
+    return ((nested.where(path), leaf) for path, leaf in nested.leaves(state) if isinstance(leaf, torch.Tensor))
 
 
 def cases():

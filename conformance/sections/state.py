@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import tree
 from ..cases import make_case
 from ..clauses import Clause
-from ..oracle import diff_snapshots, fail_if, layout_problems, snapshot
+from ..judging import nested
+from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
 from ..world import modes
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg
@@ -100,10 +100,10 @@ def _not_full(held: dict, shapes: dict, cpu: bool) -> list[str]:
     problems = []
     for fqn, entry in held.items():
         shape = shapes.get(fqn)
-        for path, v in tree.leaves(entry):
+        for path, v in nested.leaves(entry):
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
-            at = f"get[{fqn!r}]{tree.where(path)}"
+            at = f"get[{fqn!r}]{nested.where(path)}"
             if isinstance(v, DTensor):
                 problems.append(f"{at}: a DTensor, expected a full tensor")
             elif tuple(v.shape) != shape:
@@ -117,8 +117,8 @@ def _scalars(held: dict) -> dict:
     """0-d tensors and non-tensor values, by where they are."""
     out = {}
     for fqn, entry in held.items():
-        for path, v in tree.leaves(entry):
-            at = f"[{fqn!r}]{tree.where(path)}"
+        for path, v in nested.leaves(entry):
+            at = f"[{fqn!r}]{nested.where(path)}"
             if isinstance(v, DTensor):
                 continue
             if isinstance(v, torch.Tensor):

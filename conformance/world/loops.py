@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .. import _compat
-from ..oracle import snapshot
+from ..judging.oracle import snapshot
 from .layouts import Layout, model_group
 from .setup import Setup
 

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from .. import _compat
 from ..adapters import MODES, iut_call
-from ..oracle import clone_tree, diff_snapshots, snapshot, without_empty_groups
+from ..judging.oracle import clone_tree, diff_snapshots, snapshot, without_empty_groups
 
 # The suite saves and loads through DCP on subgroups; torch 2.6 needs this for it.
 _compat.dcp_on_subgroups()

@@ -137,7 +137,7 @@ class Setup:
         return out
 
     def gathered(self) -> dict | None:
-        """For FSDP1 layouts, :func:`conformance.oracle.full_snapshot`'s full
+        """For FSDP1 layouts, :func:`conformance.judging.oracle.full_snapshot`'s full
         state by original parameter's FQN (FSDP1 holds flat shards, not
         DTensors); None for every other layout. Collective."""
         if not self.layout.kind.fsdp1:
@@ -217,7 +217,7 @@ class Setup:
         """A copy of everything training changes. Optimizer state is copied
         as it is held, by parameter: torch's own Optimizer.load_state_dict
         would turn a string in the state into a generator's text."""
-        from ..oracle import clone_tree
+        from ..judging.oracle import clone_tree
 
         return {
             "model": clone_tree(self.module.state_dict()),

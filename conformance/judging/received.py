@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from .world.layouts import canonical
+from .. import _compat
+from ..world.layouts import canonical
 
 __all__ = ["Received", "RECEIVES"]
 

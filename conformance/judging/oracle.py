@@ -14,7 +14,8 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from . import _compat, tree
+from .. import _compat
+from . import nested
 
 
 class CheckFailure(AssertionError):
@@ -35,7 +36,7 @@ def check(condition: bool, message: str) -> None:
 
 def clone_tree(obj: Any) -> Any:
     """A deep copy of a state dict's containers and tensors (DTensors stay DTensors)."""
-    return tree.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
+    return nested.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
 
 
 def snapshot(setup) -> dict:
@@ -175,8 +176,8 @@ def full_snapshot(setup) -> dict:
 
     snap = snapshot(setup)
     return {
-        "params": tree.rebuild(snap["params"], full),
-        "state": tree.rebuild(snap["state"], full),
+        "params": nested.rebuild(snap["params"], full),
+        "state": nested.rebuild(snap["state"], full),
         "groups": snap["groups"],
     }
 
@@ -191,10 +192,10 @@ def layout_problems(state: dict, params: dict, where: str, *, local: bool) -> li
         p = params.get(fqn)
         if not isinstance(p, DTensor):
             continue
-        for path, v in tree.leaves(entry):
+        for path, v in nested.leaves(entry):
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
-            at = f"{where}[{fqn!r}]{tree.where(path)}"
+            at = f"{where}[{fqn!r}]{nested.where(path)}"
             if not isinstance(v, DTensor):
                 problems.append(f"{at}: a {type(v).__name__}, expected a DTensor like its parameter")
                 continue
@@ -237,7 +238,7 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
     """
     from hyperdsd.testing import NotApplicable, region_of
 
-    from .adapters import raised_by_iut
+    from ..adapters import raised_by_iut
 
     try:
         fn()
