@@ -20,9 +20,9 @@ from hyperdsd.testing import Status
 
 from . import spec
 from .adapters import PROFILES
-from .registry import all_cases
 from .reporting import RunInfo, coverage, coverage_line, declaration_line, to_json, write_json, write_junit
-from .results import CaseResult
+from .running.registry import all_cases
+from .running.results import CaseResult
 
 _ORDER = (Status.ERROR, Status.FAILED, Status.XFAIL, Status.XPASS, Status.NOT_APPLICABLE, Status.PASSED)  # worst first
 

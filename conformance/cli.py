@@ -10,7 +10,7 @@ import sys
 import time
 
 from .adapters import AdapterError, load_adapter
-from .registry import all_cases, select
+from .running.registry import all_cases, select
 
 DEFAULT_IMPL = "hyperdsd"
 
@@ -188,7 +188,7 @@ def _run(args) -> int:
     xfails = None
     warnings: list[str] = []
     if args.xfails:
-        from .xfails import Xfails
+        from .running.xfails import Xfails
 
         try:
             xfails = Xfails.load(args.xfails)
@@ -214,7 +214,7 @@ def _list(args, cases) -> int:
         except AdapterError as exc:
             raise UsageError(str(exc)) from None
         from .reporting import declaration_line
-        from .runner import undeclared
+        from .running.runner import undeclared
 
         print(f"# {adapter.name} declares: {declaration_line(adapter.declaration())}", file=sys.stderr)
     runs = 0
@@ -283,7 +283,10 @@ def _executor(args):
     if launched_by_torchrun():
         return TorchrunWorld(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
     return PoolSet(
-        gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
+        gloo_timeout_s=gloo_timeout,
+        device_type=args.device,
+        backend=args.backend,
+        preload=("conformance.running.runner",),
     )
 
 
@@ -293,7 +296,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     from hyperdsd.testing import WorldLost
 
     from .reporting import ConsoleReporter, RunInfo
-    from .runner import Runner
+    from .running.runner import Runner
 
     executor = _executor(args)
     if args.exitfirst and executor.exitfirst_refusal:
@@ -451,7 +454,7 @@ def _explore(args) -> int:
 
     from .explore import ExploreUsageError, parse_budget, run_command
     from .reporting import RunInfo
-    from .runner import Runner
+    from .running.runner import Runner
     from .scenarios import Scenario
 
     try:
@@ -475,7 +478,10 @@ def _explore(args) -> int:
         raise UsageError(str(exc)) from None
     gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0 * args.deadline_scale))
     executor = PoolSet(
-        gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
+        gloo_timeout_s=gloo_timeout,
+        device_type=args.device,
+        backend=args.backend,
+        preload=("conformance.running.runner",),
     )
     workdir = executor.run_workdir(args.workdir, "conformance-explore-")
     runner = Runner(adapter, executor, timeout=args.timeout, workdir=workdir, deadline_scale=args.deadline_scale)

@@ -15,7 +15,7 @@ import sys
 from collections import Counter, defaultdict
 
 from .deviations import signature
-from .results import Status
+from .running.results import Status
 
 _BAD = (Status.FAILED, Status.ERROR)
 _GOOD = (Status.PASSED, Status.XPASS)

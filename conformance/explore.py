@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 from hyperdsd.testing import Status
 
 from .adapters import MODES
-from .results import CaseResult
-from .runner import Runner, undeclared
+from .running.results import CaseResult
+from .running.runner import Runner, undeclared
 from .scenarios import (
     DTYPES,
     EXTRA_STATE,

@@ -28,8 +28,8 @@ import zlib
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from . import clauses
-from .cases import DEFAULT_DEADLINE_S, Case, Phase
+from .running import clauses
+from .running.cases import DEFAULT_DEADLINE_S, Case, Phase
 from .world.layouts import parse_layout
 
 FORMAT = 1
@@ -360,7 +360,7 @@ def reshard_problems(s: "Scenario") -> list[str]:
 
 def clauses_of(s: Scenario) -> tuple[str, ...]:
     """The clauses whose features ``s`` contains, in the order their checks run
-    (each section declares its clauses' features and checks: conformance.clauses)."""
+    (each section declares its clauses' features and checks: conformance.running.clauses)."""
     return tuple(clause_id for clause_id, c in clauses.explored() if c.contains(s))
 
 

@@ -31,7 +31,7 @@ LAZY = "layers.0.router.weight"
 def _c(ctx):
     """A case context for conformance's Setup, driving hyperdsd."""
     from conformance.adapters import load_adapter
-    from conformance.context import CaseContext
+    from conformance.running.case_context import CaseContext
 
     return CaseContext(ctx, None, 0, load_adapter("hyperdsd"), "")
 

@@ -136,7 +136,7 @@ def agree(ctx, bad_rank: int = 1):
 
 def _setup(ctx, layout, seed, impl, opt="adamw"):
     from conformance.adapters import load_adapter
-    from conformance.context import CaseContext
+    from conformance.running.case_context import CaseContext
     from conformance.world.models import ModelConfig
     from conformance.world.setup import Setup
 

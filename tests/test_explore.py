@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 from conformance.adapters import load_adapter
 from conformance.explore import Scenario, choices, normalise, parse_budget, strategy
-from conformance.runner import undeclared
+from conformance.running.runner import undeclared
 from conformance.scenarios import clause_cases, clauses_of, found_cases, load_found, scenario_case
 from conformance.world.layouts import parse_layout
 
@@ -327,7 +327,7 @@ class _ScriptedRunner:
         self.failures, self.calls = failures, []
 
     def run_case(self, case):
-        from conformance.results import CaseResult, Status
+        from conformance.running.results import CaseResult, Status
 
         self.calls.append(case.clause)
         message = self.failures.get(case.clause, "")

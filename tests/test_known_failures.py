@@ -10,8 +10,8 @@ import pathlib
 
 import pytest
 
-from conformance.registry import all_cases
-from conformance.xfails import Xfails
+from conformance.running.registry import all_cases
+from conformance.running.xfails import Xfails
 
 KNOWN = sorted((pathlib.Path(__file__).resolve().parent.parent / "conformance" / "known").glob("torch-*.txt"))
 # Clauses torch 2.13 and 2.14 pass in every case: an entry covering one would hide a regression.

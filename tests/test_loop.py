@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import run_cli
 
-from conformance.registry import all_cases
+from conformance.running.registry import all_cases
 from conformance.scenarios import Scenario, clauses_of
 from conformance.world.layouts import parse_layout
 from conformance.world.loops import POINTS

@@ -9,9 +9,9 @@ import pytest
 from helpers import scaled
 
 from conformance.certificate import level, write_report
-from conformance.registry import all_cases
 from conformance.reporting import RunInfo
-from conformance.results import CaseResult
+from conformance.running.registry import all_cases
+from conformance.running.results import CaseResult
 from hyperdsd.testing import Status
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")

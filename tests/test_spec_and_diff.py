@@ -5,7 +5,7 @@ import json
 from helpers import run_cli
 
 from conformance import spec
-from conformance.registry import all_cases
+from conformance.running.registry import all_cases
 
 
 def test_every_clause_has_cases_and_every_case_a_clause():
@@ -83,8 +83,8 @@ def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
 
 def test_expected_failures_group_by_their_traced_cause():
     from conformance.deviations import group
-    from conformance.registry import all_cases
-    from conformance.results import CaseResult
+    from conformance.running.registry import all_cases
+    from conformance.running.results import CaseResult
     from hyperdsd.testing import Status
 
     a, b, c = list(all_cases())[:3]

@@ -83,7 +83,7 @@ class _ById(dict):
         return super().get(id(key), default)
 
 
-@pytest.mark.parametrize("package", ["hyperdsd", "conformance.cli", "conformance.registry"])
+@pytest.mark.parametrize("package", ["hyperdsd", "conformance.cli", "conformance.running.registry"])
 @pytest.mark.parametrize("version", ["2.5.1", "2.6.0", "2.13.0+cpu"])
 def test_import_on_torch_below_the_floor_names_the_release_needed(package, version):
     """pyproject.toml declares torch>=2.6; an older torch gets one ImportError that says so."""

@@ -23,7 +23,7 @@ from typing import Callable
 
 from conformance.adapters import MODES
 from conformance.deviations import signature
-from conformance.results import Status
+from conformance.running.results import Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIPELINE = ("pp2", "pp2xfsdp2")
@@ -547,7 +547,7 @@ def _covering(ids: list[str], others: list[str]) -> list[str]:
 def check(cases: list[dict], known_path: str) -> dict:
     """How a known-failures file fares against a run's cases, as ``--xfails`` would judge them:
     failures it does not list, passes it lists (xpass), errors, and entries that match no case."""
-    from conformance.xfails import Xfails
+    from conformance.running.xfails import Xfails
 
     known = Xfails.load(known_path)
     known.mark_selected([c["id"] for c in cases])

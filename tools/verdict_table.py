@@ -12,7 +12,7 @@ import json
 from collections import Counter, defaultdict
 
 from conformance.deviations import signature
-from conformance.results import Status
+from conformance.running.results import Status
 
 
 def main() -> None:

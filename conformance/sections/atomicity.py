@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.layouts import canonical
 from ..world.models import GroupSpec

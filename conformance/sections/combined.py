@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..adapters import iut_call
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, expect_error, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 
 LAYOUTS = ("single", "ddp", "fsdp2", "hsdp2x2", "pp2xfsdp2")

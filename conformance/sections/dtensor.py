@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..cases import make_case
-from ..clauses import Clause
-from ..context import NotApplicable
 from ..judging.oracle import check, diff_values, fail_if, layout_problems, snapshot
+from ..running.case_context import NotApplicable
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg

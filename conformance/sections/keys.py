@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..cases import loads, make_case
-from ..clauses import Clause
 from ..judging.oracle import check, diff_snapshots, fail_if, snapshot
+from ..running.cases import loads, make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.layouts import WRAPPER_SEGMENTS, canonical
 from ..world.models import ModelConfig, reordered

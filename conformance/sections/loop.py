@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging import nested
 from ..judging.oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import loops, modes, policies
 from ..world.layouts import parse_layout
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import time
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.oracle import diff_snapshots, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.layouts import parse_layout, serving
 from ..world.setup import Setup

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_values, expect_error, fail_if
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.layouts import parse_layout
 from ..world.models import ModelConfig, ToyModel

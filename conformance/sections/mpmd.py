@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options

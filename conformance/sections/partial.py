@@ -17,8 +17,6 @@ import pickle
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.oracle import (
     check,
     diff_snapshots,
@@ -29,6 +27,8 @@ from ..judging.oracle import (
     optimizer_view,
     snapshot,
 )
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options

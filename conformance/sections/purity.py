@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.oracle import (
     diff_snapshots,
     diff_values,
@@ -15,6 +13,8 @@ from ..judging.oracle import (
     optimizer_view,
     snapshot,
 )
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import batch, loss_fn
 from ..world.modes import get_options, optimizers_arg

@@ -25,9 +25,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..cases import Case, Phase, case_id
-from ..clauses import Clause
 from ..judging.oracle import check, diff_values, fail_if, full_snapshot
+from ..running.cases import Case, Phase, case_id
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.layouts import parse_layout
 from ..world.models import GroupSpec, ModelConfig

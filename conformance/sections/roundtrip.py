@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging import nested
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options

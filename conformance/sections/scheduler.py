@@ -10,9 +10,9 @@ any implementation, and is checked in the other modes.
 
 from __future__ import annotations
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging.oracle import check, diff_snapshots, diff_values, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import GroupSpec
 from ..world.setup import Setup

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..cases import make_case
-from ..clauses import Clause
 from ..judging import nested
 from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg

@@ -18,7 +18,7 @@ from functools import lru_cache
 from types import ModuleType
 from typing import Any, Callable
 
-from . import spec
+from .. import spec
 
 
 @dataclass(frozen=True)

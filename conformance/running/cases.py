@@ -10,9 +10,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .adapters import GET_OF, Needs
+from ..adapters import GET_OF, Needs
+from ..world.layouts import parse_layout
 from .clauses import clause
-from .world.layouts import parse_layout
 
 DEFAULT_DEADLINE_S = 60.0
 
