@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["diff"]:
-        from .diff import main as diff_main
+        from .reporting.diff import main as diff_main
 
         return diff_main(argv[1:])
     if argv[:1] == ["explore"]:
@@ -213,7 +213,7 @@ def _list(args, cases) -> int:
             adapter = load_adapter(args.impl)
         except AdapterError as exc:
             raise UsageError(str(exc)) from None
-        from .reporting import declaration_line
+        from .reporting.reports import declaration_line
         from .running.runner import undeclared
 
         print(f"# {adapter.name} declares: {declaration_line(adapter.declaration())}", file=sys.stderr)
@@ -258,10 +258,10 @@ def _check_device(device: str, backend: str | None) -> str:
 
 
 def _report(args, adapter, info, results, warnings, elapsed, complete=True, soak=None) -> None:
-    from .reporting import to_json, write_json, write_junit
+    from .reporting.reports import to_json, write_json, write_junit
 
     if args.report:
-        from .certificate import write_report
+        from .reporting.certificate import write_report
 
         data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles, args.explored)
         core = data["level"].get("core", {})
@@ -295,7 +295,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
 
     from hyperdsd.testing import WorldLost
 
-    from .reporting import ConsoleReporter, RunInfo
+    from .reporting.reports import ConsoleReporter, RunInfo
     from .running.runner import Runner
 
     executor = _executor(args)
@@ -453,7 +453,7 @@ def _explore(args) -> int:
     from hyperdsd.testing import PoolSet, environment_problems, launched_by_torchrun, stop_fork_server
 
     from .explore import ExploreUsageError, parse_budget, run_command
-    from .reporting import RunInfo
+    from .reporting.reports import RunInfo
     from .running.runner import Runner
     from .scenarios import Scenario
 

@@ -618,7 +618,7 @@ def run_command(args, adapter, runner: Runner, info) -> int:
 
 
 def _write(path: str, info, impl: str, report: Exploration | None, findings, replayed: Verdict | None) -> None:
-    from .reporting import write_json
+    from .reporting.reports import write_json
 
     section = report.to_json(impl) if report else {"replay": True, "findings": [f.to_json(impl) for f in findings]}
     if replayed is not None:

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 from helpers import scaled
 
-from conformance.certificate import level, write_report
-from conformance.reporting import RunInfo
+from conformance.reporting.certificate import level, write_report
+from conformance.reporting.reports import RunInfo
 from conformance.running.registry import all_cases
 from conformance.running.results import CaseResult
 from hyperdsd.testing import Status
@@ -59,7 +59,7 @@ def test_core_certified_only_when_every_core_case_passed():
 
 def test_an_implementation_that_declares_less_is_certified_for_it_with_its_coverage():
     from conformance.adapters import Adapter
-    from conformance.certificate import first_lines, verdict
+    from conformance.reporting.certificate import first_lines, verdict
 
     adapter = Adapter("demo", *(lambda *a, **k: None,) * 4, options=dict, get_modes={"full_cpu"}, load_modes={"file"})
     decl = adapter.declaration()

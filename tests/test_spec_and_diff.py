@@ -63,7 +63,7 @@ def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path):
 
 
 def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
-    from conformance.deviations import signature
+    from conformance.reporting.deviations import signature
 
     head = (
         "ranks 0,1 raised CheckFailure: the message does not name ['adapter.bias']: "
@@ -82,7 +82,7 @@ def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
 
 
 def test_expected_failures_group_by_their_traced_cause():
-    from conformance.deviations import group
+    from conformance.reporting.deviations import group
     from conformance.running.registry import all_cases
     from conformance.running.results import CaseResult
     from hyperdsd.testing import Status

@@ -20,7 +20,7 @@ import torch.nn as nn
 from helpers import slowness
 
 from conformance.adapters import Unsupported, load_adapter
-from conformance.certificate import level, verdict
+from conformance.reporting.certificate import level, verdict
 from conformance.running.registry import all_cases, by_id
 from conformance.running.results import CaseResult
 from conformance.running.runner import Runner

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from conformance.adapters import MODES
-from conformance.deviations import signature
+from conformance.reporting.deviations import signature
 from conformance.running.results import Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import argparse
 import json
 from collections import Counter, defaultdict
 
-from conformance.deviations import signature
+from conformance.reporting.deviations import signature
 from conformance.running.results import Status
 
 
