@@ -402,7 +402,7 @@ def verdict_changes(runs: list[list]) -> dict:
 
 
 def build_explore_parser() -> argparse.ArgumentParser:
-    from .explore import add_arguments
+    from .exploring.explore import add_arguments
 
     p = argparse.ArgumentParser(
         prog="python -m conformance explore",
@@ -452,10 +452,10 @@ def _explore(args) -> int:
 
     from hyperdsd.testing import PoolSet, environment_problems, launched_by_torchrun, stop_fork_server
 
-    from .explore import ExploreUsageError, parse_budget, run_command
+    from .exploring.explore import ExploreUsageError, parse_budget, run_command
+    from .exploring.scenario import Scenario
     from .reporting.reports import RunInfo
     from .running.runner import Runner
-    from .scenarios import Scenario
 
     try:
         import hypothesis  # noqa: F401

@@ -136,7 +136,7 @@ def check_case(runner: Runner, case: Case) -> None:
 
 def check_exploration(runner: Runner, budget: str, seed: int, world_sizes: str) -> None:
     """Explore for ``budget``; fail with every shrunk deviation found."""
-    from .explore import ExploreUsageError, ScenarioRunner, choices, describe_finding, explore, parse_budget
+    from .exploring.explore import ExploreUsageError, ScenarioRunner, choices, describe_finding, explore, parse_budget
 
     try:
         sizes = [int(x) for x in world_sizes.split(",") if x.strip()]

@@ -9,9 +9,9 @@ from helpers import run_cli, scaled
 from hypothesis import HealthCheck, given, settings
 
 from conformance.adapters import load_adapter
-from conformance.explore import Scenario, choices, normalise, parse_budget, strategy
+from conformance.exploring.explore import Scenario, choices, normalise, parse_budget, strategy
+from conformance.exploring.scenario import clause_cases, clauses_of, found_cases, load_found, scenario_case
 from conformance.running.runner import undeclared
-from conformance.scenarios import clause_cases, clauses_of, found_cases, load_found, scenario_case
 from conformance.world.layouts import parse_layout
 
 PLANTED = "faulty_impl:halves_router_state"
@@ -337,7 +337,7 @@ class _ScriptedRunner:
 def test_later_rounds_look_past_a_known_deviation_to_the_next_check():
     """A scenario whose first failing check deviates as an earlier finding did still counts for what its
     later checks show; each check runs once, however often hypothesis replays the scenario."""
-    from conformance.explore import ScenarioRunner
+    from conformance.exploring.explore import ScenarioRunner
 
     s = Scenario(empty_at=(0,), scheduler=True)
     assert clauses_of(s)[:2] == ("OPT-EMPTY-1", "OPT-SCHED-2")

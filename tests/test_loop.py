@@ -6,8 +6,8 @@ import json
 import pytest
 from helpers import run_cli
 
+from conformance.exploring.scenario import Scenario, clauses_of
 from conformance.running.registry import all_cases
-from conformance.scenarios import Scenario, clauses_of
 from conformance.world.layouts import parse_layout
 from conformance.world.loops import POINTS
 from conformance.world.policies import VARIANTS, arguments

@@ -450,7 +450,7 @@ def _found_scenarios() -> dict[str, dict]:
     """The scenario of every found-scenario case the registry loads (conformance/found/), by case ID."""
     import glob
 
-    from conformance.scenarios import found_dirs
+    from conformance.exploring.scenario import found_dirs
 
     out = {}
     for directory in found_dirs():
@@ -511,7 +511,7 @@ def explore_table(path: str, save_found: str | None = None) -> int:
         print(f"  UNTRACED {line}")
     print(f"causes found: {len(found)} of {len(titles)} traced; untraced deviations: {len(untraced)}")
     if save_found and not untraced:
-        from conformance.scenarios import Scenario, found_record, write_found
+        from conformance.exploring.scenario import Scenario, found_record, write_found
 
         impl = (report.get("impl") or {}).get("spec", "torch")
         for title in titles:

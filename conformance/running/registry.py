@@ -26,7 +26,7 @@ def all_cases() -> tuple[Case, ...]:
                 raise RuntimeError(f"{module.__name__} yields {case.id} of a clause it does not declare")
             seen.add(case.id)
             cases.append(case)
-    from ..scenarios import found_cases
+    from ..exploring.scenario import found_cases
 
     for case in found_cases():  # scenarios exploration found: cases like any other
         if case.id in seen:

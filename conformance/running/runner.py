@@ -37,7 +37,7 @@ def run_phase(
     from .case_context import CaseContext
 
     if source is not None:
-        from ..scenarios import case_from_source
+        from ..exploring.scenario import case_from_source
 
         case = case_from_source(source)
     else:

@@ -1,6 +1,6 @@
 """``python -m conformance explore``: generated scenarios, shrunk to a minimal repro.
 
-Hypothesis draws :class:`~conformance.scenarios.Scenario` values within what
+Hypothesis draws :class:`~conformance.exploring.scenario.Scenario` values within what
 the adapter declares (:func:`choices`), each runs the checks of the clauses
 it exercises on the same warm rank pools, oracle and deadlines as the matrix
 (:class:`ScenarioRunner`), and a deviation is raised to hypothesis under a
@@ -25,10 +25,13 @@ from dataclasses import dataclass, field, replace
 
 from hyperdsd.testing import Status
 
-from .adapters import MODES
-from .running.results import CaseResult
-from .running.runner import Runner, undeclared
-from .scenarios import (
+from ..adapters import MODES
+from ..running.results import CaseResult
+from ..running.runner import Runner, undeclared
+from ..world.layouts import parse_layout
+from ..world.loops import POINTS
+from ..world.policies import VARIANTS
+from .scenario import (
     DTYPES,
     EXTRA_STATE,
     GROUP_ORDERS,
@@ -43,9 +46,6 @@ from .scenarios import (
     scenario_case,
     write_found,
 )
-from .world.layouts import parse_layout
-from .world.loops import POINTS
-from .world.policies import VARIANTS
 
 GENERATE_SHARE = 0.7  # of the budget: new scenarios; the rest is for shrinking
 ROUND_EXAMPLES = 200  # scenarios per hypothesis round at most
@@ -618,7 +618,7 @@ def run_command(args, adapter, runner: Runner, info) -> int:
 
 
 def _write(path: str, info, impl: str, report: Exploration | None, findings, replayed: Verdict | None) -> None:
-    from .reporting.reports import write_json
+    from ..reporting.reports import write_json
 
     section = report.to_json(impl) if report else {"replay": True, "findings": [f.to_json(impl) for f in findings]}
     if replayed is not None:
