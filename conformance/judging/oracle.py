@@ -3,7 +3,8 @@ under test, and comparisons that say exactly what differs.
 
 Comparison is bitwise unless a tolerance is given; a difference names the
 FQN, the key, and what differs (presence, type, dtype, shape, placements,
-device, values with the max abs error).
+device, values with the max abs error). State is named by canonical FQNs
+(:func:`canonical`), the names the SPEC keys state dicts by.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from . import nested
+
+# Path segments that wrappers insert and canonical FQNs leave out.
+WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def canonical(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 class CheckFailure(AssertionError):

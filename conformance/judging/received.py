@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..world.layouts import canonical
+from .oracle import canonical
 
 __all__ = ["Received", "RECEIVES"]
 

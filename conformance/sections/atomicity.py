@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..judging.oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
+from ..judging.oracle import canonical, check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import canonical
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup

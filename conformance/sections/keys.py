@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..judging.oracle import check, diff_snapshots, fail_if, snapshot
+from ..judging.oracle import WRAPPER_SEGMENTS, canonical, check, diff_snapshots, fail_if, snapshot
 from ..running.cases import loads, make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import WRAPPER_SEGMENTS, canonical
 from ..world.models import ModelConfig, reordered
 from ..world.modes import get_options, optimizers_arg
 from ..world.setup import Setup

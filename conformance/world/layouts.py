@@ -26,13 +26,6 @@ from .models import ModelConfig
 # FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
 _compat.fsdp2_on_cpu()
 
-# Path segments that wrappers insert and canonical FQNs leave out.
-WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-
-
-def canonical(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
-
 
 @dataclass(frozen=True)
 class Layout:

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _compat
-from .layouts import Layout, canonical, model_group, parse_layout
+from ..judging.oracle import canonical
+from .layouts import Layout, model_group, parse_layout
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
 
