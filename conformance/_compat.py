@@ -204,7 +204,7 @@ def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | No
 
 def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonical) -> dict:
     """The full state of an FSDP1 model and its optimizers by original parameter, as
-    ``conformance.oracle.full_snapshot`` gives it for DTensors: ``{"params": {fqn: full tensor},
+    ``conformance.judging.oracle.full_snapshot`` gives it for DTensors: ``{"params": {fqn: full tensor},
     "state": {fqn: {key: full value}}, "groups": [{fields, "params": [fqn, ...]}]}``, on every rank.
 
     FSDP1 holds each unit's original parameters as one flat parameter, sharded in equal chunks

@@ -49,7 +49,7 @@ OPTION_FIELDS = (
     "flatten_optimizer_state_dict",
 )
 PROFILES = ("core", "inplace", "tp", "multi-optimizer")
-# How a state dict leaves a setup and comes back (SPEC §2; see flows.py).
+# How a state dict leaves a setup and comes back (SPEC §2; see world/modes.py).
 MODES = ("sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp")
 # What a get returns: the modes a get can be declared in. ``bcast`` and
 # ``file`` save a ``full_cpu`` get; ``dcp`` saves a sharded one.

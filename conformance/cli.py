@@ -10,7 +10,7 @@ import sys
 import time
 
 from .adapters import AdapterError, load_adapter
-from .registry import all_cases, select
+from .running.registry import all_cases, select
 
 DEFAULT_IMPL = "hyperdsd"
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["diff"]:
-        from .diff import main as diff_main
+        from .reporting.diff import main as diff_main
 
         return diff_main(argv[1:])
     if argv[:1] == ["explore"]:
@@ -188,7 +188,7 @@ def _run(args) -> int:
     xfails = None
     warnings: list[str] = []
     if args.xfails:
-        from .xfails import Xfails
+        from .running.xfails import Xfails
 
         try:
             xfails = Xfails.load(args.xfails)
@@ -213,8 +213,8 @@ def _list(args, cases) -> int:
             adapter = load_adapter(args.impl)
         except AdapterError as exc:
             raise UsageError(str(exc)) from None
-        from .reporting import declaration_line
-        from .runner import undeclared
+        from .reporting.reports import declaration_line
+        from .running.runner import undeclared
 
         print(f"# {adapter.name} declares: {declaration_line(adapter.declaration())}", file=sys.stderr)
     runs = 0
@@ -258,10 +258,10 @@ def _check_device(device: str, backend: str | None) -> str:
 
 
 def _report(args, adapter, info, results, warnings, elapsed, complete=True, soak=None) -> None:
-    from .reporting import to_json, write_json, write_junit
+    from .reporting.reports import to_json, write_json, write_junit
 
     if args.report:
-        from .certificate import write_report
+        from .reporting.certificate import write_report
 
         data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles, args.explored)
         core = data["level"].get("core", {})
@@ -283,7 +283,10 @@ def _executor(args):
     if launched_by_torchrun():
         return TorchrunWorld(gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend)
     return PoolSet(
-        gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
+        gloo_timeout_s=gloo_timeout,
+        device_type=args.device,
+        backend=args.backend,
+        preload=("conformance.running.runner",),
     )
 
 
@@ -292,8 +295,8 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
 
     from hyperdsd.testing import WorldLost
 
-    from .reporting import ConsoleReporter, RunInfo
-    from .runner import Runner
+    from .reporting.reports import ConsoleReporter, RunInfo
+    from .running.runner import Runner
 
     executor = _executor(args)
     if args.exitfirst and executor.exitfirst_refusal:
@@ -399,7 +402,7 @@ def verdict_changes(runs: list[list]) -> dict:
 
 
 def build_explore_parser() -> argparse.ArgumentParser:
-    from .explore import add_arguments
+    from .exploring.explore import add_arguments
 
     p = argparse.ArgumentParser(
         prog="python -m conformance explore",
@@ -449,9 +452,9 @@ def _explore(args) -> int:
 
     from hyperdsd.testing import PoolSet, environment_problems, launched_by_torchrun, stop_fork_server
 
-    from .explore import ExploreUsageError, check_request, run_command
-    from .reporting import RunInfo
-    from .runner import Runner
+    from .exploring.explore import ExploreUsageError, check_request, run_command
+    from .reporting.reports import RunInfo
+    from .running.runner import Runner
 
     try:
         import hypothesis  # noqa: F401
@@ -472,7 +475,10 @@ def _explore(args) -> int:
         raise UsageError(str(exc)) from None
     gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0 * args.deadline_scale))
     executor = PoolSet(
-        gloo_timeout_s=gloo_timeout, device_type=args.device, backend=args.backend, preload=("conformance.runner",)
+        gloo_timeout_s=gloo_timeout,
+        device_type=args.device,
+        backend=args.backend,
+        preload=("conformance.running.runner",),
     )
     workdir = executor.run_workdir(args.workdir, "conformance-explore-")
     runner = Runner(adapter, executor, timeout=args.timeout, workdir=workdir, deadline_scale=args.deadline_scale)

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from .registry import Case
-    from .runner import Runner
+    from .running.registry import Case
+    from .running.runner import Runner
 
 
 def pytest_addoption(parser):
@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
     path = config.getoption("--dsd-xfails")
     if not path:
         return
-    from .xfails import Xfails
+    from .running.xfails import Xfails
 
     xfails = Xfails.load(path)
     for item in items:
@@ -100,12 +100,12 @@ def dsd_runner(request):
     from hyperdsd.testing import PoolSet, environment_problems
 
     from .adapters import load_adapter
-    from .runner import Runner
+    from .running.runner import Runner
 
     for problem in environment_problems():
         raise pytest.UsageError(problem)
     impl = request.config.getoption("--dsd-impl")
-    pools = PoolSet(preload=("conformance.runner",))
+    pools = PoolSet(preload=("conformance.running.runner",))
     options = request.config.getoption
     runner = Runner(
         load_adapter(impl),
@@ -136,7 +136,7 @@ def check_case(runner: Runner, case: Case) -> None:
 
 def check_exploration(runner: Runner, budget: str, seed: int, world_sizes: str) -> None:
     """Explore for ``budget``; fail with every shrunk deviation found."""
-    from .explore import ExploreUsageError, ScenarioRunner, choices, describe_finding, explore, parse_budget
+    from .exploring.explore import ExploreUsageError, ScenarioRunner, choices, describe_finding, explore, parse_budget
 
     try:
         sizes = [int(x) for x in world_sizes.split(",") if x.strip()]

@@ -3,7 +3,7 @@
 import pytest
 
 from conformance.pytest_plugin import check_case
-from conformance.registry import all_cases
+from conformance.running.registry import all_cases
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=pytest.mark.dsd_case(c.id)) for c in all_cases()])

@@ -31,14 +31,14 @@ LAZY = "layers.0.router.weight"
 def _c(ctx):
     """A case context for conformance's Setup, driving hyperdsd."""
     from conformance.adapters import load_adapter
-    from conformance.context import CaseContext
+    from conformance.running.case_context import CaseContext
 
     return CaseContext(ctx, None, 0, load_adapter("hyperdsd"), "")
 
 
 def _setup(ctx, layout: str, seed: int, **kw):
-    from conformance.layouts import Setup
-    from conformance.models import GroupSpec, ModelConfig
+    from conformance.world.models import GroupSpec, ModelConfig
+    from conformance.world.setup import Setup
 
     cfg = ModelConfig(**{"router": True, **kw.pop("cfg", {})})
     groups = GroupSpec.for_seed(seed, **kw.pop("groups", {}))
@@ -51,13 +51,13 @@ def _options(setup) -> StateDictOptions:
 
 
 def _snapshot(setup):
-    from conformance.oracle import snapshot
+    from conformance.judging.oracle import snapshot
 
     return snapshot(setup)
 
 
 def _diff(a, b) -> list[str]:
-    from conformance.oracle import diff_snapshots
+    from conformance.judging.oracle import diff_snapshots
 
     return diff_snapshots(a, b)
 

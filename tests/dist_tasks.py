@@ -136,9 +136,9 @@ def agree(ctx, bad_rank: int = 1):
 
 def _setup(ctx, layout, seed, impl, opt="adamw"):
     from conformance.adapters import load_adapter
-    from conformance.context import CaseContext
-    from conformance.layouts import Setup
-    from conformance.models import ModelConfig
+    from conformance.running.case_context import CaseContext
+    from conformance.world.models import ModelConfig
+    from conformance.world.setup import Setup
 
     c = CaseContext(ctx, None, 0, load_adapter(impl), "")
     # Every parameter trains (no lazy, frozen or tied ones): torch's loader is correct there.
@@ -153,7 +153,7 @@ def _setup(ctx, layout, seed, impl, opt="adamw"):
 
 
 def _state(setup):
-    from conformance.oracle import snapshot
+    from conformance.judging.oracle import snapshot
 
     return snapshot(setup)
 
@@ -163,7 +163,7 @@ def interop(ctx, layout: str, writer: str, reader: str, mode: str):
     import torch.distributed.checkpoint as dcp
 
     from conformance.adapters import load_adapter
-    from conformance.oracle import diff_snapshots
+    from conformance.judging.oracle import diff_snapshots
 
     w, r = load_adapter(writer), load_adapter(reader)
     flat = mode in ("flat", "flat_dcp")
@@ -210,7 +210,7 @@ def interop(ctx, layout: str, writer: str, reader: str, mode: str):
 
 def combined_broadcast(ctx):
     """set_state_dict with broadcast_from_rank0: ranks other than 0 pass empty dicts."""
-    from conformance.oracle import diff_snapshots, snapshot
+    from conformance.judging.oracle import diff_snapshots, snapshot
 
     a = _setup(ctx, "fsdp2", 0, "hyperdsd")
     a.train(1)
@@ -521,7 +521,7 @@ def other_placements(ctx, warm: bool):
     """State whose DTensors are laid out otherwise than the parameters
     (replicated, not sharded) loads, redistributed to the parameters'
     placements, into a trained optimizer (copied in place) or a fresh one."""
-    from conformance.oracle import diff_snapshots, snapshot
+    from conformance.judging.oracle import diff_snapshots, snapshot
 
     def replicated(v):
         return v.redistribute(v.device_mesh, [Replicate()] * v.device_mesh.ndim) if isinstance(v, DTensor) else v

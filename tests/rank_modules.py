@@ -5,10 +5,11 @@ import sys
 
 def hyperdsd_modules_after_a_torch_case(ctx):
     """The suite's rank-side code and torch's adapter, as a ``--impl torch`` rank loads them."""
-    from conformance import flows, registry
     from conformance.adapters import load_adapter
+    from conformance.running import registry
+    from conformance.world import modes
 
     load_adapter("torch")
     registry.all_cases()  # every section module
-    assert flows.MODES
+    assert modes.MODES
     return sorted(m for m in sys.modules if m == "hyperdsd" or m.startswith("hyperdsd."))

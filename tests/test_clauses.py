@@ -6,10 +6,11 @@ import types
 
 import pytest
 
-from conformance import clauses, spec
-from conformance.cases import make_case
-from conformance.clauses import Clause
-from conformance.registry import all_cases
+from conformance import spec
+from conformance.running import clauses
+from conformance.running.cases import make_case
+from conformance.running.clauses import Clause
+from conformance.running.registry import all_cases
 
 
 def test_every_spec_clause_has_one_section_and_every_section_clause_is_in_spec():

@@ -9,8 +9,8 @@ import pytest
 from helpers import run_cli, scaled, slowness
 
 from conformance.adapters import FUNCTIONS, Adapter, AdapterError, from_module, load_adapter
-from conformance.registry import all_cases, by_id
-from conformance.runner import Runner, undeclared
+from conformance.running.registry import all_cases, by_id
+from conformance.running.runner import Runner, undeclared
 from hyperdsd.testing import PoolSet
 
 

@@ -10,8 +10,8 @@ from helpers import slowness
 
 from conformance.adapters import load_adapter
 from conformance.pytest_plugin import check_case
-from conformance.registry import all_cases
-from conformance.runner import Runner
+from conformance.running.registry import all_cases
+from conformance.running.runner import Runner
 from hyperdsd.testing import PoolSet
 
 

@@ -7,8 +7,8 @@ import pytest
 from helpers import run_cli, slowness
 
 from conformance.adapters import LAYOUTS, Adapter, AdapterError, load_adapter
-from conformance.registry import all_cases, by_id
-from conformance.runner import Runner, undeclared
+from conformance.running.registry import all_cases, by_id
+from conformance.running.runner import Runner, undeclared
 from hyperdsd.testing import PoolSet
 
 CONSOLIDATED = "conformance.examples.consolidated_adapter"

@@ -5,8 +5,8 @@ import re
 from collections import Counter
 
 from conformance.adapters import load_adapter
-from conformance.registry import all_cases
-from conformance.runner import undeclared
+from conformance.running.registry import all_cases
+from conformance.running.runner import undeclared
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "ADAPTERS.md")
 CONSOLIDATED = "conformance.examples.consolidated_adapter"

@@ -9,10 +9,10 @@ from helpers import run_cli, scaled
 from hypothesis import HealthCheck, given, settings
 
 from conformance.adapters import load_adapter
-from conformance.explore import Scenario, choices, normalise, parse_budget, strategy
-from conformance.layouts import parse_layout
-from conformance.runner import undeclared
-from conformance.scenarios import clause_cases, clauses_of, found_cases, load_found, scenario_case
+from conformance.exploring.explore import Scenario, choices, normalise, parse_budget, strategy
+from conformance.exploring.scenario import clause_cases, clauses_of, found_cases, load_found, scenario_case
+from conformance.running.runner import undeclared
+from conformance.world.layouts import parse_layout
 
 PLANTED = "faulty_impl:halves_router_state"
 # A bounded exploration: one round at world size 1, where a scenario takes
@@ -82,7 +82,7 @@ def test_a_scenario_runs_the_checks_of_the_clauses_it_contains():
 
 
 def test_groups_in_another_order():
-    from conformance.models import GroupSpec, reordered
+    from conformance.world.models import GroupSpec, reordered
 
     groups = [{"params": ["a", "b"]}, {"params": []}, {"params": ["c"]}, {"params": ["d", "e"], "lr": 2}]
     assert reordered(groups) == [
@@ -332,7 +332,7 @@ class _ScriptedRunner:
         self.failures, self.calls = failures, []
 
     def run_case(self, case):
-        from conformance.results import CaseResult, Status
+        from conformance.running.results import CaseResult, Status
 
         self.calls.append(case.clause)
         message = self.failures.get(case.clause, "")
@@ -342,7 +342,7 @@ class _ScriptedRunner:
 def test_later_rounds_look_past_a_known_deviation_to_the_next_check():
     """A scenario whose first failing check deviates as an earlier finding did still counts for what its
     later checks show; each check runs once, however often hypothesis replays the scenario."""
-    from conformance.explore import ScenarioRunner
+    from conformance.exploring.explore import ScenarioRunner
 
     s = Scenario(empty_at=(0,), scheduler=True)
     assert clauses_of(s)[:2] == ("OPT-EMPTY-1", "OPT-SCHED-2")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
-from conformance.oracle import CheckFailure, describe_tensor_difference, fail_if
-from conformance.registry import case_id
+from conformance.judging.oracle import CheckFailure, describe_tensor_difference, fail_if
+from conformance.running.registry import case_id
 from hyperdsd.errors import StateDictError
 from hyperdsd.transport.collectives import raise_if_any
 

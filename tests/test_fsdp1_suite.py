@@ -9,9 +9,9 @@ import pytest
 from helpers import run_cli
 
 from conformance.adapters import LAYOUTS, Adapter
-from conformance.layouts import parse_layout
-from conformance.registry import all_cases, by_id
-from conformance.runner import undeclared
+from conformance.running.registry import all_cases, by_id
+from conformance.running.runner import undeclared
+from conformance.world.layouts import parse_layout
 
 FSDP1_LAYOUTS = ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op")
 

@@ -10,8 +10,8 @@ import pathlib
 
 import pytest
 
-from conformance.registry import all_cases
-from conformance.xfails import Xfails
+from conformance.running.registry import all_cases
+from conformance.running.xfails import Xfails
 
 KNOWN = sorted((pathlib.Path(__file__).resolve().parent.parent / "conformance" / "known").glob("torch-*.txt"))
 # Clauses torch 2.13 and 2.14 pass in every case: an entry covering one would hide a regression.
@@ -184,7 +184,7 @@ def test_an_explored_deviation_is_traced_from_its_message_and_features(finding, 
 def test_an_exploration_keeps_one_found_case_per_cause_the_simplest(tmp_path, capsys):
     import json
 
-    from conformance.scenarios import Scenario, load_found
+    from conformance.exploring.scenario import Scenario, load_found
     from tools import trace_known
 
     def finding(**features):

@@ -6,11 +6,11 @@ import json
 import pytest
 from helpers import run_cli
 
-from conformance.layouts import parse_layout
-from conformance.loops import POINTS
-from conformance.policies import VARIANTS, arguments
-from conformance.registry import all_cases
-from conformance.scenarios import Scenario, clauses_of
+from conformance.exploring.scenario import Scenario, clauses_of
+from conformance.running.registry import all_cases
+from conformance.world.layouts import parse_layout
+from conformance.world.loops import POINTS
+from conformance.world.policies import VARIANTS, arguments
 
 
 def test_policy_variants_parse_and_name_their_arguments():

@@ -1,4 +1,4 @@
-"""The arithmetic behind the suite's memory bounds (conformance.meter,
+"""The arithmetic behind the suite's memory bounds (conformance.judging.meter,
 MODEL-3): what counts as state received, whose receive counts, and the
 bound a non-root rank's broadcast load is held to."""
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from conformance.meter import ReceiveMeter, payload_bytes
+from conformance.judging.meter import ReceiveMeter, payload_bytes
 from conformance.sections.model import receive_bound, share_bytes
 from conformance.sections.partial import drop_from_dict
 

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conformance.registry import all_cases
+from conformance.running.registry import all_cases
 from tools.anchor import AnchorError, Package
 from tools.anchor import apply as edit
 from tools.mutants import MUTANTS, Mutant

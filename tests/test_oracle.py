@@ -1,6 +1,6 @@
 """The suite's reference runs: the uninterrupted run a resumed one is
 compared with comes from running the source ahead and putting it back
-(conformance.flows._run_ahead); these check that this is exactly a fresh
+(conformance.world.modes._run_ahead); these check that this is exactly a fresh
 run, that a setup that does not come back is the suite's error, and that
 a kept source a save changed is not used again."""
 
@@ -63,7 +63,7 @@ def test_a_tolerance_by_state_key_forgives_rounding_noise_and_nothing_larger():
     by a fraction of the values around it."""
     import torch
 
-    from conformance.oracle import diff_values
+    from conformance.judging.oracle import diff_values
 
     big = {"exp_avg": torch.tensor([1e-2, 2e-2]), "exp_avg_sq": torch.tensor([1e-4, 2e-4])}
     want = {"a": big, "b": {"exp_avg": torch.tensor([3e-17]), "exp_avg_sq": torch.tensor([1e-33])}}

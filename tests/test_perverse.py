@@ -11,9 +11,9 @@ from helpers import run_cli, slowness
 
 from conformance.adapters import load_adapter
 from conformance.cli import verdict_changes
-from conformance.received import Received
-from conformance.registry import by_id
-from conformance.runner import Runner
+from conformance.judging.received import Received
+from conformance.running.registry import by_id
+from conformance.running.runner import Runner
 from hyperdsd.testing import PoolSet
 from tools import perverse_impls
 from tools.perverse_impls import PERVERSE

@@ -12,7 +12,7 @@ import sys
 
 from helpers import ROOT, scaled
 
-HEAVY = ("torch", "numpy", "hyperdsd", "conformance.registry", "conformance.runner")
+HEAVY = ("torch", "numpy", "hyperdsd", "conformance.running.registry", "conformance.running.runner")
 
 
 def _heavy(modules) -> list[str]:

@@ -8,10 +8,10 @@ import subprocess
 import pytest
 from helpers import scaled
 
-from conformance.certificate import level, write_report
-from conformance.registry import all_cases
-from conformance.reporting import RunInfo
-from conformance.results import CaseResult
+from conformance.reporting.certificate import level, write_report
+from conformance.reporting.reports import RunInfo
+from conformance.running.registry import all_cases
+from conformance.running.results import CaseResult
 from hyperdsd.testing import Status
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -59,7 +59,7 @@ def test_core_certified_only_when_every_core_case_passed():
 
 def test_an_implementation_that_declares_less_is_certified_for_it_with_its_coverage():
     from conformance.adapters import Adapter
-    from conformance.certificate import first_lines, verdict
+    from conformance.reporting.certificate import first_lines, verdict
 
     adapter = Adapter("demo", *(lambda *a, **k: None,) * 4, options=dict, get_modes={"full_cpu"}, load_modes={"file"})
     decl = adapter.declaration()
@@ -93,7 +93,7 @@ def test_failures_are_grouped_into_distinct_deviations(tmp_path):
         "OPT-RT-1[fsdp2-sgd-dcp]": "ranks 0,1 raised KeyError in set_optimizer_state_dict: 'aux.bias'",
     }
     other = {
-        "OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.oracle.CheckFailure: "
+        "OPT-DT-3[single-adamw-full]": "rank 0 raised conformance.judging.oracle.CheckFailure: "
         "full: state dtypes or values were not kept:\n"
         "  state['aux.weight']['exp_avg']: dtype torch.bfloat16, expected torch.float32"
     }

@@ -4,8 +4,8 @@ repro command and the run directory come from it (no ranks start here)."""
 import os
 
 from conformance.adapters import load_adapter
-from conformance.registry import by_id
-from conformance.runner import Runner
+from conformance.running.registry import by_id
+from conformance.running.runner import Runner
 from hyperdsd.testing import Status, TaskOutcome
 from hyperdsd.testing.messages import RankResult
 from hyperdsd.testing.status import RankStatus

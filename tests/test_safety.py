@@ -10,7 +10,7 @@ import pytest
 import safety_tasks
 from helpers import scaled, slowness
 
-from conformance.flows import read_full
+from conformance.world.modes import read_full
 from hyperdsd.testing import PoolSet, Task
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -71,8 +71,8 @@ def pools():
 def test_pool_and_case_directories_are_private_and_removed(pools, tmp_path):
 
     from conformance.adapters import load_adapter
-    from conformance.registry import by_id
-    from conformance.runner import Runner
+    from conformance.running.registry import by_id
+    from conformance.running.runner import Runner
 
     outcome = pools.run(2, Task(safety_tasks.workdir_mode), scaled(30))
     assert [v["pool"] for v in outcome.values] == [0o700, 0o700]

@@ -3,7 +3,7 @@
 import json
 
 from conformance import spec
-from conformance.registry import all_cases
+from conformance.running.registry import all_cases
 
 
 def test_every_clause_has_cases_and_every_case_a_clause():
@@ -69,7 +69,7 @@ def test_diff_lists_changes_by_clause_and_exits_1_on_a_regression(tmp_path, caps
 
 
 def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
-    from conformance.deviations import signature
+    from conformance.reporting.deviations import signature
 
     head = (
         "ranks 0,1 raised CheckFailure: the message does not name ['adapter.bias']: "
@@ -88,9 +88,9 @@ def test_a_shortened_message_keeps_its_tail_only_when_it_is_an_exception_line():
 
 
 def test_expected_failures_group_by_their_traced_cause():
-    from conformance.deviations import group
-    from conformance.registry import all_cases
-    from conformance.results import CaseResult
+    from conformance.reporting.deviations import group
+    from conformance.running.registry import all_cases
+    from conformance.running.results import CaseResult
     from hyperdsd.testing import Status
 
     a, b, c = list(all_cases())[:3]

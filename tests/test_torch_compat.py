@@ -93,7 +93,7 @@ def test_import_on_torch_below_the_floor_names_the_release_needed(version):
 
     from helpers import ROOT
 
-    packages = ("hyperdsd", "conformance.cli", "conformance.registry")
+    packages = ("hyperdsd", "conformance.cli", "conformance.running.registry")
     code = (
         f"import torch; torch.__version__ = {version!r}\n"
         f"for name in {packages!r}:\n"

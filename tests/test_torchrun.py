@@ -70,7 +70,7 @@ def test_every_world_size_runs_on_sub_worlds_with_the_pools_verdicts(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     # The pools' verdict on every case of the slice is "passed" (the matrix test runs each on
     # pools): the launched world must select the same cases and pass them all, none n/a.
-    from conformance.registry import all_cases
+    from conformance.running.registry import all_cases
 
     patterns = SLICE[1::2]
     got, want = _statuses(launched), {c.id: "passed" for c in all_cases() if any(p in c.id for p in patterns)}

@@ -20,10 +20,10 @@ import torch.nn as nn
 from helpers import slowness
 
 from conformance.adapters import Unsupported, load_adapter
-from conformance.certificate import level, verdict
-from conformance.registry import all_cases, by_id
-from conformance.results import CaseResult
-from conformance.runner import Runner
+from conformance.reporting.certificate import level, verdict
+from conformance.running.registry import all_cases, by_id
+from conformance.running.results import CaseResult
+from conformance.running.runner import Runner
 from hyperdsd.testing import PoolSet, Status
 
 VENDOR = "conformance.examples.vendor_adapter"
@@ -103,7 +103,7 @@ def test_full_state_example_declares_its_modes(runners):
 
 def _results(adapter, failing=()):
     """Every case: those the declaration admits passed, the rest n/a, as a run would give."""
-    from conformance.runner import undeclared
+    from conformance.running.runner import undeclared
 
     return [
         CaseResult(

@@ -117,7 +117,7 @@ def make_copy(mutant: Mutant | None, parent: str, pkg: Package | None = None) ->
 
 def quick_slice() -> list[str]:
     """One case per (clause, mode), the layout and optimizer rotating from group to group."""
-    from conformance.registry import all_cases
+    from conformance.running.registry import all_cases
 
     groups: dict[tuple, list] = {}
     for case in all_cases():
@@ -127,7 +127,7 @@ def quick_slice() -> list[str]:
 
 def known_patterns(patterns) -> list[str]:
     """The ``-k`` patterns that select at least one case (a hint may name a case that is gone)."""
-    from conformance.registry import all_cases
+    from conformance.running.registry import all_cases
 
     ids = [c.id for c in all_cases()]
     return [p for p in patterns if any(p in i for i in ids)]
@@ -185,7 +185,7 @@ class ExploreSettings:
 
     @property
     def budget_s(self) -> float:
-        from conformance.explore import parse_budget
+        from conformance.exploring.explore import parse_budget
 
         return parse_budget(self.budget)
 

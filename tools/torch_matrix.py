@@ -209,7 +209,7 @@ def summarize(report: dict, meta: dict | None, version: str) -> dict:
 
 def diff(old: dict, new: dict) -> dict:
     """What changed between two releases' reports (``conformance diff``), in counts per clause."""
-    from conformance.diff import compare
+    from conformance.reporting.diff import compare
 
     lines, _ = compare(old, new)
     per: dict[str, Counter] = {}

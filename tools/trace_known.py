@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from conformance.adapters import MODES
-from conformance.deviations import signature
-from conformance.results import Status
+from conformance.reporting.deviations import signature
+from conformance.running.results import Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIPELINE = ("pp2", "pp2xfsdp2")
@@ -450,7 +450,7 @@ def _found_scenarios() -> dict[str, dict]:
     """The scenario of every found-scenario case the registry loads (conformance/found/), by case ID."""
     import glob
 
-    from conformance.scenarios import found_dirs
+    from conformance.exploring.scenario import found_dirs
 
     out = {}
     for directory in found_dirs():
@@ -511,7 +511,7 @@ def explore_table(path: str, save_found: str | None = None) -> int:
         print(f"  UNTRACED {line}")
     print(f"causes found: {len(found)} of {len(titles)} traced; untraced deviations: {len(untraced)}")
     if save_found and not untraced:
-        from conformance.scenarios import Scenario, found_record, write_found
+        from conformance.exploring.scenario import Scenario, found_record, write_found
 
         impl = (report.get("impl") or {}).get("spec", "torch")
         for title in titles:
@@ -547,7 +547,7 @@ def _covering(ids: list[str], others: list[str]) -> list[str]:
 def check(cases: list[dict], known_path: str) -> dict:
     """How a known-failures file fares against a run's cases, as ``--xfails`` would judge them:
     failures it does not list, passes it lists (xpass), errors, and entries that match no case."""
-    from conformance.xfails import Xfails
+    from conformance.running.xfails import Xfails
 
     known = Xfails.load(known_path)
     known.mark_selected([c["id"] for c in cases])

@@ -11,8 +11,8 @@ import argparse
 import json
 from collections import Counter, defaultdict
 
-from conformance.deviations import signature
-from conformance.results import Status
+from conformance.reporting.deviations import signature
+from conformance.running.results import Status
 
 
 def main() -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..flows import get_options, optimizers_arg, set_options
-from ..layouts import Setup, canonical
-from ..models import GroupSpec
-from ..oracle import check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
+from ..judging.oracle import canonical, check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import GroupSpec
+from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 
 GHOST = "ghost.weight"
 TARGET = "layers.1.fc1.weight"  # a parameter every layout's rank 0 ... (pp: stage 0) holds
@@ -23,7 +23,7 @@ def _source(c, layout, mode):
     a = Setup(c, layout, "adamw")
     a.train(2)
     if mode == "file":  # every rank reads the file rank 0 saved (a full_cpu get)
-        osd = flows.read_full(flows.save(c, a, mode, model=None).path)["optim"]
+        osd = modes.read_full(modes.save(c, a, mode, model=None).path)["optim"]
     else:
         osd = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode)))
     b = Setup(c, layout, "adamw", seed=1)
@@ -185,7 +185,7 @@ def atom_1_dcp_groups(c, layout, kind):
     last = (99,)  # after every other group
     a = Setup(c, layout, "adamw", groups=GroupSpec.for_seed(0, empty_at=last) if kind == "extra_empty_group" else None)
     a.train(2)
-    saved = flows.save(c, a, "dcp", model=None)
+    saved = modes.save(c, a, "dcp", model=None)
     b = Setup(
         c,
         layout,
@@ -197,7 +197,7 @@ def atom_1_dcp_groups(c, layout, kind):
     odd = max(len(a.optimizers[0].param_groups), len(b.optimizers[0].param_groups)) - 1
     before = optimizer_view(b)
     expect_error(
-        lambda: flows.load(c, b, saved, model=False),
+        lambda: modes.load(c, b, saved, model=False),
         names=[f"param_groups.{odd}"],
         what=f"OPT-ATOM-1: DCP load with {kind.replace('_', ' ')} (strict=True)",
     )

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .. import flows
 from ..adapters import iut_call
-from ..cases import make_case
-from ..clauses import Clause
-from ..oracle import check, clone_tree, diff_snapshots, diff_values, expect_error, fail_if, snapshot
+from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, expect_error, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
 
 LAYOUTS = ("single", "ddp", "fsdp2", "hsdp2x2", "pp2xfsdp2")
 OPT = "adamw"
@@ -42,23 +42,23 @@ def _pair(got, mode: str) -> tuple:
 def _gets(c, setup, mode: str) -> tuple:
     """The two separate gets and the combined one, in ``mode``'s get options:
     ((model, optim), what get_state_dict returned)."""
-    opts = flows.get_options(c.iut, mode)
-    optims = flows.optimizers_arg(setup)
+    opts = modes.get_options(c.iut, mode)
+    optims = modes.optimizers_arg(setup)
     model = clone_tree(c.iut.get_model_state_dict(setup.model, options=opts))
     optim = clone_tree(c.iut.get_optimizer_state_dict(setup.model, optims, options=opts))
     return (model, optim), c.iut.get_state_dict(setup.model, optims, options=opts)
 
 
-def _to_load(c, setup, saved: flows.Saved) -> tuple:
+def _to_load(c, setup, saved: modes.Saved) -> tuple:
     """The dicts each rank passes to ``set_state_dict``, as users of the
-    combined functions load ``saved`` (``flows.load``'s modes): the DCP
+    combined functions load ``saved`` (``modes.load``'s modes): the DCP
     template from the target's own ``get_state_dict``, loaded through the
     implementation's DCP load path; ``{}`` for both on the ranks other than
     the root of a broadcast."""
     if saved.mode in ("dcp", "flat_dcp"):
         msd, osd = _pair(
             c.iut.get_state_dict(
-                setup.model, flows.optimizers_arg(setup), options=flows.get_options(c.iut, saved.mode)
+                setup.model, modes.optimizers_arg(setup), options=modes.get_options(c.iut, saved.mode)
             ),
             saved.mode,
         )
@@ -66,14 +66,14 @@ def _to_load(c, setup, saved: flows.Saved) -> tuple:
             dcp.load(
                 {"model": msd, "optim": osd},
                 checkpoint_id=saved.path,
-                planner=flows.dcp_planner(c.iut),
+                planner=modes.dcp_planner(c.iut),
                 process_group=setup.group,
             )
         return msd, osd
     if saved.mode in BROADCAST and not setup.is_root:
         return {}, {}
     if saved.path:  # bcast on the root, file on every rank
-        data = flows.read_full(saved.path)
+        data = modes.read_full(saved.path)
         return data["model"], data["optim"]
     return clone_tree(saved.model), clone_tree(saved.optim)
 
@@ -82,10 +82,10 @@ def _set(c, setup, msd, osd, mode: str) -> None:
     strict = not (mode == "file" and setup.layout.pp > 1)  # a consolidated file holds every stage
     c.iut.set_state_dict(
         setup.model,
-        flows.optimizers_arg(setup),
+        modes.optimizers_arg(setup),
         model_state_dict=msd,
         optim_state_dict=osd,
-        options=flows.set_options(c.iut, mode, strict=strict),
+        options=modes.set_options(c.iut, mode, strict=strict),
     )
 
 
@@ -111,10 +111,10 @@ def api_1(c, layout, opt, mode):
     it (the other ranks of a broadcast passing empty dicts), every rank
     returns, and K more steps equal the uninterrupted run, or, where they do
     not, a resume through the two set functions (then OPT-RT-1 fails)."""
-    how = flows.recipe(layout, opt)
-    kept = flows.trained_source(c, how, BEFORE, after=AFTER)
+    how = modes.recipe(layout, opt)
+    kept = modes.trained_source(c, how, BEFORE, after=AFTER)
     seen = {}
-    get_mode = flows._effective(mode, kept.setup)
+    get_mode = modes._effective(mode, kept.setup)
     saved = kept.save(c, mode, model="iut", first=lambda s: seen.update(gets=_gets(c, s, get_mode)))
     (model, optim), got = seen["gets"]
     got_model, got_optim = _pair(got, get_mode)
@@ -129,16 +129,16 @@ def api_1(c, layout, opt, mode):
     _set(c, b, msd, osd, saved.mode)
     _every_rank_returned(c, b)
     b.train(AFTER)
-    differences = diff_snapshots(*flows.comparable(mode, b, kept.expected, snapshot(b)))
+    differences = diff_snapshots(*modes.comparable(mode, b, kept.expected, snapshot(b)))
     if not _anywhere(b, bool(differences)):
         return
     # A resume through the two set functions that differs alike is OPT-RT-1's deviation, not this clause's.
     separate = how.build(c, 1)
     separate.set_steps_done(BEFORE)
-    flows.load(c, separate, saved)
+    modes.load(c, separate, saved)
     separate.train(AFTER)
     fail_if(
-        diff_snapshots(*flows.comparable(mode, b, snapshot(separate), snapshot(b))),
+        diff_snapshots(*modes.comparable(mode, b, snapshot(separate), snapshot(b))),
         f"{mode}: after resuming through set_state_dict, the run differs from the uninterrupted one and from "
         "a resume through set_model_state_dict and set_optimizer_state_dict",
     )
@@ -150,8 +150,8 @@ def api_1_strict(c, layout, opt, mode):
     set_model_state_dict does (MODEL-2); in a broadcast the root's dict has
     it. An unexpected key, not a missing one: a full load that fills missing
     keys from the model is MODEL-2's deviation, whichever function loads."""
-    how = flows.recipe(layout, opt)
-    saved = flows.trained_source(c, how, BEFORE).save(c, mode, model="iut")
+    how = modes.recipe(layout, opt)
+    saved = modes.trained_source(c, how, BEFORE).save(c, mode, model="iut")
     b = how.build(c, 1)
     msd, osd = _to_load(c, b, saved)
     if not (saved.mode in BROADCAST and not b.is_root):
@@ -167,9 +167,9 @@ def api_1_strict(c, layout, opt, mode):
 
 def cases():
     for layout in LAYOUTS:
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("API-1", layout, api_1, opt=OPT, mode=mode)
-    for mode in flows.MODES:
+    for mode in modes.MODES:
         yield make_case("API-1", "fsdp2", api_1_strict, opt=OPT, mode=mode, variant="strict")
 
 

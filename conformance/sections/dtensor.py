@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..context import NotApplicable
-from ..flows import get_options, optimizers_arg
-from ..layouts import Setup
-from ..models import ModelConfig
-from ..oracle import check, diff_values, fail_if, layout_problems, snapshot
+from ..judging.oracle import check, diff_values, fail_if, layout_problems, snapshot
+from ..running.case_context import NotApplicable
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import ModelConfig
+from ..world.modes import get_options, optimizers_arg
+from ..world.setup import Setup
 
 SHARDED = ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
 
@@ -30,10 +30,10 @@ def dt_2(c, layout, mode):
     """After set, state of DTensor parameters is DTensor: mesh, placements, local shape, device; step keeps its type."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     got = snapshot(b)
     params = dict(b.named_parameters())
     problems = layout_problems(got["state"], params, "state", local=True)
@@ -57,14 +57,14 @@ def dt_3(c, layout, mode):
         any(v.dtype == torch.float32 for e in want["state"].values() for k, v in e.items() if k != "step"),
         "setup error: no fp32 state",
     )
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     b.train(1)  # bf16 state of its own, to be replaced
     if mode == "dcp":
         # DCP copies into the template it is given, in the template's dtype:
         # a resuming job has the same fp32 moments as the one that saved.
         _moments_to_fp32(b)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     got = snapshot(b)
     fail_if(diff_values(want["state"], got["state"], "state"), f"{mode}: state dtypes or values were not kept")
 
@@ -83,7 +83,7 @@ def dt_4(c, layout, mode, pinned):
         raise NotApplicable("pinned host memory needs an accelerator; this machine has none")
     a = Setup(c, layout, "adamw")
     a.train(2)
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1)
     b.train(1)
@@ -118,7 +118,7 @@ def dt_4(c, layout, mode, pinned):
                         local.untyped_storage().data_ptr(),
                         local.is_pinned() if pinned else False,
                     )
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     problems = []
     fqn_of = b.fqn_of()
     for opt in b.optimizers:
@@ -145,15 +145,15 @@ def cases():
             yield make_case("OPT-DT-1", layout, dt_1, opt=opt, mode="sharded")
     yield make_case("OPT-DT-1", "fsdp2xtp2", dt_1, opt="adamw", mode="sharded", profile="tp")
     for layout in ("fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-DT-2", layout, dt_2, opt="adamw", mode=mode)
     for mode in ("sharded", "full", "bcast", "dcp"):
         yield make_case("OPT-DT-2", "fsdp2xtp2", dt_2, opt="adamw", mode=mode, profile="tp")
     for layout in ("single", "fsdp4", "hsdp2x2"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-DT-3", layout, dt_3, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4", "hsdp2x2"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-DT-4", layout, dt_4, opt="adamw", mode=mode, profile="inplace", pinned=False)
         yield make_case(
             "OPT-DT-4", layout, dt_4, opt="adamw", mode="sharded", variant="pinned", profile="inplace", pinned=True

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..layouts import Setup
-from ..models import GroupSpec
-from ..oracle import check, diff_values, fail_if, snapshot
+from ..judging.oracle import check, diff_values, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import GroupSpec
+from ..world.setup import Setup
 
 EMPTY_AT = (0, 2, 9)  # first, in the middle, last
 
@@ -22,7 +22,7 @@ def empty_1(c, layout, opt, mode, n_optimizers=1, empty_at=EMPTY_AT, cfg=None, s
     whether its parameters are split by role (a generated scenario's)."""
     spec = GroupSpec(empty_at=empty_at, split=split)
     model = {"cfg": cfg} if cfg is not None else {}
-    kept = flows.trained_source(c, flows.recipe(layout, opt, groups=spec, n_optimizers=n_optimizers, **model), 2)
+    kept = modes.trained_source(c, modes.recipe(layout, opt, groups=spec, n_optimizers=n_optimizers, **model), 2)
     saved = kept.save(c, mode)
     want = snapshot(kept.setup)
     # The target's empty groups carry values of their own, so that a load
@@ -31,7 +31,7 @@ def empty_1(c, layout, opt, mode, n_optimizers=1, empty_at=EMPTY_AT, cfg=None, s
     b = Setup(c, layout, opt, seed=1, groups=target_groups, n_optimizers=n_optimizers, cfg=cfg)
     b.set_steps_done(2)
     own = snapshot(b)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     got = snapshot(b)
     check(
         len(got["groups"]) == len(want["groups"]),
@@ -45,7 +45,7 @@ def empty_1(c, layout, opt, mode, n_optimizers=1, empty_at=EMPTY_AT, cfg=None, s
         if w["params"] != g["params"]:
             problems.append(f"groups[{i}]['params'] = {g['params']}, expected {w['params']} (order of groups changed)")
         # In the flat layout an empty group has no FQN to travel with: it keeps its own values (OPT-EMPTY-2).
-        expected = o if not w["params"] and not flows.carries_empty_groups(mode, b) else w
+        expected = o if not w["params"] and not modes.carries_empty_groups(mode, b) else w
         problems += diff_values(
             {k: v for k, v in expected.items() if k != "params"},
             {k: v for k, v in g.items() if k != "params"},
@@ -59,10 +59,10 @@ def empty_2(c, layout, opt, target_empty):
     """Flat layout: the target's empty groups keep their values, whatever their number; nothing raises."""
     a = Setup(c, layout, opt, groups=GroupSpec(empty_at=(0, 9)))
     a.train(2)
-    saved = flows.save(c, a, "flat")
+    saved = modes.save(c, a, "flat")
     b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=target_empty, scale=3.0))
     own = snapshot(b)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     got = snapshot(b)
     empties = [(i, g) for i, g in enumerate(own["groups"]) if not g["params"]]
     problems = diff_values([g for _, g in empties], [got["groups"][i] for i, _ in empties], "empty groups")
@@ -73,10 +73,10 @@ def empty_2(c, layout, opt, target_empty):
 def cases():
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
         for opt in ("adamw", "sgd"):
-            for mode in flows.MODES:
+            for mode in modes.MODES:
                 yield make_case("OPT-EMPTY-1", layout, empty_1, opt=opt, mode=mode)
     for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3)
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-EMPTY-1", layout, empty_1, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4"):
         for mode in ("sharded", "full_cpu", "dcp"):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import flows
-from ..cases import loads, make_case
-from ..clauses import Clause
-from ..flows import get_options, optimizers_arg
-from ..layouts import WRAPPER_SEGMENTS, Setup, canonical
-from ..models import ModelConfig, reordered
-from ..oracle import check, diff_snapshots, fail_if, snapshot
+from ..judging.oracle import WRAPPER_SEGMENTS, canonical, check, diff_snapshots, fail_if, snapshot
+from ..running.cases import loads, make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import ModelConfig, reordered
+from ..world.modes import get_options, optimizers_arg
+from ..world.setup import Setup
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 WRAPPERS = {  # layout -> wrapper variants
@@ -76,8 +76,8 @@ def keys_regrouped(c, layout, opt, mode, how, before=1, after=1, warm=0):
     parameters) in another order (``how``'s groups have ``target_reverse``):
     each group's fields follow its parameters' FQNs, never its position, and
     K more steps equal the uninterrupted run with its groups in that order."""
-    r = flows.resume(c, how, mode, before=before, after=after, warm=warm)
-    want, got = flows.comparable(
+    r = modes.resume(c, how, mode, before=before, after=after, warm=warm)
+    want, got = modes.comparable(
         mode, r.resumed, {**r.expected, "groups": reordered(r.expected["groups"])}, snapshot(r.resumed)
     )
     fail_if(
@@ -88,7 +88,7 @@ def keys_regrouped(c, layout, opt, mode, how, before=1, after=1, warm=0):
 
 def keys_2(c, layout, mode, wrappers):
     """No wrapper prefix in any optimizer key; the dict loads back into a wrapped model."""
-    r = flows.resume(c, flows.recipe(layout, wrappers=wrappers), mode)
+    r = modes.resume(c, modes.recipe(layout, wrappers=wrappers), mode)
     osd = c.iut.get_optimizer_state_dict(r.source.model, optimizers_arg(r.source), options=get_options(c.iut, mode))
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)), "a wrapped model does not resume like the uninterrupted run"
@@ -100,7 +100,7 @@ def keys_2(c, layout, mode, wrappers):
 
 def keys_3(c, layout, mode):
     """A tied parameter appears once in optimizer state; loading keeps the tie."""
-    r = flows.resume(c, flows.recipe(layout, cfg=ModelConfig(tie=True)), mode)
+    r = modes.resume(c, modes.recipe(layout, cfg=ModelConfig(tie=True)), mode)
     a, b = r.source, r.resumed
     check(a.module.head.weight is a.module.tok.embedding.weight, "setup error: the model is not tied")
     osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode))
@@ -127,7 +127,7 @@ def keys_3(c, layout, mode):
 
 def keys_4(c, layout, mode):
     """Two optimizers over disjoint parameters: one merged dict, split back by group."""
-    r = flows.resume(c, flows.recipe(layout, n_optimizers=2), mode)
+    r = modes.resume(c, modes.recipe(layout, n_optimizers=2), mode)
     a = r.source
     osd = c.iut.get_optimizer_state_dict(a.model, a.optimizers, options=get_options(c.iut, mode))
     fail_if(
@@ -191,7 +191,7 @@ def cases():
 
 def _explore_regrouped(s):
     # The target's groups in another order: only this check builds it so.
-    how = flows.recipe(s.where, s.optimizer, cfg=s.cfg(), groups=replace(s.groups(), target_reverse=True))
+    how = modes.recipe(s.where, s.optimizer, cfg=s.cfg(), groups=replace(s.groups(), target_reverse=True))
     return keys_regrouped, s.trained_args(before=s.before, after=s.after, warm=s.warm, how=how)
 
 

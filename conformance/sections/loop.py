@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import flows, loops, policies, tree
-from ..cases import make_case
-from ..clauses import Clause
-from ..layouts import parse_layout
-from ..oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
+from ..judging import nested
+from ..judging.oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import loops, modes, policies
+from ..world.layouts import parse_layout
 
 # Every layout runs every mode and each of its points (the point rotates with the mode).
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2")
@@ -26,14 +27,14 @@ def _sharding_changes(before: list, after: list) -> list[str]:
     return [f"the module now holds another tensor as {name!r}" for name in changed[:6]] or ["parameters added or gone"]
 
 
-def _dicts(c, setup, saved: flows.Saved) -> tuple | None:
+def _dicts(c, setup, saved: modes.Saved) -> tuple | None:
     """The model and optimizer dicts a save holds (None for DCP: the resume judges those)."""
     if saved.mode in ("dcp", "flat_dcp"):
         return None
     if saved.path:  # bcast, file: rank 0's file
         if not setup.is_root:
             return {}, {}
-        data = flows.read_full(saved.path)
+        data = modes.read_full(saved.path)
         return data.get("model"), data.get("optim")
     return saved.model, saved.optim
 
@@ -45,16 +46,16 @@ def loop_1(c, layout, mode, point, before=BEFORE, after=AFTER, how=None):
     checkpoint it gave resumes like the uninterrupted run. ``how``: the
     recipe to build (a generated scenario's), instead of the base model."""
     pt = loops.POINTS[point]
-    how = how or flows.recipe(layout, "adamw")
+    how = how or modes.recipe(layout, "adamw")
     expected = loops.uninterrupted(c, how, before, pt, after)
-    at_rest = flows.trained_source(c, how, before)
+    at_rest = modes.trained_source(c, how, before)
     ref = _dicts(c, at_rest.setup, at_rest.save(c, "full_cpu" if mode in ("bcast", "file") else mode, model="iut"))
 
     a = how.build(c, 0)
     a.train(before)
     loops.reach(a, pt)
     was, grads, sharding = snapshot(a), grads_view(a), loops.sharding_state(a)
-    saved = flows.save(c, a, mode, model="iut")
+    saved = modes.save(c, a, mode, model="iut")
     fail_if(diff_snapshots(was, snapshot(a)), f"{mode}: a get {pt.what} changed the parameters or the optimizer")
     fail_if(diff_values(grads, grads_view(a), "grad"), f"{mode}: a get {pt.what} changed the gradients")
     fail_if(
@@ -75,12 +76,12 @@ def loop_1(c, layout, mode, point, before=BEFORE, after=AFTER, how=None):
 
     b = how.build(c, 1)
     b.set_steps_done(before)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     with c.after_iut(b.model, "the step after the load"):
         pt.replay(b)
     b.train(after - 1)
     fail_if(
-        diff_snapshots(*flows.comparable(mode, b, expected, snapshot(b))),
+        diff_snapshots(*modes.comparable(mode, b, expected, snapshot(b))),
         f"{mode}: resuming from a checkpoint taken {pt.what} differs from the uninterrupted run",
     )
 
@@ -90,19 +91,19 @@ def loop_2(c, layout, mode, point, before=BEFORE, after=AFTER, warm=WARM, how=No
     its own and stopped there; the loop drops the step it was in, and the
     next steps use the loaded values (no stale unsharded copy survives)."""
     pt = loops.POINTS[point]
-    how = how or flows.recipe(layout, "adamw")
-    kept = flows.trained_source(c, how, before, after=after)
+    how = how or modes.recipe(layout, "adamw")
+    kept = modes.trained_source(c, how, before, after=after)
     saved = kept.save(c, mode, model="iut")
     b = how.build(c, 1)
-    flows.warm_up(b, warm)
+    modes.warm_up(b, warm)
     loops.reach(b, pt)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     with c.after_iut(b.model, "dropping the interrupted step"):
         pt.abandon(b)
     b.set_steps_done(before)
     b.train(after)
     fail_if(
-        diff_snapshots(*flows.comparable(mode, b, kept.expected, snapshot(b))),
+        diff_snapshots(*modes.comparable(mode, b, kept.expected, snapshot(b))),
         f"{mode}: after a set {pt.what}, the run differs from the uninterrupted one from the checkpoint",
     )
 
@@ -112,14 +113,14 @@ def _kinds(state, params: dict, where: str, *, local: bool) -> list[str]:
     (the sharded parameter's, not the compute dtype), or, with ``local``, not
     on its parameter's device and pinning."""
     problems = []
-    for path, value in tree.leaves(state):
+    for path, value in nested.leaves(state):
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         fqn = next((k for k in path if isinstance(k, str) and k in params), None)
         if fqn is None:
             continue
         p = params[fqn]
-        at = f"{where}{tree.where(path)}"
+        at = f"{where}{nested.where(path)}"
         if value.dtype != p.dtype:
             problems.append(f"{at}: dtype {value.dtype}, the sharded parameter's is {p.dtype}")
         if local:
@@ -136,8 +137,8 @@ def loop_3(c, layout, mode, before=BEFORE, how=None):
     """Under an FSDP2 policy: the state dicts hold the sharded parameters'
     own dtype and device, a load puts values where the policy keeps them,
     and the resumed run equals the uninterrupted one."""
-    how = how or flows.recipe(layout, "adamw")
-    kept = flows.trained_source(c, how, before, after=1)
+    how = how or modes.recipe(layout, "adamw")
+    kept = modes.trained_source(c, how, before, after=1)
     saved = kept.save(c, mode, model="iut")
     params = dict(kept.setup.named_parameters())
     got = _dicts(c, kept.setup, saved)
@@ -149,25 +150,25 @@ def loop_3(c, layout, mode, before=BEFORE, how=None):
         )
     b = how.build(c, 1)
     b.set_steps_done(before)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     mine = dict(b.named_parameters())
     state = {fqn: dict(o.state.get(p, {})) for o in b.optimizers for fqn, p in mine.items() if p in o.state}
     fail_if(_kinds(state, mine, "optimizer.state", local=True), f"{mode}: a load put state where the policy does not")
     b.train(1)
     fail_if(
-        diff_snapshots(*flows.comparable(mode, b, kept.expected, snapshot(b))),
+        diff_snapshots(*modes.comparable(mode, b, kept.expected, snapshot(b))),
         f"{mode}: under the policy, the resumed run differs from the uninterrupted one",
     )
 
 
 def _rotation(layout: str, applies) -> list[tuple[str, str]]:
     """(mode, point) pairs: every mode once, the layout's points in turn."""
-    from ..layouts import parse_layout
+    from ..world.layouts import parse_layout
 
     lay = parse_layout(layout)
     points = [name for name, p in loops.POINTS.items() if applies(p)(lay) is None]
     offset = sum(map(ord, layout))
-    return [(mode, points[(offset + j) % len(points)]) for j, mode in enumerate(flows.MODES)]
+    return [(mode, points[(offset + j) % len(points)]) for j, mode in enumerate(modes.MODES)]
 
 
 def cases():
@@ -182,21 +183,21 @@ def cases():
                 for mode, point in _rotation(layout, applies):
                     yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)
         if clause == "LOOP-1":  # SHARD_GRAD_OP keeps the parameters an evaluation forward gathered: every mode
-            for mode in flows.MODES:
+            for mode in modes.MODES:
                 yield make_case(clause, "fsdp1-2-shard_grad_op", fn, mode=mode, variant="eval", point="eval")
-        for mode in flows.MODES:  # parameters left unsharded by an evaluation forward, in every mode
+        for mode in modes.MODES:  # parameters left unsharded by an evaluation forward, in every mode
             if ("fsdp4", mode, "eval") not in made:
                 yield make_case(clause, "fsdp4", fn, mode=mode, variant="eval", point="eval")
         # Each policy at the points where it matters (what forward leaves unsharded), modes in turn.
         for i, variant in enumerate(policies.VARIANTS):
             for j, point in enumerate(("eval", "unshard")):
-                mode = flows.MODES[(2 * i + j) % len(flows.MODES)]
+                mode = modes.MODES[(2 * i + j) % len(modes.MODES)]
                 yield make_case(clause, f"fsdp4.{variant}", fn, mode=mode, variant=point, point=point)
     for variant in policies.VARIANTS:
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("LOOP-3", f"fsdp4.{variant}", loop_3, mode=mode)
     for i, variant in enumerate(policies.VARIANTS):  # the 2-D mesh: each policy, modes in turn
-        yield make_case("LOOP-3", f"hsdp2x2.{variant}", loop_3, mode=flows.MODES[i % len(flows.MODES)])
+        yield make_case("LOOP-3", f"hsdp2x2.{variant}", loop_3, mode=modes.MODES[i % len(modes.MODES)])
 
 
 def _loop_args(s) -> dict:

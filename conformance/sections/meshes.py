@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import time
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..layouts import Setup, parse_layout, serving
-from ..oracle import diff_snapshots, fail_if, snapshot
+from ..judging.oracle import diff_snapshots, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.layouts import parse_layout, serving
+from ..world.setup import Setup
 from .reshard import resharded_case
 from .state import check_get, check_loaded
 
@@ -38,8 +39,8 @@ def resume_checked(c, layout: str, mode: str):
     """Resume ``layout``'s model in ``mode``: what get returns and what set
     loads keep each tensor's own mesh and placements; the run continues
     bitwise like the uninterrupted one."""
-    r = flows.resume(
-        c, flows.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded
+    r = modes.resume(
+        c, modes.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded
     )
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
@@ -81,12 +82,12 @@ def _wait_for(path: str, ranks: tuple[int, ...], wait_s: float) -> None:
 
 def cases():
     for layout in serving("OPT-MESH-1"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-MESH-1", layout, mesh_1, opt=OPT, mode=mode)
     for src, dst in RESHARD:
         yield resharded_case("OPT-MESH-1", src, dst, OPT, "dcp")
     for layout in serving("OPT-MESH-2"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-MESH-2", layout, mesh_2, opt=OPT, mode=mode, deadline_s=DEADLINE_S)
 
 

@@ -8,14 +8,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..flows import get_options, set_options
-from ..layouts import Setup, parse_layout
-from ..meter import ReceiveMeter
-from ..models import ModelConfig, ToyModel
-from ..oracle import check, clone_tree, diff_values, expect_error, fail_if
+from ..judging.meter import ReceiveMeter
+from ..judging.oracle import check, clone_tree, diff_values, expect_error, fail_if
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.layouts import parse_layout
+from ..world.models import ModelConfig, ToyModel
+from ..world.modes import get_options, set_options
+from ..world.setup import Setup
 from .keys import WRAPPERS
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
@@ -42,9 +43,9 @@ def model_1(c, layout, mode, wrappers=(), tie=False, cfg=None):
     rank0_holds_all = mode in ("full_cpu", "bcast", "file")
     want_keys = _all_ranks_keys(expected_keys) if rank0_holds_all else expected_keys  # a collective: every rank
     want = _model_view(a)
-    saved = flows.save(c, a, mode, model="iut", optim=False)
+    saved = modes.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers, cfg=cfg)
-    flows.load(c, b, saved, optim=False)
+    modes.load(c, b, saved, optim=False)
     fail_if(diff_values(want, _model_view(b), "model"), f"{mode}: the model does not round-trip")
     if not rank0_holds_all or c.rank == 0:
         fail_if(
@@ -70,12 +71,12 @@ def model_5(c, layout, mode, kind, cfg=None):
             + [f"{k}: missing from get's dict" for k in want if k not in msd],
             f"{mode}: get lost extra state",
         )
-    saved = flows.save(c, a, mode, model="iut", optim=False)
+    saved = modes.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     blocks = {name: getattr(blk, "_checkpoint_wrapped_module", blk) for name, blk in b.module.layers.items()}
     for block in blocks.values():
         block.index = -1  # extra state must come back from the checkpoint
-    flows.load(c, b, saved, optim=False)
+    modes.load(c, b, saved, optim=False)
     got_index = {name: blk.index for name, blk in blocks.items()}
     check(all(int(n) == i for n, i in got_index.items()), f"{mode}: {kind} extra state was not restored: {got_index}")
     fail_if(
@@ -95,7 +96,7 @@ def model_2(c, layout, mode, strict, cfg=None):
     ``cfg``: another model than the base one (a generated scenario's); its last block loses a key."""
     a = Setup(c, layout, "adamw", cfg=cfg)
     if mode == "file":  # every rank reads the file rank 0 saved
-        msd = flows.read_full(flows.save(c, a, mode, model="iut", optim=False).path)["model"]
+        msd = modes.read_full(modes.save(c, a, mode, model="iut", optim=False).path)["model"]
     else:
         msd = clone_tree(c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode)))
     gone = f"layers.{a.cfg.n_layers - 1}.fc2.bias"
@@ -131,9 +132,9 @@ def model_3(c, layout, cfg=None):
     a = Setup(c, layout, "adamw", cfg=cfg)
     a.train(1)
     want = _model_view(a)
-    saved = flows.save(c, a, "bcast", model="iut", optim=False)
+    saved = modes.save(c, a, "bcast", model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
-    data = flows.read_full(saved.path) if c.rank == 0 else {"model": {}}
+    data = modes.read_full(saved.path) if c.rank == 0 else {"model": {}}
     largest_full = max(
         (v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0
     )
@@ -186,9 +187,9 @@ def model_4(c, layout, mode):
     a = Setup(c, layout, "adamw")
     a.train(1)
     want = _model_view(a)
-    saved = flows.save(c, a, mode, model="iut", optim=False)
+    saved = modes.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, meta=True, with_optimizer=False)
-    flows.load(c, b, saved, optim=False)
+    modes.load(c, b, saved, optim=False)
     got = _model_view(b)
     on_meta = [k for k, v in got.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
     check(not on_meta, f"still on the meta device after loading: {on_meta[:5]}")
@@ -200,7 +201,7 @@ def model_4(c, layout, mode):
 
 def cases():
     for layout in LAYOUTS:
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("MODEL-1", layout, model_1, mode=mode)
     for layout, variants in WRAPPERS.items():
         for wrappers in [w for w in variants if w]:
@@ -213,13 +214,13 @@ def cases():
             yield make_case("MODEL-1", layout, model_1, mode=mode, variant="tied", tie=True)
     # FSDP1 (SPEC §2, 1.3): every mode on both kinds of parameters, two on the others; wrappers.
     # (MODEL-3 counts a rank's share in DTensor shards of the model's own state dict: FSDP1 has none.)
-    for layout, modes in (
-        ("fsdp1-2", flows.MODES),
-        ("fsdp1-4-flat", flows.MODES),
+    for layout, layout_modes in (
+        ("fsdp1-2", modes.MODES),
+        ("fsdp1-4-flat", modes.MODES),
         ("hsdp1-2x2", ("sharded", "bcast")),
         ("fsdp1-2-shard_grad_op", ("full", "dcp")),
     ):
-        for mode in modes:
+        for mode in layout_modes:
             yield make_case("MODEL-1", layout, model_1, mode=mode)
     for mode in ("sharded", "full"):
         yield make_case(
@@ -240,7 +241,7 @@ def cases():
         yield make_case("MODEL-1", "fsdp2xtp2", model_1, mode=mode, profile="tp")
     for layout in ("fsdp2",):
         for kind in ("tensor", "dict", "object"):
-            for mode in flows.MODES:
+            for mode in modes.MODES:
                 yield make_case("MODEL-5", layout, model_5, mode=mode, variant=kind, kind=kind)
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full", "bcast", "file"):

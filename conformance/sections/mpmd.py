@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..flows import get_options, optimizers_arg, set_options
-from ..layouts import Setup
-from ..models import GroupSpec
-from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
+from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import GroupSpec
+from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 
@@ -37,11 +37,11 @@ def mpmd_1(c, layout, opt):
                     not common,
                     f"stages {stage} (rank {r}) and {stage2} (rank {r2}) share flat keys: {sorted(common)[:5]}",
                 )
-    saved = flows.save(c, a, "dcp")
+    saved = modes.save(c, a, "dcp")
     want = snapshot(a)
     b = Setup(c, layout, opt, seed=1)
     b.set_steps_done(2)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     fail_if(diff_snapshots(want, snapshot(b)), "after a DCP round trip of the flat dicts, a rank's optimizer differs")
     a.train(1)
     b.train(1)
@@ -57,7 +57,7 @@ def mpmd_2(c, layout, opt, empty_on_last):
         return GroupSpec(scale=1.0 + stage, empty_at=(9,) if empty_on_last and stage else ())
 
     stage = _stage(c, layout)
-    r = flows.resume(c, flows.recipe(layout, opt, groups=spec(stage)), "dcp")
+    r = modes.resume(c, modes.recipe(layout, opt, groups=spec(stage)), "dcp")
     # Stages go through DCP in the flat layout: an empty group keeps its own values (OPT-EMPTY-2).
     fail_if(
         diff_snapshots(without_empty_groups(r.expected), without_empty_groups(snapshot(r.resumed))),
@@ -66,7 +66,7 @@ def mpmd_2(c, layout, opt, empty_on_last):
 
 
 def _stage(c, layout) -> int:
-    from ..layouts import parse_layout
+    from ..world.layouts import parse_layout
 
     lay = parse_layout(layout)
     return c.mesh(lay.mesh, lay.dim_names).get_coordinate()[0]

@@ -17,13 +17,7 @@ import pickle
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..flows import get_options, optimizers_arg, set_options
-from ..layouts import Setup
-from ..models import GroupSpec, ModelConfig
-from ..oracle import (
+from ..judging.oracle import (
     check,
     diff_snapshots,
     diff_values,
@@ -33,6 +27,12 @@ from ..oracle import (
     optimizer_view,
     snapshot,
 )
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import GroupSpec, ModelConfig
+from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 from . import reshard
 
 ADAPTER = ["adapter.weight", "adapter.bias"]
@@ -46,7 +46,7 @@ def part_1(c, layout, mode, strict, same_hparams=False):
     from what the checkpoint holds; only the load path can tell that the
     checkpoint never listed them (a path that counts the template's own
     fields as loaded lists them, and strict=True passes)."""
-    kept = flows.trained_source(c, flows.recipe(layout), 2)
+    kept = modes.trained_source(c, modes.recipe(layout), 2)
     saved = kept.save(c, mode)
     want = snapshot(kept.setup)
     b = Setup(
@@ -63,13 +63,13 @@ def part_1(c, layout, mode, strict, same_hparams=False):
         before = optimizer_view(b)
         names = ADAPTER
         expect_error(
-            lambda: flows.load(c, b, saved, strict=True, model=False),
+            lambda: modes.load(c, b, saved, strict=True, model=False),
             names=names if mine else [],
             what="OPT-PART-1: strict=True with parameters the checkpoint lacks",
         )
         expect_unchanged(before, optimizer_view(b), "OPT-PART-1: the failed strict load changed the optimizer")
         return
-    flows.load(c, b, saved, strict=False)
+    modes.load(c, b, saved, strict=False)
     got = snapshot(b)
     problems = []
     for fqn in mine:
@@ -92,7 +92,7 @@ def part_1(c, layout, mode, strict, same_hparams=False):
 
 def part_2(c, layout, mode):
     """Lazy state: parameters that never had a gradient have no state, before and after."""
-    kept = flows.trained_source(c, flows.recipe(layout, cfg=ModelConfig(lazy_aux=True)), 2)
+    kept = modes.trained_source(c, modes.recipe(layout, cfg=ModelConfig(lazy_aux=True)), 2)
     a = kept.setup
     lazy = [f for f, p in a.named_parameters() if p.requires_grad and not a.optimizers[0].state.get(p)]
     check(bool(lazy) or layout.startswith("pp"), "setup error: no lazy parameter")
@@ -100,7 +100,7 @@ def part_2(c, layout, mode):
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(lazy_aux=True))
     b.set_steps_done(2)
-    flows.load(c, b, saved, strict=True)
+    modes.load(c, b, saved, strict=True)
     fail_if(
         diff_snapshots(want, snapshot(b)),
         "OPT-PART-2: the loaded optimizer does not reproduce the source (lazy state included)",
@@ -118,11 +118,11 @@ def part_3(c, layout, mode):
     if mode != "full_cpu" or c.rank == 0:
         leaked = [f for f in frozen + ["frozen.weight", "frozen.bias"] if f in msd]
         check(not leaked, f"OPT-PART-3: ignore_frozen_params kept frozen parameters {leaked}")
-    saved = flows.save(c, a, mode, options={"ignore_frozen_params": True})
+    saved = modes.save(c, a, mode, options={"ignore_frozen_params": True})
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(frozen=True))
     b.freeze(frozen)
-    flows.load(c, b, saved, options={"ignore_frozen_params": True}, model=False)
+    modes.load(c, b, saved, options={"ignore_frozen_params": True}, model=False)
     got = snapshot(b)
     problems = [f"state[{f!r}]: dropped" for f in frozen if f in want["state"] and f not in got["state"]]
     problems += diff_values(want["state"], got["state"], "state")
@@ -133,7 +133,7 @@ def part_3_step0(c, layout, mode):
     """A parameter frozen from the start never has optimizer state: resuming
     from a checkpoint taken before the first step (as training scripts save
     at step 0) leaves it without any, and runs like the uninterrupted run."""
-    r = flows.resume(c, flows.recipe(layout, cfg=ModelConfig(frozen=True)), mode, before=0)
+    r = modes.resume(c, modes.recipe(layout, cfg=ModelConfig(frozen=True)), mode, before=0)
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
         f"OPT-PART-3: {mode}: after resuming from a step-0 checkpoint, the run differs from the uninterrupted one",
@@ -149,20 +149,20 @@ def part_3_resume(c, layout, mode, *, how=None, before=2, after=1, warm=0):
     taken after freezing them, loaded into a fresh optimizer (whose get gives
     DCP a template without their state) or a warm one, holds that state and
     trains on like the uninterrupted run."""
-    how = how or flows.recipe(layout)
+    how = how or modes.recipe(layout)
     a = how.build(c, 0)
     a.train(before)
     a.freeze(FROZEN_AFTER)
     had = [f for f in FROZEN_AFTER if f in snapshot(a)["state"]]
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     a.train(after)
     want = snapshot(a)
     b = how.build(c, 1)
     if warm:
-        flows.warm_up(b, warm)
+        modes.warm_up(b, warm)
     b.freeze(FROZEN_AFTER)
     b.set_steps_done(before)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     loaded = snapshot(b)["state"]
     fail_if(
         [f"state[{f!r}]: dropped" for f in had if f not in loaded],
@@ -171,14 +171,14 @@ def part_3_resume(c, layout, mode, *, how=None, before=2, after=1, warm=0):
     )
     b.train(after)
     fail_if(
-        diff_snapshots(*flows.comparable(mode, b, want, snapshot(b))),
+        diff_snapshots(*modes.comparable(mode, b, want, snapshot(b))),
         f"OPT-PART-3: {mode}: resumed with parameters frozen after training, the run differs from the uninterrupted",
     )
 
 
 def part_4(c, layout, mode):
     """An optimizer over a subset of the parameters round-trips."""
-    r = flows.resume(c, flows.recipe(layout, trainable=only_layers), mode)
+    r = modes.resume(c, modes.recipe(layout, trainable=only_layers), mode)
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
         "OPT-PART-4: an optimizer over some parameters does not resume like the uninterrupted run",
@@ -190,7 +190,7 @@ def part_6_file(c, layout, fqn, key):
     every rank raises naming the FQN and the key; nothing changes."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    osd = flows.read_full(flows.save(c, a, "file", model=None).path)["optim"]
+    osd = modes.read_full(modes.save(c, a, "file", model=None).path)["optim"]
     check(key in osd["state"].get(fqn, {}), f"setup error: the checkpoint has no state[{fqn!r}][{key!r}]")
     del osd["state"][fqn][key]
     b = Setup(c, layout, "adamw", seed=1)
@@ -231,12 +231,12 @@ def part_5(c, layout, own_group):
         any(is_router(f) for f, _ in a.named_parameters()) and not stateful_routers(a),
         "setup error: the routers are not lazy",
     )
-    saved = flows.save(c, a, "dcp")
+    saved = modes.save(c, a, "dcp")
     want = snapshot(a)
     a.train(1)
     b = router_setup(c, layout, 1, own_group)
     b.set_steps_done(2)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     stale = [
         f"state[{f!r}]: present after the load; the checkpoint has none (the router never had a gradient)"
         for f in stateful_routers(b)
@@ -285,19 +285,19 @@ def part_6(c, layout, fqn, key, mode="dcp", warm=False):
     the target's own values beside the checkpoint's without a word."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    saved = flows.save(c, a, mode, model=None)
+    saved = modes.save(c, a, mode, model=None)
     if mode == "dcp":
         drop_from_metadata(c, saved.path, [f"optim.state.{fqn}.{key}"])
     else:
         drop_from_dict(saved, fqn, key)
     b = Setup(c, layout, "adamw", seed=1)
     if warm:
-        flows.warm_up(b, WARM)
+        modes.warm_up(b, WARM)
     b.set_steps_done(2)
     before = optimizer_view(b)
     target = "a stepped optimizer" if warm else "a fresh optimizer"
     expect_error(
-        lambda: flows.load(c, b, saved, model=False),
+        lambda: modes.load(c, b, saved, model=False),
         names=[fqn, key],
         what=f"OPT-PART-6: a checkpoint without state[{fqn!r}][{key!r}], loaded into {target}",
     )
@@ -344,7 +344,7 @@ def cases():
         "OPT-PART-1", "pp2xfsdp2", part_1, mode="dcp", variant="strict_same_hparams", strict=True, same_hparams=True
     )
     for layout in ("single", "ddp", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-PART-2", layout, part_2, mode=mode)
     for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2"):
         for mode in ("sharded", "full", "flat", "dcp"):
@@ -353,8 +353,8 @@ def cases():
     # freezes whole); strict partial loads, frozen state resumed. (A non-strict load goes into
     # a model with a parameter more, whose FSDP1 units shard every parameter at other offsets:
     # the case's rank-by-rank comparison of pieces cannot pair them.)
-    for layout, modes in (("fsdp1-2", ("sharded", "full", "flat", "dcp")), ("hsdp1-2x2", ("dcp",))):
-        for mode in modes:
+    for layout, layout_modes in (("fsdp1-2", ("sharded", "full", "flat", "dcp")), ("hsdp1-2x2", ("dcp",))):
+        for mode in layout_modes:
             yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="strict", strict=True)
     for mode in ("sharded", "full", "flat", "dcp"):
         yield make_case("OPT-PART-3", "fsdp1-2", part_3, mode=mode)
@@ -363,7 +363,7 @@ def cases():
             variant = "frozen_after-" + ("warm" if warm else "fresh")
             yield make_case("OPT-PART-3", "fsdp1-2", part_3_resume, mode=mode, variant=variant, warm=warm)
     for layout in ("single", "fsdp4"):  # a frozen parameter in a checkpoint taken before the first step
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-PART-3", layout, part_3_step0, mode=mode, variant="step0")
     for layout in ("single", "fsdp2", "fsdp4"):  # frozen after training, resumed
         for mode in ("dcp", "sharded", "full", "full_cpu", "bcast", "flat"):

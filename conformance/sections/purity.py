@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..flows import get_options, optimizers_arg
-from ..models import batch, loss_fn
-from ..oracle import diff_snapshots, diff_values, expect_unchanged, fail_if, grads_view, optimizer_view, snapshot
+from ..judging.oracle import (
+    diff_snapshots,
+    diff_values,
+    expect_unchanged,
+    fail_if,
+    grads_view,
+    optimizer_view,
+    snapshot,
+)
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import batch, loss_fn
+from ..world.modes import get_options, optimizers_arg
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
@@ -33,7 +41,7 @@ def _get_changes_nothing(c, s, mode):
 def pure_1(c, layout, opt, mode, grads, how=None):
     """Never stepped: get leaves it so, and training afterwards is unaffected.
     ``how``: the recipe to build (a generated scenario's), instead of the base model with ``opt``."""
-    how = how or flows.recipe(layout, opt)
+    how = how or modes.recipe(layout, opt)
     a = how.build(c, 0)
     if grads:
         _accumulate(a)
@@ -41,7 +49,7 @@ def pure_1(c, layout, opt, mode, grads, how=None):
     _zero_grad(a)
     a.train(2)
     # The same run without the get (kept per rank: no implementation touched it).
-    b = flows.kept_run(c, how, 2, prepare=_accumulate_then_zero if grads else None)
+    b = modes.kept_run(c, how, 2, prepare=_accumulate_then_zero if grads else None)
     fail_if(diff_snapshots(b, snapshot(a)), "training after get differs from training without it")
 
 
@@ -57,7 +65,7 @@ def _accumulate_then_zero(s) -> None:
 
 def pure_2(c, layout, opt, mode, how=None):
     """After steps: get changes nothing, and changing what it returned does not reach the optimizer."""
-    how = how or flows.recipe(layout, opt)
+    how = how or modes.recipe(layout, opt)
     a = how.build(c, 0)
     a.train(2)
     _get_changes_nothing(c, a, mode)
@@ -66,7 +74,7 @@ def pure_2(c, layout, opt, mode, how=None):
     _vandalise(osd)
     expect_unchanged(before, optimizer_view(a), "changing the returned dict changed the optimizer")
     a.train(1)
-    b = flows.kept_run(c, how, 3)  # the same run without the gets
+    b = modes.kept_run(c, how, 3)  # the same run without the gets
     fail_if(diff_snapshots(b, snapshot(a)), "training after get differs from training without it")
 
 

@@ -25,13 +25,14 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .. import flows
-from ..cases import Case, Phase, case_id
-from ..clauses import Clause
-from ..flows import Saved
-from ..layouts import Setup, parse_layout
-from ..models import GroupSpec, ModelConfig
-from ..oracle import check, diff_values, fail_if, full_snapshot
+from ..judging.oracle import check, diff_values, fail_if, full_snapshot
+from ..running.cases import Case, Phase, case_id
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.layouts import parse_layout
+from ..world.models import GroupSpec, ModelConfig
+from ..world.modes import Saved
+from ..world.setup import Setup
 
 BEFORE, AFTER = 1, 1
 # Models here are float64. Another world size sums gradients in another
@@ -78,8 +79,8 @@ def save_phase(c, src, dst, opt, kind, lazy=None, cfg=None, groups=None):
     if lazy == "subset":
         a.freeze([f for f, _ in a.named_parameters() if not only_layers(f)])
     a.train(BEFORE)
-    flows.save(c, a, _mode_on(src, kind), model=None)
-    flows.save_reference_model(c, a)
+    modes.save(c, a, _mode_on(src, kind), model=None)
+    modes.save_reference_model(c, a)
     a.train(AFTER)
     torch.save(full_snapshot(a), c.path(f"reference-rank{c.rank}.pt"))
 
@@ -87,7 +88,7 @@ def save_phase(c, src, dst, opt, kind, lazy=None, cfg=None, groups=None):
 def _reference(c) -> dict:
     ref = {"params": {}, "state": {}, "groups": []}
     for path in sorted(glob.glob(c.path("reference-rank*.pt"))):
-        part = flows.read_full(path)
+        part = modes.read_full(path)
         ref["params"].update(part["params"])
         ref["state"].update(part["state"])
         ref["groups"].extend(g for g in part["groups"] if g not in ref["groups"])
@@ -100,8 +101,8 @@ def load_phase(c, src, dst, opt, kind, lazy=None, cfg=None, groups=None):
     saved = Saved(
         _mode_on(src, kind), path=c.path("full.pt") if kind == "bcast" else c.path(f"dcp-{_mode_on(src, kind)}")
     )
-    flows.load_reference_model_from(c, b)
-    flows.load(c, b, saved, model=False)
+    modes.load_reference_model_from(c, b)
+    modes.load(c, b, saved, model=False)
     if lazy:
         # Parameters the checkpoint had no state for stay fresh (OPT-PURE-1
         # for what was not loaded) on every rank, those holding an empty

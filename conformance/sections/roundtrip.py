@@ -6,14 +6,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import flows, tree
-from ..cases import make_case
-from ..clauses import Clause
-from ..flows import get_options, optimizers_arg, set_options
-from ..layouts import Setup
-from ..meter import ReceiveMeter
-from ..models import GroupSpec, ModelConfig
-from ..oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
+from ..judging import nested
+from ..judging.meter import ReceiveMeter
+from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import GroupSpec, ModelConfig
+from ..world.modes import get_options, optimizers_arg, set_options
+from ..world.setup import Setup
 
 LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 # FSDP1 (SPEC §2, 1.3): original parameters, flat parameters, HYBRID_SHARD, SHARD_GRAD_OP.
@@ -34,9 +35,9 @@ def rt_1(c, layout, opt, mode, before=BEFORE, after=AFTER, how=None):
     ``how``: the recipe to build (a generated scenario's); the matrix's own
     cases build the base model with ``opt``.
     """
-    r = flows.resume(c, how or flows.recipe(layout, opt), mode, before=before, after=after)
+    r = modes.resume(c, how or modes.recipe(layout, opt), mode, before=before, after=after)
     fail_if(
-        diff_snapshots(*flows.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
+        diff_snapshots(*modes.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
         f"{mode}: after resuming, the run differs from the uninterrupted one",
     )
 
@@ -46,9 +47,9 @@ def rt_5(c, layout, opt, mode, before=BEFORE, after=AFTER, warm=WARM, how=None):
     steps, other hyperparameters). Right after the load nothing of its own
     state remains; K more steps match the uninterrupted run bitwise."""
     seen = {}
-    r = flows.resume(
+    r = modes.resume(
         c,
-        how or flows.recipe(layout, opt),
+        how or modes.recipe(layout, opt),
         mode,
         before=before,
         after=after,
@@ -57,11 +58,11 @@ def rt_5(c, layout, opt, mode, before=BEFORE, after=AFTER, warm=WARM, how=None):
         on_loaded=lambda b: seen.update(got=snapshot(b)),
     )
     fail_if(
-        diff_snapshots(*flows.comparable(mode, r.resumed, seen["want"], seen["got"])),
+        diff_snapshots(*modes.comparable(mode, r.resumed, seen["want"], seen["got"])),
         f"{mode}: after loading into a stepped optimizer, it does not reproduce the source (its own state remains)",
     )
     fail_if(
-        diff_snapshots(*flows.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
+        diff_snapshots(*modes.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
         f"{mode}: after a warm load, the run differs from the uninterrupted one",
     )
 
@@ -89,17 +90,17 @@ def rt_4(c, layout, opt, mode):
     a = make(0)
     a.train(BEFORE)
     a.freeze(freeze)  # state from before it was frozen must survive
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     sched_states = [sch.state_dict() for sch in a.schedulers]
     a.train(AFTER)
     b = make(1)
     b.freeze(freeze)
     b.set_steps_done(BEFORE)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     for sched, st in zip(b.schedulers, sched_states):
         sched.load_state_dict(st)
     b.train(AFTER)
-    want, got = flows.comparable(mode, b, snapshot(a), snapshot(b))
+    want, got = modes.comparable(mode, b, snapshot(a), snapshot(b))
     fail_if(
         diff_snapshots(want, got),
         f"{mode}: with every feature at once, the resumed run differs from the uninterrupted one",
@@ -107,8 +108,8 @@ def rt_4(c, layout, opt, mode):
 
 
 def _names(c, layout, cfg) -> set:
-    from ..layouts import parse_layout
-    from ..models import ToyModel
+    from ..world.layouts import parse_layout
+    from ..world.models import ToyModel
 
     lay = parse_layout(layout)
     model = ToyModel(cfg)
@@ -124,7 +125,7 @@ def rt_2(c, layout, opt, mode):
     get_opts = get_options(c.iut, mode)
     first = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_opts))
     b = Setup(c, layout, opt, seed=1)
-    flows.load_reference_model(b, a.module.state_dict())
+    modes.load_reference_model(b, a.module.state_dict())
     c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), clone_tree(first), options=set_options(c.iut, mode))
     second = c.iut.get_optimizer_state_dict(b.model, optimizers_arg(b), options=get_opts)
     if mode == "full_cpu" and c.rank != 0:
@@ -180,48 +181,48 @@ def _full(v):
 
 
 def _cpu(state):
-    return tree.rebuild(
+    return nested.rebuild(
         state, lambda leaf, _path: leaf.detach().cpu().clone() if isinstance(leaf, torch.Tensor) else leaf
     )
 
 
 def _tensors(state):
-    return ((tree.where(path), leaf) for path, leaf in tree.leaves(state) if isinstance(leaf, torch.Tensor))
+    return ((nested.where(path), leaf) for path, leaf in nested.leaves(state) if isinstance(leaf, torch.Tensor))
 
 
 def cases():
     for layout in LAYOUTS:
         for opt in OPTS:
-            for mode in flows.MODES:
+            for mode in modes.MODES:
                 yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode)
     for layout in LAYOUTS:
         for opt in ("adamw", "adagrad"):
-            for mode in flows.MODES:
+            for mode in modes.MODES:
                 yield make_case("OPT-RT-4", layout, rt_4, opt=opt, mode=mode)
     for i, layout in enumerate(LAYOUTS):  # every layout and mode; the optimizers rotate over both
-        for j, mode in enumerate(flows.MODES):
+        for j, mode in enumerate(modes.MODES):
             yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
     for layout in ("single", "fsdp4", "pp2xfsdp2"):
         for opt in ("adamw", "adagrad"):
-            for mode in flows.MODES:
+            for mode in modes.MODES:
                 yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode, variant="step0", before=0)
     for layout in ("single", "fsdp4", "pp2xfsdp2"):  # a rollback to a checkpoint taken before the first step
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode=mode, variant="step0", before=0)
     # SGD with momentum keeps no step: its saved template (zero buffers) is told
     # from real state only by all of an optimizer's buffers together.
     for layout in ("single", "fsdp4"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-RT-1", layout, rt_1, opt="sgd", mode=mode, variant="step0", before=0)
             yield make_case("OPT-RT-5", layout, rt_5, opt="sgd", mode=mode, variant="step0", before=0)
     for layout in ("single", "fsdp4"):  # the same, with frozen parameters: state the warm target has none for
-        frozen = flows.recipe(layout, "adamw", cfg=ModelConfig(frozen=True))
+        frozen = modes.recipe(layout, "adamw", cfg=ModelConfig(frozen=True))
         yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode="dcp", variant="step0-frozen", before=0, how=frozen)
-    for mode in flows.MODES:  # optional: FSDP over tensor parallelism (strided shards)
+    for mode in modes.MODES:  # optional: FSDP over tensor parallelism (strided shards)
         yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
     # FSDP1 (SPEC §2, 1.3): every mode with AdamW and with the other optimizers in turn; warm targets alike.
     for i, layout in enumerate(FSDP1):
-        for j, mode in enumerate(flows.MODES):
+        for j, mode in enumerate(modes.MODES):
             other = OPTS[1 + (i + j) % (len(OPTS) - 1)]
             yield make_case("OPT-RT-1", layout, rt_1, opt="adamw", mode=mode)
             yield make_case("OPT-RT-1", layout, rt_1, opt=other, mode=mode)

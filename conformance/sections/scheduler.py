@@ -10,12 +10,12 @@ any implementation, and is checked in the other modes.
 
 from __future__ import annotations
 
-from .. import flows
-from ..cases import make_case
-from ..clauses import Clause
-from ..layouts import Setup
-from ..models import GroupSpec
-from ..oracle import check, diff_snapshots, diff_values, fail_if, snapshot
+from ..judging.oracle import check, diff_snapshots, diff_values, fail_if, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import GroupSpec
+from ..world.setup import Setup
 
 
 def _fields(snap) -> list[dict]:
@@ -28,13 +28,13 @@ def sched_1(c, layout, mode):
     a.train(2)
     want = snapshot(a)
     check(all("initial_lr" in g for g in want["groups"]), "setup error: no initial_lr")
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     if mode == "dcp":  # as a resuming job builds it: the fields exist, with other values
         b = Setup(c, layout, "adamw", seed=1, scheduler=True, groups=GroupSpec(scale=0.5, extra=(("tag", "target"),)))
         b.train(1)
     else:  # no scheduler yet (no initial_lr), no custom field
         b = Setup(c, layout, "adamw", seed=1)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     fail_if(
         diff_values(_fields(want), _fields(snapshot(b)), "param_groups"),
         f"{mode}: param-group fields did not round-trip",
@@ -46,7 +46,7 @@ def sched_2(c, layout, mode, n_optimizers=1, opt="adamw", cfg=None):
     ``opt``, ``cfg``: another optimizer and model (a generated scenario's)."""
     a = Setup(c, layout, opt, scheduler=True, n_optimizers=n_optimizers, cfg=cfg)
     a.train(2)
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     sched_states = [s.state_dict() for s in a.schedulers]
     lrs_a = []
     for _ in range(3):
@@ -54,7 +54,7 @@ def sched_2(c, layout, mode, n_optimizers=1, opt="adamw", cfg=None):
         lrs_a.append([g["lr"] for o in a.optimizers for g in o.param_groups])
     b = Setup(c, layout, opt, seed=1, scheduler=True, n_optimizers=n_optimizers, cfg=cfg)
     b.set_steps_done(2)
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     for sched, st in zip(b.schedulers, sched_states):
         sched.load_state_dict(st)
     lrs_b = []
@@ -69,9 +69,9 @@ def sched_3(c, layout, mode):
     """A field only the checkpoint has is restored; one it lacks keeps the target's value."""
     a = Setup(c, layout, "adamw", groups=GroupSpec(extra=(("from_checkpoint", 7),)))
     a.train(1)
-    saved = flows.save(c, a, mode)
+    saved = modes.save(c, a, mode)
     b = Setup(c, layout, "adamw", seed=1, groups=GroupSpec(extra=(("target_only", "kept"),)))
-    flows.load(c, b, saved)
+    modes.load(c, b, saved)
     problems = []
     for i, g in enumerate(snapshot(b)["groups"]):
         if g.get("from_checkpoint") != 7:
@@ -87,7 +87,7 @@ def sched_3(c, layout, mode):
 
 def cases():
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in flows.MODES:
+        for mode in modes.MODES:
             yield make_case("OPT-SCHED-1", layout, sched_1, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
         for mode in ("sharded", "full_cpu", "flat", "dcp"):

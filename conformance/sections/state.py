@@ -1,5 +1,5 @@
 """SPEC §3 State values (OPT-STATE): per-parameter state beyond tensors
-shaped like the parameter, as custom optimizers keep it (see custom_optim)."""
+shaped like the parameter, as custom optimizers keep it (see world/optimizers.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import flows, tree
-from ..cases import make_case
-from ..clauses import Clause
-from ..flows import get_options, optimizers_arg
-from ..models import ModelConfig
-from ..oracle import diff_snapshots, fail_if, layout_problems, snapshot
+from ..judging import nested
+from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
+from ..running.cases import make_case
+from ..running.clauses import Clause
+from ..world import modes
+from ..world.models import ModelConfig
+from ..world.modes import get_options, optimizers_arg
 from .reshard import resharded_case
 from .roundtrip import LAYOUTS
 
@@ -26,8 +27,8 @@ def state_1(c, layout, mode, lazy=False):
     clause says, and so is what set loads. ``lazy``: a parameter never gets a
     gradient, so a never-stepped target's template holds nested placeholders
     for state the checkpoint does not have; it must stay without state."""
-    how = flows.recipe(layout, OPT, cfg=ModelConfig(lazy_aux=True)) if lazy else flows.recipe(layout, OPT)
-    r = flows.resume(c, how, mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
+    how = modes.recipe(layout, OPT, cfg=ModelConfig(lazy_aux=True)) if lazy else modes.recipe(layout, OPT)
+    r = modes.resume(c, how, mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded)
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
         f"{mode}: after resuming, the custom optimizer's run differs from the uninterrupted one",
@@ -99,10 +100,10 @@ def _not_full(held: dict, shapes: dict, cpu: bool) -> list[str]:
     problems = []
     for fqn, entry in held.items():
         shape = shapes.get(fqn)
-        for path, v in tree.leaves(entry):
+        for path, v in nested.leaves(entry):
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
-            at = f"get[{fqn!r}]{tree.where(path)}"
+            at = f"get[{fqn!r}]{nested.where(path)}"
             if isinstance(v, DTensor):
                 problems.append(f"{at}: a DTensor, expected a full tensor")
             elif tuple(v.shape) != shape:
@@ -116,8 +117,8 @@ def _scalars(held: dict) -> dict:
     """0-d tensors and non-tensor values, by where they are."""
     out = {}
     for fqn, entry in held.items():
-        for path, v in tree.leaves(entry):
-            at = f"[{fqn!r}]{tree.where(path)}"
+        for path, v in nested.leaves(entry):
+            at = f"[{fqn!r}]{nested.where(path)}"
             if isinstance(v, DTensor):
                 continue
             if isinstance(v, torch.Tensor):
@@ -149,7 +150,7 @@ SOME_MODES = ("sharded", "bcast", "dcp")
 
 def cases():
     for layout in LAYOUTS:
-        for mode in flows.MODES if layout in EVERY_MODE else SOME_MODES:
+        for mode in modes.MODES if layout in EVERY_MODE else SOME_MODES:
             yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
     # Lazy state through DCP (fsdp4: a rank holds an empty shard of aux; pipelines go flat).
     for layout in ("single", "fsdp4", "pp2xfsdp2"):

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from hyperdsd.testing import Status
 
-from .adapters import MODES
-from .results import CaseResult
+from ..adapters import MODES
+from ..running.results import CaseResult
 
 _RULES = [
     (re.compile(r"\branks? [\d,]+"), "rank(s) *"),

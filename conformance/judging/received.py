@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from .layouts import canonical
+from .. import _compat
+from .oracle import canonical
 
 __all__ = ["Received", "RECEIVES"]
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from hyperdsd.testing import NotApplicable, RankContext, region_of
 
-from .adapters import COMBINED, FUNCTIONS, Adapter, iut_call, raised_by_iut
-from .oracle import CheckFailure
-from .received import Received
+from ..adapters import COMBINED, FUNCTIONS, Adapter, iut_call, raised_by_iut
+from ..judging.oracle import CheckFailure
+from ..judging.received import Received
 from .registry import Case
 
 __all__ = ["CaseContext", "NotApplicable"]

@@ -8,7 +8,7 @@ mode, the steps before and after the save, a fresh or a warm target.
 running the clause's own check function from ``conformance/sections`` on
 the scenario's model (the same oracle and deadlines as the matrix), so that
 a failure is a failure of that clause. ``python -m conformance explore``
-draws scenarios (conformance.explore); a shrunk failure saved with
+draws scenarios (conformance.exploring.explore); a shrunk failure saved with
 ``--save-found`` becomes a regular case, ``CLAUSE[found-<hash>]``, loaded
 from ``conformance/found/*.json`` and from the directories in
 ``$CONFORMANCE_FOUND`` (``os.pathsep``-separated).
@@ -28,14 +28,15 @@ import zlib
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from . import clauses
-from .cases import DEFAULT_DEADLINE_S, Case, Phase
-from .layouts import parse_layout
+from ..running import clauses
+from ..running.cases import DEFAULT_DEADLINE_S, Case, Phase
+from ..world.layouts import parse_layout
 
 FORMAT = 1
 TOKEN_PREFIX = "s1."
 FOUND_ENV = "CONFORMANCE_FOUND"
-FOUND_DIR = os.path.join(os.path.dirname(__file__), "found")
+# conformance/found/, which the package ships (this module is in conformance/exploring/).
+FOUND_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "found")
 
 # The layouts and optimizers scenarios draw from: the matrix's own.
 LAYOUTS = ("single", "ddp", "fsdp2", "pp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
@@ -58,7 +59,7 @@ class Scenario:
     layout: str = "single"
     mode: str = "sharded"
     optimizer: str = "adamw"
-    # The model (conformance.models.ModelConfig)
+    # The model (conformance.world.models.ModelConfig)
     vocab: int = 16
     dim: int = 8
     hidden: int = 12
@@ -71,7 +72,7 @@ class Scenario:
     adapter: bool = False
     router: bool = False
     extra_state: str = ""
-    # Parameter groups (conformance.models.GroupSpec)
+    # Parameter groups (conformance.world.models.GroupSpec)
     one_group: bool = False  # every parameter in one group, instead of split by role
     empty_at: tuple[int, ...] = ()  # positions of groups without parameters
     router_group: bool = False
@@ -87,9 +88,9 @@ class Scenario:
     reshard_to: str = ""
     # MODEL-2: the model dict loses a key and gains one before a "strict" or "nonstrict" load; "": not checked
     model_keys: str = ""
-    # An FSDP2 policy variant of an fsdp or hsdp layout (conformance.policies; LOOP-3); "": the base layout's
+    # An FSDP2 policy variant of an fsdp or hsdp layout (conformance.world.policies; LOOP-3); "": the base layout's
     policy: str = ""
-    # A point of the loop where the get is taken, and, with a warm target, the set (conformance.loops; LOOP-1,
+    # A point of the loop where the get is taken, and, with a warm target, the set (conformance.world.loops; LOOP-1,
     # LOOP-2); "": at rest
     loop_point: str = ""
     # The first block is frozen after training, before the save, and in the target too (OPT-PART-3)
@@ -146,7 +147,7 @@ class Scenario:
 
     # -- what it builds ----------------------------------------------------
     def validate(self) -> None:
-        from .adapters import MODES
+        from ..adapters import MODES
 
         problems = []
         if self.layout not in LAYOUTS:
@@ -187,7 +188,7 @@ class Scenario:
             raise ValueError("invalid scenario: " + "; ".join(problems))
 
     def _loop_problems(self) -> list[str]:
-        from . import loops, policies
+        from ..world import loops, policies
 
         if self.layout not in LAYOUTS:
             return []
@@ -217,7 +218,7 @@ class Scenario:
     def cfg(self):
         import torch
 
-        from .models import ModelConfig
+        from ..world.models import ModelConfig
 
         return ModelConfig(
             vocab=self.vocab,
@@ -235,7 +236,7 @@ class Scenario:
         )
 
     def groups(self):
-        from .models import GroupSpec
+        from ..world.models import GroupSpec
 
         extra = (("custom", 7), ("tag", "scenario")) if self.custom_fields else ()
         return GroupSpec(
@@ -248,9 +249,9 @@ class Scenario:
         )
 
     def recipe(self):
-        from . import flows
+        from ..world import modes
 
-        return flows.recipe(self.where, self.optimizer, cfg=self.cfg(), groups=self.groups())
+        return modes.recipe(self.where, self.optimizer, cfg=self.cfg(), groups=self.groups())
 
     @property
     def world_size(self) -> int:
@@ -294,11 +295,11 @@ class Scenario:
         if self.reshard_to:
             target += f"; also resharded to {self.reshard_to} ({parse_layout(self.reshard_to).world_size} ranks)"
         if self.loop_point:
-            from .loops import POINTS
+            from ..world.loops import POINTS
 
             target += f"; the get taken {POINTS[self.loop_point].what}" + (" (the set too)" if self.warm else "")
         if self.policy:
-            from .policies import VARIANTS
+            from ..world.policies import VARIANTS
 
             target += f"; FSDP2 policy {self.policy}: {VARIANTS[self.policy]}"
         if self.freeze_after:
@@ -360,7 +361,7 @@ def reshard_problems(s: "Scenario") -> list[str]:
 
 def clauses_of(s: Scenario) -> tuple[str, ...]:
     """The clauses whose features ``s`` contains, in the order their checks run
-    (each section declares its clauses' features and checks: conformance.clauses)."""
+    (each section declares its clauses' features and checks: conformance.running.clauses)."""
     return tuple(clause_id for clause_id, c in clauses.explored() if c.contains(s))
 
 

@@ -1,6 +1,6 @@
 """``python -m conformance explore``: generated scenarios, shrunk to a minimal repro.
 
-Hypothesis draws :class:`~conformance.scenarios.Scenario` values within what
+Hypothesis draws :class:`~conformance.exploring.scenario.Scenario` values within what
 the adapter declares (:func:`choices`), each runs the checks of the clauses
 it exercises on the same warm rank pools, oracle and deadlines as the matrix
 (:class:`ScenarioRunner`), and a deviation is raised to hypothesis under a
@@ -25,13 +25,13 @@ from dataclasses import dataclass, field, replace
 
 from hyperdsd.testing import Status
 
-from .adapters import MODES
-from .layouts import parse_layout
-from .loops import POINTS
-from .policies import VARIANTS
-from .results import CaseResult
-from .runner import Runner, undeclared
-from .scenarios import (
+from ..adapters import MODES
+from ..running.results import CaseResult
+from ..running.runner import Runner, undeclared
+from ..world.layouts import parse_layout
+from ..world.loops import POINTS
+from ..world.policies import VARIANTS
+from .scenario import (
     DTYPES,
     EXTRA_STATE,
     GROUP_ORDERS,
@@ -626,7 +626,7 @@ def run_command(args, adapter, runner: Runner, info) -> int:
 
 
 def _write(path: str, info, impl: str, report: Exploration | None, findings, replayed: Verdict | None) -> None:
-    from .reporting import write_json
+    from ..reporting.reports import write_json
 
     section = report.to_json(impl) if report else {"replay": True, "findings": [f.to_json(impl) for f in findings]}
     if replayed is not None:

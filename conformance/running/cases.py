@@ -10,9 +10,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .adapters import GET_OF, Needs
+from ..adapters import GET_OF, Needs
+from ..world.layouts import parse_layout
 from .clauses import clause
-from .layouts import parse_layout
 
 DEFAULT_DEADLINE_S = 60.0
 
@@ -37,7 +37,7 @@ class Case:
     rtol: float = 0.0
     meshes: tuple[str, ...] = ()
     mode: str | None = None  # the mode the case runs in (None: modes do not apply)
-    # A case built from a scenario (conformance.scenarios): the JSON every
+    # A case built from a scenario (conformance.exploring.scenario): the JSON every
     # rank rebuilds it from, since no registry lists a generated case.
     source: str | None = field(default=None, compare=False)
 

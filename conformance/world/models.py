@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from .. import _compat
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ def _adagrad(groups):
 
 
 def _preconditioned(groups):
-    from .custom_optim import Preconditioned
+    from .optimizers import Preconditioned
 
     return Preconditioned(groups, lr=1e-2, beta=0.9, beta2=0.99)
 

@@ -14,8 +14,8 @@ import json
 import sys
 from collections import Counter, defaultdict
 
+from ..running.results import Status
 from .deviations import signature
-from .results import Status
 
 _BAD = (Status.FAILED, Status.ERROR)
 _GOOD = (Status.PASSED, Status.XPASS)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from hyperdsd.testing import Status
 
-from . import SPEC_VERSION, __version__, deviations
-from .results import STATUSES, CaseResult
+from .. import SPEC_VERSION, __version__
+from ..running.results import STATUSES, CaseResult
+from . import deviations
 
 _LABEL = {
     Status.PASSED: "PASS",
@@ -62,7 +63,7 @@ class RunInfo:
 def coverage(results: list[CaseResult]) -> dict:
     """Which core clauses the run exercised (SPEC §4): a clause is exercised
     when a core case of it ran (any verdict but not applicable)."""
-    from .registry import all_cases
+    from ..running.registry import all_cases
 
     clauses = list(dict.fromkeys(c.clause for c in all_cases() if c.profile == "core"))
     ran = {r.case.clause for r in results if r.case.profile == "core" and r.status != Status.NOT_APPLICABLE}
@@ -81,7 +82,7 @@ def coverage_line(cov: dict) -> str:
 
 
 def declaration_line(decl: dict | None) -> str:
-    from .adapters import describe_declaration
+    from ..adapters import describe_declaration
 
     return describe_declaration(decl) if decl else "everything"
 

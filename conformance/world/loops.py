@@ -20,9 +20,10 @@ from typing import Callable
 
 import torch
 
-from . import _compat
-from .layouts import Layout, Setup, model_group
-from .oracle import snapshot
+from .. import _compat
+from ..judging.oracle import snapshot
+from .layouts import Layout, model_group
+from .setup import Setup
 
 # Where evaluation batches come from: data no training step uses.
 EVAL_STREAM = 7
@@ -203,17 +204,17 @@ def uninterrupted(c, how, before: int, point: LoopPoint, after: int) -> dict:
     step stopped at ``point`` and gone on, and ``after - 1`` steps more; kept
     per rank (no implementation touches it). Where the step is plain, that is
     the plain run that every resume case shares."""
-    from . import flows
+    from . import modes
 
     if point.plain:
-        return flows.trained_source(c, how, before, after=after).expected
+        return modes.trained_source(c, how, before, after=after).expected
     key = ("loop-run", how, before, point.name, after)
-    (have,) = flows.kept_everywhere(c, (key,), model_group(c, how.layout))
+    (have,) = modes.kept_everywhere(c, (key,), model_group(c, how.layout))
     if have:
-        return flows.keep(c, key, c.rank_ctx.cache[key])
+        return modes.keep(c, key, c.rank_ctx.cache[key])
     setup = how.build(c, 0)
     setup.train(before)
     point.reach(setup)
     point.finish(setup)
     setup.train(after - 1)
-    return flows.keep(c, key, snapshot(setup))
+    return modes.keep(c, key, snapshot(setup))

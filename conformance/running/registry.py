@@ -1,6 +1,6 @@
 """The manifest: every case the suite can run. Section modules, one per SPEC
 section, contribute cases through their ``cases()`` function
-(conformance.clauses finds them); scenarios exploration found join them.
+(conformance.running.clauses finds them); scenarios exploration found join them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def all_cases() -> tuple[Case, ...]:
                 raise RuntimeError(f"{module.__name__} yields {case.id} of a clause it does not declare")
             seen.add(case.id)
             cases.append(case)
-    from .scenarios import found_cases
+    from ..exploring.scenario import found_cases
 
     for case in found_cases():  # scenarios exploration found: cases like any other
         if case.id in seen:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from hyperdsd.testing import REGIONS, Executor, RankContext, Status, Task, TaskOutcome
 
-from .adapters import Adapter, load_adapter, set_rank_device
+from ..adapters import Adapter, load_adapter, set_rank_device
 from .registry import Case, by_id
 from .results import CaseResult
 from .xfails import Xfails
@@ -34,10 +34,10 @@ def run_phase(
 ):
     """Task entry point on every rank: run one phase of one case (``deadline_s``:
     the phase's; ``source``: a generated case, rebuilt from its scenario)."""
-    from .context import CaseContext
+    from .case_context import CaseContext
 
     if source is not None:
-        from .scenarios import case_from_source
+        from ..exploring.scenario import case_from_source
 
         case = case_from_source(source)
     else:

@@ -39,9 +39,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from . import _compat
-from .adapters import MODES, iut_call
-from .oracle import clone_tree, diff_snapshots, snapshot, without_empty_groups
+from .. import _compat
+from ..adapters import MODES, iut_call
+from ..judging.oracle import clone_tree, diff_snapshots, snapshot, without_empty_groups
 
 # The suite saves and loads through DCP on subgroups; torch 2.6 needs this for it.
 _compat.dcp_on_subgroups()
@@ -240,8 +240,8 @@ class Recipe:
     options: tuple = ()
 
     def build(self, c, seed: int):
-        from .layouts import Setup
         from .models import GroupSpec
+        from .setup import Setup
 
         kwargs = dict(self.options)
         groups = kwargs.pop("groups", None)

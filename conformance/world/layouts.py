@@ -1,14 +1,13 @@
-"""Layouts: how a model is laid out over ranks, and a training setup on one rank.
+"""Layouts: how a model is laid out over ranks.
 
 Layouts are data: each family is one :class:`LayoutKind` entry in
 :data:`KINDS` (its name pattern, meshes, how it places and shards a model,
 its data parallelism, the clauses it serves), and a name such as ``fsdp4``
 or ``fsdp4+ep2x2`` parses into a :class:`Layout` of one of them.
 
-A :class:`Setup` is what a case trains and hands to the implementation under
-test: the model (wrapped as the layout wraps it), its optimizers, and a
-deterministic training loop, so that two setups built alike and trained
-alike end bitwise equal.
+A kind's functions take the :class:`~conformance.world.setup.Setup` being
+built (``setup``) and fill in its meshes and shard its model; they leave it
+unannotated, since setup.py imports this module.
 """
 
 from __future__ import annotations
@@ -18,21 +17,14 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat, policies
-from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
+from .. import _compat
+from . import policies
+from .models import ModelConfig
 
 # FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
 _compat.fsdp2_on_cpu()
-
-# Path segments that wrappers insert and canonical FQNs leave out.
-WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-
-
-def canonical(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 @dataclass(frozen=True)
@@ -94,10 +86,10 @@ class LayoutKind:
     name: str
     pattern: str
     make: Callable[..., tuple[int, tuple, int]]
-    place: Callable[["Setup"], None]
-    shard: Callable[["Setup"], None]
-    dp: Callable[["Setup"], tuple[int, int]]
-    model: Callable[[ModelConfig, "Setup"], ModelConfig] = lambda cfg, setup: cfg
+    place: Callable[..., None]
+    shard: Callable[..., None]
+    dp: Callable[..., tuple[int, int]]
+    model: Callable[..., ModelConfig] = lambda cfg, setup: cfg
     wrap: Callable[[nn.Module], nn.Module] = lambda module: module
     parts: bool = False
     serves: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -110,22 +102,22 @@ class LayoutKind:
 # -- how each kind builds its meshes ---------------------------------------
 
 
-def _no_mesh(setup: "Setup") -> None:
+def _no_mesh(setup) -> None:
     setup.mesh = None
 
 
-def _world_mesh(setup: "Setup") -> None:
+def _world_mesh(setup) -> None:
     """The layout's meshes over the whole world; the first is the model's."""
     meshes = [setup.c.mesh(spec, dims) for spec, dims in setup.layout.meshes]
     setup.mesh, setup.meshes = meshes[0], meshes
 
 
-def _stages(setup: "Setup") -> None:
+def _stages(setup) -> None:
     _world_mesh(setup)
     setup.stage = setup.mesh.get_coordinate()[0]
 
 
-def _parts(setup: "Setup") -> None:
+def _parts(setup) -> None:
     """Disjoint parts of the world (as many as the name has numbers), each
     with its own 1-D mesh; the rank's model lives on its own part's."""
     spans = setup.layout.spans
@@ -164,11 +156,11 @@ def submeshes(c, spans: list[tuple[int, ...]]) -> list:
 # -- how each kind shards a model ------------------------------------------
 
 
-def _unsharded(setup: "Setup") -> None:
+def _unsharded(setup) -> None:
     pass
 
 
-def _blocks_and_root(setup: "Setup", mesh) -> None:
+def _blocks_and_root(setup, mesh) -> None:
     shard, policy = setup.c.iut.shard, setup.layout.policy
     blocks = list(setup.module.layers.values())
     for i, block in enumerate(blocks):
@@ -176,15 +168,15 @@ def _blocks_and_root(setup: "Setup", mesh) -> None:
     shard(setup.module, mesh=mesh, **policies.arguments(policy, "root", setup))
 
 
-def _fsdp(setup: "Setup") -> None:
+def _fsdp(setup) -> None:
     _blocks_and_root(setup, setup.mesh)
 
 
-def _fsdp_on_shard_dim(setup: "Setup") -> None:
+def _fsdp_on_shard_dim(setup) -> None:
     _blocks_and_root(setup, setup.mesh["shard"])
 
 
-def _tp_then_fsdp(setup: "Setup") -> None:
+def _tp_then_fsdp(setup) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for block in setup.module.layers.values():
@@ -192,7 +184,7 @@ def _tp_then_fsdp(setup: "Setup") -> None:
     _fsdp_on_shard_dim(setup)
 
 
-def _dense_children(setup: "Setup", *, skip: tuple[str, ...]) -> None:
+def _dense_children(setup, *, skip: tuple[str, ...]) -> None:
     """Every module but the experts' own fully sharded over the world, each on
     its own (the root is not: it would take over the parameters the layout
     placed itself)."""
@@ -206,7 +198,7 @@ def _dense_children(setup: "Setup", *, skip: tuple[str, ...]) -> None:
             shard(getattr(module.moe, name), mesh=mesh)
 
 
-def _experts_on_ep_mesh(setup: "Setup") -> None:
+def _experts_on_ep_mesh(setup) -> None:
     """Experts over ``ep`` (whole experts per rank), each expert's rows over
     ``dp``: a 2-D DTensor on the ``ep x dp`` mesh; the rest as FSDP lays it."""
     from torch.distributed.tensor import Shard
@@ -215,7 +207,7 @@ def _experts_on_ep_mesh(setup: "Setup") -> None:
     _dense_children(setup, skip=("experts",))
 
 
-def _router_replicated(setup: "Setup") -> None:
+def _router_replicated(setup) -> None:
     """The router replicated on a sub-mesh (the ``rep`` slice of the second
     mesh), as tensor-parallel layers keep their norms; the rest as FSDP lays it."""
     from torch.distributed.tensor import Replicate
@@ -229,16 +221,16 @@ def _place(module: nn.Module, mesh, placements) -> None:
         module.weight = nn.Parameter(_compat.distribute_locally(module.weight.detach(), mesh, placements))
 
 
-def _experts(cfg: ModelConfig, setup: "Setup") -> ModelConfig:
+def _experts(cfg: ModelConfig, setup) -> ModelConfig:
     return replace(cfg, experts=4)
 
 
-def _second_model_differs(cfg: ModelConfig, setup: "Setup") -> ModelConfig:
+def _second_model_differs(cfg: ModelConfig, setup) -> ModelConfig:
     """Each sub-world's model is another model (as an actor and a critic are)."""
     return replace(cfg, n_layers=cfg.n_layers + setup.part)
 
 
-def _fsdp1_units(setup: "Setup", *, flat: bool, strategy: str) -> None:
+def _fsdp1_units(setup, *, flat: bool, strategy: str) -> None:
     """FSDP1 (torch's ``FullyShardedDataParallel``) on every block, then on the
     root, with ``device_id`` the rank's device (SPEC §2). The suite wraps with
     torch's own class, whatever the implementation under test: it is judged on
@@ -265,19 +257,19 @@ def _fsdp1_units(setup: "Setup", *, flat: bool, strategy: str) -> None:
 # -- data parallelism -------------------------------------------------------
 
 
-def _no_dp(setup: "Setup") -> tuple[int, int]:
+def _no_dp(setup) -> tuple[int, int]:
     return 0, 1
 
 
-def _world_dp(setup: "Setup") -> tuple[int, int]:
+def _world_dp(setup) -> tuple[int, int]:
     return setup.c.rank, setup.c.world_size
 
 
-def _shard_dim_dp(setup: "Setup") -> tuple[int, int]:
+def _shard_dim_dp(setup) -> tuple[int, int]:
     return setup.mesh.get_local_rank("shard"), setup.mesh["shard"].size()
 
 
-def _part_dp(setup: "Setup") -> tuple[int, int]:
+def _part_dp(setup) -> tuple[int, int]:
     return setup.ranks.index(setup.c.rank), len(setup.ranks)
 
 
@@ -422,231 +414,3 @@ def parse_layout(name: str) -> Layout:
 def serving(clause: str) -> tuple[str, ...]:
     """The layouts whose kinds say they serve ``clause``."""
     return tuple(name for kind in KINDS for c, names in kind.serves if c == clause for name in names)
-
-
-class Setup:
-    """One rank's model, optimizers and training loop for a layout."""
-
-    def __init__(
-        self,
-        c,
-        layout: str | Layout,
-        optimizer: str = "adamw",
-        *,
-        seed: int = 0,
-        cfg: ModelConfig | None = None,
-        groups: GroupSpec | None = None,
-        wrappers: tuple[str, ...] = (),
-        scheduler: bool = False,
-        n_optimizers: int = 1,
-        meta: bool = False,
-        with_optimizer: bool = True,
-        trainable: callable = None,
-    ):
-        self.c = c
-        self.layout = parse_layout(layout) if isinstance(layout, str) else layout
-        lay = self.layout
-        if lay.world_size != c.world_size:
-            raise ValueError(f"layout {lay.name} needs {lay.world_size} ranks, the world has {c.world_size}")
-        # Where this rank's model lives; the layout's kind fills these in.
-        self.mesh = None
-        self.meshes: list = []
-        self.stage = 0  # pipeline stage
-        self.part = 0  # which of several models on parts of the world
-        self.ranks: tuple[int, ...] = tuple(range(c.world_size))  # the ranks the model spans
-        lay.kind.place(self)
-        self.cfg = lay.kind.model(cfg or ModelConfig(), self)
-        if self.cfg.tie and lay.pp > 1:
-            raise ValueError(f"layout {lay.name}: a tied model cannot be split into pipeline stages")
-        groups = groups or GroupSpec.for_seed(seed)
-        self.optimizer_name = optimizer
-        self.steps_done = 0
-
-        torch.manual_seed(seed)
-        if meta:
-            with torch.device("meta"):
-                module = ToyModel(self.cfg)
-        else:
-            module = ToyModel(self.cfg)
-        if lay.pp > 1:
-            module.keep_stage(self.stage, lay.pp)
-        if "checkpoint" in wrappers:
-            for name in list(module.layers):
-                module.layers[name] = _compat.checkpoint_wrapper(module.layers[name])
-        self.device = c.rank_ctx.device
-        if not meta and self.device.type != "cpu":
-            module.to(self.device)  # built on the CPU for the same values on every device
-        self.module = module
-        # FSDP1 with its original parameters keeps the very parameter objects,
-        # as 1-D views of its shards: the groups by role go by their shapes
-        # before the wrap.
-        by_role = None
-        if with_optimizer and lay.kind.fsdp1 and not lay.kind.flat:
-            by_role = param_groups(
-                [(n, p) for n, p in self.named_parameters() if trainable is None or trainable(n)], groups
-            )
-        lay.kind.shard(self)
-        model: nn.Module = lay.kind.wrap(self.module)
-        if "compile" in wrappers:
-            model = torch.compile(model, backend="eager")
-        self.model = model  # what the implementation under test is given
-
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.schedulers: list = []
-        if with_optimizer:
-            named = [(n, p) for n, p in self.named_parameters() if trainable is None or trainable(n)]
-            all_groups = by_role or param_groups(named, groups)
-            chunks = [all_groups] if n_optimizers == 1 else [all_groups[:1], all_groups[1:]]
-            self.optimizers = [OPTIMIZERS[optimizer](chunk) for chunk in chunks]
-            if scheduler:
-                self.schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8) for o in self.optimizers]
-        self._pipeline = None
-
-    # -- structure -------------------------------------------------------
-    @property
-    def group(self):
-        """The process group of the model's ranks (None: the whole world)."""
-        return model_group(self.c, self.layout.name)
-
-    @property
-    def group_size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def root(self) -> int:
-        """The rank that holds full state dicts (full_cpu) and broadcasts them: the model's first."""
-        return self.ranks[0]
-
-    @property
-    def is_root(self) -> bool:
-        return self.c.rank == self.root
-
-    def barrier(self) -> None:
-        """Wait for the model's ranks (and only them)."""
-        if dist.is_initialized() and self.group_size > 1:
-            dist.barrier(group=self.group)
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Canonical FQN and parameter, tied parameters once, in registration
-        order; each parameter as the optimizer steps it, also where FSDP2
-        holds the module unsharded (SPEC LOOP)."""
-        stepped = _compat.stepped_parameters(self.module)
-        out, seen = [], set()
-        for prefix, module in self.module.named_modules():
-            for name, param in _compat.own_parameters(module).items():
-                if param is None:
-                    continue
-                param = stepped.get((id(module), name), param)
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    out.append((canonical(f"{prefix}.{name}" if prefix else name), param))
-        return out
-
-    def gathered(self) -> dict | None:
-        """For FSDP1 layouts, :func:`conformance.oracle.full_snapshot`'s full
-        state by original parameter's FQN (FSDP1 holds flat shards, not
-        DTensors); None for every other layout. Collective."""
-        if not self.layout.kind.fsdp1:
-            return None
-        return _compat.fsdp1_full_snapshot(self.module, self.optimizers, self.fqn_of(), canonical)
-
-    def fqn_of(self) -> dict[nn.Parameter, str]:
-        return {p: n for n, p in self.named_parameters()}
-
-    def param(self, fqn: str) -> nn.Parameter:
-        return dict(self.named_parameters())[fqn]
-
-    def freeze(self, fqns) -> None:
-        for fqn in fqns:
-            self.param(fqn).requires_grad_(False)
-
-    @property
-    def dp(self) -> tuple[int, int]:
-        """(data-parallel rank, data-parallel degree) of this rank."""
-        return self.layout.kind.dp(self)
-
-    # -- training --------------------------------------------------------
-    def train(self, steps: int = 1) -> None:
-        # Training a model the implementation handled exercises what it did:
-        # a failure there is the implementation's (see CaseContext.after_iut).
-        with self.c.after_iut(self.model, "training"):
-            self._train(steps)
-
-    def _train(self, steps: int) -> None:
-        for _ in range(steps):
-            self.forward_backward(*self.local_batch())
-            self.step()
-
-    def local_batch(self, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the batch of the next step (``stream`` 0: training data)."""
-        tokens, targets = (t.to(self.device) for t in batch(self.steps_done, stream, self.cfg))
-        rank, degree = self.dp
-        rows = tokens.shape[0] // degree
-        return tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
-
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        if self.layout.pp > 1:
-            self._pipeline_step(tokens, targets)
-        else:
-            loss_fn(self.model(tokens), targets).backward()
-
-    def step(self) -> None:
-        """The optimizers' and schedulers' step after the gradients are in; the data moves on."""
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for sched in self.schedulers:
-            sched.step()
-        self.steps_done += 1
-
-    def _pipeline_step(self, tokens, targets) -> None:
-        if self._pipeline is None:
-            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-            _compat.gloo_safe_pipeline_start()
-            group = self.mesh.get_group("pp")
-            stage = PipelineStage(self.module, self.stage, self.layout.pp, device=self.device, group=group)
-            self._pipeline = _compat.pipeline_schedule(ScheduleGPipe, stage, 2, loss_fn)
-        if self.stage == 0:
-            self._pipeline.step(tokens)
-        elif self.stage == self.layout.pp - 1:
-            self._pipeline.step(target=targets, losses=[])
-        else:
-            self._pipeline.step()
-
-    def set_steps_done(self, steps: int) -> None:
-        """Line the data up with a run that already trained ``steps`` steps."""
-        self.steps_done = steps
-
-    # -- the setup's own state, no implementation involved -----------------
-    def own_state(self) -> dict:
-        """A copy of everything training changes. Optimizer state is copied
-        as it is held, by parameter: torch's own Optimizer.load_state_dict
-        would turn a string in the state into a generator's text."""
-        from .oracle import clone_tree
-
-        return {
-            "model": clone_tree(self.module.state_dict()),
-            "optimizers": [
-                (
-                    {p: clone_tree(dict(st)) for p, st in o.state.items()},
-                    [{k: clone_tree(v) for k, v in g.items() if k != "params"} for g in o.param_groups],
-                )
-                for o in self.optimizers
-            ],
-            "schedulers": [clone_tree(s.state_dict()) for s in self.schedulers],
-            "steps_done": self.steps_done,
-        }
-
-    def load_own_state(self, state: dict) -> None:
-        """Put back what :meth:`own_state` copied (consumes it)."""
-        with torch.no_grad():
-            self.module.load_state_dict(state["model"])
-        for opt, (per_param, groups) in zip(self.optimizers, state["optimizers"], strict=True):
-            opt.state.clear()
-            opt.state.update(per_param)
-            for group, fields in zip(opt.param_groups, groups, strict=True):
-                group.update(fields)
-        for sched, st in zip(self.schedulers, state["schedulers"], strict=True):
-            sched.load_state_dict(st)
-        self.steps_done = state["steps_done"]

@@ -3,7 +3,8 @@ under test, and comparisons that say exactly what differs.
 
 Comparison is bitwise unless a tolerance is given; a difference names the
 FQN, the key, and what differs (presence, type, dtype, shape, placements,
-device, values with the max abs error).
+device, values with the max abs error). State is named by canonical FQNs
+(:func:`canonical`), the names the SPEC keys state dicts by.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from . import _compat, tree
+from .. import _compat
+from . import nested
+
+# Path segments that wrappers insert and canonical FQNs leave out.
+WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def canonical(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 class CheckFailure(AssertionError):
@@ -35,7 +44,7 @@ def check(condition: bool, message: str) -> None:
 
 def clone_tree(obj: Any) -> Any:
     """A deep copy of a state dict's containers and tensors (DTensors stay DTensors)."""
-    return tree.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
+    return nested.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
 
 
 def snapshot(setup) -> dict:
@@ -175,8 +184,8 @@ def full_snapshot(setup) -> dict:
 
     snap = snapshot(setup)
     return {
-        "params": tree.rebuild(snap["params"], full),
-        "state": tree.rebuild(snap["state"], full),
+        "params": nested.rebuild(snap["params"], full),
+        "state": nested.rebuild(snap["state"], full),
         "groups": snap["groups"],
     }
 
@@ -191,10 +200,10 @@ def layout_problems(state: dict, params: dict, where: str, *, local: bool) -> li
         p = params.get(fqn)
         if not isinstance(p, DTensor):
             continue
-        for path, v in tree.leaves(entry):
+        for path, v in nested.leaves(entry):
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
-            at = f"{where}[{fqn!r}]{tree.where(path)}"
+            at = f"{where}[{fqn!r}]{nested.where(path)}"
             if not isinstance(v, DTensor):
                 problems.append(f"{at}: a {type(v).__name__}, expected a DTensor like its parameter")
                 continue
@@ -237,7 +246,7 @@ def expect_error(fn, *, names: list[str] = (), what: str = "") -> BaseException:
     """
     from hyperdsd.testing import NotApplicable, region_of
 
-    from .adapters import raised_by_iut
+    from ..adapters import raised_by_iut
 
     try:
         fn()

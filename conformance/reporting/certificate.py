@@ -18,11 +18,11 @@ from collections import Counter, defaultdict
 
 from hyperdsd.testing import Status
 
-from . import spec
-from .adapters import PROFILES
-from .registry import all_cases
-from .reporting import RunInfo, coverage, coverage_line, declaration_line, to_json, write_json, write_junit
-from .results import CaseResult
+from .. import spec
+from ..adapters import PROFILES
+from ..running.registry import all_cases
+from ..running.results import CaseResult
+from .reports import RunInfo, coverage, coverage_line, declaration_line, to_json, write_json, write_junit
 
 _ORDER = (Status.ERROR, Status.FAILED, Status.XFAIL, Status.XPASS, Status.NOT_APPLICABLE, Status.PASSED)  # worst first
 

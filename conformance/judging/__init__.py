@@ -1,0 +1,3 @@
+"""How a case judges what the implementation under test did: the checks and comparisons
+(oracle.py), the suite's own walks of nested state, what came back judged as input, and the bytes a
+rank received."""
