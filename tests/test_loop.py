@@ -1,13 +1,13 @@
 """SPEC LOOP: the loop points, the FSDP2 policy variants, and that a deviation
 only a loop point can show fails LOOP, not the clauses taken at rest."""
 
-import json
-
 import pytest
-from helpers import run_cli
+from helpers import slowness
 
+from conformance.adapters import load_adapter
 from conformance.exploring.scenario import Scenario, clauses_of
-from conformance.running.registry import all_cases
+from conformance.running.registry import all_cases, by_id
+from conformance.running.runner import Runner
 from conformance.world.layouts import parse_layout
 from conformance.world.loops import POINTS
 from conformance.world.policies import VARIANTS, arguments
@@ -78,11 +78,14 @@ def test_scenarios_draw_loop_points_and_policies_within_what_applies():
         ("faulty_impl:stale_unsharded_copy", "LOOP-2[fsdp2-full-eval]", "OPT-RT-5[fsdp2-sgd-sharded]"),
     ],
 )
-def test_a_deviation_only_the_loop_shows_fails_loop_only(tmp_path, impl, failing, passing):
-    out = tmp_path / "report.json"
-    ids = [failing, passing]
-    cases = [c.id for c in all_cases()]
-    assert all(i in cases for i in ids), [i for i in ids if i not in cases]
-    proc, _ = run_cli(["--impl", impl, "-k", failing, "-k", passing, "--json", str(out)])
-    verdicts = {c["id"]: c["status"] for c in json.loads(out.read_text())["cases"]}
-    assert verdicts == {failing: "failed", passing: "passed"}, proc.stdout[-3000:]
+def test_a_deviation_only_the_loop_shows_fails_loop_only(pools, impl, failing, passing):
+    # In this process, on the module's rank pools: the verdicts are the runner's, as the CLI reports them.
+    ids = by_id()
+    assert failing in ids and passing in ids, [i for i in (failing, passing) if i not in ids]
+    runner = Runner(load_adapter(impl), pools, deadline_scale=slowness())
+    try:
+        verdicts = {i: runner.run_case(ids[i]) for i in (failing, passing)}
+    finally:
+        runner.close()
+    statuses = {i: r.status.value for i, r in verdicts.items()}
+    assert statuses == {failing: "failed", passing: "passed"}, {i: r.message[:1500] for i, r in verdicts.items()}
