@@ -5,13 +5,13 @@ import json
 import os
 
 import pytest
-from helpers import run_cli, scaled
+from helpers import run_cli, scaled, slowness
 from hypothesis import HealthCheck, given, settings
 
 from conformance.adapters import load_adapter
 from conformance.exploring.explore import Scenario, choices, normalise, parse_budget, strategy
 from conformance.exploring.scenario import clause_cases, clauses_of, found_cases, load_found, scenario_case
-from conformance.running.runner import undeclared
+from conformance.running.runner import Runner, undeclared
 from conformance.world.layouts import parse_layout
 
 PLANTED = "faulty_impl:halves_router_state"
@@ -107,35 +107,41 @@ def test_groups_in_another_order():
     assert "group_order" not in Scenario().to_dict() and Scenario.from_token(s.token) == s
 
 
-def test_a_load_that_pairs_groups_by_position_fails_keys_1_only(tmp_path):
+def _replayed(pools, impl: str, s: Scenario):
+    """A scenario's verdict as ``explore --replay`` gives it, on the module's rank pools, in this process."""
+    from conformance.exploring.explore import ScenarioRunner
+
+    runner = Runner(load_adapter(impl), pools, deadline_scale=slowness())
+    try:
+        return ScenarioRunner(runner).run(s)
+    finally:
+        runner.close()
+
+
+def _statuses(verdict) -> dict:
+    return {r.case.clause: r.status.value for r in verdict.results}
+
+
+def test_a_load_that_pairs_groups_by_position_fails_keys_1_only(pools):
     s = Scenario(group_order="reversed-target")
-    out = tmp_path / "replay.json"
-    proc, _ = run_cli(["explore", "--impl", "faulty_impl:groups_by_position", "--replay", s.token, "--json", str(out)])
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    replayed = json.loads(out.read_text())["explore"]
-    assert replayed["verdict"] == "failed"
-    (finding,) = replayed["findings"]
-    assert finding["clause"] == "OPT-KEYS-1" and "groups in reverse order" in finding["message"], finding
-    assert "OPT-RT-1: passed" in proc.stdout, proc.stdout
-    proc, _ = run_cli(["explore", "--impl", "hyperdsd", "--replay", s.token])
-    assert proc.returncode == 0 and "OPT-KEYS-1: passed" in proc.stdout, proc.stdout + proc.stderr
+    v = _replayed(pools, "faulty_impl:groups_by_position", s)
+    assert (v.status.value, v.clause) == ("failed", "OPT-KEYS-1"), v.message
+    assert "groups in reverse order" in v.message, v.message
+    assert _statuses(v).get("OPT-RT-1") == "passed", _statuses(v)
+    v = _replayed(pools, "hyperdsd", s)
+    assert v.status.value == "passed" and _statuses(v).get("OPT-KEYS-1") == "passed", v.message
 
 
-def test_a_load_that_skips_parameters_frozen_after_training_fails_part_3_only(tmp_path):
+def test_a_load_that_skips_parameters_frozen_after_training_fails_part_3_only(pools):
     s = Scenario(freeze_after=True, warm=2, before=2)
     assert "OPT-PART-3" in clauses_of(s) and "freeze_after" not in Scenario().to_dict()
     assert Scenario.from_token(s.token) == s
     for bad in (Scenario(freeze_after=True, before=0), Scenario(freeze_after=True, layout="pp2")):
         with pytest.raises(ValueError, match="freeze_after"):
             bad.validate()
-    out = tmp_path / "replay.json"
-    proc, _ = run_cli(
-        ["explore", "--impl", "faulty_impl:frozen_keep_their_own_state", "--replay", s.token, "--json", str(out)]
-    )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    (finding,) = json.loads(out.read_text())["explore"]["findings"]
-    assert finding["clause"] == "OPT-PART-3" and "frozen after training" in finding["message"], finding
-    assert "verdict: failed (OPT-PART-3)" in proc.stdout, proc.stdout
+    v = _replayed(pools, "faulty_impl:frozen_keep_their_own_state", s)
+    assert (v.status.value, v.clause) == ("failed", "OPT-PART-3"), v.message
+    assert "frozen after training" in v.message, v.message
 
 
 def test_messages_of_one_kind_share_a_signature():
@@ -266,8 +272,13 @@ def test_the_certificate_shows_an_exploration(explored, tmp_path):
     assert "## Explored scenarios" in text and f"{section['ran']} generated scenarios" in text
     assert _planted(section["findings"])[0]["token"] in text
     assert json.loads((tmp_path / "cert" / "report.json").read_text())["explore"] == section
-    proc, _ = run_cli(["-k", case, "--report", str(tmp_path / "c2"), "--explore-report", os.devnull], timeout=60)
-    assert proc.returncode == 2 and "not an exploration's JSON report" in proc.stderr
+
+def test_a_certificate_refuses_what_is_not_an_explorations_report(tmp_path, capsys):
+    from conformance.cli import main
+
+    case = "OPT-KEYS-1[single-adamw-sharded]"
+    assert main(["-k", case, "--report", str(tmp_path / "c2"), "--explore-report", os.devnull]) == 2
+    assert "not an exploration's JSON report" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
