@@ -189,7 +189,7 @@ def main() -> None:
                 a = statistics.median(t["torch"])
                 theirs = f"{a:10.1f} {b:12.1f} {b / a:7.2f}"
             else:
-                said = crashed.split(" ", 2)[1] if crashed else "not run"  # "crashed" or "failed"
+                said = crashed.split(" ", 2)[1].rstrip(":") if crashed else "not run"  # "crashed" or "failed"
                 theirs = f"{said:>10} {b:12.1f} {'-':>7}"
             if mode in FLOORED and t["floor"]:
                 floor = statistics.median(t["floor"])
