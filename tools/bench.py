@@ -23,10 +23,21 @@ whose target is relative to it, the ratio to hyperdsd's own sharded get.
 ``set_state_dict``; not on the 268m model (as ``dcp``: gigabytes of files),
 nor by default on the 50k one (``--resume-50k`` adds it; torch takes long there).
 
+FSDP1 (``--fsdp1-sizes``, default 17m): the same model wrapped in
+``FullyShardedDataParallel`` per block and at the root, with
+``use_orig_params=True`` (layout ``fsdp1``) and ``False`` (``fsdp1-flat``),
+in the modes of ``--fsdp1-modes``. Before each of those rows torch's op runs
+once in a task of its own: torch's full optimizer state dict on FSDP1 can
+kill a rank (SIGSEGV), and a dead rank ends its task. Where torch survives
+it alternates with hyperdsd and the floor as above; where it does not (then
+or later), the row is hyperdsd against the floor, marked with what happened
+to torch (for ``set``, whose floor is torch's own op, nothing is left to
+compare with).
+
 Then, unless ``--no-breakdown``, where a key's time goes: hyperdsd's CPU
 time per key of the slowest rank, by category (cProfile shares scaled to the
 unprofiled CPU time). Then peak resident memory, per implementation in its
-own processes, in the full and broadcast modes.
+own processes, in the full and broadcast modes (FSDP1: the full get).
 
     python -m tools.bench                      # everything: hours on 2 shared cores (torch on the 10k and 50k models)
     python -m tools.bench --reps 3 --budget 60 # fewer repetitions: still over an hour
@@ -54,13 +65,23 @@ import sys
 if not __package__:  # run as a script: tools is imported from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hyperdsd.testing import Status
+from hyperdsd.testing import RankStatus, Status
 from tools import bench_tasks
 from tools.bench_tasks import MODES
 
 FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both")
 MANY_KEYS = ("10k", "50k")
 RELATIVE_TO_GET = ("full_get", "bcast_set", "bcast_both")  # targets: at most 10x hyperdsd's own sharded get
+FSDP1 = tuple(bench_tasks.FSDP1_MESHES)
+
+
+def _torch_failure(outcome) -> str:
+    """What happened to torch in a failed task: "torch crashed (SIGSEGV, rank 0)" or its first error."""
+    died = [r for r in outcome.results if r.status == RankStatus.DIED]
+    if died:
+        how = died[0].message.replace("killed by ", "").replace(" during the task", "")
+        return f"torch crashed ({how}, rank {','.join(str(r.rank) for r in died)})"
+    return "torch failed: " + (outcome.describe().splitlines() or ["?"])[0][:160]
 
 
 def _pairs(text: str) -> set[tuple[str, str]]:
@@ -78,6 +99,10 @@ def main() -> None:
         "--budget", type=float, default=90.0, help="seconds per size and mode before repetitions stop early"
     )
     parser.add_argument("--hsdp-sizes", default="4m,17m", help="sizes also run on a 2x2 mesh (full_get, bcast_set)")
+    parser.add_argument(
+        "--fsdp1-sizes", default="17m", help="sizes also run on FSDP1: use_orig_params True (fsdp1), False (fsdp1-flat)"
+    )
+    parser.add_argument("--fsdp1-modes", default="full_get,bcast_set,get,set", help="modes of the FSDP1 rows")
     parser.add_argument(
         "--skip",
         default="50k:dcp,268m:dcp,67m:bcast_both,268m:bcast_both,50k:resume,268m:resume",
@@ -113,13 +138,15 @@ def main() -> None:
         skip.discard(("50k", "resume"))
     runs = [(s, m, "4") for s in sizes for m in modes if (s, m) not in skip]
     runs += [(s, m, "2x2") for s in args.hsdp_sizes.split(",") if s for m in ("full_get", "bcast_set")]
+    fsdp1_sizes = [s for s in args.fsdp1_sizes.split(",") if s]
+    runs += [(s, m, layout) for s in fsdp1_sizes for layout in FSDP1 for m in args.fsdp1_modes.split(",") if m]
     print(
         f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, AdamW, "
         f"{args.reps} repetitions per implementation, medians; "
         f"hyperdsd bucket {BUCKET_BYTES / 2**20:.0f} MiB"
     )
     print(
-        f"{'size':>5} {'mesh':>4} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10}"
+        f"{'size':>5} {'mesh':>10} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10}"
         f" {'hyperdsd/floor':>15} {'reps':>5}"
         f" {'ms/1k keys':>11} {'us/key':>8} {'x clone':>8} {'x own get':>10}"
     )
@@ -139,20 +166,22 @@ def main() -> None:
                         flush=True,
                     )
             torch_too = (size, mode) not in torch_skip
-            task = Task(
-                bench_tasks.time_mode,
-                {
-                    "size": size,
-                    "mode": mode,
-                    "mesh": mesh,
-                    "reps": args.reps,
-                    "budget_s": args.budget,
-                    "torch_too": torch_too,
-                },
-            )
-            outcome = pools.run(4, task, 3600)
+            crashed = ""  # what happened to torch where it killed a rank (FSDP1)
+            if torch_too and mesh in FSDP1:
+                probe = pools.run(4, Task(bench_tasks.torch_once, {"size": size, "mode": mode, "mesh": mesh}), 3600)
+                if probe.status != Status.PASSED:
+                    crashed, torch_too = _torch_failure(probe), False
+            while True:
+                params = {"size": size, "mode": mode, "mesh": mesh, "reps": args.reps, "budget_s": args.budget}
+                outcome = pools.run(4, Task(bench_tasks.time_mode, {**params, "torch_too": torch_too}), 3600)
+                # torch may survive its probe and die later: run again without it rather than lose the row
+                if outcome.status == Status.PASSED or not torch_too or mesh not in FSDP1:
+                    break
+                if not any(r.region in ("torch", "floor") for r in outcome.results if r.status.failed):
+                    break
+                crashed, torch_too = _torch_failure(outcome), False
             if outcome.status != Status.PASSED:
-                print(f"{size:>5} {mesh:>4} {mode:>10}  failed: {outcome.describe()[:300]}", flush=True)
+                print(f"{size:>5} {mesh:>10} {mode:>10}  failed: {outcome.describe()[:300]}", flush=True)
                 continue
             t = outcome.values[0]
             b = statistics.median(t["hyperdsd"])
@@ -160,7 +189,8 @@ def main() -> None:
                 a = statistics.median(t["torch"])
                 theirs = f"{a:10.1f} {b:12.1f} {b / a:7.2f}"
             else:
-                theirs = f"{'not run':>10} {b:12.1f} {'-':>7}"
+                said = crashed.split(" ", 2)[1].rstrip(":") if crashed else "not run"  # "crashed" or "failed"
+                theirs = f"{said:>10} {b:12.1f} {'-':>7}"
             if mode in FLOORED and t["floor"]:
                 floor = statistics.median(t["floor"])
                 floors = f"{floor:10.1f} {b / floor:15.2f}"
@@ -174,7 +204,9 @@ def main() -> None:
                 per_key = b / bench_tasks.keys_of(size) * 1000
                 floor_x = f"{b / clone_ms[size]:8.1f}" if size in clone_ms else f"{'-':>8}"
                 extra = f" {per_key:11.1f} {b / bench_tasks.keys_of(size) * 1000:8.1f} {floor_x} {relative}"
-            print(f"{size:>5} {mesh:>4} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
+            print(f"{size:>5} {mesh:>10} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
+            if crashed:
+                print(f"{'':>5} {mesh:>10} {mode:>10}  {crashed}", flush=True)
             if mode == "resume":
                 ratio = f", torch {a / 1000:.1f} s, ratio {b / a:.2f}" if torch_too else ""
                 print(f"{'':>5} resume {size}: hyperdsd {b / 1000:.1f} s{ratio}", flush=True)
@@ -186,7 +218,7 @@ def main() -> None:
             )
     if not args.no_memory:
         memory_sizes = [s for s in (args.memory_sizes or args.sizes).split(",") if s]
-        _memory(memory_sizes, args.hsdp_sizes.split(","), torch_skip | _pairs(args.memory_torch_skip))
+        _memory(memory_sizes, args.hsdp_sizes.split(","), torch_skip | _pairs(args.memory_torch_skip), fsdp1_sizes)
 
 
 def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
@@ -219,31 +251,36 @@ def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
             print(f"  {cat:<40}" + "".join(f"{col.get(cat, 0.0):10.1f}" for col in columns.values()), flush=True)
 
 
-def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, str]]) -> None:
+def _memory(
+    sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, str]], fsdp1_sizes: list[str] | None = None
+) -> None:
     from hyperdsd.testing import PoolSet, Task
 
     print("\npeak resident memory above the baseline during one op, MiB per rank (own processes per implementation)")
     print(
-        f"{'size':>5} {'mesh':>4} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)  "
+        f"{'size':>5} {'mesh':>10} {'mode':>10} {'impl':>9}  rank0 / rank1 / rank2 / rank3   (own state per rank)  "
         "KiB per key, non-root ranks"
     )
-    for size in sizes:
-        for mesh in ("4", "2x2"):
-            if mesh == "2x2" and size not in hsdp_sizes:
+    fsdp1_sizes = fsdp1_sizes or []
+    for size in sizes + [s for s in fsdp1_sizes if s not in sizes]:  # FSDP1's sizes whatever the memory sizes
+        for mesh in ("4", "2x2", *FSDP1):
+            if mesh in FSDP1:
+                if size not in fsdp1_sizes:
+                    continue
+            elif size not in sizes or (mesh == "2x2" and size not in hsdp_sizes):
                 continue
-            for mode in ("full_get", "bcast_set"):
+            for mode in ("full_get",) if mesh in FSDP1 else ("full_get", "bcast_set"):
                 for impl in ("torch", "hyperdsd"):
                     if impl == "torch" and (size, mode) in torch_skip:
-                        print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  not run", flush=True)
+                        print(f"{size:>5} {mesh:>10} {mode:>10} {impl:>9}  not run", flush=True)
                         continue
                     with PoolSet(gloo_timeout_s=900) as pools:
                         outcome = pools.run(
                             4, Task(bench_tasks.memory, {"impl": impl, "size": size, "mode": mode, "mesh": mesh}), 3600
                         )
                     if outcome.status != Status.PASSED:
-                        print(
-                            f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  failed: {outcome.describe()[:300]}", flush=True
-                        )
+                        why = _torch_failure(outcome) if impl == "torch" else f"failed: {outcome.describe()[:300]}"
+                        print(f"{size:>5} {mesh:>10} {mode:>10} {impl:>9}  {why}", flush=True)
                         continue
                     peaks = " / ".join(f"{v['peak_above_base_mib']:6.1f}" for v in outcome.values)
                     own = outcome.values[1]["own_state_mib"]
@@ -251,7 +288,7 @@ def _memory(sizes: list[str], hsdp_sizes: list[str], torch_skip: set[tuple[str, 
                     if size in MANY_KEYS:
                         worst = max(v["peak_above_base_mib"] for v in outcome.values[1:])
                         per_key = f"  {worst * 1024 / bench_tasks.keys_of(size):6.2f}"
-                    print(f"{size:>5} {mesh:>4} {mode:>10} {impl:>9}  {peaks}   ({own:.1f}){per_key}", flush=True)
+                    print(f"{size:>5} {mesh:>10} {mode:>10} {impl:>9}  {peaks}   ({own:.1f}){per_key}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ SIZES = {  # name -> (layers, blocks of layers, width): about 4M, 17M, 67M, 268M
 }
 # Built on the meta device and materialised after sharding: a rank never holds the whole model.
 ON_META = ("268m",)
+# FSDP1 layouts (``--fsdp1-sizes``), by the name they take in place of a mesh: use_orig_params.
+FSDP1_MESHES = {"fsdp1": True, "fsdp1-flat": False}
 
 
 def keys_of(size: str) -> int:
@@ -50,6 +52,15 @@ def _impl(name):
 
 
 def _build(ctx, size: str, mesh: str):
+    """The model of ``size`` with AdamW state after one step, cached per process.
+
+    ``mesh`` is a device mesh ("4", "2x2": ``fully_shard`` on each block of
+    layers, then on the root) or an FSDP1 layout: "fsdp1"
+    (``use_orig_params=True``) or "fsdp1-flat" (``False``), each block and
+    then the root wrapped explicitly in ``FullyShardedDataParallel`` (FULL_SHARD
+    on the whole world, ``device_id=cpu``), the same units as FSDP2's. FSDP1
+    models are built on the CPU, whatever the size (no meta-device init).
+    """
     key = ("model", size, mesh)
     if key not in ctx.cache:
         from torch.distributed.fsdp import fully_shard
@@ -57,16 +68,23 @@ def _build(ctx, size: str, mesh: str):
         ctx.cache.clear()  # one model per process at a time: memory figures stay readable
         gc.collect()
         per_block, blocks, width = SIZES[size]
+        fsdp1 = mesh in FSDP1_MESHES
         torch.manual_seed(0)
-        with torch.device("meta" if size in ON_META else "cpu"):
+        with torch.device("meta" if size in ON_META and not fsdp1 else "cpu"):
             model = nn.Sequential(
                 *[nn.Sequential(*[nn.Linear(width, width) for _ in range(per_block)]) for _ in range(blocks)]
             )
-        m = ctx.mesh(mesh)
-        for block in model:
-            fully_shard(block, mesh=m)
-        fully_shard(model, mesh=m)
-        if size in ON_META:
+        if fsdp1:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            wrap = {"device_id": torch.device("cpu"), "use_orig_params": FSDP1_MESHES[mesh]}
+            model = FSDP(nn.Sequential(*[FSDP(block, **wrap) for block in model]), **wrap)
+        else:
+            m = ctx.mesh(mesh)
+            for block in model:
+                fully_shard(block, mesh=m)
+            fully_shard(model, mesh=m)
+        if size in ON_META and not fsdp1:
             model.to_empty(device="cpu")
             with torch.no_grad():
                 for p in model.parameters():
@@ -274,7 +292,8 @@ def _floor(ctx, mode: str, model, opt, buf) -> None:
         dist.all_reduce(flag)
     elif mode == "full_get":
         # On a 2-D mesh one replica's shards make the whole: rank 0's shard group.
-        group = ctx.mesh(ctx.cache["mesh"]).get_group("shard") if "x" in ctx.cache["mesh"] else dist.group.WORLD
+        mesh = ctx.cache["mesh"]
+        group = dist.group.WORLD if "x" not in mesh or mesh in FSDP1_MESHES else ctx.mesh(mesh).get_group("shard")
         if 0 in dist.get_process_group_ranks(group):
             n = dist.get_world_size(group)
             dist.gather(
@@ -308,17 +327,30 @@ def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float =
             inputs = _prepare(ctx, "torch" if name == "floor" else name, mode, model, opt)
             ctx.cache["floor_inputs"] = inputs
             dist.barrier()
-            start = time.perf_counter()
-            if name == "floor":
-                _floor(ctx, mode, model, opt, buf)
-            else:
-                _op(ctx, name, mode, model, opt, inputs)
-            elapsed = torch.tensor([time.perf_counter() - start])
+            with ctx.under_test(name):  # a rank that dies here names who killed it (bench.py reruns without torch)
+                start = time.perf_counter()
+                if name == "floor":
+                    _floor(ctx, mode, model, opt, buf)
+                else:
+                    _op(ctx, name, mode, model, opt, inputs)
+                elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(elapsed.item() * 1000)
             del inputs
             ctx.cache.pop("floor_inputs", None)
     return times
+
+
+def torch_once(ctx, size: str, mode: str, mesh: str) -> bool:
+    """One call of torch's op, alone in its task: where it kills a rank
+    (torch's full optimizer state dict on FSDP1 can die of SIGSEGV), the
+    caller times hyperdsd and the floor without it instead of losing them."""
+    model, opt = _build(ctx, size, mesh)
+    inputs = _prepare(ctx, "torch", mode, model, opt)
+    dist.barrier()
+    with ctx.under_test("torch"):
+        _op(ctx, "torch", mode, model, opt, inputs)
+    return True
 
 
 def _status_kb(field: str) -> int:
@@ -330,7 +362,9 @@ def _status_kb(field: str) -> int:
 
 
 def _state_bytes(model, opt) -> int:
-    """Bytes of this rank's own model and optimizer state (its shards)."""
+    """Bytes of this rank's own model and optimizer state (its shards): on
+    FSDP1 the local flat shard (padding included) or, with use_orig_params,
+    the views of it that the original parameters are between steps."""
     from torch.distributed.tensor import DTensor
 
     def local(t):
