@@ -640,6 +640,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "when the optimizer lists its groups in another order than the checkpoint (every fixed case loads into "
         "groups in the source's order)",
         ("OPT-KEYS-4[single-sharded]", "OPT-ATOM-1[single-sharded-unknown_group]", "OPT-PART-1[single-sharded-strict]"),
+    ),    # -- what get and set return, and parameters frozen after training (issue 35) ----------------------
+    Mutant(
+        "set-returns-nothing",
+        "hyperdsd.api.set_model_state_dict",
+        "return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)",
+        "return None",
+        "set_model_state_dict returns None instead of torch's (missing_keys, unexpected_keys): a caller that "
+        "reads them stumbles on it (the suite judges such output as the implementation's, SPEC 1.3 section 4)",
+        ("MODEL-2[ddp-sharded-nonstrict]",),
+    ),
+    Mutant(
+        "flat-without-group-fields",
+        "hyperdsd.state.flat.flatten",
+        'fields = [(k, v) for k, v in group.items() if k != "params"]',
+        "fields = []",
+        "the flat layout writes no param_groups keys at all: a load keeps the target's own hyperparameters",
+        ("OPT-RT-1[single-adamw-flat]",),
+    ),
+    Mutant(
+        "warm-load-skips-frozen",
+        "hyperdsd.state.optimizer_load._prepare_all",
+        "if fqn not in source.listed: ...",
+        "if fqn not in source.listed or (not p.requires_grad and p in target.opt.state): ...",
+        "a load into an optimizer that has stepped skips parameters that no longer require gradients, as if "
+        "their state could not have changed: they keep the target's own state (a fresh target has none)",
+        ("OPT-PART-3[single-sharded-frozen_after-warm]", "OPT-PART-3[single-dcp-frozen_after-warm]"),
     ),
 )
 
