@@ -8,7 +8,9 @@ keyed by canonical FQN. Gets read the twin as they read an FSDP2 model; a
 set plans, checks and agrees against the twin, loads into it, and only then
 :meth:`Twin.write_back` writes what changed into FSDP1's flat shards, its
 optimizers' state and their param groups. Reading changes nothing: every
-tensor of the twin that stands for flat state is new.
+tensor of the twin that stands for flat state is new. A set's twin does not
+read what the load overwrites: its rows start empty, and what some rank's
+load leaves is read from the flat shards at write-back.
 """
 
 from __future__ import annotations
