@@ -65,7 +65,7 @@ class _Target:
     a model that FSDP1 wraps their twin in the canonical layout
     (:mod:`hyperdsd.fsdp1`), which a load writes back into them."""
 
-    def __init__(self, model: nn.Module, optims: tuple, opts: StateDictOptions):
+    def __init__(self, model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False):
         self.twin = None
         try:
             self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
@@ -73,7 +73,7 @@ class _Target:
         except FSDP1Model:
             from .fsdp1 import Twin  # loaded for FSDP1 models only
 
-            self.twin = Twin(model, optims, opts.dsd_fqn_modifiers)
+            self.twin = Twin(model, optims, opts.dsd_fqn_modifiers, to_load=to_load)
             self.model, self.optims, self.index = self.twin.model, self.twin.optims, self.twin.index
 
 
@@ -184,7 +184,7 @@ class _Load:
 
     def __init__(self, model: nn.Module, opts: StateDictOptions, optimizers=()):
         self.opts = opts
-        target = _Target(model, optimizer_params(optimizers), opts)
+        target = _Target(model, optimizer_params(optimizers), opts, to_load=True)
         self.model, self.index, self.optims, self.twin = target.model, target.index, target.optims, target.twin
         self.group = groups.of_params(self.index.fqn_of)
         self.problems: list[str] = []
@@ -228,7 +228,7 @@ class _Load:
         if self.model_plan is not None:
             model_state.apply_load(self.model, self.model_plan)
         if self.twin is not None:
-            self.twin.write_back(model=self.model_plan is not None, optim=self.optim_plan is not None)
+            self.twin.write_back(self.model_plan, self.optim_plan)
 
 
 def set_model_state_dict(

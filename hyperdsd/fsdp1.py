@@ -8,7 +8,9 @@ keyed by canonical FQN. Gets read the twin as they read an FSDP2 model; a
 set plans, checks and agrees against the twin, loads into it, and only then
 :meth:`Twin.write_back` writes what changed into FSDP1's flat shards, its
 optimizers' state and their param groups. Reading changes nothing: every
-tensor of the twin that stands for flat state is new.
+tensor of the twin that stands for flat state is new. A set's twin does not
+read what the load overwrites: its rows start empty, and what some rank's
+load leaves is read from the flat shards at write-back.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import _compat
 from .errors import StateDictError
@@ -31,9 +34,16 @@ _STRUCTURAL = ("params", "param_names")
 class Twin:
     """An FSDP1 model and its optimizers, in the canonical layout."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: tuple, modifiers_attr: str):
+    def __init__(self, model: torch.nn.Module, optimizers: tuple, modifiers_attr: str, to_load: bool = False):
         self.real_model = model
         self.real_optims = tuple(optimizers)
+        # A load overwrites what it loads: the twin's flat state then starts
+        # empty, and what a load leaves is read from the flat shards at write-back
+        # only where some rank did not load it (:meth:`write_back`). The model's
+        # rows stay read when optimizers come along (a scratch step may read them).
+        self.lazy_rows = to_load and not self.real_optims
+        self.lazy_state = to_load
+        self._state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(key, dtype)]) of its state rows
         real = ModelIndex(model, modifiers_attr, fsdp1=True)
         self.units: list[UnitLayout] = []
         for module, raw in real.fsdp1_modules:
@@ -49,7 +59,16 @@ class Twin:
             size, index = moves.shard_index(unit)
             mesh = moves.unit_mesh(unit, unit.flat.device.type)
             self.units.append(UnitLayout(unit, fqns, aliases, mesh, size, index))
-        rows = [moves.to_rows(u, u.unit.local) for u in self.units]
+        if self.lazy_rows:
+            rows = [
+                [
+                    torch.empty(u.local_shape(i), dtype=u.unit.local.dtype, device=u.unit.local.device)
+                    for i in range(len(u.fqns))
+                ]
+                for u in self.units
+            ]
+        else:
+            rows = [moves.to_rows(u, u.unit.local) for u in self.units]
         self.model, self.params = twin_module(real, self.units, rows)
         self.index = ModelIndex(self.model, modifiers_attr)
         self.optims = self._twin_optimizers() if self.real_optims else ()
@@ -114,10 +133,16 @@ class Twin:
                         )
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
             keys = sorted({k for s in merged if s for k, (kind, _) in s.items() if kind == "rows"}, key=str)
-            for key in keys:
-                dtype = next(s[key][1] for s in merged if s and key in s)
-                flat = self._flat_state(u, targets, key, dtype)
-                rows = moves.to_rows(u, flat)
+            typed = [(key, next(s[key][1] for s in merged if s and key in s)) for key in keys]
+            self._state_plans.append((targets, typed))
+            if self.lazy_state:
+                device = u.unit.local.device
+                by_key = [
+                    [torch.empty(u.local_shape(i), dtype=d, device=device) for i in range(len(twins))] for _, d in typed
+                ]
+            else:
+                by_key = self._state_rows(u, targets, typed)
+            for (key, _), rows in zip(typed, by_key):
                 for i, twin in enumerate(twins):
                     j = 0 if u.unit.params is None else i
                     summary = merged[j]
@@ -136,6 +161,10 @@ class Twin:
                         value = own.get(key, value)
                         entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
                 twins_of[id(opt)].state[twin] = {k: entry[k] for k in summary if k in entry}
+
+    def _state_rows(self, u: UnitLayout, targets: list, typed: list) -> list[list[torch.Tensor]]:
+        """This rank's rows of each state tensor ``typed`` names (key, dtype), in one exchange."""
+        return moves.to_rows_many(u, [self._flat_state(u, targets, key, dtype) for key, dtype in typed])
 
     @staticmethod
     def _flat_state(u: UnitLayout, targets: list, key, dtype) -> torch.Tensor:
@@ -157,16 +186,81 @@ class Twin:
 
     # -- writing back ----------------------------------------------------------
 
-    def write_back(self, model: bool, optim: bool) -> None:
+    def write_back(self, model_plan, optim_plan) -> None:
         """Write what the twin now holds into the FSDP1 model and optimizers
-        (after a load has been agreed and applied to the twin)."""
-        if model:
-            for u, twins in zip(self.units, self.params):
-                moves.to_flat(u, [_compat.local_tensor(t) for t in twins], into=u.unit.local)
+        (after a load, whose plans are given, has been agreed and applied to
+        the twin; None: that part was not loaded)."""
+        if model_plan is not None:
+            only = self._settle_rows(model_plan) if self.lazy_rows else [None] * len(self.units)
+            for u, twins, keep in zip(self.units, self.params, only):
+                moves.to_flat_many(u, [[_compat.local_tensor(t) for t in twins]], [u.unit.local], only=keep)
                 if u.unit.unsharded:  # the copy a forward left would go on serving the old values
                     _compat.fsdp1_reshard(u.unit.module)
-        if optim:
+        if optim_plan is not None:
+            if self.lazy_state:
+                self._refill_state(optim_plan)
             self._write_optimizers()
+
+    def _settle_rows(self, plan) -> list[set[int]]:
+        """Lazy rows: for each unit, the parameters some rank loaded (the
+        rest of its flat shards stays as it is); where only some ranks did,
+        the others' rows are read from the flat shards first."""
+        targets = self.model.state_dict(keep_vars=True)
+        loaded = {id(targets[raw]) for raw in plan.values if raw in targets}
+        mine = [[id(t) in loaded for t in twins] for twins in self.params]
+        only = []
+        for u, twins, here, (some, lacking) in zip(self.units, self.params, mine, self._anywhere(mine)):
+            if any(s and n for s, n in zip(some, lacking)):
+                rows = moves.to_rows(u, u.unit.local)
+                for i, twin in enumerate(twins):
+                    if not here[i]:
+                        _compat.local_tensor(twin).copy_(rows[i])
+            only.append({i for i, s in enumerate(some) if s})
+        return only
+
+    def _refill_state(self, plan) -> None:
+        """Lazy state: the twin's per-element state of parameters the load left
+        untouched on some rank is read from the optimizers now (unit by unit,
+        where any rank needs it), as an eager twin would have read it."""
+        touched = {id(load.param) for load in plan.params}
+        opt_of = {id(p): twin for twin in self.optims for g in twin.param_groups for p in g["params"]}
+        mine = [
+            [id(t) not in touched and bool(opt_of[id(t)].state.get(t)) if id(t) in opt_of else False for t in twins]
+            for twins in self.params
+        ]
+        for u, twins, here, (some, _), (targets, typed) in zip(
+            self.units, self.params, mine, self._anywhere(mine), self._state_plans
+        ):
+            if not typed or not any(some):
+                continue
+            for (key, _), rows in zip(typed, self._state_rows(u, targets, typed)):
+                for i, twin in enumerate(twins):
+                    value = opt_of[id(twin)].state[twin].get(key) if here[i] else None
+                    if _per_element(value):
+                        _compat.local_tensor(value).copy_(rows[i])
+
+    def _anywhere(self, flags: list[list[bool]]) -> list[tuple[list[bool], list[bool]]]:
+        """For each unit's ``flags`` (one per parameter, this rank's): whether
+        any rank of the unit's group has it set, and whether any has it clear
+        (one all-reduce per group)."""
+        by_pg: dict[int, list[int]] = {}
+        for k, u in enumerate(self.units):
+            by_pg.setdefault(id(u.unit.pg), []).append(k)
+        out: list = [None] * len(self.units)
+        for ks in by_pg.values():
+            mine = [f for k in ks for f in flags[k]]
+            both = torch.tensor([int(f) for f in mine] + [int(not f) for f in mine], dtype=torch.int32)
+            if self.units[ks[0]].size > 1 and mine:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.units[ks[0]].unit.pg)
+            at = 0
+            for k in ks:
+                n = len(flags[k])
+                out[k] = (
+                    [bool(x) for x in both[at : at + n]],
+                    [bool(x) for x in both[len(mine) + at : len(mine) + at + n]],
+                )
+                at += n
+        return out
 
     def _write_optimizers(self) -> None:
         for opt, twin in zip(self.real_optims, self.optims):

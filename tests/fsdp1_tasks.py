@@ -372,3 +372,40 @@ def adagrad_resume(ctx, uop: bool, mode: str):
     _steps(source, source_opt, 2, 1)
     _steps(target, target_opt, 2, 1)
     return _equal(local(source, source_opt), local(target, target_opt))
+
+
+def partial_load(ctx, uop: bool, broadcast: bool):
+    """A load of some keys (strict=False), other keys on each rank, into an
+    FSDP1 model ends as it did when the twin read everything first: what a
+    rank loads replaces its rows, the rest stays, in the model and in its
+    optimizer (a load's twin reads its flat state only where some rank
+    leaves some of it)."""
+    import hyperdsd.fsdp1
+
+    class Eager(hyperdsd.fsdp1.Twin):
+        def __init__(self, model, optimizers, modifiers_attr, to_load=False):
+            super().__init__(model, optimizers, modifiers_attr)
+
+    source, source_opt = _fsdp1(ctx, 0, uop)
+    _steps(source, source_opt, 0, 2)
+    msd, osd = _full(source, source_opt)
+    mine = ["0.weight", "3.0.bias"] if ctx.rank == 0 or broadcast else ["0.weight", "3.2.weight", "1.bias"]
+    part_msd = {k: v for k, v in msd.items() if k in mine}
+    groups = [{**g, "params": [f for f in g["params"] if f in mine]} for g in osd["param_groups"]]
+    part_osd = {"state": {k: v for k, v in osd["state"].items() if k in mine}, "param_groups": groups}
+    if broadcast and ctx.rank != 0:
+        part_msd, part_osd = {}, {}
+    options = StateDictOptions(strict=False, full_state_dict=True, broadcast_from_rank0=broadcast)
+    ends = []
+    for twin in (hyperdsd.fsdp1.Twin, Eager):
+        model, opt = _fsdp1(ctx, 1, uop)
+        _steps(model, opt, 50, 1)
+        lazy, hyperdsd.fsdp1.Twin = hyperdsd.fsdp1.Twin, twin
+        try:
+            hyperdsd.set_model_state_dict(model, part_msd, options=options)
+            hyperdsd.set_optimizer_state_dict(model, opt, part_osd, options=options)
+        finally:
+            hyperdsd.fsdp1.Twin = lazy
+        ends.append(_full(model, opt))
+    _assert_same(*ends)
+    return True

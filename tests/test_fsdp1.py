@@ -81,3 +81,11 @@ def test_adagrad_state_of_ranks_without_elements_and_of_padding_resumes_exactly(
     entry, and a set zeroed a flat shard's padding, where Adagrad keeps its initial sum."""
     world = 2 if uop else 4  # (four ranks pad the flat shards: 30 and 58 elements)
     assert run(pools, world, "adagrad_resume", uop=uop, mode=mode) == [True] * world
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["own", "broadcast"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_partial_load_of_other_keys_on_each_rank_ends_as_through_an_eager_twin(pools, uop, broadcast):
+    """A load's twin starts empty and reads flat state only where some rank leaves some:
+    the same end as a twin that reads it all first."""
+    assert run(pools, 2, "partial_load", uop=uop, broadcast=broadcast) == [True, True]

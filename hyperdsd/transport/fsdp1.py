@@ -1,4 +1,4 @@
-"""FSDP1's flat shards to rows and back: one uneven all-to-all per unit and tensor.
+"""FSDP1's flat shards to rows and back: one exchange per unit for a set of tensors.
 
 An FSDP1 rank holds a contiguous run of its unit's flat parameter (or of a
 state tensor laid out like it); the canonical layout gives it whole rows of
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import StateDictError
-from .collectives import as_bytes, from_bytes
+from .collectives import DIRECT_BYTES, as_bytes
 
 _meshes: dict[tuple[int, str], tuple[Any, DeviceMesh]] = {}
 
@@ -47,43 +47,80 @@ def shard_index(unit) -> tuple[int, int]:
     return dist.get_world_size(unit.pg), dist.get_rank(unit.pg)
 
 
-def _exchange(layout, outgoing: list[list[torch.Tensor]], incoming: list[int], dtype, device) -> torch.Tensor:
-    """Send ``outgoing[q]`` (pieces, in order) to shard rank ``q``; receive
-    ``incoming[r]`` elements from each rank ``r``, concatenated by rank."""
-    size = dtype.itemsize
-    me = layout.index
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _move(layout, outgoing: list[list[torch.Tensor]], incoming: list[list[torch.Tensor]]) -> None:
+    """Send ``outgoing[q]`` (contiguous 1-D pieces, in order) to shard rank
+    ``q``; fill ``incoming[r]`` (contiguous 1-D views of the sent pieces'
+    dtype, in the order rank ``r`` sends them) from each rank ``r``. Pieces of
+    :data:`DIRECT_BYTES` or more go point to point, straight from where they
+    are into where they land; the rest in one all-to-all of bytes (which
+    every rank joins, whether or not it has any)."""
+    me, pg = layout.index, layout.unit.pg
+    for src, dst in zip(outgoing[me], incoming[me]):
+        dst.copy_(src)
     if layout.size == 1:
-        pieces = outgoing[me]
-        return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-    sends = [as_bytes(p) for q in outgoing for p in q]
-    send = torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8, device=device)
-    send_sizes = [sum(p.numel() for p in q) * size for q in outgoing]
-    recv = torch.empty(sum(incoming) * size, dtype=torch.uint8, device=device)
-    dist.all_to_all_single(
-        recv, send, output_split_sizes=[n * size for n in incoming], input_split_sizes=send_sizes, group=layout.unit.pg
-    )
-    return from_bytes(recv, dtype, (sum(incoming),))
+        return
+    peers = [r for r in range(layout.size) if r != me]
+    works = []
+    small_in: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    small_out: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    for r in peers:  # the same pieces, in the same order, as rank r lists for this one: the same tags
+        for tag, dst in enumerate(incoming[r]):
+            if _nbytes(dst) >= DIRECT_BYTES:
+                works.append(dist.irecv(dst, src=dist.get_global_rank(pg, r), group=pg, tag=tag))
+            elif dst.numel():
+                small_in[r].append(dst)
+    for q in peers:
+        for tag, src in enumerate(outgoing[q]):
+            if _nbytes(src) >= DIRECT_BYTES:
+                works.append(dist.isend(src, dst=dist.get_global_rank(pg, q), group=pg, tag=tag))
+            elif src.numel():
+                small_out[q].append(as_bytes(src))
+    sends = [p for q in small_out for p in q]
+    send = torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8, device=layout.unit.local.device)
+    in_sizes = [sum(_nbytes(t) for t in q) for q in small_in]
+    recv = torch.empty(sum(in_sizes), dtype=torch.uint8, device=send.device)
+    out_sizes = [sum(p.numel() for p in q) for q in small_out]
+    dist.all_to_all_single(recv, send, output_split_sizes=in_sizes, input_split_sizes=out_sizes, group=pg)
+    at = 0
+    for dst in (t for q in small_in for t in q):
+        n = _nbytes(dst)
+        dst.view(torch.uint8).copy_(recv[at : at + n])
+        at += n
+    for work in works:
+        work.wait()
 
 
 def to_rows(layout, flat: torch.Tensor) -> list[torch.Tensor]:
     """This rank's rows of each of the unit's parameters (new tensors), from
     ``flat``, this rank's flat shard of them (the parameter's or a state
     tensor's). A collective over the unit's ranks."""
+    return to_rows_many(layout, [flat])[0]
+
+
+def to_rows_many(layout, flats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """:func:`to_rows` of each of ``flats``, in one exchange."""
     me, base = layout.index, layout.index * layout.shard
-    flat = flat.detach().reshape(-1)
-    outgoing = [[flat[a - base : b - base] for _, a, b in layout.pieces(me, q)] for q in range(layout.size)]
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    starts = [layout.rows(i, me)[0] for i in range(len(layout.fqns))]
+    sent = [layout.pieces(me, q) for q in range(layout.size)]
     plans = [layout.pieces(r, me) for r in range(layout.size)]
-    incoming = [sum(b - a for _, a, b in plan) for plan in plans]
-    recv = _exchange(layout, outgoing, incoming, flat.dtype, flat.device)
-    out = [torch.empty(layout.local_shape(i), dtype=flat.dtype, device=flat.device) for i in range(len(layout.fqns))]
-    views = [t.view(-1) for t in out]
-    at = 0
-    for plan in plans:
-        for i, a, b in plan:
-            start = layout.rows(i, me)[0]
-            views[i][a - start : b - start] = recv[at : at + b - a]
-            at += b - a
-    return out
+    result = []
+    for flat in flats:
+        flat = flat.detach().reshape(-1)
+        out = [torch.empty(layout.local_shape(i), dtype=flat.dtype, device=flat.device) for i in range(len(starts))]
+        views = [t.view(-1) for t in out]
+        for q, plan in enumerate(sent):
+            outgoing[q] += [flat[a - base : b - base] for _, a, b in plan]
+        for r, plan in enumerate(plans):
+            incoming[r] += [views[i][a - starts[i] : b - starts[i]] for i, a, b in plan]
+        result.append(out)
+    _move(layout, outgoing, incoming)
+    return result
 
 
 def to_flat(layout, rows: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,28 +128,41 @@ def to_flat(layout, rows: list[torch.Tensor], into: torch.Tensor | None = None) 
     of each parameter, as :func:`to_rows` gives them): written into ``into``
     (its padding left as it is) or a new zero-padded tensor. A collective
     over the unit's ranks."""
+    return to_flat_many(layout, [rows], [into])[0]
+
+
+def to_flat_many(layout, rows_of: list[list[torch.Tensor]], intos: list, only: set[int] | None = None) -> list:
+    """:func:`to_flat` of each of ``rows_of`` (into each of ``intos``), in one
+    exchange; ``only``: of these parameters alone (the same on every rank),
+    the rest of each flat shard left as it is."""
     me, base = layout.index, layout.index * layout.shard
-    dtype = rows[0].dtype if rows else into.dtype
-    device = into.device if into is not None else rows[0].device
-    flats = [r.detach().reshape(-1) for r in rows]
-    outgoing = []
-    for q in range(layout.size):
-        pieces = []
-        for i, a, b in layout.pieces(q, me):
-            start = layout.rows(i, me)[0]
-            pieces.append(flats[i][a - start : b - start].to(device=device, dtype=dtype))
-        outgoing.append(pieces)
-    plans = [layout.pieces(me, r) for r in range(layout.size)]
-    incoming = [sum(b - a for _, a, b in plan) for plan in plans]
-    recv = _exchange(layout, outgoing, incoming, dtype, device)
-    out = into if into is not None else torch.zeros(layout.shard, dtype=dtype, device=device)
-    view = out.view(-1)
-    at = 0
-    for plan in plans:
-        for _, a, b in plan:
-            view[a - base : b - base] = recv[at : at + b - a]
-            at += b - a
-    return out
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    starts = [layout.rows(i, me)[0] for i in range(len(layout.fqns))]
+    sent = [[p for p in layout.pieces(q, me) if only is None or p[0] in only] for q in range(layout.size)]
+    plans = [[p for p in layout.pieces(me, r) if only is None or p[0] in only] for r in range(layout.size)]
+    result, landings = [], []
+    for rows, into in zip(rows_of, intos):
+        dtype = rows[0].dtype if rows else into.dtype
+        device = into.device if into is not None else rows[0].device
+        flats = [r.detach().reshape(-1) for r in rows]
+        for q, plan in enumerate(sent):
+            outgoing[q] += [flats[i][a - starts[i] : b - starts[i]].to(device=device, dtype=dtype) for i, a, b in plan]
+        out = into if into is not None else torch.zeros(layout.shard, dtype=dtype, device=device)
+        direct = out.dtype == dtype and out.is_contiguous()  # else received aside, then copied in
+        land = out.view(-1) if direct else torch.empty(layout.shard, dtype=dtype, device=device)
+        for r, plan in enumerate(plans):
+            incoming[r] += [land[a - base : b - base] for _, a, b in plan]
+        result.append(out)
+        landings.append(None if direct else land)
+    _move(layout, outgoing, incoming)
+    for out, land in zip(result, landings):
+        if land is not None:
+            view = out.view(-1)
+            for plan in plans:
+                for _, a, b in plan:
+                    view[a - base : b - base] = land[a - base : b - base]
+    return result
 
 
 def exchange_by_group(objs: list[Any], pgs: list[Any]) -> list[list[Any]]:
