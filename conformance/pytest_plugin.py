@@ -52,6 +52,12 @@ def pytest_addoption(parser):
     )
     group.addoption("--dsd-explore-seed", type=int, default=0, help="the exploration's seed (default 0)")
     group.addoption(
+        "--dsd-explore-rounds",
+        type=int,
+        default=None,
+        help="stop after this many rounds (a round ends once hypothesis has shrunk what it found; default: the budget)",
+    )
+    group.addoption(
         "--dsd-explore-world-sizes",
         default="1,2,3,4",
         help="the world sizes exploration draws layouts of (default 1,2,3,4)",
@@ -134,8 +140,8 @@ def check_case(runner: Runner, case: Case) -> None:
         )
 
 
-def check_exploration(runner: Runner, budget: str, seed: int, world_sizes: str) -> None:
-    """Explore for ``budget``; fail with every shrunk deviation found."""
+def check_exploration(runner: Runner, budget: str, seed: int, world_sizes: str, rounds: int | None = None) -> None:
+    """Explore for ``budget`` (or ``rounds``, if fewer); fail with every shrunk deviation found."""
     from .exploring.explore import ExploreUsageError, ScenarioRunner, choices, describe_finding, explore, parse_budget
 
     try:
@@ -146,6 +152,7 @@ def check_exploration(runner: Runner, budget: str, seed: int, world_sizes: str) 
             budget_s=parse_budget(budget),
             seed=seed,
             world_sizes=sizes,
+            max_rounds=rounds,
         )
     except (ExploreUsageError, ValueError) as exc:
         raise pytest.UsageError(f"--dsd-explore: {exc}") from None

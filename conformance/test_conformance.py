@@ -17,4 +17,10 @@ def test_explore(dsd_runner, request):
     from conformance.pytest_plugin import check_exploration
 
     opt = request.config.getoption
-    check_exploration(dsd_runner, opt("--dsd-explore"), opt("--dsd-explore-seed"), opt("--dsd-explore-world-sizes"))
+    check_exploration(
+        dsd_runner,
+        opt("--dsd-explore"),
+        opt("--dsd-explore-seed"),
+        opt("--dsd-explore-world-sizes"),
+        opt("--dsd-explore-rounds"),
+    )
