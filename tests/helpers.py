@@ -8,6 +8,7 @@ once per test session. Speed claims live in the benchmarks under tools/.
 See docs/TESTING.md.
 """
 
+import contextlib
 import functools
 import math
 import os
@@ -212,3 +213,16 @@ def run_task(pools, world_size: int, fn, deadline_s: float = 120, **kwargs):
     outcome = pools.run(world_size, Task(fn, kwargs), scaled(deadline_s))
     assert outcome.status == "passed", outcome.describe() + "\n" + "\n".join(r.traceback for r in outcome.results)
     return outcome.values
+
+
+@contextlib.contextmanager
+def runner_on(pools, impl: str):
+    """A conformance Runner judging ``impl`` on ``pools`` in this process, closed afterwards."""
+    from conformance.adapters import load_adapter
+    from conformance.running.runner import Runner
+
+    runner = Runner(load_adapter(impl), pools, deadline_scale=slowness())
+    try:
+        yield runner
+    finally:
+        runner.close()

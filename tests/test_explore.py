@@ -5,13 +5,13 @@ import json
 import os
 
 import pytest
-from helpers import run_cli, scaled, slowness
+from helpers import run_cli, runner_on, scaled
 from hypothesis import HealthCheck, given, settings
 
 from conformance.adapters import load_adapter
 from conformance.exploring.explore import Scenario, choices, normalise, parse_budget, strategy
 from conformance.exploring.scenario import clause_cases, clauses_of, found_cases, load_found, scenario_case
-from conformance.running.runner import Runner, undeclared
+from conformance.running.runner import undeclared
 from conformance.world.layouts import parse_layout
 
 PLANTED = "faulty_impl:halves_router_state"
@@ -113,11 +113,8 @@ def _replayed(pools, impl: str, s: Scenario):
     """A scenario's verdict as ``explore --replay`` gives it, on the module's rank pools, in this process."""
     from conformance.exploring.explore import ScenarioRunner
 
-    runner = Runner(load_adapter(impl), pools, deadline_scale=slowness())
-    try:
+    with runner_on(pools, impl) as runner:
         return ScenarioRunner(runner).run(s)
-    finally:
-        runner.close()
 
 
 def _statuses(verdict) -> dict:

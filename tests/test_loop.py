@@ -2,12 +2,10 @@
 only a loop point can show fails LOOP, not the clauses taken at rest."""
 
 import pytest
-from helpers import slowness
+from helpers import runner_on
 
-from conformance.adapters import load_adapter
 from conformance.exploring.scenario import Scenario, clauses_of
 from conformance.running.registry import all_cases, by_id
-from conformance.running.runner import Runner
 from conformance.world.layouts import parse_layout
 from conformance.world.loops import POINTS
 from conformance.world.policies import VARIANTS, arguments
@@ -82,10 +80,7 @@ def test_a_deviation_only_the_loop_shows_fails_loop_only(pools, impl, failing, p
     # In this process, on the module's rank pools: the verdicts are the runner's, as the CLI reports them.
     ids = by_id()
     assert failing in ids and passing in ids, [i for i in (failing, passing) if i not in ids]
-    runner = Runner(load_adapter(impl), pools, deadline_scale=slowness())
-    try:
+    with runner_on(pools, impl) as runner:
         verdicts = {i: runner.run_case(ids[i]) for i in (failing, passing)}
-    finally:
-        runner.close()
     statuses = {i: r.status.value for i, r in verdicts.items()}
     assert statuses == {failing: "failed", passing: "passed"}, {i: r.message[:1500] for i, r in verdicts.items()}
