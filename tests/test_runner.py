@@ -65,3 +65,12 @@ def test_an_explicit_timeout_is_taken_as_given(tmp_path):
     result = runner.run_case(by_id()[CASE])
     assert {d for _, _, d in executor.runs} == {7.0}
     assert result.repro.endswith("--timeout 7")
+
+
+def test_a_workdir_that_does_not_exist_yet_is_made(tmp_path):
+    from hyperdsd.testing import PoolSet
+
+    base = tmp_path / "not" / "yet"
+    with PoolSet() as pools:
+        path = pools.run_workdir(str(base), "conformance-")
+    assert os.path.isdir(path) and os.path.dirname(path) == str(base)

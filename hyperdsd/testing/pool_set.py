@@ -7,6 +7,7 @@ processes alive; the pool itself runs each task (:mod:`.pool`).
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
@@ -79,6 +80,8 @@ class PoolSet:
         return pool
 
     def run_workdir(self, base: str | None, prefix: str) -> str:
+        if base:  # a --workdir that does not exist yet is made, as under torchrun
+            os.makedirs(base, exist_ok=True)
         return tempfile.mkdtemp(prefix=prefix, dir=base)  # the ranks are forked on this machine
 
     def unfit(self, world_sizes) -> str:
