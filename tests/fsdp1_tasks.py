@@ -411,7 +411,9 @@ def partial_load(ctx, uop: bool, broadcast: bool):
     return True
 
 
-def streamed_full_get(ctx, uop: bool, mode: str, tied: bool = False, strategy: str = "FULL_SHARD", mesh=None):
+def streamed_full_get(
+    ctx, uop: bool, mode: str, tied: bool = False, strategy: str = "FULL_SHARD", mesh=None, hooked: bool = False
+):
     """A full get gathers from the flat shards run by run: the same keys,
     values, dtypes and order as through a twin that reads all its rows first,
     for the model and the optimizers apart and together, from a model with
@@ -438,6 +440,8 @@ def streamed_full_get(ctx, uop: bool, mode: str, tied: bool = False, strategy: s
         if uop:
             model.module[0].bias.requires_grad_(False)  # frozen: no gradient, no state
         _steps(model, optimizer, 0, 2)
+    if hooked:  # state_dict() then runs a hook: the optimizer's rows are read for it, the model's are not
+        optimizer.register_state_dict_post_hook(lambda opt, sd: sd)
     options = StateDictOptions(**GET[mode])
     frozen = StateDictOptions(**GET[mode], ignore_frozen_params=True)
     before = _snapshot(model, optimizer)

@@ -100,6 +100,11 @@ def test_a_full_get_read_unit_by_unit_equals_one_read_all_first(pools, uop, mode
     assert run(pools, 2, "streamed_full_get", uop=uop, mode=mode, tied=tied) == [True, True]
 
 
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_full_get_with_an_optimizer_state_dict_hook_equals_one_read_all_first(pools, uop):
+    assert run(pools, 2, "streamed_full_get", uop=uop, mode="full_cpu", hooked=True) == [True, True]
+
+
 @pytest.mark.parametrize("mode", ["full", "full_cpu"])
 def test_a_full_get_of_hybrid_shard_read_unit_by_unit_equals_one_read_all_first(pools, mode):
     got = run(pools, 4, "streamed_full_get", uop=False, mode=mode, strategy="HYBRID_SHARD", mesh="2x2")
