@@ -67,14 +67,18 @@ class _Target:
 
     def __init__(self, model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False):
         self.twin = None
+        self.model_stages = self.optim_stages = None  # a twin's: a full get gathers from its flat shards
         try:
             self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
             self.model, self.optims = model, optims
         except FSDP1Model:
             from .fsdp1 import Twin  # loaded for FSDP1 models only
+            from .fsdp1_stream import model_stages, optim_stages
 
-            self.twin = Twin(model, optims, opts.dsd_fqn_modifiers, to_load=to_load)
+            stream = opts.full_state_dict and not to_load
+            self.twin = Twin(model, optims, opts.dsd_fqn_modifiers, to_load=to_load, stream=stream)
             self.model, self.optims, self.index = self.twin.model, self.twin.optims, self.twin.index
+            self.model_stages, self.optim_stages = model_stages(self.twin), optim_stages(self.twin)
 
 
 # -- get ---------------------------------------------------------------------
@@ -88,13 +92,13 @@ def get_model_state_dict(
     _no_submodules(submodules)
     with _working():
         target = _Target(model, (), opts)
-        return _model_state(target.model, target.index, opts)
+        return _model_state(target.model, target.index, opts, target.model_stages)
 
 
-def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions) -> dict[str, Any]:
+def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions, stages=None) -> dict[str, Any]:
     sd = model_state.read_state(model, index, opts.ignore_frozen_params)
     if opts.full_state_dict:
-        return consolidate.full_model(sd, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
+        return consolidate.full_model(sd, groups.of_params(index.fqn_of), cpu=opts.cpu_offload, stages=stages)
     return consolidate.offload(sd) if opts.cpu_offload else sd
 
 
@@ -111,13 +115,16 @@ def get_optimizer_state_dict(
     optims = optimizer_params(optimizers)
     with _working():
         target = _Target(model, optims, opts)
-        return _optimizer_state(target.index, target.optims, opts)
+        return _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages)
 
 
-def _optimizer_state(index: ModelIndex, optims, opts: StateDictOptions, *, to_load: bool = False) -> dict[str, Any]:
+def _optimizer_state(
+    index: ModelIndex, optims, opts: StateDictOptions, *, to_load: bool = False, stages=None
+) -> dict[str, Any]:
     nested = optim_state.read_state(index, optims, to_load=to_load)
     if opts.full_state_dict:
-        nested = consolidate.full_optimizer(nested, groups.of_params(index.fqn_of), cpu=opts.cpu_offload)
+        group = groups.of_params(index.fqn_of)
+        nested = consolidate.full_optimizer(nested, group, cpu=opts.cpu_offload, stages=stages)
     elif opts.cpu_offload:
         nested = consolidate.offload(nested)
     if opts.flatten_optimizer_state_dict and nested:
@@ -136,7 +143,10 @@ def get_state_dict(
     _no_submodules(submodules)
     with _working():
         target = _Target(model, optimizer_params(optimizers), opts)
-        return _model_state(target.model, target.index, opts), _optimizer_state(target.index, target.optims, opts)
+        return (
+            _model_state(target.model, target.index, opts, target.model_stages),
+            _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages),
+        )
 
 
 def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOptions) -> tuple[dict, dict]:
@@ -148,7 +158,10 @@ def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOp
     with _working():
         target = _Target(model, optimizer_params(optimizers), opts)
         t_model, t_optims, index = target.model, target.optims, target.index
-        return _model_state(t_model, index, opts), _optimizer_state(index, t_optims, opts, to_load=True)
+        return (
+            _model_state(t_model, index, opts, target.model_stages),
+            _optimizer_state(index, t_optims, opts, to_load=True, stages=target.optim_stages),
+        )
 
 
 # -- set ---------------------------------------------------------------------

@@ -4,7 +4,8 @@
 :mod:`hyperdsd.state.fsdp1`): each original parameter a DTensor sharded by
 rows on the unit's mesh, its optimizer state per original parameter
 (unflattened from the flat parameter's under ``use_orig_params=False``),
-keyed by canonical FQN. Gets read the twin as they read an FSDP2 model; a
+keyed by canonical FQN. Gets read the twin as they read an FSDP2 model (a
+full get takes its tensors from the flat shards: :mod:`hyperdsd.fsdp1_stream`); a
 set plans, checks and agrees against the twin, loads into it, and only then
 :meth:`Twin.write_back` writes what changed into FSDP1's flat shards, its
 optimizers' state and their param groups. Reading changes nothing: every
@@ -34,16 +35,22 @@ _STRUCTURAL = ("params", "param_names")
 class Twin:
     """An FSDP1 model and its optimizers, in the canonical layout."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: tuple, modifiers_attr: str, to_load: bool = False):
+    def __init__(self, model: torch.nn.Module, optimizers: tuple, modifiers_attr: str, to_load=False, stream=False):
         self.real_model = model
         self.real_optims = tuple(optimizers)
+        # A full get's twin reads no rows: the gather takes the full tensors
+        # from the flat shards (:mod:`hyperdsd.fsdp1_stream`). Optimizers whose
+        # state_dict() runs hooks have their rows read, for the hooks to see.
+        self.stream_rows = stream
+        self.stream_state = stream and bool(self.real_optims) and all(map(_compat.plain_state_dict, self.real_optims))
+        self.hollow: dict[int, tuple[int, int]] = {}  # id of a streamed state DTensor -> (key, parameter) in its unit
         # A load overwrites what it loads: the twin's flat state then starts
         # empty, and what a load leaves is read from the flat shards at write-back
         # only where some rank did not load it (:meth:`write_back`). The model's
         # rows stay read when optimizers come along (a scratch step may read them).
         self.lazy_rows = to_load and not self.real_optims
         self.lazy_state = to_load
-        self._state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(key, dtype)]) of its state rows
+        self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(key, dtype)]) of its state rows
         real = ModelIndex(model, modifiers_attr, fsdp1=True)
         self.units: list[UnitLayout] = []
         for module, raw in real.fsdp1_modules:
@@ -59,14 +66,8 @@ class Twin:
             size, index = moves.shard_index(unit)
             mesh = moves.unit_mesh(unit, unit.flat.device.type)
             self.units.append(UnitLayout(unit, fqns, aliases, mesh, size, index))
-        if self.lazy_rows:
-            rows = [
-                [
-                    torch.empty(u.local_shape(i), dtype=u.unit.local.dtype, device=u.unit.local.device)
-                    for i in range(len(u.fqns))
-                ]
-                for u in self.units
-            ]
+        if self.lazy_rows or self.stream_rows:
+            rows = [_blank_rows(u, u.unit.local.dtype, self.stream_rows) for u in self.units]
         else:
             rows = [moves.to_rows(u, u.unit.local) for u in self.units]
         self.model, self.params = twin_module(real, self.units, rows)
@@ -134,20 +135,19 @@ class Twin:
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
             keys = sorted({k for s in merged if s for k, (kind, _) in s.items() if kind == "rows"}, key=str)
             typed = [(key, next(s[key][1] for s in merged if s and key in s)) for key in keys]
-            self._state_plans.append((targets, typed))
-            if self.lazy_state:
-                device = u.unit.local.device
-                by_key = [
-                    [torch.empty(u.local_shape(i), dtype=d, device=device) for i in range(len(twins))] for _, d in typed
-                ]
+            self.state_plans.append((targets, typed))
+            if self.lazy_state or self.stream_state:
+                by_key = [_blank_rows(u, dtype, self.stream_state) for _, dtype in typed]
             else:
                 by_key = self._state_rows(u, targets, typed)
-            for (key, _), rows in zip(typed, by_key):
+            for k, ((key, _), rows) in enumerate(zip(typed, by_key)):
                 for i, twin in enumerate(twins):
                     j = 0 if u.unit.params is None else i
                     summary = merged[j]
                     if summary is not None and summary.get(key, ("",))[0] == "rows":
-                        twins_of[id(targets[j][2])].state[twin][key] = u.layouts[i].wrap(rows[i])
+                        value = twins_of[id(targets[j][2])].state[twin][key] = u.layouts[i].wrap(rows[i])
+                        if self.stream_state:
+                            self.hollow[id(value)] = (k, i)
             for i, twin in enumerate(twins):
                 j = 0 if u.unit.params is None else i
                 summary, (_, p, opt) = merged[j], targets[j]
@@ -229,7 +229,7 @@ class Twin:
             for twins in self.params
         ]
         for u, twins, here, (some, _), (targets, typed) in zip(
-            self.units, self.params, mine, self._anywhere(mine), self._state_plans
+            self.units, self.params, mine, self._anywhere(mine), self.state_plans
         ):
             if not typed or not any(some):
                 continue
@@ -343,6 +343,16 @@ class Twin:
         """Elements of this rank's flat shard that belong to a parameter (the rest pads the last shards)."""
         total = max((off + math.prod(shape) for off, shape in zip(u.unit.offsets, u.unit.shapes)), default=0)
         return max(0, min(u.shard, total - u.index * u.shard))
+
+
+def _blank_rows(u: UnitLayout, dtype: torch.dtype, hollow: bool) -> list[torch.Tensor]:
+    """Rows of each of the unit's parameters not read now: empty, to be
+    filled, or ``hollow``, stand-ins of one element's memory (a full get's,
+    which gathers from the flat shards instead)."""
+    device = u.unit.local.device
+    if hollow:
+        return [torch.zeros((), dtype=dtype, device=device).expand(u.local_shape(i)) for i in range(len(u.fqns))]
+    return [torch.empty(u.local_shape(i), dtype=dtype, device=device) for i in range(len(u.fqns))]
 
 
 def _per_element(value: Any) -> bool:

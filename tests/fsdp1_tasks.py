@@ -383,7 +383,7 @@ def partial_load(ctx, uop: bool, broadcast: bool):
     import hyperdsd.fsdp1
 
     class Eager(hyperdsd.fsdp1.Twin):
-        def __init__(self, model, optimizers, modifiers_attr, to_load=False):
+        def __init__(self, model, optimizers, modifiers_attr, to_load=False, stream=False):
             super().__init__(model, optimizers, modifiers_attr)
 
     source, source_opt = _fsdp1(ctx, 0, uop)
@@ -409,3 +409,74 @@ def partial_load(ctx, uop: bool, broadcast: bool):
         ends.append(_full(model, opt))
     _assert_same(*ends)
     return True
+
+
+def streamed_full_get(
+    ctx, uop: bool, mode: str, tied: bool = False, strategy: str = "FULL_SHARD", mesh=None, hooked: bool = False
+):
+    """A full get gathers from the flat shards run by run: the same keys,
+    values, dtypes and order as through a twin that reads all its rows first,
+    for the model and the optimizers apart and together, from a model with
+    frozen, tied and unstepped parameters; and the model is left as it was."""
+    import hyperdsd.fsdp1
+    import hyperdsd.fsdp1_stream
+    from hyperdsd.transport.collectives import BUCKET_BYTES
+
+    class Eager(hyperdsd.fsdp1.Twin):
+        def __init__(self, model, optimizers, modifiers_attr, to_load=False, stream=False):
+            super().__init__(model, optimizers, modifiers_attr, to_load=to_load)
+
+    if tied:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = FSDP(_tied(0), device_id=CPU, use_orig_params=uop)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        model(torch.randn(5, 4, generator=torch.Generator().manual_seed(3))).square().mean().backward()
+        optimizer.step()
+    else:
+        model, optimizer = _fsdp1(ctx, 0, uop, strategy, mesh)
+        if uop:
+            model.module[0].bias.requires_grad_(False)  # frozen: no gradient, no state
+        _steps(model, optimizer, 0, 2)
+    if hooked:  # state_dict() then runs a hook: the optimizer's rows are read for it, the model's are not
+        optimizer.register_state_dict_post_hook(lambda opt, sd: sd)
+    options = StateDictOptions(**GET[mode])
+    frozen = StateDictOptions(**GET[mode], ignore_frozen_params=True)
+    before = _snapshot(model, optimizer)
+    ends = []
+    # Rows read first; gathered from the flat shards in runs of a unit each, of about 48 bytes a rank each
+    for twin, bucket in ((Eager, None), (hyperdsd.fsdp1.Twin, None), (hyperdsd.fsdp1.Twin, 96)):
+        streamed, hyperdsd.fsdp1.Twin = hyperdsd.fsdp1.Twin, twin
+        default, hyperdsd.fsdp1_stream.BUCKET_BYTES = hyperdsd.fsdp1_stream.BUCKET_BYTES, bucket or BUCKET_BYTES
+        try:
+            both = hyperdsd.get_state_dict(model, optimizer, options=options)
+            apart = (
+                hyperdsd.get_model_state_dict(model, options=frozen),
+                hyperdsd.get_optimizer_state_dict(model, optimizer, options=options),
+            )
+        finally:
+            hyperdsd.fsdp1.Twin, hyperdsd.fsdp1_stream.BUCKET_BYTES = streamed, default
+        ends.append((both, apart))
+    assert _equal(before, _snapshot(model, optimizer)), "the get changed the model"
+    (eager_both, eager_apart), *streamed_ends = ends
+    for both, apart in streamed_ends:
+        if mode == "full_cpu" and ctx.rank != 0:
+            assert both == ({}, {}) and apart == ({}, {}), "a rank other than the root holds a full copy"
+            continue
+        for got, want in ((both, eager_both), (apart, eager_apart)):
+            _assert_same(got, want)
+            for x, y in zip(_leaves(got), _leaves(want)):
+                assert type(x) is type(y) and (not isinstance(x, torch.Tensor) or x.dtype == y.dtype), (x, y)
+                assert not isinstance(x, torch.Tensor) or x.device == y.device, (x.device, y.device)
+            assert got[1]["param_groups"] == want[1]["param_groups"]
+    return True
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        return [(k, leaf) for k, v in value.items() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]

@@ -89,3 +89,23 @@ def test_a_partial_load_of_other_keys_on_each_rank_ends_as_through_an_eager_twin
     """A load's twin starts empty and reads flat state only where some rank leaves some:
     the same end as a twin that reads it all first."""
     assert run(pools, 2, "partial_load", uop=uop, broadcast=broadcast) == [True, True]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["plain", "tied"])
+@pytest.mark.parametrize("mode", ["full", "full_cpu"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_full_get_read_unit_by_unit_equals_one_read_all_first(pools, uop, mode, tied):
+    """A full get gathers from FSDP1's flat shards, a run of parameters at a
+    time: its result is that of a twin whose rows are read first."""
+    assert run(pools, 2, "streamed_full_get", uop=uop, mode=mode, tied=tied) == [True, True]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_full_get_with_an_optimizer_state_dict_hook_equals_one_read_all_first(pools, uop):
+    assert run(pools, 2, "streamed_full_get", uop=uop, mode="full_cpu", hooked=True) == [True, True]
+
+
+@pytest.mark.parametrize("mode", ["full", "full_cpu"])
+def test_a_full_get_of_hybrid_shard_read_unit_by_unit_equals_one_read_all_first(pools, mode):
+    got = run(pools, 4, "streamed_full_get", uop=False, mode=mode, strategy="HYBRID_SHARD", mesh="2x2")
+    assert got == [True] * 4

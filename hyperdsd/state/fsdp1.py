@@ -91,6 +91,18 @@ class UnitLayout:
                 found.append((i, a, b))
         return found
 
+    def held(self, holder: int, run: list[int]) -> list[tuple[int, int, int]]:
+        """``(i, start, stop)``: what shard rank ``holder``'s flat shard holds of
+        each of the parameters ``run``, in order."""
+        lo, hi = holder * self.shard, (holder + 1) * self.shard
+        found = []
+        for i in run:
+            a = self.unit.offsets[i]
+            a, b = max(a, lo), min(a + math.prod(self.unit.shapes[i]), hi)
+            if a < b:
+                found.append((i, a, b))
+        return found
+
 
 def canonical_names(index, raw_prefix: str, unit: _compat.Fsdp1Unit) -> tuple[list[str], list[tuple[str, int]]]:
     """Canonical FQNs of a unit's parameters and of its tied names; ``raw_prefix``

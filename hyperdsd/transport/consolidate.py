@@ -41,13 +41,18 @@ def offload(value: Any) -> Any:
 
 
 def full_entries(
-    entries: dict[str, Any], group: Group, *, root_only: bool, cpu: bool
+    entries: dict[str, Any], group: Group, *, root_only: bool, cpu: bool, stages: list | None = None
 ) -> tuple[dict[str, Any], dict[str, int] | None]:
     """Gather every DTensor in ``entries`` (values: tensors, or containers of them).
 
     Returns the entries this rank keeps (all of them, or with ``root_only``
     those it is root of) and, when the ranks of ``group`` hold different
     keys, the root of each key (None when every rank holds the same keys).
+    ``stages`` (an FSDP1 twin's, the same on every rank): ``(keys, fill)``
+    pairs, taken one after the other before the rest is gathered:
+    ``fill(entries, root)`` gathers those keys' entries itself and gives them
+    full (None where this rank keeps nothing); what DTensors they still hold
+    are gathered with the rest.
     """
     keys = list(entries)
     roots: dict[str, int] | None = None
@@ -60,14 +65,19 @@ def full_entries(
             return None
         return roots[key] if roots is not None else group.root
 
+    values = dict(entries) if stages else entries
+    for stage_keys, fill in stages or ():
+        part = {k: entries[k] for k in stage_keys if k in entries}
+        if part:  # (one unit's keys: the same ranks hold them, and the same root gathers them)
+            values.update(fill(part, root_of(next(iter(part)))))
     gatherer = Gatherer(cpu=cpu)
-    for key, value in entries.items():
+    for key, value in values.items():
         for sub, leaf in leaves(value):
             if isinstance(leaf, DTensor):
                 gatherer.add((key, sub), leaf, root=root_of(key))
     gathered = gatherer.run()
     kept: dict[str, Any] = {}
-    for key, value in entries.items():
+    for key, value in values.items():
         root = root_of(key)
         if root is not None and root != me:
             continue
@@ -81,10 +91,10 @@ def full_entries(
     return kept, roots
 
 
-def full_model(sd: dict[str, Any], group: Group, *, cpu: bool) -> dict[str, Any]:
+def full_model(sd: dict[str, Any], group: Group, *, cpu: bool, stages: list | None = None) -> dict[str, Any]:
     """The model's full state dict: on every rank, or with ``cpu`` on the root only."""
     root_only = cpu and group.has_peers
-    kept, roots = full_entries(sd, group, root_only=root_only, cpu=cpu)
+    kept, roots = full_entries(sd, group, root_only=root_only, cpu=cpu, stages=stages)
     if root_only and roots is not None:
         received = collectives.send_to_root(kept if not group.is_root else None, group)
         if not group.is_root:
@@ -94,17 +104,17 @@ def full_model(sd: dict[str, Any], group: Group, *, cpu: bool) -> dict[str, Any]
     return kept if not root_only or group.is_root else {}
 
 
-def full_optimizer(nested: dict, group: Group, *, cpu: bool) -> dict:
+def full_optimizer(nested: dict, group: Group, *, cpu: bool, stages: list | None = None) -> dict:
     """The optimizers' full state dict (nested): on every rank, or with ``cpu`` on the root only."""
     root_only = cpu and group.has_peers
     state, groups = nested["state"], nested["param_groups"]
     if not root_only:
-        kept, _ = full_entries(state, group, root_only=False, cpu=cpu)
+        kept, _ = full_entries(state, group, root_only=False, cpu=cpu, stages=stages)
         return {"state": kept, "param_groups": groups}
     # Roots are decided over every FQN this rank knows, stateless ones included.
     names = list(dict.fromkeys([*state, *(f for g in groups for f in g["params"])]))
     entries = {name: state.get(name) for name in names}
-    kept, roots = full_entries(entries, group, root_only=True, cpu=True)
+    kept, roots = full_entries(entries, group, root_only=True, cpu=True, stages=stages)
     mine = {"state": {k: v for k, v in kept.items() if v is not None}, "param_groups": []}
     if roots is None:
         mine["param_groups"] = groups if group.is_root else []

@@ -6,13 +6,15 @@ each parameter (:class:`hyperdsd.state.fsdp1.UnitLayout`). :func:`to_rows`
 and :func:`to_flat` move exactly the elements whose holder and owner
 differ, among the ranks the unit is sharded over (a replica of HYBRID_SHARD
 moves within itself): no rank ever holds more than its shard in either
-layout, plus what is in flight. Every rank computes the same plan from the
-unit's shapes alone.
+layout, plus what is in flight. :func:`to_full` makes full tensors (a
+full get's) straight from the flat shards, on every rank or on a root.
+Every rank computes the same plan from the unit's shapes alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -101,6 +103,17 @@ def to_rows(layout, flat: torch.Tensor) -> list[torch.Tensor]:
     return to_rows_many(layout, [flat])[0]
 
 
+@dataclass
+class Pieces:
+    """A rank's flat shard that is no one tensor (state kept per original
+    parameter): ``cut(i, a, b)`` gives its elements at flat positions
+    ``[a, b)``, all of parameter ``i``, of ``dtype``."""
+
+    cut: Callable[[int, int, int], torch.Tensor]
+    dtype: torch.dtype
+    device: torch.device
+
+
 def to_rows_many(layout, flats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """:func:`to_rows` of each of ``flats``, in one exchange."""
     me, base = layout.index, layout.index * layout.shard
@@ -119,6 +132,37 @@ def to_rows_many(layout, flats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         for r, plan in enumerate(plans):
             incoming[r] += [views[i][a - starts[i] : b - starts[i]] for i, a, b in plan]
         result.append(out)
+    _move(layout, outgoing, incoming)
+    return result
+
+
+def to_full(layout, flats: list, run: list[int], root: int | None) -> list[list[torch.Tensor | None]]:
+    """The full tensors of the unit's parameters ``run`` (the same list on
+    every rank) from each of ``flats`` (this rank's flat shards, or
+    :class:`Pieces`): on every rank of the unit's group, or with ``root`` (a
+    global rank among them) on the root alone, None elsewhere. Each rank's
+    elements go from its flat shard straight to their place in the full
+    tensors, no rows in between. A collective over the unit's ranks."""
+    me, base = layout.index, layout.index * layout.shard
+    dest = None if root is None else dist.get_group_rank(layout.unit.pg, root)
+    keep = dest is None or dest == me
+    held = [layout.held(r, run) for r in range(layout.size)]
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    result = []
+    for flat in flats:
+        if not isinstance(flat, Pieces):
+            flat = flat.detach().reshape(-1)
+            flat = Pieces(lambda i, a, b, flat=flat: flat[a - base : b - base], flat.dtype, flat.device)
+        full = [torch.empty(layout.unit.shapes[i], dtype=flat.dtype, device=flat.device) if keep else None for i in run]
+        at = {i: (t.view(-1), layout.unit.offsets[i]) for i, t in zip(run, full) if t is not None}
+        mine = [flat.cut(i, a, b) for i, a, b in held[me]]
+        for q in range(layout.size):
+            if dest is None or q == dest:
+                outgoing[q] += mine
+            if keep:
+                incoming[q] += [at[i][0][a - at[i][1] : b - at[i][1]] for i, a, b in held[q]]
+        result.append(full)
     _move(layout, outgoing, incoming)
     return result
 

@@ -1,0 +1,128 @@
+"""A full get of an FSDP1 model, gathered from its flat shards run by run.
+
+A full get's twin (:class:`hyperdsd.fsdp1.Twin` with ``stream``) reads no
+rows: its parameters and per-element optimizer state stand in hollow. The
+gather (:func:`hyperdsd.transport.consolidate.full_entries`) takes them in
+stages, each a run of one unit's parameters of about one gather bucket's
+share of a rank: every rank sends what its flat shards hold of them
+straight to their place in the full tensors (one exchange over the unit's
+group). Reading rows first moved the state twice, once to rows and once
+to the root, and held a copy of a rank's whole state; now each element
+moves once, from where FSDP1 keeps it, and a rank holds nothing of its own
+state beyond what is in flight. Every rank makes the same stages from the
+units' shapes alone and takes them in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from .state.fsdp1 import UnitLayout
+from .transport import fsdp1 as moves
+from .transport.collectives import BUCKET_BYTES
+
+
+def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:
+    """The unit's parameters in runs of about one gather bucket's share of a
+    rank's bytes (``itemsize`` an element), at least one parameter each."""
+    budget = max(BUCKET_BYTES // u.size, 1)
+    runs: list[list[int]] = []
+    size = 0
+    for i, shape in enumerate(u.unit.shapes):
+        nbytes = -(-math.prod(shape) // u.size) * itemsize
+        if not runs or size + nbytes > budget:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += nbytes
+    return runs
+
+
+def _gathers(u: UnitLayout, root: int | None) -> bool:
+    """Whether the unit's group gathers its parameters: with a root, only the
+    group the root is in (other replicas of HYBRID_SHARD have nothing to do)."""
+    return root is None or root in dist.get_process_group_ranks(u.unit.pg)
+
+
+def model_stages(twin) -> list | None:
+    """The model's stages: ``(keys, fill)``, ``fill(entries, root)`` giving the
+    entries of those keys full (None on ranks that keep none of them);
+    None when the twin's rows are read."""
+    if not twin.stream_rows:
+        return None
+    stages = []
+    for u in twin.units:
+        for run in _runs(u, u.unit.local.dtype.itemsize):
+            keys = [u.fqns[i] for i in run] + [fqn for fqn, i in u.aliases if i in run]
+            stages.append((keys, partial(_model_values, u, run)))
+    return stages
+
+
+def _model_values(u: UnitLayout, run: list[int], entries: dict, root: int | None) -> dict:
+    if not _gathers(u, root):
+        return dict.fromkeys(entries)
+    full = dict(zip(run, moves.to_full(u, [u.unit.local], run, root)[0]))
+    by_fqn = {u.fqns[i]: full[i] for i in run}
+    # (a tied name is a tensor of its own, as a gather of each name gives it)
+    by_fqn.update({fqn: full[i] if full[i] is None else full[i].clone() for fqn, i in u.aliases if i in run})
+    return {key: by_fqn[key] for key in entries}
+
+
+def optim_stages(twin) -> list | None:
+    """:func:`model_stages` for the optimizers' state, keyed by the FQNs the
+    twin optimizers give their parameters (units without per-element state
+    on any rank have none)."""
+    if not twin.stream_state:
+        return None
+    stages = []
+    for n, (u, twins) in enumerate(zip(twin.units, twin.params)):
+        typed = twin.state_plans[n][1]
+        if not typed:
+            continue
+        for run in _runs(u, sum(dtype.itemsize for _, dtype in typed)):
+            keys = [twin.index.fqn_of.get(twins[i]) for i in run]
+            stages.append((keys, partial(_state_values, twin, n, run)))
+    return stages
+
+
+def _state_values(twin, n: int, run: list[int], entries: dict, root: int | None) -> dict:
+    u, (targets, typed) = twin.units[n], twin.state_plans[n]
+    gathers = _gathers(u, root)
+    sources = [_state_source(u, targets, key, dtype) for key, dtype in typed] if gathers else []
+    by_key = [dict(zip(run, full)) for full in moves.to_full(u, sources, run, root)] if gathers else []
+
+    def filled(entry: dict | None) -> dict | None:
+        out = dict(entry) if entry is not None else None
+        for key, value in (entry or {}).items():
+            if (spot := twin.hollow.get(id(value))) is not None:
+                out[key] = by_key[spot[0]][spot[1]] if gathers else None
+        return out
+
+    return {fqn: filled(entry) for fqn, entry in entries.items()}
+
+
+def _state_source(u: UnitLayout, targets: list, key, dtype: torch.dtype):
+    """This rank's flat shard of state ``key``: the flat parameter's own
+    tensor, or each original parameter's, read where it lies (zeros where
+    a parameter has none), not assembled into one."""
+    device = u.unit.local.device
+    if u.unit.params is None:
+        _, p, opt = targets[0]
+        value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+        return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
+    base = u.index * u.shard
+
+    def cut(i: int, a: int, b: int) -> torch.Tensor:
+        _, p, opt = targets[i]
+        value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+        where = u.unit.in_shard[i]
+        if value is None or where is None or not where[1]:
+            return torch.zeros(b - a, dtype=dtype, device=device)
+        at = a - base - where[0]
+        return value.reshape(-1)[at : at + b - a].to(dtype)
+
+    return moves.Pieces(cut, dtype, device)
