@@ -205,3 +205,34 @@ def test_an_exploration_keeps_one_found_case_per_cause_the_simplest(tmp_path, ca
     assert "causes found: 1 of" in capsys.readouterr().out
     (path,) = (tmp_path / "found").iterdir()
     assert load_found(str(path)).id == f"OPT-RT-1[found-{Scenario.from_dict(simple['scenario']).digest}]"
+
+
+def test_merge_adds_a_later_runs_failures_under_their_causes(tmp_path):
+    """A run of cases added since a release's file was written (its full run's report gone): each
+    failure goes under its cause, by prefixes that cover no other case of the manifest, with the
+    counts in the headings and the header; an untraced failure stops it and nothing is written."""
+    from tools import trace_known
+
+    known = tmp_path / "torch-9.9.txt"
+    known.write_text(
+        "# Expected failures of torch.distributed.checkpoint.state_dict (torch 9.9.0) on this suite,\n"
+        "# from a full run (python -m conformance --impl torch --json ...): 1 failing cases, 1 causes.\n"
+        "\n## state cast to the parameter's dtype (1 cases)\nOPT-DT-3[fsdp2-  # state cast: old\n"
+    )
+    manifest = ["OPT-DT-3[single-adamw-sharded]", "OPT-DT-3[single-adamw-full]", "OPT-DT-3[ddp-adamw-sharded]"]
+    cases = [
+        _case(manifest[0], "OPT-DT-3", "single", "failed", "rank 0 raised CheckFailure: dtype"),
+        _case(manifest[1], "OPT-DT-3", "single", "failed", "rank 0 raised CheckFailure: dtype"),
+    ]
+    assert trace_known.merge(cases, str(known), manifest) == []
+    text = known.read_text()
+    assert "and 1 run(s) of cases added since: 3 failing cases, 1 causes." in text
+    assert (
+        "## state cast to the parameter's dtype (3 cases)\nOPT-DT-3[fsdp2-  # state cast: old\nOPT-DT-3[single-" in text
+    )
+    assert trace_known.check(cases, str(known))["unlisted"] == []
+
+    strange = [
+        _case("OPT-KEYS-1[fsdp2-adamw-sharded]", "OPT-KEYS-1", "fsdp2", "failed", "rank 1 raised ValueError: new")
+    ]
+    assert trace_known.merge(strange, str(known), manifest) and known.read_text() == text

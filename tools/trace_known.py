@@ -561,6 +561,65 @@ def check(cases: list[dict], known_path: str) -> dict:
     }
 
 
+def _sections(path: str) -> tuple[str, dict[str, list[str]], dict[str, int]]:
+    """A known-failures file's header, its entry lines by cause title (in file
+    order) and each section's case count."""
+    header: list[str] = []
+    sections: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
+    current = None
+    with open(path) as f:
+        for line in f.read().splitlines():
+            heading = re.match(r"## (.*) \((\d+) cases\)$", line)
+            if heading:
+                current = heading.group(1)
+                sections[current], counts[current] = [], int(heading.group(2))
+            elif current is None:
+                header.append(line)
+            elif line.strip():
+                sections[current].append(line)
+    return "\n".join(line for line in header if line.strip()), sections, counts
+
+
+def merge(cases: list[dict], path: str, manifest: list[str], found: dict | None = None) -> list[str]:
+    """Add the failures of ``cases`` (a run of cases added since ``path`` was
+    written, whose full run's report is gone) under their causes, as prefixes
+    that cover no other case of ``manifest``; the header's counts follow.
+    Returns the untraced failures (then nothing is written)."""
+    header, sections, counts = _sections(path)
+    by_cause: dict[str, list[str]] = {}
+    untraced = []
+    for c in cases:
+        if c["status"] not in (Status.FAILED, Status.ERROR, Status.XFAIL):
+            continue
+        cause = cause_of(c, found)
+        if cause is None:
+            untraced.append(f"{c['id']}: {signature(c['message'] or '')[:200]}")
+        else:
+            by_cause.setdefault(cause, []).append(c["id"])
+    if untraced:
+        return untraced
+    reasons = {cause.title: cause.reason for cause in CAUSES}
+    for title, ids in by_cause.items():
+        others = [i for i in manifest if i not in set(ids)]
+        sections.setdefault(title, [])
+        sections[title] += [f"{p}  # {title}: {reasons[title]}" for p in _covering(ids, others)]
+        counts[title] = counts.get(title, 0) + len(ids)
+    tally = re.search(r"(?: and (\d+) run\(s\) of cases added since)?: \d+ failing cases, \d+ causes\.", header)
+    runs = int(tally.group(1) or 0) + 1
+    header = (
+        header[: tally.start()]
+        + f" and {runs} run(s) of cases added since: {sum(counts.values())} failing cases, {len(sections)} causes."
+        + header[tally.end() :]
+    )
+    out = [header]
+    for title in [cause.title for cause in CAUSES if cause.title in sections]:
+        out += ["", f"## {title} ({counts[title]} cases)"] + sections[title]
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+    return []
+
+
 def known_file(version: str) -> str:
     """The known-failures file of a torch release (``2.13.0`` -> ``conformance/known/torch-2.13.txt``)."""
     return os.path.join(ROOT, "conformance", "known", f"torch-{'.'.join(version.split('.')[:2])}.txt")
@@ -590,6 +649,12 @@ def main() -> int:
         "exit 1 unless every failure is listed, no listed case passed, no case errored and every entry matches",
     )
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="the report is a run of cases added since the release's known-failures file was written: add "
+        "their failures to that file under their causes (when the full run's report is gone)",
+    )
+    parser.add_argument(
         "--also",
         action="append",
         default=[],
@@ -607,6 +672,14 @@ def main() -> int:
         with open(path) as f:
             later = {c["id"]: c for c in json.load(f)["cases"]}
         cases = [later.pop(c["id"], c) for c in cases] + list(later.values())
+    if args.merge:
+        from conformance.running.registry import all_cases
+
+        untraced = merge(cases, known_file(args.torch), [c.id for c in all_cases()], _found_scenarios())
+        if untraced:
+            sys.stderr.write("untraced failures (add a cause):\n  " + "\n  ".join(untraced) + "\n")
+            return 1
+        args.check = True
     if args.check:
         result = check(cases, known_file(args.torch))
         for key in ("unlisted", "xpass", "error", "stale"):
