@@ -15,7 +15,8 @@ import torch
 # the CLI, the registry and the ranks import (the package itself stays light
 # for the pytest plugin), so that an older torch gets this one error.
 MIN_TORCH = (2, 6)
-if tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", str(torch.__version__)).groups()) < MIN_TORCH:
+_TORCH = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", str(torch.__version__)).groups())
+if _TORCH < MIN_TORCH:
     raise ImportError(
         f"the conformance suite needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later, found torch {torch.__version__}: "
         "its FSDP2 layouts shard with torch.distributed.fsdp.fully_shard, public from 2.6 on"
@@ -61,6 +62,23 @@ def fsdp2_on_cpu() -> None:
 
     gloo_safe_factors._gloo_safe = True
     collectives._get_gradient_divide_factors = gloo_safe_factors
+
+
+def cpu_reshard_refusal() -> str:
+    """Why FSDP2 on CPU ranks cannot reshard after forward on this torch ('' where it can).
+
+    torch 2.6 (which trains FSDP2 on the CPU only with :func:`fsdp2_on_cpu`)
+    fails the backward of a unit it resharded after forward: autograd's
+    version check finds the parameter gathered again for backward "modified
+    by an inplace operation". 2.13 and 2.14 train it; the suite's base
+    layouts keep parameters gathered after forward and are unaffected.
+    """
+    if _TORCH < (2, 7):
+        return (
+            f"torch {torch.__version__}'s FSDP2 cannot reshard after forward on CPU ranks (its backward fails "
+            "autograd's version check on the parameters it gathers again)"
+        )
+    return ""
 
 
 def distribute_locally(full: torch.Tensor, mesh, placements) -> torch.Tensor:

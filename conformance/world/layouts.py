@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from hyperdsd.testing import NotApplicable
+
 from .. import _compat
 from . import policies
 from .models import ModelConfig
@@ -162,6 +164,8 @@ def _unsharded(setup) -> None:
 
 def _blocks_and_root(setup, mesh) -> None:
     shard, policy = setup.c.iut.shard, setup.layout.policy
+    if policies.reshards(policy) and setup.device.type == "cpu" and _compat.cpu_reshard_refusal():
+        raise NotApplicable(_compat.cpu_reshard_refusal())
     blocks = list(setup.module.layers.values())
     for i, block in enumerate(blocks):
         shard(block, mesh=mesh, **policies.arguments(policy, "last" if i == len(blocks) - 1 else "block", setup))

@@ -38,6 +38,11 @@ VARIANTS = {
 }
 
 
+def reshards(policy: str) -> bool:
+    """Whether some unit of the variant reshards after forward."""
+    return policy in ("reshard", "reshard2", "titan")
+
+
 def arguments(policy: str, unit: str, setup) -> dict:
     """``fully_shard``'s keyword arguments for ``unit`` ("block", "last" or
     "root") under ``policy`` ("" for the base layouts: none)."""
