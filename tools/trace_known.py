@@ -99,6 +99,13 @@ CAUSES: tuple[Cause, ...] = (
         lambda c, s: _fsdp1(c) and "in get_model_state_dict" in s and ("SIGSEGV" in s or "setStorage" in s),
     ),
     Cause(
+        "FSDP1 sharded model state of flat parameters over 4 ranks (2.6)",
+        "torch 2.6: on an FSDP1 model with use_orig_params=False on 4 ranks, get_model_state_dict without "
+        "full_state_dict (sharded, flat, dcp) raises NotImplementedError('Only single local shard is supported'): "
+        "a flat parameter's piece of an original parameter spans more than one local shard; 2 ranks pass",
+        lambda c, s: _fsdp1(c) and "in get_model_state_dict" in s and "Only single local shard is supported" in s,
+    ),
+    Cause(
         "wrapper prefixes on FSDP1",
         "on an FSDP1 model, torch.compile's _orig_mod. and, with flat parameters, activation checkpointing's "
         "_checkpoint_wrapped_module. stay in the optimizer state's keys: the load of the dict get returned raises "
