@@ -79,8 +79,11 @@ def shared_post_forward_meshes() -> None:
     import weakref
 
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+    except ImportError:  # another layout of FSDP2's modules: left as torch has it
+        return
     make = getattr(_fsdp_init, "_get_post_forward_mesh_info", None)
     if make is None or hasattr(make, "_shared"):
         return
