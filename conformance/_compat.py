@@ -81,6 +81,55 @@ def cpu_reshard_refusal() -> str:
     return ""
 
 
+def shared_post_forward_meshes() -> None:
+    """Make ``fully_shard(reshard_after_forward=<int>)`` reuse one post-forward mesh per rank layout and world.
+
+    FSDP2 builds that mesh with ``DeviceMesh(...)`` on every call, which
+    creates new process groups each time (two per rank on a 2 x 2 mesh), and
+    torch's group registry keeps every group alive until the world is torn
+    down. A program shards once; the suite's rank processes shard a model per
+    case for as long as they live, so the groups (each with gloo's threads)
+    piled up run over run (``fsdp4.reshard2``). Equal layouts share the mesh
+    instead, as the units of one model share their main mesh; a new world
+    (a new default group) starts afresh. The helper is private, imported by
+    name into two modules, and no public API takes the post-forward mesh.
+    """
+    import weakref
+
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+    except ImportError:  # another layout of FSDP2's modules: left as torch has it
+        return
+    make = getattr(_fsdp_init, "_get_post_forward_mesh_info", None)
+    if make is None or hasattr(make, "_shared"):
+        return
+    made: dict = {}
+    under: list = [None]
+
+    def shared(reshard_after_forward, mesh_info):
+        size = getattr(mesh_info, "shard_mesh_size", 0)
+        if isinstance(reshard_after_forward, bool) or not (
+            isinstance(reshard_after_forward, int) and 1 < reshard_after_forward < size
+        ):
+            return make(reshard_after_forward, mesh_info)  # no new mesh, or torch's own error
+        world = dist.group.WORLD
+        if under[0] is None or under[0]() is not world:
+            made.clear()
+            under[0] = weakref.ref(world)
+        ranks = mesh_info.mesh.mesh
+        key = (mesh_info.mesh.device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), reshard_after_forward)
+        if key not in made:
+            made[key] = make(reshard_after_forward, mesh_info)
+        return made[key]
+
+    shared._shared = True
+    for module in (_fsdp_init, _fully_shard):
+        if getattr(module, "_get_post_forward_mesh_info", None) is make:
+            module._get_post_forward_mesh_info = shared
+
+
 def distribute_locally(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     """``distribute_tensor(full, mesh, placements, src_data_rank=None)``: every rank holds ``full`` and cuts its
     own piece, with no communication (the suite's own copy: it shares no code with hyperdsd)."""

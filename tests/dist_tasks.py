@@ -388,6 +388,29 @@ def compat_distribute_locally(ctx, mesh: str, native: bool, suite: bool):
     return got.to_local().sum().item()
 
 
+def compat_post_forward_meshes(ctx):
+    """Shard three small models with ``reshard_after_forward=2`` (FSDP2 builds a 2 x 2 post-forward mesh
+    for each unit) and run a step of each; returns how many process groups this rank is in afterwards."""
+    from torch.distributed.fsdp import fully_shard
+
+    from conformance import _compat
+
+    _compat.shared_post_forward_meshes()
+    mesh = ctx.mesh("4")
+    meshes, models = set(), []  # the models kept, so that no mesh's id is reused
+    for _ in range(3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        for unit in (model[0], model[1], model):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=2)
+        meshes.update(id(group.post_forward_mesh_info.mesh) for group in fully_shard.state(model[0])._fsdp_param_groups)
+        model(torch.ones(2, 8)).sum().backward()
+        models.append(model)
+    assert len(meshes) == 1, meshes
+    # Every group this rank is in, equal rank sets apart (torch's registry, read only).
+    return sum(ctx.rank in ranks for ranks in dist.distributed_c10d._world.pg_group_ranks.values())
+
+
 def compat_fsdp2_on_cpu(ctx):
     """The suite's FSDP2-on-CPU shim for torch 2.6 and 2.7, given a stream stub like 2.6's and a factor function
     with 2.6's signature (what it replaces exists only there); everything is put back before returning."""

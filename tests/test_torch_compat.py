@@ -32,6 +32,14 @@ def test_fsdp2_on_cpu_changes_nothing_on_this_torch():
     assert (torch.cpu.Stream.__dict__.copy(), collectives._get_gradient_divide_factors) == before
 
 
+def test_post_forward_meshes_are_shared_so_groups_stay_bounded(pools):
+    """fully_shard(reshard_after_forward=2) makes process groups per call; the suite's shim shares them, so a
+    rank pool running the same models again is in no more groups than after the first time."""
+    first = run_task(pools, 4, dist_tasks.compat_post_forward_meshes)
+    again = run_task(pools, 4, dist_tasks.compat_post_forward_meshes)
+    assert first == again, (first, again)
+
+
 def test_root_mesh_of_a_slice(pools):
     assert run_task(pools, 4, dist_tasks.compat_root_mesh) == [True] * 4
 

@@ -27,6 +27,8 @@ from .models import ModelConfig
 
 # FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
 _compat.fsdp2_on_cpu()
+# reshard_after_forward=<int> would create process groups per model (see there).
+_compat.shared_post_forward_meshes()
 
 
 @dataclass(frozen=True)
