@@ -568,6 +568,24 @@ def check(cases: list[dict], known_path: str) -> dict:
     }
 
 
+_FAILING = (Status.FAILED, Status.ERROR, Status.XFAIL)
+
+
+def _by_cause(cases: list[dict], found: dict | None) -> tuple[dict[str, list[str]], list[str]]:
+    """The failing cases' IDs by their cause's title, and the failures no cause explains."""
+    by_cause: dict[str, list[str]] = {}
+    untraced = []
+    for c in cases:
+        if c["status"] not in _FAILING:
+            continue
+        cause = cause_of(c, found)
+        if cause is None:
+            untraced.append(f"{c['id']}: {signature(c['message'] or '')[:200]}")
+        else:
+            by_cause.setdefault(cause, []).append(c["id"])
+    return by_cause, untraced
+
+
 def _sections(path: str) -> tuple[str, dict[str, list[str]], dict[str, int]]:
     """A known-failures file's header, its entry lines by cause title (in file
     order) and each section's case count."""
@@ -594,16 +612,7 @@ def merge(cases: list[dict], path: str, manifest: list[str], found: dict | None 
     that cover no other case of ``manifest``; the header's counts follow.
     Returns the untraced failures (then nothing is written)."""
     header, sections, counts = _sections(path)
-    by_cause: dict[str, list[str]] = {}
-    untraced = []
-    for c in cases:
-        if c["status"] not in (Status.FAILED, Status.ERROR, Status.XFAIL):
-            continue
-        cause = cause_of(c, found)
-        if cause is None:
-            untraced.append(f"{c['id']}: {signature(c['message'] or '')[:200]}")
-        else:
-            by_cause.setdefault(cause, []).append(c["id"])
+    by_cause, untraced = _by_cause(cases, found)
     if untraced:
         return untraced
     reasons = {cause.title: cause.reason for cause in CAUSES}
@@ -692,16 +701,8 @@ def main() -> int:
         for key in ("unlisted", "xpass", "error", "stale"):
             print(f"{result['file']}: {len(result[key])} {key}" + "".join(f"\n  {i}" for i in result[key][:20]))
         return 1 if any(result[k] for k in ("unlisted", "xpass", "error", "stale")) else 0
-    bad = [c for c in cases if c["status"] in (Status.FAILED, Status.ERROR, Status.XFAIL)]
-    by_cause: dict[str, list[str]] = {}
-    untraced = []
-    found = _found_scenarios()
-    for c in bad:
-        cause = cause_of(c, found)
-        if cause is None:
-            untraced.append(f"{c['id']}: {signature(c['message'] or '')[:200]}")
-        else:
-            by_cause.setdefault(cause, []).append(c["id"])
+    bad = [c for c in cases if c["status"] in _FAILING]
+    by_cause, untraced = _by_cause(bad, _found_scenarios())
     if untraced:
         sys.stderr.write("untraced failures (add a cause):\n  " + "\n  ".join(untraced) + "\n")
         return 1
