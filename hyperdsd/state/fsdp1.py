@@ -82,26 +82,18 @@ class UnitLayout:
     def pieces(self, holder: int, owner: int) -> list[tuple[int, int, int]]:
         """``(i, start, stop)``: what shard rank ``holder``'s flat shard holds of
         the rows of shard rank ``owner``, parameter by parameter, in order."""
-        lo, hi = holder * self.shard, (holder + 1) * self.shard
-        found = []
-        for i in range(len(self.unit.shapes)):
-            a, b = self.rows(i, owner)
-            a, b = max(a, lo), min(b, hi)
-            if a < b:
-                found.append((i, a, b))
-        return found
+        return self._within(holder, ((i, *self.rows(i, owner)) for i in range(len(self.unit.shapes))))
 
     def held(self, holder: int, run: list[int]) -> list[tuple[int, int, int]]:
         """``(i, start, stop)``: what shard rank ``holder``'s flat shard holds of
         each of the parameters ``run``, in order."""
+        spans = ((i, self.unit.offsets[i], self.unit.offsets[i] + math.prod(self.unit.shapes[i])) for i in run)
+        return self._within(holder, spans)
+
+    def _within(self, holder: int, spans) -> list[tuple[int, int, int]]:
+        """The parts of flat ``spans`` ``(i, start, stop)`` that shard rank ``holder``'s flat shard holds."""
         lo, hi = holder * self.shard, (holder + 1) * self.shard
-        found = []
-        for i in run:
-            a = self.unit.offsets[i]
-            a, b = max(a, lo), min(a + math.prod(self.unit.shapes[i]), hi)
-            if a < b:
-                found.append((i, a, b))
-        return found
+        return [(i, max(a, lo), min(b, hi)) for i, a, b in spans if max(a, lo) < min(b, hi)]
 
 
 def canonical_names(index, raw_prefix: str, unit: _compat.Fsdp1Unit) -> tuple[list[str], list[tuple[str, int]]]:

@@ -13,7 +13,6 @@ Every rank computes the same plan from the unit's shapes alone.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,13 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import StateDictError
 from .collectives import DIRECT_BYTES, as_bytes
+from .group import WorldCache
 
-# 1-D meshes made over FSDP1 process groups, by group, valid while the
-# default group they were made under lives: a mesh holds its group, so a
-# new world drops the old world's (which would keep their backend's threads
-# alive in a process that re-forms its world).
-_meshes: dict[tuple[int, str], tuple[Any, DeviceMesh]] = {}
-_meshes_under: list[weakref.ref | None] = [None]
+# 1-D meshes made over FSDP1 process groups, by group, in this world: a mesh
+# holds its group, whose backend's threads would outlive a re-formed world.
+_meshes = WorldCache()
 
 
 def unit_mesh(unit, device_type: str) -> DeviceMesh:
@@ -44,13 +41,10 @@ def unit_mesh(unit, device_type: str) -> DeviceMesh:
         )
     pg = unit.pg
     key = (id(pg), device_type)
-    default = dist.group.WORLD
-    if default is not None and (_meshes_under[0] is None or _meshes_under[0]() is not default):
-        _meshes.clear()
-        _meshes_under[0] = weakref.ref(default)
-    hit = _meshes.get(key)
+    meshes = _meshes.current()
+    hit = meshes.get(key)
     if hit is None or hit[0] is not pg:
-        hit = _meshes[key] = (pg, DeviceMesh.from_group(pg, device_type))
+        hit = meshes[key] = (pg, DeviceMesh.from_group(pg, device_type))
     return hit[1]
 
 

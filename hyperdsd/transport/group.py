@@ -103,21 +103,34 @@ def of_params(params: Iterable[Any]) -> Group:
     return Group(_group_over(members), members)
 
 
-# Groups made for sets of ranks that no 1-D mesh covers, valid while the
-# default group they were made under lives (a new world makes new ones).
-# Neither registry keeps a group alive.
-_made: "weakref.WeakValueDictionary[tuple[int, ...], Any]" = weakref.WeakValueDictionary()
-_made_under: list[weakref.ref | None] = [None]
+class WorldCache:
+    """A cache of what belongs to the current world: emptied when the default
+    group changes (a process that re-forms its world must not keep, nor hand
+    out, the old world's groups). ``weak``: it keeps no value alive."""
+
+    def __init__(self, weak: bool = False):
+        self._entries: dict = weakref.WeakValueDictionary() if weak else {}
+        self._under: weakref.ref | None = None
+
+    def current(self):
+        """The entries made in the current world."""
+        default = dist.group.WORLD
+        if default is not None and (self._under is None or self._under() is not default):
+            self._entries.clear()
+            self._under = weakref.ref(default)
+        return self._entries
+
+
+# Groups made for sets of ranks that no 1-D mesh covers, in this world (not
+# kept alive by this cache).
+_made = WorldCache(weak=True)
 
 
 def _group_over(ranks: tuple[int, ...]):
-    default = dist.group.WORLD
-    if _made_under[0] is None or _made_under[0]() is not default:
-        _made.clear()
-        _made_under[0] = weakref.ref(default)
-    pg = _made.get(ranks)
+    made = _made.current()
+    pg = made.get(ranks)
     if pg is None:
         # Only the members call: the other ranks may be busy elsewhere.
         pg = dist.new_group(list(ranks), use_local_synchronization=True)
-        _made[ranks] = pg
+        made[ranks] = pg
     return pg
