@@ -166,8 +166,9 @@ def _unsharded(setup) -> None:
 
 def _blocks_and_root(setup, mesh) -> None:
     shard, policy = setup.c.iut.shard, setup.layout.policy
-    if policies.reshards(policy) and setup.device.type == "cpu" and _compat.cpu_reshard_refusal():
-        raise NotApplicable(_compat.cpu_reshard_refusal())
+    refusal = _compat.cpu_reshard_refusal() if policies.reshards(policy) and setup.device.type == "cpu" else ""
+    if refusal:
+        raise NotApplicable(refusal)
     blocks = list(setup.module.layers.values())
     for i, block in enumerate(blocks):
         shard(block, mesh=mesh, **policies.arguments(policy, "last" if i == len(blocks) - 1 else "block", setup))
