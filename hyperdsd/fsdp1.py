@@ -128,8 +128,10 @@ class Twin:
                     continue
                 for key, (kind, detail) in summary.items():
                     if kind == "shape":
+                        what = detail if isinstance(detail, str) else f"of shape {detail}"
+                        owner_of = u.fqns if u.unit.params is None else u.fqns[j]
                         raise StateDictError(
-                            f"optimizer state {key!r} of FSDP1 unit {u.fqns} has shape {detail}: only "
+                            f"optimizer state {key!r} of {owner_of} (an FSDP1 unit) is {what}: only "
                             "per-element and scalar state can be unflattened"
                         )
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]

@@ -108,22 +108,47 @@ def canonical_names(index, raw_prefix: str, unit: _compat.Fsdp1Unit) -> tuple[li
 # -- the twin model ------------------------------------------------------------
 
 
-class _Tree:
-    """A module tree made from dotted names."""
+class _ExtraState(nn.Module):
+    """A twin's module in the place of one with extra state: its state dict
+    reads the real module's ``get_extra_state`` and a load calls its
+    ``set_extra_state`` (the value is the module's own, not FSDP1's)."""
 
-    def __init__(self):
-        self.root = nn.Module()
+    def __init__(self, real: nn.Module):
+        super().__init__()
+        self._real = (real,)  # in a tuple: not registered as a child
+
+    def get_extra_state(self):
+        return self._real[0].get_extra_state()
+
+    def set_extra_state(self, state) -> None:
+        self._real[0].set_extra_state(state)
+
+
+class _Tree:
+    """A module tree made from dotted names; ``extra``: the real modules with
+    extra state, by path, whose places get an :class:`_ExtraState`."""
+
+    def __init__(self, extra: dict[str, nn.Module]):
+        self._extra = extra
+        self.root = self._shell("")
         self._shells = {"": self.root}
+
+    def _shell(self, path: str) -> nn.Module:
+        real = self._extra.get(path)
+        return _ExtraState(real) if real is not None else nn.Module()
 
     def owner(self, fqn: str) -> tuple[nn.Module, str]:
         path, _, name = fqn.rpartition(".")
+        return self.at(path), name
+
+    def at(self, path: str) -> nn.Module:
         shell = self._shells.get(path)
         if shell is None:
             parent, child = self.owner(path)
-            shell = nn.Module()
+            shell = self._shell(path)
             parent.add_module(child, shell)
             self._shells[path] = shell
-        return shell, name
+        return shell
 
 
 def twin_module(index, units: list[UnitLayout], rows: list[list[torch.Tensor]]) -> tuple[nn.Module, list[list]]:
@@ -151,8 +176,11 @@ def twin_module(index, units: list[UnitLayout], rows: list[list[torch.Tensor]]) 
             path, _, name = fqn.rpartition(".")
             by_prefix[f"{path}." if path else ""].append((name, twins[i]))
         params_of.append(twins)
-    tree = _Tree()
+    extra = {prefix[:-1]: module for module, prefix in index.modules if _compat.has_extra_state(module)}
+    tree = _Tree(extra)
     for module, prefix in index.modules:
+        if prefix[:-1] in extra:
+            tree.at(prefix[:-1])  # in the walk's order, among its siblings
         entries = by_prefix.pop(prefix, [])
         for name, param in _compat.own_parameters(module).items():
             if param is None or _compat.is_flat_param(param) or id(param) in managed:
@@ -215,9 +243,20 @@ def summarize(entry: dict, per_element: int) -> Summary:
             out[key] = ("rows", value.dtype)
         elif isinstance(value, torch.Tensor) and value.dim() > 0:
             out[key] = ("shape", tuple(value.shape))
+        elif _holds_tensors(value):
+            # Pieces of a flat shard inside a container: refused, not passed on with the shard's shapes.
+            out[key] = ("shape", "nested, holding tensors")
         else:
             out[key] = ("value", value)
     return out
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def merge(summaries: list[Summary | None]) -> Summary | None:
