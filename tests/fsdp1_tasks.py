@@ -480,3 +480,50 @@ def _leaves(value):
     if isinstance(value, (list, tuple)):
         return [leaf for v in value for leaf in _leaves(v)]
     return [value]
+
+
+def never_stepped_full(ctx, uop: bool, cpu: bool):
+    """A full get of a never-stepped FSDP1 optimizer: placeholders with one
+    element or none on a rank gather like any state (they failed to), and
+    nothing changes."""
+    model, optimizer = _fsdp1(ctx, 0, uop)
+    before = _snapshot(model, optimizer)
+    osd = hyperdsd.get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu)
+    )
+    assert _equal(before, _snapshot(model, optimizer)), "the get changed the model or the optimizer"
+    if cpu and ctx.rank != 0:
+        return sorted(osd.get("state", {}))
+    return sorted(osd["state"])
+
+
+class _Nested(torch.optim.SGD):
+    """SGD that also keeps a nested, per-element trace of each gradient."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("trace", {"last": [torch.zeros_like(p)]})["last"][0].copy_(p.grad)
+        return super().step(closure)
+
+
+def nested_state_refused(ctx, uop: bool):
+    """Optimizer state nested in containers holds pieces of a flat shard: a
+    get refuses it on every rank, naming the key, rather than return the
+    pieces with the shard's shapes."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _build(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = FSDP(model, device_id=CPU, use_orig_params=uop)
+    optimizer = _Nested(model.parameters(), lr=0.1)
+    _steps(model, optimizer, 0, 1)
+    try:
+        hyperdsd.get_optimizer_state_dict(model, optimizer)
+    except StateDictError as exc:
+        assert "'trace'" in str(exc) and "nested" in str(exc), str(exc)
+        return True
+    return False

@@ -109,3 +109,15 @@ def test_a_full_get_with_an_optimizer_state_dict_hook_equals_one_read_all_first(
 def test_a_full_get_of_hybrid_shard_read_unit_by_unit_equals_one_read_all_first(pools, mode):
     got = run(pools, 4, "streamed_full_get", uop=False, mode=mode, strategy="HYBRID_SHARD", mesh="2x2")
     assert got == [True] * 4
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["full", "full_cpu"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_full_get_of_a_never_stepped_optimizer_gathers_its_placeholders(pools, uop, cpu):
+    names = sorted(k for k in KEYS if "running" not in k and "num_batches" not in k)
+    assert run(pools, 4, "never_stepped_full", uop=uop, cpu=cpu) == [names] + [[] if cpu else names] * 3
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_nested_optimizer_state_is_refused_on_every_rank(pools, uop):
+    assert run(pools, 2, "nested_state_refused", uop=uop) == [True, True]
