@@ -32,7 +32,10 @@ def _source(c, layout, mode):
 
 
 def _owned(b) -> str:
-    """A parameter this rank's optimizer holds state for."""
+    """A parameter this rank's optimizer holds state for (by original
+    parameter: FSDP1's flat parameters hold several)."""
+    if b.layout.kind.flat:
+        return TARGET  # every flat parameter holds state for all of its parts on every rank
     names = [f for f, p in b.named_parameters() if b.optimizers[0].state.get(p)]
     return TARGET if TARGET in names else names[0]
 
@@ -338,10 +341,10 @@ def cases():
                 yield make_case(
                     "OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant=kind, kind=kind, which="OPT-ATOM-2"
                 )
-    for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2"):
+    for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2", "fsdp1-2"):
         for target in ("optim", "model"):
             yield make_case("OPT-ATOM-3", layout, atom_3, variant=target, target=target, deadline_s=30)
-    for layout in ("ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
+    for layout in ("ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
         for mode in ("sharded", "full", "flat", "bcast"):
             yield make_case("OPT-ATOM-4", layout, atom_4, mode=mode, deadline_s=30)
 

@@ -166,7 +166,7 @@ def api_1_strict(c, layout, opt, mode):
 
 
 def cases():
-    for layout in LAYOUTS:
+    for layout in LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
         for mode in modes.MODES:
             yield make_case("API-1", layout, api_1, opt=OPT, mode=mode)
     for mode in modes.MODES:

@@ -149,7 +149,7 @@ def cases():
             yield make_case("OPT-DT-2", layout, dt_2, opt="adamw", mode=mode)
     for mode in ("sharded", "full", "bcast", "dcp"):
         yield make_case("OPT-DT-2", "fsdp2xtp2", dt_2, opt="adamw", mode=mode, profile="tp")
-    for layout in ("single", "fsdp4", "hsdp2x2"):
+    for layout in ("single", "fsdp4", "hsdp2x2", "fsdp1-2", "fsdp1-4-flat"):
         for mode in modes.MODES:
             yield make_case("OPT-DT-3", layout, dt_3, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4", "hsdp2x2"):

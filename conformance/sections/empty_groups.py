@@ -90,7 +90,7 @@ def cases():
                 profile="multi-optimizer",
                 n_optimizers=2,
             )
-    for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+    for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
         for target_empty, name in (((0, 9), "same"), ((1, 2, 9), "more"), ((), "none")):
             yield make_case(
                 "OPT-EMPTY-2", layout, empty_2, opt="adamw", mode="flat", variant=f"{name}", target_empty=target_empty

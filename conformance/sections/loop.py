@@ -185,9 +185,8 @@ def cases():
                 made.add((layout, mode, point))
                 yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)
         for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3): every mode, the points in turn
-            if clause == "LOOP-1":
-                for mode, point in _rotation(layout, applies):
-                    yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)
+            for mode, point in _rotation(layout, applies):
+                yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)
         if clause == "LOOP-1":  # SHARD_GRAD_OP keeps the parameters an evaluation forward gathered: every mode
             for mode in modes.MODES:
                 yield make_case(clause, "fsdp1-2-shard_grad_op", fn, mode=mode, variant="eval", point="eval")

@@ -305,6 +305,8 @@ def part_6(c, layout, fqn, key, mode="dcp", warm=False):
     expect_unchanged(before, optimizer_view(b), changed)
 
 
+# (Not FSDP1: it gives every part of a rank's flat shard a gradient, zeros where none flowed, so
+# a parameter that never had one still gets state on the ranks that hold a piece of it.)
 PART_5_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 # (layout, FQN, key): an even and an uneven shard (fsdp3: 3, 3, 2 rows), an
 # empty one (fsdp4: aux.weight has 3 rows), pipeline stages (flat layout).
@@ -316,6 +318,8 @@ PART_6 = (
     ("fsdp4", "aux.weight", "exp_avg_sq"),
     ("pp2", "layers.1.fc2.weight", "exp_avg_sq"),
     ("pp2xfsdp2", "layers.0.fc2.weight", "step"),
+    ("fsdp1-2", "layers.0.fc2.weight", "exp_avg_sq"),
+    ("fsdp1-4-flat", "layers.1.fc1.bias", "step"),  # one part of a flat parameter
 )
 # (layout, FQN, key, mode): the in-memory modes, into stepped optimizers.
 PART_6_MEMORY = (
@@ -343,7 +347,9 @@ def cases():
     yield make_case(
         "OPT-PART-1", "pp2xfsdp2", part_1, mode="dcp", variant="strict_same_hparams", strict=True, same_hparams=True
     )
-    for layout in ("single", "ddp", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+    # (Lazy state and subsets go by original parameter: a flat parameter has a gradient when any of its
+    # parts has one, and an optimizer holds it whole, so FSDP1 runs them with original parameters.)
+    for layout in ("single", "ddp", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2"):
         for mode in modes.MODES:
             yield make_case("OPT-PART-2", layout, part_2, mode=mode)
     for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2"):
@@ -370,7 +376,7 @@ def cases():
             for warm in (0, 2):
                 variant = "frozen_after-" + ("warm" if warm else "fresh")
                 yield make_case("OPT-PART-3", layout, part_3_resume, mode=mode, variant=variant, warm=warm)
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
+    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-4", layout, part_4, mode=mode)
     for layout in PART_5_LAYOUTS:

@@ -127,7 +127,10 @@ def cases():
     for layout in ("single", "fsdp4"):
         yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="full_cpu", variant="fresh", grads=False)
         yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode="full_cpu")
-    for layout in LAYOUTS:
+    for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3)
+        yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="sharded", variant="fresh", grads=False)
+        yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="sharded", variant="grads", grads=True)
+    for layout in LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
         for mode in ("full", "full_cpu", "flat"):
             yield make_case("OPT-PURE-3", layout, pure_1, opt="adamw", mode=mode, variant="fresh", grads=False)
             yield make_case("OPT-PURE-3", layout, pure_2, opt="adamw", mode=mode, variant="stepped")

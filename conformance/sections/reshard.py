@@ -210,9 +210,7 @@ def cases():
     for src, dst in PAIRS:
         for opt in ("adamw", "sgd"):
             yield resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp")
-    # FSDP1 and FSDP2 through DCP, both ways (SPEC §2, 1.3). The flat layout's
-    # optimizer holds one flat parameter per unit, so its groups cannot go by
-    # role: both sides of its pairs put every parameter in one group.
+    # FSDP1 and FSDP2 through DCP, both ways (SPEC §2, 1.3).
     for src, dst in (
         ("fsdp1-4-flat", "fsdp4"),
         ("fsdp4", "fsdp1-4-flat"),
@@ -221,12 +219,8 @@ def cases():
         ("fsdp2", "fsdp1-2"),
     ):
         for opt in ("adamw", "sgd"):
-            case = resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp")
-            if "-flat" in src + dst:
-                one = GroupSpec(split=False)
-                case = replace(case, phases=tuple(replace(p, params={**p.params, "groups": one}) for p in case.phases))
-            yield case
-    for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("single", "hsdp2x2")):
+            yield _one_group_if_flat(resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp"))
+    for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("single", "hsdp2x2"), ("fsdp4", "fsdp1-2")):
         yield resharded_case("OPT-RESHARD-2", src, dst, "adamw", "dcp", lazy="subset")
     # A parameter the checkpoint lists without state (lazy), loaded where a
     # rank holds an empty shard of it (fsdp4: aux has 3 rows). SGD keeps no
@@ -240,8 +234,19 @@ def cases():
         ("fsdp4", "pp2xfsdp2"),
         ("pp2xfsdp2", "fsdp4"),
         ("hsdp2x2", "single"),
+        ("fsdp2", "fsdp1-4-flat"),
+        ("fsdp1-2", "hsdp1-2x2"),
     ):
-        yield resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast")
+        yield _one_group_if_flat(resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast"))
+
+
+def _one_group_if_flat(case: Case) -> Case:
+    """FSDP1's flat layout's optimizer holds one flat parameter per unit, so
+    its groups cannot go by role: both sides put every parameter in one group."""
+    if "-flat" not in case.layout:
+        return case
+    one = GroupSpec(split=False)
+    return replace(case, phases=tuple(replace(p, params={**p.params, "groups": one}) for p in case.phases))
 
 
 def _explored(s, clause: str, cid: str, source: str) -> Case:

@@ -89,7 +89,7 @@ def cases():
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
         for mode in modes.MODES:
             yield make_case("OPT-SCHED-1", layout, sched_1, opt="adamw", mode=mode)
-    for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+    for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
         for mode in ("sharded", "full_cpu", "flat", "dcp"):
             yield make_case("OPT-SCHED-2", layout, sched_2, opt="adamw", mode=mode)
     for layout in ("single", "fsdp4", "pp2xfsdp2"):
@@ -104,7 +104,7 @@ def cases():
                 profile="multi-optimizer",
                 n_optimizers=2,
             )
-    for layout in ("single", "fsdp4", "pp2"):
+    for layout in ("single", "fsdp4", "pp2", "fsdp1-2", "fsdp1-4-flat"):
         for mode in ("sharded", "full", "bcast", "flat"):
             yield make_case("OPT-SCHED-3", layout, sched_3, opt="adamw", mode=mode)
 

@@ -254,6 +254,10 @@ def _fsdp1_units(setup, *, flat: bool, strategy: str) -> None:
     if strategy == "HYBRID_SHARD":
         kwargs["device_mesh"] = setup.mesh
     module = setup.module
+    if any(p.is_meta for p in module.parameters()):
+        # A model built on the meta device (MODEL-4): FSDP1 allocates each module's
+        # storage where it runs; the values are what the load then writes.
+        kwargs["param_init_fn"] = lambda m: m.to_empty(device=setup.device, recurse=False)
     with warnings.catch_warnings():  # FSDP1's deprecation notice, and its notes on CPU devices
         warnings.simplefilter("ignore")
         for name in list(module.layers):
