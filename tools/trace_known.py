@@ -29,10 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIPELINE = ("pp2", "pp2xfsdp2")
 
 
-def _mode(case_id: str) -> str:
-    # (the FSDP1 layout fsdp1-N-flat names the mode flat in its own name)
-    parts = re.sub(r"fsdp1-\d+-flat", "fsdp1", case_id.split("[", 1)[1].rstrip("]")).split("-")
-    return next((p for p in parts if p in MODES), "")
+def _mode(case: dict) -> str:
+    """The mode a case's ID names after its layout (whose own name may hold a
+    mode's word: ``fsdp1-4-flat``, FSDP1's flat parameters)."""
+    body = case["id"].split("[", 1)[1].rstrip("]")
+    layout = case.get("layout") or ""
+    body = body[len(layout) + 1 :] if layout and body.startswith(layout + "-") else body
+    return next((p for p in body.split("-") if p in MODES), "")
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def _pp_stage_only(case, sig) -> bool:
     pp = any(side in PIPELINE for side in case["layout"].split("_to_"))
     return (
         pp
-        and _mode(case["id"]) in ("full_cpu", "bcast", "file")
+        and _mode(case) in ("full_cpu", "bcast", "file")
         and any(p in sig for p in _STAGE_MISSING)
         and not case["clause"].startswith(("OPT-ATOM", "OPT-EMPTY", "OPT-SCHED-1", "OPT-SCHED-3", "MODEL-2"))
     )
@@ -131,15 +134,35 @@ CAUSES: tuple[Cause, ...] = (
         ),
     ),
     Cause(
+        "FSDP1 unit split between optimizers",
+        "on an FSDP1 model with its original parameters, two optimizers over disjoint parameters of one unit "
+        "(OPT-KEYS-4): get_optimizer_state_dict raises 'norm.weight is not in the optimizer state. The "
+        "FSDPParamInfo has the param keys [...] while the optimizer has the param keys [...]' in every mode; "
+        "torch's FSDP1 path reads a unit's parameters from one optimizer",
+        lambda c, s: _fsdp1(c) and "is not in the optimizer state. The FSDPParamInfo" in s,
+    ),
+    Cause(
+        "extra state on FSDP1",
+        "on an FSDP1 model whose blocks keep extra state (get_extra_state), get_model_state_dict raises "
+        "AttributeError: 'ExtraStateBlock' object has no attribute '_extra_state' in every mode: FSDP1's state-dict "
+        "hooks look the _extra_state key up as an attribute",
+        lambda c, s: (
+            _fsdp1(c)
+            and c["clause"] == "MODEL-5"
+            and "in get_model_state_dict" in s
+            and "no attribute '_extra_state'" in (c["message"] or "")
+        ),
+    ),
+    Cause(
         "FSDP1 full optimizer state under cpu_offload",
         "on an FSDP1 model with its original parameters, an optimizer state dict taken with full_state_dict + "
         "cpu_offload (full_cpu, bcast, file) resumes into other values on the first rank of each shard group: "
         "parameters differ after one step from the uninterrupted run, where the same round trip without "
-        "cpu_offload (full) equals it",
+        "cpu_offload (full) equals it; rank 0's dict holds other exp_avg values than the gathered shards (OPT-RT-3)",
         lambda c, s: (
             _fsdp1(c)
-            and _mode(c["id"]) in ("full_cpu", "bcast", "file")
-            and ("differs from the uninterrupted" in s or "does not reproduce the source" in s)
+            and _mode(c) in ("full_cpu", "bcast", "file")
+            and any(m in s for m in ("differs from the uninterrupted", "does not reproduce", "does not hold the full"))
         ),
     ),
     Cause(
@@ -149,7 +172,7 @@ CAUSES: tuple[Cause, ...] = (
         "of _OptimStateKey(...) is empty. This should happen when use_orig_params=True'",
         lambda c, s: (
             _fsdp1(c)
-            and _mode(c["id"]) == "flat"
+            and _mode(c) == "flat"
             and "set_optimizer_state_dict" in s
             and ("SIGABRT" in s or "_OptimStateKey" in s)
         ),
@@ -353,7 +376,7 @@ CAUSES: tuple[Cause, ...] = (
         "with an unexpected key raises on no rank but the root; the two set functions load the same dicts "
         "without a hang; no upstream issue found (pytorch/pytorch#157781, open, is a set_state_dict hang of a "
         "full load whose dicts only rank 0 holds, without broadcast_from_rank0)",
-        lambda c, s: c["clause"] == "API-1" and _mode(c["id"]) in ("full_cpu", "bcast") and "set_state_dict" in s,
+        lambda c, s: c["clause"] == "API-1" and _mode(c) in ("full_cpu", "bcast") and "set_state_dict" in s,
     ),
     Cause(
         "pipeline stages under full_cpu, through set_state_dict",
@@ -364,7 +387,7 @@ CAUSES: tuple[Cause, ...] = (
         lambda c, s: (
             c["clause"] == "API-1"
             and c["layout"] in PIPELINE
-            and _mode(c["id"]) == "file"
+            and _mode(c) == "file"
             and "KeyError in set_state_dict" in s
         ),
     ),
