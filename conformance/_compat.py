@@ -269,6 +269,13 @@ def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | No
     return module._parameters
 
 
+def flat_param_fqns(param) -> list[str] | None:
+    """The names of the original parameters an FSDP1 flat parameter holds,
+    relative to the module it is registered on (its private ``_fqns``); None
+    for any other parameter."""
+    return list(param._fqns) if type(param).__name__ == "FlatParameter" else None
+
+
 def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonical) -> dict:
     """The full state of an FSDP1 model and its optimizers by original parameter, as
     ``conformance.judging.oracle.full_snapshot`` gives it for DTensors: ``{"params": {fqn: full tensor},

@@ -163,21 +163,31 @@ class Received:
         return out
 
 
-def _names(model) -> tuple[dict[int, set[str]], set[str]]:
-    """(each parameter's canonical names by its id, every other key its state dict may have)."""
+def _names(model) -> tuple[dict, set[str], dict[int, list]]:
+    """(each parameter's canonical names by its id, every other key its state
+    dict may have, and for each of FSDP1's flat parameters the keys of the
+    original parameters it holds, each named apart by ``(id, i)``)."""
     stepped = _compat.stepped_parameters(model)
-    params: dict[int, set[str]] = {}
+    params: dict = {}
     others: set[str] = set()
+    flats: dict[int, list] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         at = f"{prefix}." if prefix else ""
         for name, p in _compat.own_parameters(module).items():
-            if p is not None:
+            if p is None:
+                continue
+            originals = _compat.flat_param_fqns(p)
+            if originals is not None:  # FSDP1's flat parameter: its original parameters are the names
+                flats[id(p)] = [(id(p), i) for i in range(len(originals))]
+                for i, fqn in enumerate(originals):
+                    params[(id(p), i)] = {canonical(at + fqn)}
+            else:
                 p = stepped.get((id(module), name), p)
                 params.setdefault(id(p), set()).add(canonical(at + name))
         others.update(canonical(at + name) for name, _ in module.named_buffers(recurse=False))
         if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
             others.add(canonical(at + "_extra_state"))
-    return params, others
+    return params, others, flats
 
 
 def _optimizer_params(optimizers) -> list:
@@ -190,9 +200,7 @@ def _optimizer_params(optimizers) -> list:
 def _key_problems(r: _Result) -> list[str]:
     if r.model is None or not isinstance(r.model, torch.nn.Module) or "submodules" in r.kwargs_keys:
         return []
-    params, others = _names(r.model)
-    if any(n.endswith("_flat_param") for names in params.values() for n in names):
-        return []  # FSDP1's flat parameters hide the model's own names: only the form is judged
+    params, others, flats = _names(r.model)
     every = set().union(*params.values(), others) if params else set(others)
     out = []
     if r.model_keys is not None:
@@ -209,7 +217,7 @@ def _key_problems(r: _Result) -> list[str]:
         if lacking:
             out.append(f"none of the model's {_some(lacking)}")
     if r.optim is not None:
-        stepped = [params.get(id(p), set()) for p in _optimizer_params(r.optimizers)]
+        stepped = [params.get(k, set()) for p in _optimizer_params(r.optimizers) for k in flats.get(id(p), [id(p)])]
         stepped_names = set().union(*stepped) if stepped else set()
         if r.optim[0] == "flat":
             outside = [k for k in r.optim[1] if not any(k.split(".", 1)[1].startswith(n + ".") for n in stepped_names)]
