@@ -82,5 +82,3 @@ def test_list_shows_the_fsdp1_cases(capsys):
     entries = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert entries and all(e["needs"]["layouts"] == ["fsdp1"] for e in entries)
     assert "OPT-RESHARD-1[fsdp1-4-flat_to_fsdp4-adamw-dcp]" in {e["id"] for e in entries}
-
-

@@ -122,6 +122,7 @@ def has_extra_state(module: torch.nn.Module) -> bool:
     ``state_dict`` calls ``get_extra_state`` only where a class overrides it)."""
     return type(module).get_extra_state is not torch.nn.Module.get_extra_state
 
+
 # FSDP2's load hooks: before, the module's group resharded (as before a read);
 # after, each sharded parameter re-padded if loading replaced its local tensor.
 _FSDP_LOAD_HOOKS = (_FSDP_RESHARD_HOOK, "FSDPParam.__init__.<locals>.<lambda>")
