@@ -92,6 +92,14 @@ def _fsdp1(case) -> bool:
     return any(side.startswith(("fsdp1-", "hsdp1-")) for side in case["layout"].split("_to_"))
 
 
+# What a full load into modules a forward left unsharded raises, release by release.
+_UNSHARDED_LOAD = (
+    "got mixed torch.Tensor and DTensor",
+    "with different meshes",
+    "pointwise computation across different mesh",
+)
+
+
 CAUSES: tuple[Cause, ...] = (
     Cause(
         "FSDP1 full model state under cpu_offload",
@@ -355,12 +363,10 @@ CAUSES: tuple[Cause, ...] = (
         "a full_state_dict set (full, full_cpu, bcast, file) into an FSDP2 model whose parameters a forward "
         "left unsharded distributes each full value against what the module holds, and fails copying a DTensor "
         "into it: the unsharded plain tensor ('got mixed torch.Tensor and DTensor'), or with an int "
-        "reshard_after_forward the post-forward DTensor on the smaller mesh ('different meshes'); sharded, flat "
-        "and DCP loads work there; upstream not searched yet",
-        lambda c, s: (
-            c["clause"] == "LOOP-2"
-            and any(m in (c["message"] or "") for m in ("got mixed torch.Tensor and DTensor", "with different meshes"))
-        ),
+        "reshard_after_forward the post-forward DTensor on the smaller mesh ('different meshes'; 2.11: 'Could "
+        "not run pointwise computation across different mesh'); sharded, flat and DCP loads work there; upstream "
+        "not searched yet",
+        lambda c, s: c["clause"] == "LOOP-2" and any(m in (c["message"] or "") for m in _UNSHARDED_LOAD),
     ),
     Cause(
         "extra state objects in full modes",
@@ -404,7 +410,7 @@ EXPLORE_RULES: tuple[tuple[str, Callable[[dict, dict, str], bool]], ...] = (
     ("get reshards what a forward left unsharded", lambda f, s, m: "changed the modules' sharding state" in m),
     (
         "full loads into unsharded modules",
-        lambda f, s, m: "got mixed torch.Tensor and DTensor" in m or "with different meshes" in m,
+        lambda f, s, m: any(w in m for w in _UNSHARDED_LOAD),
     ),
     (
         "plain SGD in full modes",
