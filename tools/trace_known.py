@@ -98,6 +98,7 @@ _UNSHARDED_LOAD = (
     "with different meshes",
     "pointwise computation across different mesh",
     "Sharding propagation failed for Op(op=aten.copy_.default",  # 2.9
+    "Cross device mesh comm not supported yet",  # 2.8
 )
 
 
@@ -365,7 +366,8 @@ CAUSES: tuple[Cause, ...] = (
         "left unsharded distributes each full value against what the module holds, and fails copying a DTensor "
         "into it: the unsharded plain tensor ('got mixed torch.Tensor and DTensor'), or with an int "
         "reshard_after_forward the post-forward DTensor on the smaller mesh ('different meshes'; 2.11: 'Could "
-        "not run pointwise computation across different mesh'; 2.9: 'Sharding propagation failed' for the copy); "
+        "not run pointwise computation across different mesh'; 2.9: 'Sharding propagation failed' for the copy; "
+        "2.8: 'Cross device mesh comm not supported yet'); "
         "sharded, flat and DCP loads work there; upstream not searched yet",
         lambda c, s: c["clause"] == "LOOP-2" and any(m in (c["message"] or "") for m in _UNSHARDED_LOAD),
     ),
