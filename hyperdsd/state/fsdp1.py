@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import _compat
 from ..placement import DTensorLayout, _contiguous_stride, chunk_bounds
+from ..tree import is_container, leaves
 
 
 @dataclass
@@ -243,20 +244,12 @@ def summarize(entry: dict, per_element: int) -> Summary:
             out[key] = ("rows", value.dtype)
         elif isinstance(value, torch.Tensor) and value.dim() > 0:
             out[key] = ("shape", tuple(value.shape))
-        elif _holds_tensors(value):
+        elif is_container(value) and any(isinstance(v, torch.Tensor) and v.dim() for _, v in leaves(value)):
             # Pieces of a flat shard inside a container: refused, not passed on with the shard's shapes.
             out[key] = ("shape", "nested, holding tensors")
         else:
             out[key] = ("value", value)
     return out
-
-
-def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, dict):
-        return any(_holds_tensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensors(v) for v in value)
-    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def merge(summaries: list[Summary | None]) -> Summary | None:
