@@ -6,8 +6,10 @@ from helpers import runner_on
 
 from conformance.exploring.scenario import Scenario, clauses_of
 from conformance.running.registry import all_cases, by_id
+from conformance.sections.loop import _sweep
 from conformance.world.layouts import parse_layout
 from conformance.world.loops import POINTS
+from conformance.world.modes import MODES
 from conformance.world.policies import VARIANTS, arguments
 
 
@@ -45,10 +47,13 @@ def test_loop_cases_cover_every_layout_point_and_mode():
                 if (p.applies if clause == "LOOP-1" else p.rollback)(parse_layout(layout)) is None
             }
             assert points == want, (clause, layout, points)
-        assert {c.mode for c in mine if c.id.endswith("-eval]") and c.layout == "fsdp4"} >= {"sharded", "dcp", "bcast"}
-        assert {c.layout for c in mine} >= {f"fsdp4.{v}" for v in VARIANTS}
+        assert {c.mode for c in mine if c.id.endswith("-eval]") and c.layout == "fsdp2"} == set(MODES)
+        assert {c.layout for c in mine} >= {_sweep(v) for v in VARIANTS}
     loop3 = [c for c in cases if c.clause == "LOOP-3"]
-    assert {(c.layout, c.mode) for c in loop3} >= {(f"fsdp4.{v}", m) for v in VARIANTS for m in ("sharded", "dcp")}
+    # Each policy in every mode (on 2 ranks, but reshard2, which means nothing there), and on 4 ranks and 2x2.
+    assert {(c.layout, c.mode) for c in loop3} >= {(_sweep(v), m) for v in VARIANTS for m in MODES}
+    assert {c.layout for c in loop3} >= {f"{base}.{v}" for base in ("fsdp4", "hsdp2x2") for v in VARIANTS}
+    assert _sweep("reshard2") == "fsdp4.reshard2" and _sweep("bf16") == "fsdp2.bf16"
     assert all(c.needs.layouts == ("policies",) for c in loop3)
 
 

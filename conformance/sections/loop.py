@@ -191,18 +191,26 @@ def cases():
             for mode in modes.MODES:
                 yield make_case(clause, "fsdp1-2-shard_grad_op", fn, mode=mode, variant="eval", point="eval")
         for mode in modes.MODES:  # parameters left unsharded by an evaluation forward, in every mode
-            if ("fsdp4", mode, "eval") not in made:
-                yield make_case(clause, "fsdp4", fn, mode=mode, variant="eval", point="eval")
+            if ("fsdp2", mode, "eval") not in made:
+                yield make_case(clause, "fsdp2", fn, mode=mode, variant="eval", point="eval")
         # Each policy at the points where it matters (what forward leaves unsharded), modes in turn.
         for i, variant in enumerate(policies.VARIANTS):
             for j, point in enumerate(("eval", "unshard")):
                 mode = modes.MODES[(2 * i + j) % len(modes.MODES)]
-                yield make_case(clause, f"fsdp4.{variant}", fn, mode=mode, variant=point, point=point)
-    for variant in policies.VARIANTS:
-        for mode in modes.MODES:
+                yield make_case(clause, _sweep(variant), fn, mode=mode, variant=point, point=point)
+    for i, variant in enumerate(policies.VARIANTS):
+        for mode in modes.MODES:  # each policy in every mode
+            yield make_case("LOOP-3", _sweep(variant), loop_3, mode=mode)
+        mode = modes.MODES[i % len(modes.MODES)]  # and on 4 ranks and the 2-D mesh, modes in turn
+        if _sweep(variant) != f"fsdp4.{variant}":
             yield make_case("LOOP-3", f"fsdp4.{variant}", loop_3, mode=mode)
-    for i, variant in enumerate(policies.VARIANTS):  # the 2-D mesh: each policy, modes in turn
-        yield make_case("LOOP-3", f"hsdp2x2.{variant}", loop_3, mode=modes.MODES[i % len(modes.MODES)])
+        yield make_case("LOOP-3", f"hsdp2x2.{variant}", loop_3, mode=mode)
+
+
+def _sweep(variant: str) -> str:
+    """The layout a policy runs every mode on: the smallest where it means
+    something. On 2 ranks ``reshard_after_forward=2`` is ``True``."""
+    return f"fsdp4.{variant}" if variant == "reshard2" else f"fsdp2.{variant}"
 
 
 def _loop_args(s) -> dict:
