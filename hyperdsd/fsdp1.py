@@ -51,6 +51,7 @@ class Twin:
         self.lazy_rows = to_load and not self.real_optims
         self.lazy_state = to_load
         self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(key, dtype)]) of its state rows
+        self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
         real = ModelIndex(model, modifiers_attr, fsdp1=True)
         self.units: list[UnitLayout] = []
         for module, raw in real.fsdp1_modules:
@@ -186,6 +187,36 @@ class Twin:
                     flat[where[0] : where[0] + where[1]] = value.reshape(-1)
         return flat
 
+    # -- landing a broadcast ----------------------------------------------------
+
+    def land(self, plan) -> None:
+        """Route a broadcast load's parameters straight into FSDP1's flat shards:
+        each rank is sent the part of each parameter its flat shard holds (not
+        its rows, which :meth:`write_back` would then exchange), so it
+        receives no more than its shard. Called after planning, before the
+        agreement; the pieces arrive only once every rank has agreed."""
+        if plan is None:
+            return
+        from .transport.delivery import Landing
+        from .transport.scatter import Need
+
+        targets = self.model.state_dict(keep_vars=True)
+        where = {id(t): (k, i) for k, twins in enumerate(self.params) for i, t in enumerate(twins)}
+        for raw, value in plan.values.items():
+            hit = where.get(id(targets.get(raw)))
+            if hit is None or getattr(value, "meta", None) is None or raw in plan.on_meta:
+                continue
+            u = self.units[hit[0]]
+            i = hit[1]
+            held = u.held(u.index, [i])
+            if not held:
+                value.landing = Landing(None, None)
+            else:
+                _, a, b = held[0]
+                start, base = u.unit.offsets[i], u.index * u.shard
+                value.landing = Landing(Need.run(a - start, b - start), u.unit.local.view(-1)[a - base : b - base])
+            self.landed.add((hit[0], i))
+
     # -- writing back ----------------------------------------------------------
 
     def write_back(self, model_plan, optim_plan) -> None:
@@ -194,7 +225,9 @@ class Twin:
         the twin; None: that part was not loaded)."""
         if model_plan is not None:
             only = self._settle_rows(model_plan) if self.lazy_rows else [None] * len(self.units)
-            for u, twins, keep in zip(self.units, self.params, only):
+            for k, (u, twins, keep) in enumerate(zip(self.units, self.params, only)):
+                keep = set(range(len(twins))) if keep is None else keep
+                keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
                 moves.to_flat_many(u, [[_compat.local_tensor(t) for t in twins]], [u.unit.local], only=keep)
                 if u.unit.unsharded:  # the copy a forward left would go on serving the old values
                     _compat.fsdp1_reshard(u.unit.module)

@@ -688,6 +688,21 @@ def test_packed_needs_send_each_distinct_region_once():
     assert len(pickle.dumps(PackedNeeds(needs))) < 8 * len(needs)
 
 
+def test_a_run_need_cuts_elements_in_order_across_rows():
+    # An FSDP1 flat shard holds a run of a parameter's elements, whole rows or not.
+    from hyperdsd.transport.scatter import Need
+
+    full = torch.arange(12.0).view(3, 4)
+    need = Need.run(2, 7)
+    assert need.shape() == [5] and need.numel() == 5
+    assert torch.equal(need.cut(full), torch.tensor([2.0, 3, 4, 5, 6]))
+    stacked = torch.stack([full, full + 100])
+    assert torch.equal(need.cut_each(stacked), torch.stack([need.cut(full), need.cut(full + 100)]))
+    assert need != Need(((2, 7),))  # a region of a 1-D tensor's rows is another need
+    rows = Need(((1, 3), (0, 4)))
+    assert torch.equal(rows.cut_each(stacked), stacked[:, 1:3])
+
+
 # -- checkpoints taken before the first step ---------------------------------
 
 

@@ -50,6 +50,9 @@ class Prepared:
     source_dtensor: DTensor | None = None  # a DTensor to redistribute to ``layout`` first
     dest: torch.Tensor | None = None  # an existing tensor of the same layout to copy into
     owned: bool = False  # ``local`` is ours to keep as the new tensor, no copy needed
+    # A broadcast piece that lands elsewhere, not in this tensor (a transport
+    # ``Landing``: FSDP1's flat shards); the plan then has nothing to apply.
+    landing: Any = None
 
     @property
     def local_shape(self) -> tuple:
@@ -69,7 +72,9 @@ class Prepared:
 
     def receive(self, piece: torch.Tensor) -> None:
         """Take a delivered piece (a view into a transfer buffer)."""
-        if self.dest is not None:
+        if self.landing is not None:
+            self.landing.into.copy_(piece.reshape(-1))
+        elif self.dest is not None:
             target = local_tensor(self.dest)
             if not same_memory(target, piece):  # received in place already
                 target.copy_(piece)

@@ -208,6 +208,8 @@ def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
         if raw in plan.on_meta:
             assign[raw] = materialize(value)
         elif isinstance(value, Prepared):
+            if value.landing is not None:
+                continue  # delivered where it belongs already
             target = targets.get(raw)
             if value.dest is not None and target is value.dest:
                 copy_into(target, value)  # nothing to copy for a piece delivered into it

@@ -11,6 +11,7 @@ holds its own state plus one bucket in flight.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -21,12 +22,24 @@ from .group import Group
 from .scatter import Metas, Need, scatter_from_root
 
 
+@dataclass(frozen=True)
+class Landing:
+    """Where a receiver's piece goes instead of its tensor: the run ``need``
+    of the root's tensor's elements, written into ``into`` (a view of
+    another tensor: an FSDP1 flat shard's part of a parameter). ``need``
+    None: this rank needs none of it."""
+
+    need: Need | None
+    into: torch.Tensor | None
+
+
 class Receiver(Protocol):
     """What delivery needs of a planned tensor (``hyperdsd.state.load_plan.Prepared`` is one)."""
 
     meta: Any  # its root tensor's index and shape (``.index``, ``.shape``)
     layout: DTensorLayout | None  # its DTensor layout, or None for a plain tensor
     dest: torch.Tensor | None  # an existing tensor a large piece can land in, if any
+    landing: Landing | None  # where its piece goes instead, if elsewhere
 
     def receive(self, piece: torch.Tensor) -> None: ...
 
@@ -51,6 +64,10 @@ def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None]
     regions: dict[tuple, Need] = {}  # tensors of one layout and shape need the same region: computed once
     for p in prepared:
         i = p.meta.index
+        if p.landing is not None:  # the one user of its root tensor (see Landing)
+            if p.landing.need is not None:
+                needs[i], users[i] = p.landing.need, p
+            continue
         if p.layout is not None and p.layout.simple:
             key = (p.layout.mesh, p.layout.placements, tuple(p.layout.shape))
             need = regions.get(key)
@@ -102,7 +119,7 @@ def deliver(
     def target_for(i: int) -> torch.Tensor | None:
         """Where a large piece can be received in place: its one user's destination."""
         u = users[i]
-        if u is None or type(u) is tuple or u.dest is None:
+        if u is None or type(u) is tuple or u.dest is None or u.landing is not None:
             return None
         return _compat.local_tensor(u.dest)
 

@@ -48,9 +48,16 @@ Run = tuple[list[int], tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Need:
-    """What a rank needs of a full tensor: a region (slices as (start, stop))."""
+    """What a rank needs of a full tensor: a region (slices as (start, stop)),
+    or with ``flat`` one run ``region[0]`` of its elements in order (an FSDP1
+    flat shard's part of a parameter: whole rows or not)."""
 
     region: tuple[tuple[int, int], ...]
+    flat: bool = False
+
+    @classmethod
+    def run(cls, start: int, stop: int) -> "Need":
+        return cls(((start, stop),), flat=True)
 
     @classmethod
     def whole(cls, shape) -> "Need":
@@ -75,7 +82,15 @@ class Need:
         return tuple(slice(a, b) for a, b in self.region)
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
+        if self.flat:
+            return full.reshape(-1)[self.slices()]
         return full[self.slices()] if self.region else full
+
+    def cut_each(self, stacked: torch.Tensor) -> torch.Tensor:
+        """This region of each of ``stacked``'s tensors (stacked on dim 0)."""
+        if self.flat:
+            return stacked.reshape(len(stacked), -1)[(slice(None),) + self.slices()]
+        return stacked[(slice(None),) + self.slices()]
 
 
 class PackedNeeds(Sequence):
@@ -207,7 +222,9 @@ class Scatterer:
         sizes = set()
         for needs in self.everyone:
             need = needs[i]
-            if need is None or not need.region or any(need.region[d] != (0, shape[d]) for d in range(1, len(shape))):
+            if need is None or need.flat or not need.region:
+                return False
+            if any(need.region[d] != (0, shape[d]) for d in range(1, len(shape))):
                 return False
             sizes.add(need.numel())
         return len(sizes) == 1 and sizes.pop() * dtype.itemsize >= DIRECT_BYTES
@@ -311,7 +328,7 @@ class Scatterer:
                 else:
                     if stacked is None:
                         stacked = _stack([self.fulls[i] for i in members])
-                    dest.copy_(as_bytes(stacked[(slice(None),) + need.slices()]).view(k, n))
+                    dest.copy_(as_bytes(need.cut_each(stacked)).view(k, n))
         return out
 
 
