@@ -356,6 +356,21 @@ def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonic
     return {"params": params, "state": state, "groups": groups}
 
 
+def fsdp1_share_bytes(root: torch.nn.Module) -> int:
+    """The bytes of an FSDP1 model's state a rank holds: the original
+    parameters' elements in its flat shards (not their padding) and every
+    buffer whole (FSDP1 does not shard them). From the flat parameters'
+    private ``_shard_param_infos``, as :func:`fsdp1_full_snapshot`."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    total = sum(b.nbytes for b in root.buffers())
+    for unit in root.modules():
+        if isinstance(unit, FSDP) and unit._handle is not None:
+            flat = unit._handle.flat_param
+            total += sum(i.numel_in_shard for i in flat._shard_param_infos if i.in_shard) * flat.element_size()
+    return total
+
+
 def sharded_tensor_pieces(value) -> list | None:
     """``[(offsets, local tensor), ...]`` of a ``ShardedTensor`` (what torch's own FSDP1 state dicts hold
     in the sharded mode), or None for anything else. ShardedTensor lives in a private module path and
