@@ -26,8 +26,9 @@ from . import _compat
 from .errors import StateDictError
 from .state import fsdp1 as layout_of
 from .state.fqn import ModelIndex
-from .state.fsdp1 import UnitLayout, merge, summarize, twin_module, twin_optimizer
+from .state.fsdp1 import RowsAt, UnitLayout, at_path, merge, per_element_paths, summarize, twin_module, twin_optimizer
 from .transport import fsdp1 as moves
+from .tree import leaves, rebuild
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -136,19 +137,22 @@ class Twin:
                             "per-element and scalar state can be unflattened"
                         )
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
-            keys = sorted({k for s in merged if s for k, (kind, _) in s.items() if kind == "rows"}, key=str)
-            typed = [(key, next(s[key][1] for s in merged if s and key in s)) for key in keys]
+            found: dict[tuple, torch.dtype] = {}
+            for summary in merged:
+                for path, dtype in per_element_paths(summary or {}):
+                    found.setdefault(path, dtype)
+            typed = sorted(found.items(), key=lambda item: str(item[0]))  # (path, dtype): the same on every rank
             self.state_plans.append((targets, typed))
             if self.lazy_state or self.stream_state:
                 by_key = [_blank_rows(u, dtype, self.stream_state) for _, dtype in typed]
             else:
                 by_key = self._state_rows(u, targets, typed)
-            for k, ((key, _), rows) in enumerate(zip(typed, by_key)):
-                for i, twin in enumerate(twins):
-                    j = 0 if u.unit.params is None else i
-                    summary = merged[j]
-                    if summary is not None and summary.get(key, ("",))[0] == "rows":
-                        value = twins_of[id(targets[j][2])].state[twin][key] = u.layouts[i].wrap(rows[i])
+            placed: dict[tuple, Any] = {}  # (parameter, path) -> the twin's DTensor of those rows
+            has = [{path for path, _ in per_element_paths(summary or {})} for summary in merged]
+            for k, ((path, _), rows) in enumerate(zip(typed, by_key)):
+                for i in range(len(twins)):
+                    if path in has[0 if u.unit.params is None else i]:
+                        value = placed[(i, path)] = u.layouts[i].wrap(rows[i])
                         if self.stream_state:
                             self.hollow[id(value)] = (k, i)
             for i, twin in enumerate(twins):
@@ -158,30 +162,25 @@ class Twin:
                     continue
                 here = u.unit.params is None or (u.unit.in_shard[j] or (0, 0))[1]
                 own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
-                entry = twins_of[id(opt)].state[twin]
-                for key, (kind, value) in summary.items():
-                    if kind == "value":
-                        value = own.get(key, value)
-                        entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                twins_of[id(opt)].state[twin] = {k: entry[k] for k in summary if k in entry}
+                twins_of[id(opt)].state[twin] = _twin_entry(summary, own, lambda path, i=i: placed[(i, path)])
 
     def _state_rows(self, u: UnitLayout, targets: list, typed: list) -> list[list[torch.Tensor]]:
-        """This rank's rows of each state tensor ``typed`` names (key, dtype), in one exchange."""
-        return moves.to_rows_many(u, [self._flat_state(u, targets, key, dtype) for key, dtype in typed])
+        """This rank's rows of each state tensor ``typed`` names (path, dtype), in one exchange."""
+        return moves.to_rows_many(u, [self._flat_state(u, targets, path, dtype) for path, dtype in typed])
 
     @staticmethod
-    def _flat_state(u: UnitLayout, targets: list, key, dtype) -> torch.Tensor:
-        """This rank's flat shard of state ``key``: the flat parameter's own, or
+    def _flat_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
+        """This rank's flat shard of the state at ``path``: the flat parameter's own, or
         assembled from the original parameters' pieces (zeros where none)."""
         if u.unit.params is None:
             _, p, opt = targets[0]
-            value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+            value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
             if value is not None:
                 return value
         flat = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
         if u.unit.params is not None:
             for j, p, opt in targets:
-                value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+                value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
                 where = u.unit.in_shard[j]
                 if value is not None and where is not None and where[1]:
                     flat[where[0] : where[0] + where[1]] = value.reshape(-1)
@@ -268,9 +267,9 @@ class Twin:
         ):
             if not typed or not any(some):
                 continue
-            for (key, _), rows in zip(typed, self._state_rows(u, targets, typed)):
+            for (path, _), rows in zip(typed, self._state_rows(u, targets, typed)):
                 for i, twin in enumerate(twins):
-                    value = opt_of[id(twin)].state[twin].get(key) if here[i] else None
+                    value = at_path(opt_of[id(twin)].state[twin], path) if here[i] else None
                     if _per_element(value):
                         _compat.local_tensor(value).copy_(rows[i])
 
@@ -329,18 +328,21 @@ class Twin:
         for i, twin in enumerate(twins):
             opt_twin = owner.get(id(params[0 if flat_mode else i]), (None, None))[1]
             entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
-        keys = sorted({k for e in entries if e for k, v in e.items() if _per_element(v)}, key=str)
+        found: dict[tuple, torch.dtype] = {}  # path of each per-element tensor (nested too) -> its dtype
+        for e in entries:
+            for path, value in leaves(e or {}):
+                if _per_element(value):
+                    found.setdefault(path, _compat.local_tensor(value).dtype)
         flats = {}
-        for key in keys:
+        for path, dtype in sorted(found.items(), key=lambda item: str(item[0])):
             rows = []
             for i, e in enumerate(entries):
-                value = (e or {}).get(key)
+                value = at_path(e or {}, path)
                 if _per_element(value):
                     rows.append(_compat.local_tensor(value))
                 else:
-                    dtype = next(_compat.local_tensor(x[key]).dtype for x in entries if x and _per_element(x.get(key)))
                     rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
-            flats[key] = moves.to_flat(u, rows)
+            flats[path] = moves.to_flat(u, rows)
         for j, p in enumerate(params):
             opt, _ = owner.get(id(p), (None, None))
             if opt is None:
@@ -353,25 +355,22 @@ class Twin:
                 opt.state.pop(p, None)
                 continue
             current = opt.state.get(p) or {}
-            new: dict[Any, Any] = {}
             # A flat shard's padding belongs to no parameter: a load leaves what the optimizer holds there.
             valid = self._unpadded(u) if flat_mode else where[1]
-            for key, value in mine[0].items():
-                if key in flats:
-                    piece = flats[key][where[0] : where[0] + where[1]]
-                    old = current.get(key)
+
+            def written(value, path, current=current, where=where, valid=valid):
+                old = at_path(current, path)
+                if path in flats:
+                    piece = flats[path][where[0] : where[0] + where[1]]
                     if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
                         old[:valid].copy_(piece[:valid])
-                        new[key] = old
-                    else:
-                        new[key] = piece.clone()
-                else:
-                    old = current.get(key)
-                    if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
-                        new[key] = old.copy_(value)
-                    else:
-                        new[key] = value
-            opt.state[p] = new
+                        return old
+                    return piece.clone()
+                if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
+                    return old.copy_(value)
+                return value
+
+            opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
 
     @staticmethod
     def _unpadded(u: UnitLayout) -> int:
@@ -388,6 +387,26 @@ def _blank_rows(u: UnitLayout, dtype: torch.dtype, hollow: bool) -> list[torch.T
     if hollow:
         return [torch.zeros((), dtype=dtype, device=device).expand(u.local_shape(i)) for i in range(len(u.fqns))]
     return [torch.empty(u.local_shape(i), dtype=dtype, device=device) for i in range(len(u.fqns))]
+
+
+def _twin_entry(summary: dict, own: dict, rows_at) -> dict:
+    """A twin parameter's state entry: per-element state (nested too) as the
+    twin's rows, ``rows_at(path)``; the rest this rank's own values where it
+    has them, else the holders' (``summary``'s)."""
+
+    def value(leaf, path):
+        if isinstance(leaf, RowsAt):
+            return rows_at(path)
+        leaf = at_path(own, path, leaf)
+        return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+
+    entry = {}
+    for key, (kind, detail) in summary.items():
+        if kind == "rows":
+            entry[key] = rows_at((key,))
+        elif kind in ("nested", "value"):
+            entry[key] = rebuild(detail, value, (key,))
+    return entry
 
 
 def _per_element(value: Any) -> bool:

@@ -21,9 +21,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .state.fsdp1 import UnitLayout
+from .state.fsdp1 import UnitLayout, at_path
 from .transport import fsdp1 as moves
 from .transport.collectives import BUCKET_BYTES
+from .tree import rebuild
 
 
 def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:
@@ -92,33 +93,31 @@ def optim_stages(twin) -> list | None:
 def _state_values(twin, n: int, run: list[int], entries: dict, root: int | None) -> dict:
     u, (targets, typed) = twin.units[n], twin.state_plans[n]
     gathers = _gathers(u, root)
-    sources = [_state_source(u, targets, key, dtype) for key, dtype in typed] if gathers else []
+    sources = [_state_source(u, targets, path, dtype) for path, dtype in typed] if gathers else []
     by_key = [dict(zip(run, full)) for full in moves.to_full(u, sources, run, root)] if gathers else []
 
-    def filled(entry: dict | None) -> dict | None:
-        out = dict(entry) if entry is not None else None
-        for key, value in (entry or {}).items():
-            if (spot := twin.hollow.get(id(value))) is not None:
-                out[key] = by_key[spot[0]][spot[1]] if gathers else None
-        return out
+    def full(value, _path):
+        if (spot := twin.hollow.get(id(value))) is not None:
+            return by_key[spot[0]][spot[1]] if gathers else None
+        return value
 
-    return {fqn: filled(entry) for fqn, entry in entries.items()}
+    return {fqn: None if entry is None else rebuild(dict(entry), full) for fqn, entry in entries.items()}
 
 
-def _state_source(u: UnitLayout, targets: list, key, dtype: torch.dtype):
-    """This rank's flat shard of state ``key``: the flat parameter's own
-    tensor, or each original parameter's, read where it lies (zeros where
-    a parameter has none), not assembled into one."""
+def _state_source(u: UnitLayout, targets: list, path: tuple, dtype: torch.dtype):
+    """This rank's flat shard of the state at ``path``: the flat parameter's
+    own tensor, or each original parameter's, read where it lies (zeros
+    where a parameter has none), not assembled into one."""
     device = u.unit.local.device
     if u.unit.params is None:
         _, p, opt = targets[0]
-        value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+        value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
         return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
     base = u.index * u.shard
 
     def cut(i: int, a: int, b: int) -> torch.Tensor:
         _, p, opt = targets[i]
-        value = (opt.state.get(p) or {}).get(key) if opt is not None else None
+        value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
         where = u.unit.in_shard[i]
         if value is None or where is None or not where[1]:
             return torch.zeros(b - a, dtype=dtype, device=device)

@@ -498,28 +498,105 @@ def never_stepped_full(ctx, uop: bool, cpu: bool):
 
 
 class _Nested(torch.optim.SGD):
-    """SGD that also keeps a nested, per-element trace of each gradient."""
+    """SGD that also keeps a nested, per-element trace of each gradient, and
+    a nested step count (as custom optimizers keep state)."""
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self.state[p].setdefault("trace", {"last": [torch.zeros_like(p)]})["last"][0].copy_(p.grad)
+                    entry = self.state[p].setdefault("trace", {"last": [torch.zeros_like(p)], "seen": 0})
+                    entry["last"][0].mul_(0.5).add_(p.grad)
+                    entry["seen"] += 1
+                    p.add_(entry["last"][0], alpha=-0.01)
         return super().step(closure)
 
 
+class _OddShaped(torch.optim.SGD):
+    """SGD that keeps a nested tensor of its own shape, not the parameter's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("trace", {"last": [torch.zeros(3)]})
+        return super().step(closure)
+
+
+def _nested_leaves(osd: dict) -> dict:
+    """Every leaf of an optimizer state dict's state, by (FQN, path)."""
+    out = {}
+
+    def walk(obj, path):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, (*path, k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, (*path, i))
+        else:
+            out[path] = obj
+
+    walk(osd["state"], ())
+    return out
+
+
+def nested_state_resumes(ctx, uop: bool, mode: str):
+    """Nested per-element state (a dict holding a list of tensors shaped like
+    the parameter, beside a count) is unflattened per original parameter, laid
+    out like it, and resumes exactly through a set into a stepped target."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
+
+    def make(seed):
+        model = _build(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = FSDP(model, device_id=CPU, use_orig_params=uop)
+        return model, _Nested(model.parameters(), lr=0.1 * (seed + 1), momentum=0.9)
+
+    source, source_opt = make(0)
+    _steps(source, source_opt, 0, 2)
+    reference = _build(0)
+    shapes = {k: tuple(v.shape) for k, v in reference.named_parameters()}
+    msd, osd = hyperdsd.get_state_dict(source, source_opt, options=StateDictOptions(**GET[mode]))
+    if mode != "full_cpu" or ctx.rank == 0:
+        trace = {f: e["trace"] for f, e in osd["state"].items()}
+        assert set(trace) == set(shapes), sorted(trace)
+        for fqn, t in trace.items():
+            last = t["last"][0]
+            assert isinstance(last, DTensor) == (mode == "sharded"), (fqn, type(last))
+            assert tuple(last.shape) == shapes[fqn], (fqn, tuple(last.shape), shapes[fqn])
+            assert t["seen"] == 2, (fqn, t["seen"])
+    target, target_opt = make(1)
+    _steps(target, target_opt, 50, 1)  # a stepped target: its own state must go
+    options = StateDictOptions(**PUT.get(mode, GET[mode]))
+    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    for model, opt in ((source, source_opt), (target, target_opt)):
+        _steps(model, opt, 2, 2)
+    (ma, oa), (mb, ob) = _full(source, source_opt), _full(target, target_opt)
+    a, b = _nested_leaves(oa), _nested_leaves(ob)
+    assert list(a) == list(b), (list(a), list(b))
+    for path, x in a.items():
+        same = torch.equal(x, b[path]) if isinstance(x, torch.Tensor) else x == b[path]
+        assert same, f"{path} differs after resuming"
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    return True
+
+
 def nested_state_refused(ctx, uop: bool):
-    """Optimizer state nested in containers holds pieces of a flat shard: a
-    get refuses it on every rank, naming the key, rather than return the
-    pieces with the shard's shapes."""
+    """Optimizer state nested in containers holding tensors that are not
+    per-element (not shaped like the flat shard): a get refuses it on every
+    rank, naming the key, rather than return them as they are."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     model = _build(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = FSDP(model, device_id=CPU, use_orig_params=uop)
-    optimizer = _Nested(model.parameters(), lr=0.1)
+    optimizer = _OddShaped(model.parameters(), lr=0.1)
     _steps(model, optimizer, 0, 1)
     try:
         hyperdsd.get_optimizer_state_dict(model, optimizer)

@@ -118,6 +118,12 @@ def test_a_full_get_of_a_never_stepped_optimizer_gathers_its_placeholders(pools,
     assert run(pools, 4, "never_stepped_full", uop=uop, cpu=cpu) == [names] + [[] if cpu else names] * 3
 
 
+@pytest.mark.parametrize("mode", ["sharded", "full_cpu"])
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
-def test_nested_optimizer_state_is_refused_on_every_rank(pools, uop):
+def test_nested_per_element_state_is_unflattened_and_resumes(pools, uop, mode):
+    assert run(pools, 2, "nested_state_resumes", uop=uop, mode=mode) == [True, True]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_nested_state_of_other_shapes_is_refused_on_every_rank(pools, uop):
     assert run(pools, 2, "nested_state_refused", uop=uop) == [True, True]

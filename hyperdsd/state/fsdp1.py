@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import _compat
 from ..placement import DTensorLayout, _contiguous_stride, chunk_bounds
-from ..tree import is_container, leaves
+from ..tree import is_container, leaves, rebuild
 
 
 @dataclass
@@ -232,24 +232,63 @@ def _param_names(group: dict, params: list) -> list[str]:
 
 # What a rank tells the others of one optimizer parameter's state: by key,
 # ("rows", dtype) for per-element state (a flat shard's, or an original
-# parameter's piece) or ("value", value) for anything else (``step``).
+# parameter's piece), ("nested", template) for a container holding some (the
+# container with :class:`RowsAt` where those are), ("value", value) for
+# anything else (``step``), ("shape", what) for state that cannot be unflattened.
 Summary = dict
 
 
+@dataclass(frozen=True)
+class RowsAt:
+    """Marks per-element state inside a nested template."""
+
+    dtype: torch.dtype
+
+
 def summarize(entry: dict, per_element: int) -> Summary:
-    """What of ``entry`` is per-element state (1-D of ``per_element`` elements) and what is not."""
+    """What of ``entry`` is per-element state (1-D of ``per_element`` elements), nested or not, and what is not."""
+
+    def per_element_tensor(value) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == per_element
+
     out = {}
     for key, value in entry.items():
-        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == per_element:
+        if per_element_tensor(value):
             out[key] = ("rows", value.dtype)
         elif isinstance(value, torch.Tensor) and value.dim() > 0:
             out[key] = ("shape", tuple(value.shape))
         elif is_container(value) and any(isinstance(v, torch.Tensor) and v.dim() for _, v in leaves(value)):
-            # Pieces of a flat shard inside a container: refused, not passed on with the shard's shapes.
-            out[key] = ("shape", "nested, holding tensors")
+            tensors = [v for _, v in leaves(value) if isinstance(v, torch.Tensor) and v.dim()]
+            others = [v for v in tensors if not per_element_tensor(v)]
+            if others:  # tensors of another shape inside: refused, not passed on with the shard's shapes
+                out[key] = ("shape", f"nested, holding a tensor of shape {tuple(others[0].shape)}")
+            else:
+                template = rebuild(value, lambda v, _path: RowsAt(v.dtype) if per_element_tensor(v) else v)
+                out[key] = ("nested", template)
         else:
             out[key] = ("value", value)
     return out
+
+
+def per_element_paths(summary: Summary) -> list[tuple[tuple, torch.dtype]]:
+    """``(path, dtype)`` of each piece of per-element state a summary names: ``(key,)``, or ``(key, *where)`` nested."""
+    out = []
+    for key, (kind, detail) in summary.items():
+        if kind == "rows":
+            out.append(((key,), detail))
+        elif kind == "nested":
+            out += [((key, *where), leaf.dtype) for where, leaf in leaves(detail) if isinstance(leaf, RowsAt)]
+    return out
+
+
+def at_path(entry: Any, path: tuple, default: Any = None) -> Any:
+    """The value at ``path`` in a (nested) state entry, or ``default``."""
+    for part in path:
+        try:
+            entry = entry[part]
+        except (KeyError, IndexError, TypeError):
+            return default
+    return entry
 
 
 def merge(summaries: list[Summary | None]) -> Summary | None:
