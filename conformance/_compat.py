@@ -291,6 +291,8 @@ def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonic
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    from .judging import nested
+
     state_of = {}  # parameter -> optimizer state
     for opt in optimizers:
         for p, entry in opt.state.items():
@@ -315,12 +317,12 @@ def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonic
             span = slice(info.offset_in_shard, info.offset_in_shard + info.numel_in_shard)
             if originals is not None:
                 entry = state_of.get(originals[i], {})
-            else:
-                entry = {
-                    k: (v[span] if isinstance(v, torch.Tensor) and v.dim() else v)
-                    for k, v in state_of.get(flat, {}).items()
-                }
-            own = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+            else:  # per-element state (nested too) is the flat shard's: this parameter's part of it
+                entry = nested.rebuild(
+                    dict(state_of.get(flat, {})),
+                    lambda v, _path: v[span] if isinstance(v, torch.Tensor) and v.dim() else v,
+                )
+            own = nested.rebuild(dict(entry), lambda v, _path: v.detach().clone() if isinstance(v, torch.Tensor) else v)
             pieces[fqns[i]] = (
                 info.intra_param_start_idx,
                 info.intra_param_end_idx,
@@ -331,22 +333,27 @@ def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonic
         dist.all_gather_object(everyone, pieces, group=unit.process_group)
         for fqn, shape, numel in zip(fqns, flat._shapes, flat._numels):
             full = torch.zeros(numel, dtype=flat.dtype)
-            entry: dict = {}
+            spread: dict = {}  # path in the state entry -> its full tensor, or its value
+            template = None  # the entry's structure (nested state too), as the first holder has it
             for part in everyone:
                 if fqn not in part:
                     continue
                 start, end, values, own = part[fqn]
                 full[start : end + 1] = values
-                for k, v in own.items():
+                template = own if template is None else template
+                for path, v in nested.leaves(own):
                     if isinstance(v, torch.Tensor) and v.dim():
-                        entry.setdefault(k, torch.zeros(numel, dtype=v.dtype))[start : end + 1] = v
+                        spread.setdefault(path, torch.zeros(numel, dtype=v.dtype))[start : end + 1] = v
                     else:
-                        entry.setdefault(k, v)
+                        spread.setdefault(path, v)
             params[fqn] = full.view(shape)
-            if entry:
-                state[fqn] = {
-                    k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in entry.items()
-                }
+            if template:
+                state[fqn] = nested.rebuild(
+                    template,
+                    lambda v, path: (
+                        spread[path].view(shape) if isinstance(v, torch.Tensor) and v.dim() else spread[path]
+                    ),
+                )
     groups = []
     for opt in optimizers:
         for group in opt.param_groups:

@@ -38,12 +38,11 @@ def test_fsdp1_cases_need_the_layout_fsdp1_and_cover_the_clauses():
     cases = _fsdp1_cases()
     assert 300 <= len(cases) <= 450, len(cases)
     # Every core clause runs on FSDP1 but these, each with its reason in docs/CONFORMANCE.md
-    # ("FSDP1 layouts"): by subject, by FSDP1's own behaviour, or not yet.
+    # ("FSDP1 layouts"): by subject, or by FSDP1's own behaviour.
     core = {c.clause for c in all_cases() if c.profile == "core"}
     assert core - {c.clause for c in cases} == {
         *("OPT-DT-1", "OPT-DT-2", "OPT-MESH-1", "OPT-MESH-2", "OPT-MPMD-1", "OPT-MPMD-2", "OPT-MPMD-3", "LOOP-3"),
         "OPT-PART-5",
-        "OPT-STATE-1",
     }
     assert all("fsdp1" in c.needs.layouts for c in cases)
     assert "fsdp1" in LAYOUTS

@@ -219,7 +219,7 @@ def cases():
         ("fsdp2", "fsdp1-2"),
     ):
         for opt in ("adamw", "sgd"):
-            yield _one_group_if_flat(resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp"))
+            yield one_group_if_flat(resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp"))
     for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("single", "hsdp2x2"), ("fsdp4", "fsdp1-2")):
         yield resharded_case("OPT-RESHARD-2", src, dst, "adamw", "dcp", lazy="subset")
     # A parameter the checkpoint lists without state (lazy), loaded where a
@@ -237,10 +237,10 @@ def cases():
         ("fsdp2", "fsdp1-4-flat"),
         ("fsdp1-2", "hsdp1-2x2"),
     ):
-        yield _one_group_if_flat(resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast"))
+        yield one_group_if_flat(resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast"))
 
 
-def _one_group_if_flat(case: Case) -> Case:
+def one_group_if_flat(case: Case) -> Case:
     """FSDP1's flat layout's optimizer holds one flat parameter per unit, so
     its groups cannot go by role: both sides put every parameter in one group."""
     if "-flat" not in case.layout:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import _compat
 from ..judging import nested
 from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
 from ..running.cases import make_case
@@ -14,7 +15,7 @@ from ..running.clauses import Clause
 from ..world import modes
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg
-from .reshard import resharded_case
+from .reshard import one_group_if_flat, resharded_case
 from .roundtrip import LAYOUTS
 
 OPT = "custom"
@@ -37,8 +38,30 @@ def state_1(c, layout, mode, lazy=False):
 
 def check_loaded(s) -> None:
     """After set, state shaped like a parameter is laid out like it (nested state included)."""
-    problems = layout_problems(snapshot(s)["state"], dict(s.named_parameters()), "state", local=True)
+    if s.layout.kind.fsdp1:
+        problems = _fsdp1_loaded(s)
+    else:
+        problems = layout_problems(snapshot(s)["state"], dict(s.named_parameters()), "state", local=True)
     fail_if(problems, "after set, state tensors are not laid out like their parameters")
+
+
+def _fsdp1_loaded(s) -> list[str]:
+    """FSDP1's optimizers step its flat shards (or, with its original
+    parameters, their 1-D views of them): per-element state, nested included,
+    is shaped like the tensor it steps, on its device."""
+    fqn_of = s.fqn_of()
+    problems = []
+    for opt in s.optimizers:
+        for p, entry in opt.state.items():
+            for path, v in nested.leaves(dict(entry)):
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue
+                at = f"optimizer.state[{fqn_of.get(p, '?')!r}]{nested.where(path)}"
+                if v.shape != p.shape:
+                    problems.append(f"{at}: shape {tuple(v.shape)}, the flat shard it steps is {tuple(p.shape)}")
+                elif v.device != p.device:
+                    problems.append(f"{at}: on {v.device}, the flat shard on {p.device}")
+    return problems
 
 
 def check_get(c, s, mode: str) -> None:
@@ -46,9 +69,14 @@ def check_get(c, s, mode: str) -> None:
     parameter's placements, or full in the full modes); 0-d tensors and
     non-tensor values are the same on every rank that holds them."""
     osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, mode))
-    params = dict(s.named_parameters())
+    gathered = s.gathered()  # FSDP1: state by original parameter (what a get returns), full
+    if gathered is not None:
+        params = gathered["params"]
+        stateful = {fqn for fqn, entry in gathered["state"].items() if entry}
+    else:
+        params = dict(s.named_parameters())
+        stateful = {fqn for fqn, entry in snapshot(s)["state"].items() if entry}
     held = by_param(osd, params)
-    stateful = {fqn for fqn, entry in snapshot(s)["state"].items() if entry}
     if mode in _ROOT_ONLY:
         # The root holds every rank's state (pipeline stages too), the others nothing.
         everyone = {f for part in _everyone(s, sorted(stateful)) for f in part}
@@ -60,6 +88,8 @@ def check_get(c, s, mode: str) -> None:
             problems.append(
                 f"full_cpu on rank {c.rank}: {len(held)} state entries, expected none off the root (rank {s.root})"
             )
+    elif gathered is not None:
+        problems += _fsdp1_sharded(held, {fqn: tuple(p.shape) for fqn, p in params.items()})
     else:
         problems += layout_problems(held, params, "get", local=False)
     problems += _differ_across_ranks(s, held)
@@ -113,6 +143,23 @@ def _not_full(held: dict, shapes: dict, cpu: bool) -> list[str]:
     return problems
 
 
+def _fsdp1_sharded(held: dict, shapes: dict) -> list[str]:
+    """FSDP1's sharded state: per-element tensors (nested too) keep their
+    original parameter's global shape, each rank holding a piece (a DTensor
+    or torch's ShardedTensor; which one is the implementation's choice)."""
+    problems = []
+    for fqn, entry in held.items():
+        for path, v in nested.leaves(entry):
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            at = f"get[{fqn!r}]{nested.where(path)}"
+            if not isinstance(v, DTensor) and _compat.sharded_tensor_pieces(v) is None:
+                problems.append(f"{at}: a plain {type(v).__name__}, expected one sharded like its parameter")
+            elif tuple(v.size()) != shapes.get(fqn):
+                problems.append(f"{at}: global shape {tuple(v.size())}, its parameter's is {shapes.get(fqn)}")
+    return problems
+
+
 def _scalars(held: dict) -> dict:
     """0-d tensors and non-tensor values, by where they are."""
     out = {}
@@ -156,7 +203,13 @@ def cases():
     for layout in ("single", "fsdp4", "pp2xfsdp2"):
         yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode="dcp", variant="lazy", lazy=True)
     for src, dst in (("fsdp4", "fsdp3"), ("hsdp2x2", "fsdp2"), ("pp2xfsdp2", "pp2")):
-        yield resharded_case("OPT-STATE-1", src, dst, OPT, "dcp")
+        yield one_group_if_flat(resharded_case("OPT-STATE-1", src, dst, OPT, "dcp"))
+    # FSDP1 (SPEC §2, 1.3): state unflattened from flat shards, nested state included; to FSDP2 and back.
+    for layout, layout_modes in (("fsdp1-2", modes.MODES), ("fsdp1-4-flat", modes.MODES), ("hsdp1-2x2", SOME_MODES)):
+        for mode in layout_modes:
+            yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
+    for src, dst in (("fsdp1-4-flat", "fsdp4"), ("fsdp2", "fsdp1-2")):
+        yield one_group_if_flat(resharded_case("OPT-STATE-1", src, dst, OPT, "dcp"))
 
 
 CLAUSES = {"OPT-STATE-1": Clause()}
