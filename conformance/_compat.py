@@ -291,7 +291,7 @@ def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonic
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from .judging import nested
+    from . import nested
 
     state_of = {}  # parameter -> optimizer state
     for opt in optimizers:

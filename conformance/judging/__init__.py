@@ -1,3 +1,2 @@
 """How a case judges what the implementation under test did: the checks and comparisons
-(oracle.py), the suite's own walks of nested state, what came back judged as input, and the bytes a
-rank received."""
+(oracle.py), what came back judged as input, and the bytes a rank received."""

@@ -15,8 +15,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from . import nested
+from .. import _compat, nested
 
 # Path segments that wrappers insert and canonical FQNs leave out.
 WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..judging import nested
+from .. import nested
 from ..judging.oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
 from ..running.cases import make_case
 from ..running.clauses import Clause

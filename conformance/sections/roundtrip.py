@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..judging import nested
+from .. import nested
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
 from ..running.cases import make_case

@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from ..judging import nested
+from .. import _compat, nested
 from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
 from ..running.cases import make_case
 from ..running.clauses import Clause
