@@ -144,6 +144,19 @@ CAUSES: tuple[Cause, ...] = (
         ),
     ),
     Cause(
+        "nested state on FSDP1",
+        "torch's FSDP1 optimizer-state conversion unflattens per-element state at the top of an entry only: with "
+        "the original parameters a get of per-element tensors nested in a dict or list raises 'The size of tensor "
+        "a (...) must match the size of tensor b (...)'; with flat parameters it returns them as the flat shard's "
+        "pieces (plain tensors of the shard's length), which DCP then cannot load into another layout; the flat "
+        "layout refuses the string state",
+        lambda c, s: (
+            _fsdp1(c)
+            and c["clause"] == "OPT-STATE-1"
+            and any(m in s for m in ("must match the size of tensor b", "not laid out", "Flattening", "Size mismatch"))
+        ),
+    ),
+    Cause(
         "FSDP1 unit split between optimizers",
         "on an FSDP1 model with its original parameters, two optimizers over disjoint parameters of one unit "
         "(OPT-KEYS-4): get_optimizer_state_dict raises 'norm.weight is not in the optimizer state. The "
