@@ -51,7 +51,7 @@ class Twin:
         # rows stay read when optimizers come along (a scratch step may read them).
         self.lazy_rows = to_load and not self.real_optims
         self.lazy_state = to_load
-        self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(key, dtype)]) of its state rows
+        self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(path, dtype)]) of its state rows
         self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
         real = ModelIndex(model, modifiers_attr, fsdp1=True)
         self.units: list[UnitLayout] = []
@@ -205,8 +205,8 @@ class Twin:
             hit = where.get(id(targets.get(raw)))
             if hit is None or getattr(value, "meta", None) is None or raw in plan.on_meta:
                 continue
-            u = self.units[hit[0]]
-            i = hit[1]
+            k, i = hit
+            u = self.units[k]
             held = u.held(u.index, [i])
             if not held:
                 value.landing = Landing(None, None)
@@ -214,7 +214,7 @@ class Twin:
                 _, a, b = held[0]
                 start, base = u.unit.offsets[i], u.index * u.shard
                 value.landing = Landing(Need.run(a - start, b - start), u.unit.local.view(-1)[a - base : b - base])
-            self.landed.add((hit[0], i))
+            self.landed.add((k, i))
 
     # -- writing back ----------------------------------------------------------
 
@@ -400,13 +400,7 @@ def _twin_entry(summary: dict, own: dict, rows_at) -> dict:
         leaf = at_path(own, path, leaf)
         return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
 
-    entry = {}
-    for key, (kind, detail) in summary.items():
-        if kind == "rows":
-            entry[key] = rows_at((key,))
-        elif kind in ("nested", "value"):
-            entry[key] = rebuild(detail, value, (key,))
-    return entry
+    return {key: rebuild(detail, value, (key,)) for key, (kind, detail) in summary.items() if kind != "shape"}
 
 
 def _per_element(value: Any) -> bool:

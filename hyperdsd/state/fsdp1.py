@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import _compat
 from ..placement import DTensorLayout, _contiguous_stride, chunk_bounds
-from ..tree import is_container, leaves, rebuild
+from ..tree import leaves, rebuild
 
 
 @dataclass
@@ -231,16 +231,16 @@ def _param_names(group: dict, params: list) -> list[str]:
 
 
 # What a rank tells the others of one optimizer parameter's state: by key,
-# ("rows", dtype) for per-element state (a flat shard's, or an original
-# parameter's piece), ("nested", template) for a container holding some (the
-# container with :class:`RowsAt` where those are), ("value", value) for
-# anything else (``step``), ("shape", what) for state that cannot be unflattened.
+# ("rows", template) for per-element state, bare or nested in containers (the
+# value with a :class:`RowsAt` for each per-element tensor: a flat shard's, or
+# an original parameter's piece), ("value", value) for anything else
+# (``step``), ("shape", what) for state that cannot be unflattened.
 Summary = dict
 
 
 @dataclass(frozen=True)
 class RowsAt:
-    """Marks per-element state inside a nested template."""
+    """Stands for a per-element tensor in a summary's template."""
 
     dtype: torch.dtype
 
@@ -253,32 +253,27 @@ def summarize(entry: dict, per_element: int) -> Summary:
 
     out = {}
     for key, value in entry.items():
-        if per_element_tensor(value):
-            out[key] = ("rows", value.dtype)
-        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            out[key] = ("shape", tuple(value.shape))
-        elif is_container(value) and any(isinstance(v, torch.Tensor) and v.dim() for _, v in leaves(value)):
-            tensors = [v for _, v in leaves(value) if isinstance(v, torch.Tensor) and v.dim()]
-            others = [v for v in tensors if not per_element_tensor(v)]
-            if others:  # tensors of another shape inside: refused, not passed on with the shard's shapes
-                out[key] = ("shape", f"nested, holding a tensor of shape {tuple(others[0].shape)}")
-            else:
-                template = rebuild(value, lambda v, _path: RowsAt(v.dtype) if per_element_tensor(v) else v)
-                out[key] = ("nested", template)
+        tensors = [v for _, v in leaves(value) if isinstance(v, torch.Tensor) and v.dim()]
+        others = [v for v in tensors if not per_element_tensor(v)]
+        if others:  # refused, not passed on with the shard's shapes
+            shape = tuple(others[0].shape)
+            out[key] = ("shape", shape if others[0] is value else f"nested, holding a tensor of shape {shape}")
+        elif tensors:
+            out[key] = ("rows", rebuild(value, lambda v, _path: RowsAt(v.dtype) if per_element_tensor(v) else v))
         else:
             out[key] = ("value", value)
     return out
 
 
 def per_element_paths(summary: Summary) -> list[tuple[tuple, torch.dtype]]:
-    """``(path, dtype)`` of each piece of per-element state a summary names: ``(key,)``, or ``(key, *where)`` nested."""
-    out = []
-    for key, (kind, detail) in summary.items():
-        if kind == "rows":
-            out.append(((key,), detail))
-        elif kind == "nested":
-            out += [((key, *where), leaf.dtype) for where, leaf in leaves(detail) if isinstance(leaf, RowsAt)]
-    return out
+    """``(path, dtype)`` of each per-element tensor a summary names: ``(key,)``, or ``(key, *where)`` nested."""
+    return [
+        ((key, *where), leaf.dtype)
+        for key, (kind, detail) in summary.items()
+        if kind == "rows"
+        for where, leaf in leaves(detail)
+        if isinstance(leaf, RowsAt)
+    ]
 
 
 def at_path(entry: Any, path: tuple, default: Any = None) -> Any:
