@@ -214,7 +214,7 @@ class _Load:
         self.problems += agreement.problems
         self._plan(parts, foreign_ok=agreement.foreign_ok)
         if broadcast and self.twin is not None:
-            self.twin.land(self.model_plan)
+            self.twin.land(self.model_plan, self.optim_plan)
         self._apply(agreement.agree(what, self.problems, self.model_plan, self.optim_plan, self.opts.strict))
 
     def _plan(self, parts: dict[str, Any], foreign_ok: bool) -> None:

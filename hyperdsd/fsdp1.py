@@ -27,7 +27,10 @@ from .errors import StateDictError
 from .state import fsdp1 as layout_of
 from .state.fqn import ModelIndex
 from .state.fsdp1 import RowsAt, UnitLayout, at_path, merge, per_element_paths, summarize, twin_module, twin_optimizer
+from .state.load_plan import Prepared
 from .transport import fsdp1 as moves
+from .transport.delivery import Landing
+from .transport.scatter import Need
 from .tree import leaves, rebuild
 
 _STRUCTURAL = ("params", "param_names")
@@ -47,12 +50,16 @@ class Twin:
         self.hollow: dict[int, tuple[int, int]] = {}  # id of a streamed state DTensor -> (key, parameter) in its unit
         # A load overwrites what it loads: the twin's flat state then starts
         # empty, and what a load leaves is read from the flat shards at write-back
-        # only where some rank did not load it (:meth:`write_back`). The model's
-        # rows stay read when optimizers come along (a scratch step may read them).
-        self.lazy_rows = to_load and not self.real_optims
+        # only where some rank did not load it (:meth:`write_back`). An optimizer
+        # load reads no parameter values (a scratch step steps zeros like them),
+        # but its load hooks, which see the twin, might: the rows are read for them.
+        hooked = any(h.pre or h.post for h in map(_compat.optimizer_load_hooks, self.real_optims))
+        self.lazy_rows = to_load and not hooked
         self.lazy_state = to_load
         self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(path, dtype)]) of its state rows
         self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
+        # unit -> path -> (flat buffer, parameters): per-element state a broadcast delivered in the flat layout
+        self.state_landed: dict[int, dict[tuple, tuple[torch.Tensor, set[int]]]] = {}
         real = ModelIndex(model, modifiers_attr, fsdp1=True)
         self.units: list[UnitLayout] = []
         for module, raw in real.fsdp1_modules:
@@ -188,33 +195,59 @@ class Twin:
 
     # -- landing a broadcast ----------------------------------------------------
 
-    def land(self, plan) -> None:
-        """Route a broadcast load's parameters straight into FSDP1's flat shards:
-        each rank is sent the part of each parameter its flat shard holds (not
-        its rows, which :meth:`write_back` would then exchange), so it
-        receives no more than its shard. Called after planning, before the
-        agreement; the pieces arrive only once every rank has agreed."""
-        if plan is None:
-            return
-        from .transport.delivery import Landing
-        from .transport.scatter import Need
-
-        targets = self.model.state_dict(keep_vars=True)
+    def land(self, model_plan, optim_plan) -> None:
+        """Route a broadcast load's pieces straight into FSDP1's flat layout:
+        each rank is sent the part of each parameter, and of each per-element
+        state tensor, its flat shard holds (not its rows, which
+        :meth:`write_back` would then exchange), so it receives no more than
+        its shard. Called after planning, before the agreement; the pieces
+        arrive only once every rank has agreed."""
         where = {id(t): (k, i) for k, twins in enumerate(self.params) for i, t in enumerate(twins)}
-        for raw, value in plan.values.items():
-            hit = where.get(id(targets.get(raw)))
-            if hit is None or getattr(value, "meta", None) is None or raw in plan.on_meta:
+        if model_plan is not None:
+            targets = self.model.state_dict(keep_vars=True)
+            for raw, value in model_plan.values.items():
+                hit = where.get(id(targets.get(raw)))
+                if hit is None or getattr(value, "meta", None) is None or raw in model_plan.on_meta:
+                    continue
+                k, i = hit
+                value.landing = self._landing(k, i, self.units[k].unit.local.view(-1))
+                self.landed.add((k, i))
+        if optim_plan is not None:
+            for load in optim_plan.params:
+                hit = where.get(id(load.param))
+                if hit is not None:
+                    self._land_state(*hit, load.entry or {})
+
+    def _land_state(self, k: int, i: int, entry: dict) -> None:
+        """Land the per-element state of parameter ``i`` of unit ``k`` in a flat
+        buffer per path (:attr:`state_landed`), which :meth:`_write_unit` writes
+        into the optimizers. The twin's state becomes a stand-in of no memory."""
+        u = self.units[k]
+        shape = tuple(u.unit.shapes[i])
+        for path, leaf in leaves(entry):
+            if not isinstance(leaf, Prepared) or leaf.meta is None or leaf.layout is None:
                 continue
-            k, i = hit
-            u = self.units[k]
-            held = u.held(u.index, [i])
-            if not held:
-                value.landing = Landing(None, None)
-            else:
-                _, a, b = held[0]
-                start, base = u.unit.offsets[i], u.index * u.shard
-                value.landing = Landing(Need.run(a - start, b - start), u.unit.local.view(-1)[a - base : b - base])
-            self.landed.add((k, i))
+            if not shape or tuple(leaf.meta.shape) != shape:
+                continue
+            by_path = self.state_landed.setdefault(k, {})
+            if path not in by_path:
+                by_path[path] = (torch.zeros(u.shard, dtype=leaf.meta.dtype, device=u.unit.local.device), set())
+            buffer, landed = by_path[path]
+            leaf.landing = self._landing(k, i, buffer)
+            leaf.local = torch.zeros((), dtype=leaf.meta.dtype, device=leaf.device).expand(leaf.layout.local_shape)
+            leaf.dest, leaf.owned = None, True
+            landed.add(i)
+
+    def _landing(self, k: int, i: int, flat: torch.Tensor) -> Landing:
+        """Where parameter ``i`` of unit ``k`` lands in ``flat``, laid out as this
+        rank's flat shard: the run of its elements the shard holds, if any."""
+        u = self.units[k]
+        held = u.held(u.index, [i])
+        if not held:
+            return Landing(None, None)
+        _, a, b = held[0]
+        start, base = u.unit.offsets[i], u.index * u.shard
+        return Landing(Need.run(a - start, b - start), flat[a - base : b - base])
 
     # -- writing back ----------------------------------------------------------
 
@@ -309,9 +342,9 @@ class Twin:
             for g in opt.param_groups
             for p in g["params"]
         }
-        for u, twins, params in zip(self.units, self.params, self._optimizer_params()):
+        for k, (twins, params) in enumerate(zip(self.params, self._optimizer_params())):
             managed.update(id(p) for p in params)
-            self._write_unit(u, twins, params, owner)
+            self._write_unit(k, twins, params, owner)
         for opt, twin in zip(self.real_optims, self.optims):
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -322,7 +355,8 @@ class Twin:
                     else:
                         opt.state.pop(p, None)
 
-    def _write_unit(self, u: UnitLayout, twins: list, params: list, owner: dict) -> None:
+    def _write_unit(self, k: int, twins: list, params: list, owner: dict) -> None:
+        u = self.units[k]
         flat_mode = u.unit.params is None
         entries = []
         for i, twin in enumerate(twins):
@@ -335,14 +369,7 @@ class Twin:
                     found.setdefault(path, _compat.local_tensor(value).dtype)
         flats = {}
         for path, dtype in sorted(found.items(), key=lambda item: str(item[0])):
-            rows = []
-            for i, e in enumerate(entries):
-                value = at_path(e or {}, path)
-                if _per_element(value):
-                    rows.append(_compat.local_tensor(value))
-                else:
-                    rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
-            flats[path] = moves.to_flat(u, rows)
+            flats[path] = self._flat_of(k, path, dtype, entries)
         for j, p in enumerate(params):
             opt, _ = owner.get(id(p), (None, None))
             if opt is None:
@@ -371,6 +398,30 @@ class Twin:
                 return value
 
             opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
+
+    def _flat_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list) -> torch.Tensor:
+        """This rank's flat shard of the state at ``path`` of unit ``k``, from the
+        twin's ``entries`` (one per parameter; zeros where one has none): what a
+        broadcast landed there already, the rest through one exchange of rows."""
+        u = self.units[k]
+        buffer, landed = self.state_landed.get(k, {}).get(path, (None, set()))
+        rows, others = [], set()
+        for i, e in enumerate(entries):
+            value = at_path(e or {}, path)
+            if _per_element(value):
+                rows.append(_compat.local_tensor(value))
+                others.add(i)
+            else:
+                rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
+                if i in landed:  # landed, then dropped (a template nobody filled): zeros, as if never landed
+                    for _, a, b in u.held(u.index, [i]):
+                        buffer[a - u.index * u.shard : b - u.index * u.shard].zero_()
+        if buffer is None:
+            return moves.to_flat(u, rows)
+        others -= landed  # the same on every rank: the plan and its answers are
+        if others:
+            moves.to_flat_many(u, [rows], [buffer], only=others)
+        return buffer if buffer.dtype == dtype else buffer.to(dtype)
 
     @staticmethod
     def _unpadded(u: UnitLayout) -> int:

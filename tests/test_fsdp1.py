@@ -127,3 +127,18 @@ def test_nested_per_element_state_is_unflattened_and_resumes(pools, uop, mode):
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
 def test_nested_state_of_other_shapes_is_refused_on_every_rank(pools, uop):
     assert run(pools, 2, "nested_state_refused", uop=uop) == [True, True]
+
+
+@pytest.mark.parametrize(
+    "world, strategy, mesh",
+    [(2, "FULL_SHARD", None), (4, "FULL_SHARD", None), (4, "HYBRID_SHARD", "2x2")],
+    ids=["fsdp1-2", "fsdp1-4", "hsdp1-2x2"],
+)
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_broadcast_load_of_optimizer_state_sends_each_rank_its_share(pools, uop, world, strategy, mesh):
+    """As for a model (MODEL-3): a non-root rank receives its flat shards' part of
+    each per-element state tensor, every parameter's scalars and one tensor in
+    flight, not rows it would then exchange into its flat shards."""
+    got = run(pools, world, "optimizer_broadcast_traffic", uop=uop, strategy=strategy, mesh=mesh)
+    for rank, (received, bound) in enumerate(got[1:], start=1):
+        assert received <= bound, f"rank {rank} received {received} bytes of state; its share and one tensor: {bound}"
