@@ -54,7 +54,7 @@ def gather(ctx, mesh="4", root: bool = False, bucket_bytes: int = 64, big: bool 
     return len(results)
 
 
-def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
+def scatter(ctx, bucket_bytes: int = 48, big: bool = False, runs: bool = False):
     m = ctx.mesh(str(ctx.world_size))
     fulls = [
         t.to(d)
@@ -74,6 +74,12 @@ def scatter(ctx, bucket_bytes: int = 48, big: bool = False):
     ]
     if big:
         needs.append(Need.of_layout(layouts[3]))
+    if runs:  # runs of elements, uneven, across rows (FSDP1 flat shards): large ones go point to point
+        n = ctx.world_size * 2**18 + 3
+        fulls += [torch.arange(float(n)), torch.arange(50.0).reshape(5, 10)]
+        cut = [0, 7, n // 3, n // 3, n]  # the third rank needs none of the large one
+        mine = (cut[ctx.rank], cut[ctx.rank + 1]) if ctx.rank + 1 < len(cut) else (0, 0)
+        needs += [Need.run(*mine) if mine[1] > mine[0] else None, Need.run(3 * ctx.rank, 3 * ctx.rank + 13)]
     metas = [ShapeDtype(tuple(f.shape), f.dtype) for f in fulls]
     pieces = scatter_from_root(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
     for i, need in enumerate(needs):

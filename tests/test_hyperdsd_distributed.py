@@ -27,6 +27,11 @@ def test_scatter_delivers_each_rank_only_its_pieces(pools, world_size, big):
     assert all(run(pools, world_size, "scatter", bucket_bytes=48, big=big))
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_scatter_delivers_runs_of_elements_uneven_and_large_point_to_point(pools, world_size):
+    assert all(run(pools, world_size, "scatter", bucket_bytes=48, big=True, runs=True))
+
+
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096])
 def test_scatter_packs_small_tensors_by_group(pools, bucket_bytes):
     """One bucket, and many (a group split across buckets)."""

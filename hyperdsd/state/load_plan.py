@@ -73,7 +73,8 @@ class Prepared:
     def receive(self, piece: torch.Tensor) -> None:
         """Take a delivered piece (a view into a transfer buffer)."""
         if self.landing is not None:
-            self.landing.into.copy_(piece.reshape(-1))
+            if not same_memory(self.landing.into, piece.reshape(-1)):  # received in place already
+                self.landing.into.copy_(piece.reshape(-1))
         elif self.dest is not None:
             target = local_tensor(self.dest)
             if not same_memory(target, piece):  # received in place already

@@ -119,9 +119,11 @@ def deliver(
     def target_for(i: int) -> torch.Tensor | None:
         """Where a large piece can be received in place: its one user's destination."""
         u = users[i]
-        if u is None or type(u) is tuple or u.dest is None or u.landing is not None:
+        if u is None or type(u) is tuple:
             return None
-        return _compat.local_tensor(u.dest)
+        if u.landing is not None:
+            return u.landing.into
+        return None if u.dest is None else _compat.local_tensor(u.dest)
 
     scatter_from_root(
         metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group

@@ -5,8 +5,10 @@ of it each rank needs (:class:`Need`, exchanged as :class:`PackedNeeds`).
 :class:`Scatterer` then moves the pieces from the root (the first rank of
 the model's group, see :mod:`hyperdsd.transport.group`): a large tensor that
 every rank needs an equal run of whole rows of moves in one scatter, straight
-into each rank's destination; the rest travel packed in bounded byte
-buckets, one uneven all-to-all from the root per bucket, so that each rank
+into each rank's destination; a large tensor of which ranks need runs of
+elements (FSDP1 flat shards' parts, uneven) goes point to point, each run
+straight from the full tensor to where it lands; the rest travel packed in
+bounded byte buckets, one uneven all-to-all from the root per bucket, so that each rank
 receives its own pieces and nothing more (a scatter sends every rank as
 many bytes as the widest rank's pieces: on uneven shards, a rank with a
 small share received several times it). Pieces are aligned to their dtype's
@@ -152,7 +154,9 @@ class Scatterer:
         direct = [i for i in range(len(self.metas)) if self.world > 1 and self._direct(i)]
         for i in direct:
             self._scatter_one(i)
-        skip = set(direct)
+        runs = [i for i in range(len(self.metas)) if self.world > 1 and self._runs_apart(i)]
+        self._send_runs(runs)
+        skip = set(direct) | set(runs)
         # A range, not a list, when nothing went direct (tens of thousands of small tensors).
         rest = [i for i in range(len(self.metas)) if i not in skip] if skip else range(len(self.metas))
         bucket: list[Run] = []
@@ -228,6 +232,48 @@ class Scatterer:
                 return False
             sizes.add(need.numel())
         return len(sizes) == 1 and sizes.pop() * dtype.itemsize >= DIRECT_BYTES
+
+    def _runs_apart(self, i: int) -> bool:
+        """Every rank that needs tensor ``i`` needs a run of its elements (an
+        FSDP1 flat shard's part), and it is large: the runs go point to point."""
+        shape, dtype = self.metas[i]
+        if math.prod(shape) * dtype.itemsize < DIRECT_BYTES:
+            return False
+        needs = [e[i] for e in self.everyone]
+        return any(n is not None for n in needs) and all(n is None or n.flat for n in needs)
+
+    def _send_runs(self, indices: list[int]) -> None:
+        """Large tensors' runs (:meth:`_runs_apart`): the root sends each rank its
+        run straight from the full tensor, received where it lands (no packing,
+        no bucket); a rank holds no more than its runs."""
+        if not indices:
+            return
+        pg, root = self.group.pg, self.group.root
+        works, received = [], []
+        for i in indices:
+            need = self.everyone[self.me][i]
+            if self.me == 0:
+                for r in range(1, self.world):
+                    theirs = self.everyone[r][i]
+                    if theirs is not None and theirs.size:
+                        piece = theirs.cut(self.fulls[i]).to(self.device).contiguous()
+                        works.append(dist.isend(piece, dst=self.group.ranks[r], group=pg, tag=i))
+                if need is not None:
+                    self._deliver(i, need.cut(self.fulls[i]).to(self.device), view=True)
+            elif need is not None and need.size:
+                dtype = self.metas[i].dtype
+                target = self.target_for(i) if self.target_for is not None else None
+                usable = target is not None and target.is_contiguous() and target.numel() == need.size
+                usable = usable and target.dtype == dtype
+                recv = (
+                    target.view(need.shape()) if usable else torch.empty(need.shape(), dtype=dtype, device=self.device)
+                )
+                works.append(dist.irecv(recv, src=root, group=pg, tag=i))
+                received.append((i, recv))
+        for work in works:
+            work.wait()
+        for i, recv in received:
+            self._deliver(i, recv, view=False)
 
     def _deliver(self, i: int, piece: torch.Tensor, *, view: bool) -> None:
         if self.on_piece is not None:
