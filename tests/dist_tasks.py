@@ -76,10 +76,11 @@ def scatter(ctx, bucket_bytes: int = 48, big: bool = False, runs: bool = False):
         needs.append(Need.of_layout(layouts[3]))
     if runs:  # runs of elements, uneven, across rows (FSDP1 flat shards): large ones go point to point
         n = ctx.world_size * 2**18 + 3
-        fulls += [torch.arange(float(n)), torch.arange(50.0).reshape(5, 10)]
-        cut = [0, 7, n // 3, n // 3, n]  # the third rank needs none of the large one
+        fulls += [torch.arange(float(n)), torch.arange(50.0).reshape(5, 10), -torch.arange(float(n)).reshape(-1, 1)]
+        cut = [0, 7, n // 3, n // 3, n]  # the third rank needs none of the first large one
         mine = (cut[ctx.rank], cut[ctx.rank + 1]) if ctx.rank + 1 < len(cut) else (0, 0)
         needs += [Need.run(*mine) if mine[1] > mine[0] else None, Need.run(3 * ctx.rank, 3 * ctx.rank + 13)]
+        needs.append(Need.run(n // 2 * (ctx.rank % 2), n // 2 * (ctx.rank % 2) + n // 2))  # ranks alike in pairs
     metas = [ShapeDtype(tuple(f.shape), f.dtype) for f in fulls]
     pieces = scatter_from_root(metas, fulls if ctx.rank == 0 else None, needs, torch.device("cpu"), bucket_bytes)
     for i, need in enumerate(needs):

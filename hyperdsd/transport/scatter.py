@@ -245,19 +245,26 @@ class Scatterer:
     def _send_runs(self, indices: list[int]) -> None:
         """Large tensors' runs (:meth:`_runs_apart`): the root sends each rank its
         run straight from the full tensor, received where it lands (no packing,
-        no bucket); a rank holds no more than its runs."""
+        no bucket); a rank holds no more than its runs. The root waits for its
+        sends whenever a bucket's bytes are in flight (a run of a tensor that
+        is not contiguous is a copy)."""
         if not indices:
             return
         pg, root = self.group.pg, self.group.root
-        works, received = [], []
+        works, received, in_flight = [], [], 0
         for i in indices:
             need = self.everyone[self.me][i]
             if self.me == 0:
+                if in_flight >= self.limit:
+                    for work in works:
+                        work.wait()
+                    works, in_flight = [], 0
                 for r in range(1, self.world):
                     theirs = self.everyone[r][i]
                     if theirs is not None and theirs.size:
                         piece = theirs.cut(self.fulls[i]).to(self.device).contiguous()
                         works.append(dist.isend(piece, dst=self.group.ranks[r], group=pg, tag=i))
+                        in_flight += piece.nbytes
                 if need is not None:
                     self._deliver(i, need.cut(self.fulls[i]).to(self.device), view=True)
             elif need is not None and need.size:
