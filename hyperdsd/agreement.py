@@ -36,7 +36,7 @@ from .state.saved_templates import UNKNOWN, VARIES, never_stepped_tensors, tenso
 from .transport import collectives
 from .transport.delivery import deliver, needs_for
 from .transport.group import Group
-from .transport.scatter import PackedNeeds, ShapeDtype
+from .transport.needs import PackedNeeds, ShapeDtype
 from .tree import rebuild, where
 
 

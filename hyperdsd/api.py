@@ -198,7 +198,12 @@ class _Load:
     def __init__(self, model: nn.Module, opts: StateDictOptions, optimizers=()):
         self.opts = opts
         target = _Target(model, optimizer_params(optimizers), opts, to_load=True)
-        self.model, self.index, self.optims, self.twin = target.model, target.index, target.optims, target.twin
+        self.model, self.index, self.optims = target.model, target.index, target.optims
+        self.twin = None  # an FSDP1 model's: the load lands in it and is written back through it
+        if target.twin is not None:
+            from .fsdp1_load import TwinLoad
+
+            self.twin = TwinLoad(target.twin)
         self.group = groups.of_params(self.index.fqn_of)
         self.problems: list[str] = []
         self.model_plan: ModelLoadPlan | None = None

@@ -14,7 +14,8 @@ import hyperdsd
 from hyperdsd.placement import DTensorLayout
 from hyperdsd.transport import collectives
 from hyperdsd.transport.gather import Gatherer
-from hyperdsd.transport.scatter import Need, ShapeDtype, scatter_from_root
+from hyperdsd.transport.needs import Need, ShapeDtype
+from hyperdsd.transport.scatter import scatter_from_root
 
 SHAPES = [
     ((7, 3), torch.float32),

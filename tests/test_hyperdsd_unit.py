@@ -677,7 +677,7 @@ def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
 def test_packed_needs_send_each_distinct_region_once():
     import pickle
 
-    from hyperdsd.transport.scatter import Need, PackedNeeds
+    from hyperdsd.transport.needs import Need, PackedNeeds
 
     needs = [Need(((0, 2), (0, 4))), None, Need.whole((3,))] * 5000
     packed = pickle.loads(pickle.dumps(PackedNeeds(needs)))
@@ -690,7 +690,7 @@ def test_packed_needs_send_each_distinct_region_once():
 
 def test_a_run_need_cuts_elements_in_order_across_rows():
     # An FSDP1 flat shard holds a run of a parameter's elements, whole rows or not.
-    from hyperdsd.transport.scatter import Need
+    from hyperdsd.transport.needs import Need
 
     full = torch.arange(12.0).view(3, 4)
     need = Need.run(2, 7)

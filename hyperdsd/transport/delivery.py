@@ -19,7 +19,8 @@ import torch
 from .. import _compat
 from ..placement import DTensorLayout
 from .group import Group
-from .scatter import Metas, Need, scatter_from_root
+from .needs import Metas, Need
+from .scatter import scatter_from_root
 
 
 @dataclass(frozen=True)

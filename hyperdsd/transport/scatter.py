@@ -1,7 +1,7 @@
 """Pieces of tensors only the root holds, delivered to the ranks that need them.
 
 Every rank knows each tensor's shape and dtype (a manifest) and what region
-of it each rank needs (:class:`Need`, exchanged as :class:`PackedNeeds`).
+of it each rank needs (:class:`~.needs.Need`, exchanged as :class:`~.needs.PackedNeeds`).
 :class:`Scatterer` then moves the pieces from the root (the first rank of
 the model's group, see :mod:`hyperdsd.transport.group`): a large tensor that
 every rank needs an equal run of whole rows of moves in one scatter, straight
@@ -18,102 +18,24 @@ rank knows, so no rank waits on a collective another does not issue.
 
 from __future__ import annotations
 
-import functools
 import math
-from array import array
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..placement import DTensorLayout
 from .collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes, exchange, from_bytes
 from .group import Group, world
+from .needs import Metas, Need, PackedNeeds
 
 # Tensors up to this size are packed in runs with the others of their shape
 # (stacked: a copy of the run on the root while it packs).
 _STACKED_BYTES = 64 << 10
 
 
-# (shape, dtype) of each of the root's tensors, in manifest order
-class ShapeDtype(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-Metas = Sequence[ShapeDtype]
 # Tensors whose pieces are packed one after the other, and the bytes of
 # each one's piece on every rank (-1: the rank needs none)
 Run = tuple[list[int], tuple[int, ...]]
-
-
-@dataclass(frozen=True)
-class Need:
-    """What a rank needs of a full tensor: a region (slices as (start, stop)),
-    or with ``flat`` one run ``region[0]`` of its elements in order (an FSDP1
-    flat shard's part of a parameter: whole rows or not)."""
-
-    region: tuple[tuple[int, int], ...]
-    flat: bool = False
-
-    @classmethod
-    def run(cls, start: int, stop: int) -> "Need":
-        return cls(((start, stop),), flat=True)
-
-    @classmethod
-    def whole(cls, shape) -> "Need":
-        return cls(tuple((0, n) for n in shape))
-
-    @classmethod
-    def of_layout(cls, layout: DTensorLayout) -> "Need":
-        return cls(tuple((s.start, s.stop) for s in layout.local_slices()))
-
-    def shape(self) -> list[int]:
-        return [b - a for a, b in self.region]
-
-    # Needs repeat (many tensors of one shape share a Need): computed once each.
-    @functools.cached_property
-    def size(self) -> int:
-        return math.prod(b - a for a, b in self.region)
-
-    def numel(self) -> int:
-        return self.size
-
-    def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(a, b) for a, b in self.region)
-
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        if self.flat:
-            return full.reshape(-1)[self.slices()]
-        return full[self.slices()] if self.region else full
-
-    def cut_each(self, stacked: torch.Tensor) -> torch.Tensor:
-        """This region of each of ``stacked``'s tensors (stacked on dim 0)."""
-        if self.flat:
-            return stacked.reshape(len(stacked), -1)[(slice(None),) + self.slices()]
-        return stacked[(slice(None),) + self.slices()]
-
-
-class PackedNeeds(Sequence):
-    """One rank's needs as sent to the others: each distinct region once,
-    then an index per tensor. Thousands of same-shaped tensors cost a few
-    bytes each on the wire and in every rank's memory, not an object each."""
-
-    def __init__(self, needs: Sequence[Need | None]):
-        table: dict[Need, int] = {}
-        index = array("i")
-        for need in needs:
-            index.append(-1 if need is None else table.setdefault(need, len(table)))
-        self.table = list(table)
-        self.index = index
-
-    def __getitem__(self, i):  # type: ignore[override]
-        j = self.index[i]
-        return None if j < 0 else self.table[j]
-
-    def __len__(self) -> int:
-        return len(self.index)
 
 
 class Scatterer:

@@ -1,0 +1,279 @@
+"""A load's end on an FSDP1 model, through its twin (:class:`hyperdsd.fsdp1.Twin`).
+
+Once a load is planned against the twin, :class:`TwinLoad` lands a
+broadcast's pieces straight in FSDP1's flat layout (:meth:`TwinLoad.land`:
+each rank is sent its flat shard's runs of each parameter and per-element
+state tensor, no rows in between); once it is agreed and applied to the
+twin, :meth:`TwinLoad.write_back` writes what the twin holds into FSDP1's
+flat shards, its optimizers' state and their param groups.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _compat
+from .fsdp1 import Twin
+from .state.fsdp1 import UnitLayout, at_path
+from .state.load_plan import Prepared
+from .transport import fsdp1 as moves
+from .transport.delivery import Landing
+from .transport.needs import Need
+from .tree import leaves, rebuild
+
+_STRUCTURAL = ("params", "param_names")
+
+
+class TwinLoad:
+    """One load into an FSDP1 model and its optimizers, through their twin."""
+
+    def __init__(self, twin: Twin):
+        self.twin = twin
+        self.units, self.params = twin.units, twin.params
+        self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
+        # unit -> path -> (flat buffer, parameters): per-element state a broadcast delivered in the flat layout
+        self.state_landed: dict[int, dict[tuple, tuple[torch.Tensor, set[int]]]] = {}
+
+    # -- landing a broadcast ----------------------------------------------------
+
+    def land(self, model_plan, optim_plan) -> None:
+        """Route a broadcast load's pieces straight into FSDP1's flat layout:
+        each rank is sent the part of each parameter, and of each per-element
+        state tensor, its flat shard holds (not its rows, which
+        :meth:`write_back` would then exchange), so it receives no more than
+        its shard. Called after planning, before the agreement; the pieces
+        arrive only once every rank has agreed."""
+        where = {id(t): (k, i) for k, twins in enumerate(self.params) for i, t in enumerate(twins)}
+        if model_plan is not None:
+            targets = self.twin.model.state_dict(keep_vars=True)
+            for raw, value in model_plan.values.items():
+                hit = where.get(id(targets.get(raw)))
+                if hit is None or getattr(value, "meta", None) is None or raw in model_plan.on_meta:
+                    continue
+                k, i = hit
+                value.landing = self._landing(k, i, self.units[k].unit.local.view(-1))
+                self.landed.add((k, i))
+        if optim_plan is not None:
+            for load in optim_plan.params:
+                hit = where.get(id(load.param))
+                if hit is not None:
+                    self._land_state(*hit, load.entry or {})
+
+    def _land_state(self, k: int, i: int, entry: dict) -> None:
+        """Land the per-element state of parameter ``i`` of unit ``k`` in a flat
+        buffer per path (:attr:`state_landed`), which :meth:`_write_unit` writes
+        into the optimizers. The twin's state becomes a stand-in of no memory."""
+        u = self.units[k]
+        shape = tuple(u.unit.shapes[i])
+        for path, leaf in leaves(entry):
+            if not isinstance(leaf, Prepared) or leaf.meta is None or leaf.layout is None:
+                continue
+            if not shape or tuple(leaf.meta.shape) != shape:
+                continue
+            by_path = self.state_landed.setdefault(k, {})
+            if path not in by_path:
+                by_path[path] = (torch.zeros(u.shard, dtype=leaf.meta.dtype, device=u.unit.local.device), set())
+            buffer, landed = by_path[path]
+            leaf.landing = self._landing(k, i, buffer)
+            leaf.local = torch.zeros((), dtype=leaf.meta.dtype, device=leaf.device).expand(leaf.layout.local_shape)
+            leaf.dest, leaf.owned = None, True
+            landed.add(i)
+
+    def _landing(self, k: int, i: int, flat: torch.Tensor) -> Landing:
+        """Where parameter ``i`` of unit ``k`` lands in ``flat``, laid out as this
+        rank's flat shard: the run of its elements the shard holds, if any."""
+        u = self.units[k]
+        held = u.held(u.index, [i])
+        if not held:
+            return Landing(None, None)
+        _, a, b = held[0]
+        start, base = u.unit.offsets[i], u.index * u.shard
+        return Landing(Need.run(a - start, b - start), flat[a - base : b - base])
+
+    # -- writing back ----------------------------------------------------------
+
+    def write_back(self, model_plan, optim_plan) -> None:
+        """Write what the twin now holds into the FSDP1 model and optimizers
+        (after a load, whose plans are given, has been agreed and applied to
+        the twin; None: that part was not loaded)."""
+        if model_plan is not None:
+            only = self._settle_rows(model_plan) if self.twin.lazy_rows else [None] * len(self.units)
+            for k, (u, twins, keep) in enumerate(zip(self.units, self.params, only)):
+                keep = set(range(len(twins))) if keep is None else keep
+                keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
+                moves.to_flat_many(u, [[_compat.local_tensor(t) for t in twins]], [u.unit.local], only=keep)
+                if u.unit.unsharded:  # the copy a forward left would go on serving the old values
+                    _compat.fsdp1_reshard(u.unit.module)
+        if optim_plan is not None:
+            if self.twin.lazy_state:
+                self._refill_state(optim_plan)
+            self._write_optimizers()
+
+    def _settle_rows(self, plan) -> list[set[int]]:
+        """Lazy rows: for each unit, the parameters some rank loaded (the
+        rest of its flat shards stays as it is); where only some ranks did,
+        the others' rows are read from the flat shards first."""
+        targets = self.twin.model.state_dict(keep_vars=True)
+        loaded = {id(targets[raw]) for raw in plan.values if raw in targets}
+        mine = [[id(t) in loaded for t in twins] for twins in self.params]
+        only = []
+        for u, twins, here, (some, lacking) in zip(self.units, self.params, mine, self._anywhere(mine)):
+            if any(s and n for s, n in zip(some, lacking)):
+                rows = moves.to_rows(u, u.unit.local)
+                for i, twin in enumerate(twins):
+                    if not here[i]:
+                        _compat.local_tensor(twin).copy_(rows[i])
+            only.append({i for i, s in enumerate(some) if s})
+        return only
+
+    def _refill_state(self, plan) -> None:
+        """Lazy state: the twin's per-element state of parameters the load left
+        untouched on some rank is read from the optimizers now (unit by unit,
+        where any rank needs it), as an eager twin would have read it."""
+        touched = {id(load.param) for load in plan.params}
+        opt_of = {id(p): twin for twin in self.twin.optims for g in twin.param_groups for p in g["params"]}
+        mine = [
+            [id(t) not in touched and bool(opt_of[id(t)].state.get(t)) if id(t) in opt_of else False for t in twins]
+            for twins in self.params
+        ]
+        for u, twins, here, (some, _), (targets, typed) in zip(
+            self.units, self.params, mine, self._anywhere(mine), self.twin.state_plans
+        ):
+            if not typed or not any(some):
+                continue
+            for (path, _), rows in zip(typed, self.twin.state_rows(u, targets, typed)):
+                for i, twin in enumerate(twins):
+                    value = at_path(opt_of[id(twin)].state[twin], path) if here[i] else None
+                    if _per_element(value):
+                        _compat.local_tensor(value).copy_(rows[i])
+
+    def _anywhere(self, flags: list[list[bool]]) -> list[tuple[list[bool], list[bool]]]:
+        """For each unit's ``flags`` (one per parameter, this rank's): whether
+        any rank of the unit's group has it set, and whether any has it clear
+        (one all-reduce per group)."""
+        by_pg: dict[int, list[int]] = {}
+        for k, u in enumerate(self.units):
+            by_pg.setdefault(id(u.unit.pg), []).append(k)
+        out: list = [None] * len(self.units)
+        for ks in by_pg.values():
+            mine = [f for k in ks for f in flags[k]]
+            both = torch.tensor([int(f) for f in mine] + [int(not f) for f in mine], dtype=torch.int32)
+            if self.units[ks[0]].size > 1 and mine:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.units[ks[0]].unit.pg)
+            at = 0
+            for k in ks:
+                n = len(flags[k])
+                out[k] = (
+                    [bool(x) for x in both[at : at + n]],
+                    [bool(x) for x in both[len(mine) + at : len(mine) + at + n]],
+                )
+                at += n
+        return out
+
+    def _write_optimizers(self) -> None:
+        for opt, twin in zip(self.twin.real_optims, self.twin.optims):
+            for real_group, twin_group in zip(opt.param_groups, twin.param_groups):
+                for key, value in twin_group.items():
+                    if key not in _STRUCTURAL:
+                        real_group[key] = value
+        managed = set()
+        owner = {
+            id(p): (opt, twin)
+            for opt, twin in zip(self.twin.real_optims, self.twin.optims)
+            for g in opt.param_groups
+            for p in g["params"]
+        }
+        for k, (twins, params) in enumerate(zip(self.params, self.twin.optimizer_params())):
+            managed.update(id(p) for p in params)
+            self._write_unit(k, twins, params, owner)
+        for opt, twin in zip(self.twin.real_optims, self.twin.optims):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if id(p) in managed:
+                        continue
+                    if p in twin.state and twin.state[p]:
+                        opt.state[p] = twin.state[p]
+                    else:
+                        opt.state.pop(p, None)
+
+    def _write_unit(self, k: int, twins: list, params: list, owner: dict) -> None:
+        u = self.units[k]
+        flat_mode = u.unit.params is None
+        entries = []
+        for i, twin in enumerate(twins):
+            opt_twin = owner.get(id(params[0 if flat_mode else i]), (None, None))[1]
+            entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
+        found: dict[tuple, torch.dtype] = {}  # path of each per-element tensor (nested too) -> its dtype
+        for e in entries:
+            for path, value in leaves(e or {}):
+                if _per_element(value):
+                    found.setdefault(path, _compat.local_tensor(value).dtype)
+        flats = {}
+        for path, dtype in sorted(found.items(), key=lambda item: str(item[0])):
+            flats[path] = self._flat_of(k, path, dtype, entries)
+        for j, p in enumerate(params):
+            opt, _ = owner.get(id(p), (None, None))
+            if opt is None:
+                continue
+            mine = [e for i, e in enumerate(entries) if (flat_mode or i == j) and e]
+            where = (0, u.shard) if flat_mode else u.unit.in_shard[j]
+            if not flat_mode and (where is None or not where[1]):
+                continue  # none of its elements here: this rank never steps it, and the load has nothing for it
+            if not mine:
+                opt.state.pop(p, None)
+                continue
+            current = opt.state.get(p) or {}
+            # A flat shard's padding belongs to no parameter: a load leaves what the optimizer holds there.
+            valid = self._unpadded(u) if flat_mode else where[1]
+
+            def written(value, path, current=current, where=where, valid=valid):
+                old = at_path(current, path)
+                if path in flats:
+                    piece = flats[path][where[0] : where[0] + where[1]]
+                    if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
+                        old[:valid].copy_(piece[:valid])
+                        return old
+                    return piece.clone()
+                if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
+                    return old.copy_(value)
+                return value
+
+            opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
+
+    def _flat_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list) -> torch.Tensor:
+        """This rank's flat shard of the state at ``path`` of unit ``k``, from the
+        twin's ``entries`` (one per parameter; zeros where one has none): what a
+        broadcast landed there already, the rest through one exchange of rows."""
+        u = self.units[k]
+        buffer, landed = self.state_landed.get(k, {}).get(path, (None, set()))
+        rows, others = [], set()
+        for i, e in enumerate(entries):
+            value = at_path(e or {}, path)
+            if _per_element(value):
+                rows.append(_compat.local_tensor(value))
+                others.add(i)
+            else:
+                rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
+                if i in landed:  # landed, then dropped (a template nobody filled): zeros, as if never landed
+                    for _, a, b in u.held(u.index, [i]):
+                        buffer[a - u.index * u.shard : b - u.index * u.shard].zero_()
+        if buffer is None:
+            return moves.to_flat(u, rows)
+        others -= landed  # the same on every rank: the plan and its answers are
+        if others:
+            moves.to_flat_many(u, [rows], [buffer], only=others)
+        return buffer if buffer.dtype == dtype else buffer.to(dtype)
+
+    @staticmethod
+    def _unpadded(u: UnitLayout) -> int:
+        """Elements of this rank's flat shard that belong to a parameter (the rest pads the last shards)."""
+        total = max((off + math.prod(shape) for off, shape in zip(u.unit.offsets, u.unit.shapes)), default=0)
+        return max(0, min(u.shard, total - u.index * u.shard))
+
+
+def _per_element(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0

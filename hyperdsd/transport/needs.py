@@ -1,0 +1,97 @@
+"""What a rank needs of the root's tensors in a broadcast load, as every rank learns it.
+
+Every rank knows each of the root's tensors by shape and dtype
+(:class:`ShapeDtype`, in manifest order) and tells the others the region it
+needs of each (:class:`Need`), packed so that thousands of same-shaped
+tensors cost a few bytes each (:class:`PackedNeeds`). :mod:`.scatter` moves
+the pieces.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from array import array
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..placement import DTensorLayout
+
+
+# (shape, dtype) of each of the root's tensors, in manifest order
+class ShapeDtype(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+Metas = Sequence[ShapeDtype]
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a rank needs of a full tensor: a region (slices as (start, stop)),
+    or with ``flat`` one run ``region[0]`` of its elements in order (an FSDP1
+    flat shard's part of a parameter: whole rows or not)."""
+
+    region: tuple[tuple[int, int], ...]
+    flat: bool = False
+
+    @classmethod
+    def run(cls, start: int, stop: int) -> "Need":
+        return cls(((start, stop),), flat=True)
+
+    @classmethod
+    def whole(cls, shape) -> "Need":
+        return cls(tuple((0, n) for n in shape))
+
+    @classmethod
+    def of_layout(cls, layout: DTensorLayout) -> "Need":
+        return cls(tuple((s.start, s.stop) for s in layout.local_slices()))
+
+    def shape(self) -> list[int]:
+        return [b - a for a, b in self.region]
+
+    # Needs repeat (many tensors of one shape share a Need): computed once each.
+    @functools.cached_property
+    def size(self) -> int:
+        return math.prod(b - a for a, b in self.region)
+
+    def numel(self) -> int:
+        return self.size
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.region)
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        if self.flat:
+            return full.reshape(-1)[self.slices()]
+        return full[self.slices()] if self.region else full
+
+    def cut_each(self, stacked: torch.Tensor) -> torch.Tensor:
+        """This region of each of ``stacked``'s tensors (stacked on dim 0)."""
+        if self.flat:
+            return stacked.reshape(len(stacked), -1)[(slice(None),) + self.slices()]
+        return stacked[(slice(None),) + self.slices()]
+
+
+class PackedNeeds(Sequence):
+    """One rank's needs as sent to the others: each distinct region once,
+    then an index per tensor. Thousands of same-shaped tensors cost a few
+    bytes each on the wire and in every rank's memory, not an object each."""
+
+    def __init__(self, needs: Sequence[Need | None]):
+        table: dict[Need, int] = {}
+        index = array("i")
+        for need in needs:
+            index.append(-1 if need is None else table.setdefault(need, len(table)))
+        self.table = list(table)
+        self.index = index
+
+    def __getitem__(self, i):  # type: ignore[override]
+        j = self.index[i]
+        return None if j < 0 else self.table[j]
+
+    def __len__(self) -> int:
+        return len(self.index)
