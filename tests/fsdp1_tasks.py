@@ -55,10 +55,10 @@ def _fsdp1(ctx, seed: int, uop: bool, strategy: str = "FULL_SHARD", mesh: str | 
     return model, torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1), weight_decay=0.1)
 
 
-def _fsdp2(ctx, seed: int):
+def _fsdp2(ctx, seed: int, build=_build):
     from torch.distributed.fsdp import fully_shard
 
-    model = _build(seed)
+    model = build(seed)
     mesh = ctx.mesh(str(ctx.world_size))
     fully_shard(model[3], mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -613,22 +613,31 @@ def nested_state_refused(ctx, uop: bool):
     return False
 
 
-def _elements_in_shard(model) -> int:
-    """Elements of original parameters in this rank's flat shards (not their padding)."""
+def _elements_held(model) -> int:
+    """Elements of the original parameters this rank holds: in its FSDP1 flat
+    shards (not their padding), or its FSDP2 shards."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     units = [u._handle.flat_param for u in model.modules() if isinstance(u, FSDP) and u._handle is not None]
+    if not units:
+        return sum(p.to_local().numel() for p in model.parameters())
     return sum(i.numel_in_shard for flat in units for i in flat._shard_param_infos if i.in_shard)
 
 
-def optimizer_broadcast_traffic(ctx, uop: bool, strategy: str = "FULL_SHARD", mesh: str | None = None):
+def optimizer_broadcast_traffic(ctx, fsdp: int, uop: bool = True, strategy: str = "FULL_SHARD", mesh=None):
     """A broadcast load of optimizer state sends a non-root rank its share:
-    the per-element state of the original parameters' elements in its flat
-    shards, every parameter's scalars, plus one tensor in flight. Returns
-    (bytes received, that bound); the load must also resume exactly."""
+    the per-element state of the parameters' elements it holds (FSDP1's flat
+    shards, FSDP2's shards), every parameter's scalars, plus one tensor in
+    flight. Returns (bytes received, that bound); the load must also resume
+    exactly."""
     from conformance.judging.meter import ReceiveMeter
 
-    source, source_opt = _fsdp1(ctx, 0, uop, strategy, mesh, build=_deep)
+    def make(seed):
+        if fsdp == 2:
+            return _fsdp2(ctx, seed, build=_deep)
+        return _fsdp1(ctx, seed, uop, strategy, mesh, build=_deep)
+
+    source, source_opt = make(0)
     _steps(source, source_opt, 0, 2)
     msd, osd = hyperdsd.get_state_dict(source, source_opt, options=StateDictOptions(**GET["full_cpu"]))
     tensors = [v for e in osd.get("state", {}).values() for v in e.values() if isinstance(v, torch.Tensor)]
@@ -644,10 +653,10 @@ def optimizer_broadcast_traffic(ctx, uop: bool, strategy: str = "FULL_SHARD", me
     dist.broadcast_object_list(box, src=0)
     largest, scalars, dtypes, per_element_keys = box[0]
     (dtype,) = dtypes
-    target, target_opt = _fsdp1(ctx, 1, uop, strategy, mesh, build=_deep)
+    target, target_opt = make(1)
     _steps(target, target_opt, 50, 1)
     hyperdsd.set_model_state_dict(target, msd, options=StateDictOptions(**PUT["full_cpu"]))
-    share = _elements_in_shard(target) * per_element_keys * dtype.itemsize + scalars
+    share = _elements_held(target) * per_element_keys * dtype.itemsize + scalars
     with ReceiveMeter() as meter:
         hyperdsd.set_optimizer_state_dict(target, target_opt, osd, options=StateDictOptions(**PUT["full_cpu"]))
     _assert_same(_full(source, source_opt), _full(target, target_opt))

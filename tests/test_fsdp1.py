@@ -130,15 +130,33 @@ def test_nested_state_of_other_shapes_is_refused_on_every_rank(pools, uop):
 
 
 @pytest.mark.parametrize(
-    "world, strategy, mesh",
-    [(2, "FULL_SHARD", None), (4, "FULL_SHARD", None), (4, "HYBRID_SHARD", "2x2")],
-    ids=["fsdp1-2", "fsdp1-4", "hsdp1-2x2"],
+    "world, fsdp, uop, strategy, mesh",
+    [
+        (2, 1, False, "FULL_SHARD", None),
+        (2, 1, True, "FULL_SHARD", None),
+        (4, 1, False, "FULL_SHARD", None),
+        (4, 1, True, "FULL_SHARD", None),
+        (4, 1, False, "HYBRID_SHARD", "2x2"),
+        (4, 1, True, "HYBRID_SHARD", "2x2"),
+        (2, 2, True, None, None),
+        (4, 2, True, None, None),
+    ],
+    ids=[
+        "fsdp1-2-flat-params",
+        "fsdp1-2-orig-params",
+        "fsdp1-4-flat-params",
+        "fsdp1-4-orig-params",
+        "hsdp1-2x2-flat-params",
+        "hsdp1-2x2-orig-params",
+        "fsdp2-2",
+        "fsdp2-4",
+    ],
 )
-@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
-def test_a_broadcast_load_of_optimizer_state_sends_each_rank_its_share(pools, uop, world, strategy, mesh):
-    """As for a model (MODEL-3): a non-root rank receives its flat shards' part of
-    each per-element state tensor, every parameter's scalars and one tensor in
-    flight, not rows it would then exchange into its flat shards."""
-    got = run(pools, world, "optimizer_broadcast_traffic", uop=uop, strategy=strategy, mesh=mesh)
+def test_a_broadcast_load_of_optimizer_state_sends_each_rank_its_share(pools, world, fsdp, uop, strategy, mesh):
+    """As for a model (MODEL-3): a non-root rank receives the part of each
+    per-element state tensor it holds (on FSDP1, its flat shards' part, not
+    rows it would then exchange into them), every parameter's scalars and one
+    tensor in flight."""
+    got = run(pools, world, "optimizer_broadcast_traffic", fsdp=fsdp, uop=uop, strategy=strategy, mesh=mesh)
     for rank, (received, bound) in enumerate(got[1:], start=1):
         assert received <= bound, f"rank {rank} received {received} bytes of state; its share and one tensor: {bound}"
