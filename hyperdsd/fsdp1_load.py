@@ -11,6 +11,7 @@ flat shards, its optimizers' state and their param groups.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +29,17 @@ from .tree import leaves, rebuild
 _STRUCTURAL = ("params", "param_names")
 
 
+@dataclass
+class _Landed:
+    """Per-element state at one path of one unit that a broadcast delivered in the flat layout."""
+
+    params: set[int]  # the unit's parameters whose pieces landed
+    # Laid out as this rank's flat shard: a buffer, or the flat parameter's own
+    # state (in place); None: each original parameter's own state (in place).
+    flat: torch.Tensor | None
+    in_place: bool
+
+
 class TwinLoad:
     """One load into an FSDP1 model and its optimizers, through their twin."""
 
@@ -35,8 +47,8 @@ class TwinLoad:
         self.twin = twin
         self.units, self.params = twin.units, twin.params
         self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
-        # unit -> path -> (flat buffer, parameters): per-element state a broadcast delivered in the flat layout
-        self.state_landed: dict[int, dict[tuple, tuple[torch.Tensor, set[int]]]] = {}
+        self.state_landed: dict[int, dict[tuple, _Landed]] = {}  # unit -> path -> what a broadcast delivered
+        self._owner = {id(p): opt for opt in twin.real_optims for g in opt.param_groups for p in g["params"]}
 
     # -- landing a broadcast ----------------------------------------------------
 
@@ -58,40 +70,81 @@ class TwinLoad:
                 value.landing = self._landing(k, i, self.units[k].unit.local.view(-1))
                 self.landed.add((k, i))
         if optim_plan is not None:
+            found: dict[tuple[int, tuple], dict[int, Prepared]] = {}  # (unit, path) -> per-element leaf by parameter
             for load in optim_plan.params:
                 hit = where.get(id(load.param))
-                if hit is not None:
-                    self._land_state(*hit, load.entry or {})
+                if hit is None:
+                    continue
+                k, i = hit
+                shape = tuple(self.units[k].unit.shapes[i])
+                for path, leaf in leaves(load.entry or {}):
+                    if isinstance(leaf, Prepared) and leaf.meta is not None and leaf.layout is not None:
+                        if shape and tuple(leaf.meta.shape) == shape:
+                            found.setdefault((k, path), {})[i] = leaf
+            for (k, path), leaves_of in found.items():
+                self._land_state(k, path, leaves_of)
 
-    def _land_state(self, k: int, i: int, entry: dict) -> None:
-        """Land the per-element state of parameter ``i`` of unit ``k`` in a flat
-        buffer per path (:attr:`state_landed`), which :meth:`_write_unit` writes
-        into the optimizers. The twin's state becomes a stand-in of no memory."""
+    def _land_state(self, k: int, path: tuple, leaves_of: dict[int, Prepared]) -> None:
+        """Land the per-element state at ``path`` of unit ``k``'s parameters
+        (``leaves_of``, by parameter) in the flat layout (:attr:`state_landed`):
+        straight into the optimizer's own state where the load replaces all of
+        it and it fits, else into a buffer :meth:`_write_unit` copies from. The
+        twin's state becomes a stand-in of no memory."""
         u = self.units[k]
-        shape = tuple(u.unit.shapes[i])
-        for path, leaf in leaves(entry):
-            if not isinstance(leaf, Prepared) or leaf.meta is None or leaf.layout is None:
-                continue
-            if not shape or tuple(leaf.meta.shape) != shape:
-                continue
-            by_path = self.state_landed.setdefault(k, {})
-            if path not in by_path:
-                by_path[path] = (torch.zeros(u.shard, dtype=leaf.meta.dtype, device=u.unit.local.device), set())
-            buffer, landed = by_path[path]
-            leaf.landing = self._landing(k, i, buffer)
+        dtype = next(iter(leaves_of.values())).meta.dtype
+        whole = len(leaves_of) == len(u.fqns) and all(leaf.meta.dtype == dtype for leaf in leaves_of.values())
+        into = self._in_place(k, path, dtype) if whole else None
+        if into is not None:
+            flat = into[0][0] if u.unit.params is None else None
+            landed = self.state_landed.setdefault(k, {})[path] = _Landed(set(), flat, True)
+        else:
+            flat = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
+            into = dict.fromkeys(range(len(u.fqns)), (flat, 0))
+            landed = self.state_landed.setdefault(k, {})[path] = _Landed(set(), flat, False)
+        for i, leaf in leaves_of.items():
+            leaf.landing = self._landing(k, i, *into[i])
             leaf.local = torch.zeros((), dtype=leaf.meta.dtype, device=leaf.device).expand(leaf.layout.local_shape)
             leaf.dest, leaf.owned = None, True
-            landed.add(i)
+            landed.params.add(i)
 
-    def _landing(self, k: int, i: int, flat: torch.Tensor) -> Landing:
+    def _in_place(self, k: int, path: tuple, dtype: torch.dtype) -> dict[int, tuple] | None:
+        """For each of unit ``k``'s parameters, the optimizer's own state at
+        ``path`` its piece lands in, and where that starts in this rank's flat
+        shard: the flat parameter's (use_orig_params=False) or each original
+        parameter's (True). None if any is missing or does not fit."""
+        u = self.units[k]
+
+        def own(p, numel):
+            opt = self._owner.get(id(p))
+            value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
+            fits = isinstance(value, torch.Tensor) and value.dtype == dtype and value.is_contiguous()
+            return value.view(-1) if fits and value.numel() == numel else None
+
+        if u.unit.params is None:
+            flat = own(u.unit.flat, u.shard)
+            return None if flat is None else dict.fromkeys(range(len(u.fqns)), (flat, 0))
+        out = {}
+        for i, p in enumerate(u.unit.params):
+            where = u.unit.in_shard[i]
+            if where is None or not where[1]:
+                out[i] = (None, 0)  # none of its elements here: nothing lands
+                continue
+            mine = own(p, where[1])
+            if mine is None:
+                return None
+            out[i] = (mine, where[0])
+        return out
+
+    def _landing(self, k: int, i: int, flat: torch.Tensor | None, offset: int = 0) -> Landing:
         """Where parameter ``i`` of unit ``k`` lands in ``flat``, laid out as this
-        rank's flat shard: the run of its elements the shard holds, if any."""
+        rank's flat shard from ``offset`` on: the run of its elements the shard
+        holds, if any."""
         u = self.units[k]
         held = u.held(u.index, [i])
         if not held:
             return Landing(None, None)
         _, a, b = held[0]
-        start, base = u.unit.offsets[i], u.index * u.shard
+        start, base = u.unit.offsets[i], u.index * u.shard + offset
         return Landing(Need.run(a - start, b - start), flat[a - base : b - base])
 
     # -- writing back ----------------------------------------------------------
@@ -232,6 +285,8 @@ class TwinLoad:
 
             def written(value, path, current=current, where=where, valid=valid):
                 old = at_path(current, path)
+                if path in flats and flats[path] is None:
+                    return old  # landed in place
                 if path in flats:
                     piece = flats[path][where[0] : where[0] + where[1]]
                     if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
@@ -244,12 +299,13 @@ class TwinLoad:
 
             opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
 
-    def _flat_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list) -> torch.Tensor:
+    def _flat_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list) -> torch.Tensor | None:
         """This rank's flat shard of the state at ``path`` of unit ``k``, from the
         twin's ``entries`` (one per parameter; zeros where one has none): what a
-        broadcast landed there already, the rest through one exchange of rows."""
+        broadcast landed there already, the rest through one exchange of rows.
+        None: it landed in the optimizer's own state, which holds it now."""
         u = self.units[k]
-        buffer, landed = self.state_landed.get(k, {}).get(path, (None, set()))
+        landed = self.state_landed.get(k, {}).get(path)
         rows, others = [], set()
         for i, e in enumerate(entries):
             value = at_path(e or {}, path)
@@ -258,15 +314,18 @@ class TwinLoad:
                 others.add(i)
             else:
                 rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
-                if i in landed:  # landed, then dropped (a template nobody filled): zeros, as if never landed
+                if landed is not None and i in landed.params and landed.flat is not None:
+                    # landed, then dropped (a template nobody filled): zeros, as if never landed
                     for _, a, b in u.held(u.index, [i]):
-                        buffer[a - u.index * u.shard : b - u.index * u.shard].zero_()
-        if buffer is None:
+                        landed.flat[a - u.index * u.shard : b - u.index * u.shard].zero_()
+        if landed is None:
             return moves.to_flat(u, rows)
-        others -= landed  # the same on every rank: the plan and its answers are
-        if others:
-            moves.to_flat_many(u, [rows], [buffer], only=others)
-        return buffer if buffer.dtype == dtype else buffer.to(dtype)
+        others -= landed.params  # the same on every rank: the plan and its answers are
+        if others:  # (never in place: every parameter landed there)
+            moves.to_flat_many(u, [rows], [landed.flat], only=others)
+        if landed.in_place:
+            return None
+        return landed.flat if landed.flat.dtype == dtype else landed.flat.to(dtype)
 
     @staticmethod
     def _unpadded(u: UnitLayout) -> int:

@@ -520,6 +520,27 @@ class _Nested(torch.optim.SGD):
         return super().step(closure)
 
 
+class _Scaled(torch.optim.Optimizer):
+    """Sign descent with a per-element scale that starts at 0.5, not zero: its
+    never-stepped template (the state one zero-gradient step leaves) is not zeros."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["scale"] = torch.full_like(p, 0.5)
+                    state["step"] += 1
+                    state["scale"].mul_(0.9).add_(p.grad.abs())
+                    p.add_(state["scale"] * p.grad.sign(), alpha=-group["lr"])
+
+
 class _OddShaped(torch.optim.SGD):
     """SGD that keeps a nested tensor of its own shape, not the parameter's."""
 
@@ -661,3 +682,40 @@ def optimizer_broadcast_traffic(ctx, fsdp: int, uop: bool = True, strategy: str 
         hyperdsd.set_optimizer_state_dict(target, target_opt, osd, options=StateDictOptions(**PUT["full_cpu"]))
     _assert_same(_full(source, source_opt), _full(target, target_opt))
     return meter.payload, share + largest
+
+
+def broadcast_equals_full_load(ctx, uop: bool, fresh_target: bool):
+    """A broadcast load lands state straight in the flat layout (into the
+    optimizer's own state where it fits): it ends as a full load of the same
+    dicts does, here with one parameter's entry a never-stepped template (it
+    ends fresh: landed, then dropped) and the others real state. The
+    optimizer's template is not zeros, so what lands for the dropped entry
+    shows if it stays."""
+
+    def make(seed):
+        model, _ = _fsdp1(ctx, seed, uop)
+        return model, _Scaled(model.parameters())
+
+    source, source_opt = make(0)
+    _steps(source, source_opt, 0, 2)
+    msd, osd = _full(source, source_opt)
+    blank, blank_opt = make(0)
+    _, template = _full(blank, blank_opt)  # never stepped: placeholder state, step 0
+    # as saved and read back: copies, no longer the placeholders a get handed out
+    osd["state"]["3.0.weight"] = {k: v.clone() for k, v in template["state"]["3.0.weight"].items()}
+    ends = []
+    for broadcast in (False, True):
+        target, target_opt = make(1)
+        if not fresh_target:
+            _steps(target, target_opt, 50, 1)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+        mine = (msd, osd) if ctx.rank == 0 or not broadcast else ({}, {})
+        hyperdsd.set_state_dict(target, target_opt, model_state_dict=mine[0], optim_state_dict=mine[1], options=options)
+        ends.append((target, target_opt))
+    (a, a_opt), (b, b_opt) = ends
+    assert _equal(_snapshot(a, a_opt), _snapshot(b, b_opt)), "a broadcast load ends otherwise than a full load"
+    assert bool(a_opt.state) == bool(b_opt.state)
+    for model, opt in ends:
+        _steps(model, opt, 2, 1)
+    assert _equal(_snapshot(a, a_opt), _snapshot(b, b_opt)), "training after a broadcast load differs"
+    return True

@@ -160,3 +160,11 @@ def test_a_broadcast_load_of_optimizer_state_sends_each_rank_its_share(pools, wo
     got = run(pools, world, "optimizer_broadcast_traffic", fsdp=fsdp, uop=uop, strategy=strategy, mesh=mesh)
     for rank, (received, bound) in enumerate(got[1:], start=1):
         assert received <= bound, f"rank {rank} received {received} bytes of state; its share and one tensor: {bound}"
+
+
+@pytest.mark.parametrize("fresh_target", [False, True], ids=["stepped-target", "fresh-target"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_broadcast_load_ends_as_a_full_load_of_the_same_dicts(pools, uop, fresh_target):
+    """Landed in the optimizer's own state (a stepped target) or in a buffer (a
+    fresh one), with one entry a saved template that ends without state."""
+    assert run(pools, 2, "broadcast_equals_full_load", uop=uop, fresh_target=fresh_target) == [True, True]

@@ -269,7 +269,7 @@ def _memory(
                     continue
             elif size not in sizes or (mesh == "2x2" and size not in hsdp_sizes):
                 continue
-            for mode in ("full_get",) if mesh in FSDP1 else ("full_get", "bcast_set"):
+            for mode in ("full_get", "bcast_set"):
                 for impl in ("torch", "hyperdsd"):
                     if impl == "torch" and (size, mode) in torch_skip:
                         print(f"{size:>5} {mesh:>10} {mode:>10} {impl:>9}  not run", flush=True)

@@ -97,6 +97,8 @@ def _loaded(value: Any, existing: Any) -> Any:
     they fit (planned, or ``existing``) or made new; containers rebuilt
     around their loaded leaves; anything else copied."""
     if isinstance(value, Prepared):
+        if value.landing is not None:  # delivered elsewhere (FSDP1's flat layout): keep its stand-in
+            return materialize(value)
         if value.dest is not None:  # planned to fit (checked when planned)
             return copy_into(value.dest, value)
         return copy_into(existing, value) if fits(existing, value) else materialize(value)
