@@ -46,8 +46,8 @@ class Twin:
         # only where some rank did not load it (:mod:`hyperdsd.fsdp1_load`). An optimizer
         # load reads no parameter values (a scratch step steps zeros like them),
         # but its load hooks, which see the twin, might: the rows are read for them.
-        hooked = any(h.pre or h.post for h in map(_compat.optimizer_load_hooks, self.real_optims))
-        self.lazy_rows = to_load and not hooked
+        self.load_hooked = any(h.pre or h.post for h in map(_compat.optimizer_load_hooks, self.real_optims))
+        self.lazy_rows = to_load and not self.load_hooked
         self.lazy_state = to_load
         self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(path, dtype)]) of its state rows
         real = ModelIndex(model, modifiers_attr, fsdp1=True)

@@ -69,7 +69,7 @@ class TwinLoad:
                 k, i = hit
                 value.landing = self._landing(k, i, self.units[k].unit.local.view(-1))
                 self.landed.add((k, i))
-        if optim_plan is not None:
+        if optim_plan is not None and not self.twin.load_hooked:  # (load hooks see the twin's state: it stays there)
             found: dict[tuple[int, tuple], dict[int, Prepared]] = {}  # (unit, path) -> per-element leaf by parameter
             for load in optim_plan.params:
                 hit = where.get(id(load.param))

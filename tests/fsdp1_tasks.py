@@ -719,3 +719,31 @@ def broadcast_equals_full_load(ctx, uop: bool, fresh_target: bool):
         _steps(model, opt, 2, 1)
     assert _equal(_snapshot(a, a_opt), _snapshot(b, b_opt)), "training after a broadcast load differs"
     return True
+
+
+def hooked_broadcast_equals_full_load(ctx, uop: bool):
+    """An optimizer's load post-hook sees the loaded state and may change it
+    (here: doubles every ``exp_avg``): a broadcast load ends as a full load
+    of the same dicts, the hook's change kept."""
+
+    def double(opt):
+        for entry in opt.state.values():
+            if "exp_avg" in entry:
+                entry["exp_avg"].mul_(2)
+
+    source, source_opt = _fsdp1(ctx, 0, uop)
+    _steps(source, source_opt, 0, 2)
+    msd, osd = _full(source, source_opt)
+    ends = []
+    for broadcast in (False, True):
+        target, target_opt = _fsdp1(ctx, 1, uop)
+        _steps(target, target_opt, 50, 1)
+        target_opt.register_load_state_dict_post_hook(double)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+        mine = (msd, osd) if ctx.rank == 0 or not broadcast else ({}, {})
+        hyperdsd.set_state_dict(target, target_opt, model_state_dict=mine[0], optim_state_dict=mine[1], options=options)
+        ends.append(_full(target, target_opt))
+    _assert_same(*ends)
+    doubled = ends[0][1]["state"]["3.0.weight"]["exp_avg"]
+    assert torch.equal(doubled, 2 * osd["state"]["3.0.weight"]["exp_avg"]), "the hook's change was lost"
+    return True

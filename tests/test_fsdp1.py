@@ -168,3 +168,8 @@ def test_a_broadcast_load_ends_as_a_full_load_of_the_same_dicts(pools, uop, fres
     """Landed in the optimizer's own state (a stepped target) or in a buffer (a
     fresh one), with one entry a saved template that ends without state."""
     assert run(pools, 2, "broadcast_equals_full_load", uop=uop, fresh_target=fresh_target) == [True, True]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_an_optimizer_load_hook_changes_what_a_broadcast_load_writes_as_a_full_loads(pools, uop):
+    assert run(pools, 2, "hooked_broadcast_equals_full_load", uop=uop) == [True, True]
