@@ -199,11 +199,11 @@ class _Load:
         self.opts = opts
         target = _Target(model, optimizer_params(optimizers), opts, to_load=True)
         self.model, self.index, self.optims = target.model, target.index, target.optims
-        self.twin = None  # an FSDP1 model's: the load lands in it and is written back through it
+        self.twin_load = None  # an FSDP1 model's: the load lands in it and is written back through its twin
         if target.twin is not None:
             from .fsdp1_load import TwinLoad
 
-            self.twin = TwinLoad(target.twin)
+            self.twin_load = TwinLoad(target.twin)
         self.group = groups.of_params(self.index.fqn_of)
         self.problems: list[str] = []
         self.model_plan: ModelLoadPlan | None = None
@@ -218,8 +218,8 @@ class _Load:
         parts = agreement.manifests(parts)
         self.problems += agreement.problems
         self._plan(parts, foreign_ok=agreement.foreign_ok)
-        if broadcast and self.twin is not None:
-            self.twin.land(self.model_plan, self.optim_plan)
+        if broadcast and self.twin_load is not None:
+            self.twin_load.land(self.model_plan, self.optim_plan)
         self._apply(agreement.agree(what, self.problems, self.model_plan, self.optim_plan, self.opts.strict))
 
     def _plan(self, parts: dict[str, Any], foreign_ok: bool) -> None:
@@ -247,8 +247,8 @@ class _Load:
             _run_post_hooks(self.optims)
         if self.model_plan is not None:
             model_state.apply_load(self.model, self.model_plan)
-        if self.twin is not None:
-            self.twin.write_back(self.model_plan, self.optim_plan)
+        if self.twin_load is not None:
+            self.twin_load.write_back(self.model_plan, self.optim_plan)
 
 
 def set_model_state_dict(

@@ -48,7 +48,13 @@ class TwinLoad:
         self.units, self.params = twin.units, twin.params
         self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
         self.state_landed: dict[int, dict[tuple, _Landed]] = {}  # unit -> path -> what a broadcast delivered
-        self._owner = {id(p): opt for opt in twin.real_optims for g in opt.param_groups for p in g["params"]}
+        # id of each real parameter an optimizer steps -> (that optimizer, its twin)
+        self.owner = {
+            id(p): (opt, twin_opt)
+            for opt, twin_opt in zip(twin.real_optims, twin.optims)
+            for g in opt.param_groups
+            for p in g["params"]
+        }
 
     # -- landing a broadcast ----------------------------------------------------
 
@@ -78,9 +84,9 @@ class TwinLoad:
                 k, i = hit
                 shape = tuple(self.units[k].unit.shapes[i])
                 for path, leaf in leaves(load.entry or {}):
-                    if isinstance(leaf, Prepared) and leaf.meta is not None and leaf.layout is not None:
-                        if shape and tuple(leaf.meta.shape) == shape:
-                            found.setdefault((k, path), {})[i] = leaf
+                    planned = isinstance(leaf, Prepared) and leaf.meta is not None and leaf.layout is not None
+                    if planned and shape and tuple(leaf.meta.shape) == shape:
+                        found.setdefault((k, path), {})[i] = leaf
             for (k, path), leaves_of in found.items():
                 self._land_state(k, path, leaves_of)
 
@@ -94,18 +100,17 @@ class TwinLoad:
         dtype = next(iter(leaves_of.values())).meta.dtype
         whole = len(leaves_of) == len(u.fqns) and all(leaf.meta.dtype == dtype for leaf in leaves_of.values())
         into = self._in_place(k, path, dtype) if whole else None
-        if into is not None:
+        in_place = into is not None
+        if in_place:
             flat = into[0][0] if u.unit.params is None else None
-            landed = self.state_landed.setdefault(k, {})[path] = _Landed(set(), flat, True)
         else:
             flat = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
             into = dict.fromkeys(range(len(u.fqns)), (flat, 0))
-            landed = self.state_landed.setdefault(k, {})[path] = _Landed(set(), flat, False)
+        self.state_landed.setdefault(k, {})[path] = _Landed(set(leaves_of), flat, in_place)
         for i, leaf in leaves_of.items():
             leaf.landing = self._landing(k, i, *into[i])
             leaf.local = torch.zeros((), dtype=leaf.meta.dtype, device=leaf.device).expand(leaf.layout.local_shape)
             leaf.dest, leaf.owned = None, True
-            landed.params.add(i)
 
     def _in_place(self, k: int, path: tuple, dtype: torch.dtype) -> dict[int, tuple] | None:
         """For each of unit ``k``'s parameters, the optimizer's own state at
@@ -115,7 +120,7 @@ class TwinLoad:
         u = self.units[k]
 
         def own(p, numel):
-            opt = self._owner.get(id(p))
+            opt = self.owner.get(id(p), (None, None))[0]
             value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
             fits = isinstance(value, torch.Tensor) and value.dtype == dtype and value.is_contiguous()
             return value.view(-1) if fits and value.numel() == numel else None
@@ -234,15 +239,9 @@ class TwinLoad:
                     if key not in _STRUCTURAL:
                         real_group[key] = value
         managed = set()
-        owner = {
-            id(p): (opt, twin)
-            for opt, twin in zip(self.twin.real_optims, self.twin.optims)
-            for g in opt.param_groups
-            for p in g["params"]
-        }
         for k, (twins, params) in enumerate(zip(self.params, self.twin.optimizer_params())):
             managed.update(id(p) for p in params)
-            self._write_unit(k, twins, params, owner)
+            self._write_unit(k, twins, params)
         for opt, twin in zip(self.twin.real_optims, self.twin.optims):
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -253,12 +252,12 @@ class TwinLoad:
                     else:
                         opt.state.pop(p, None)
 
-    def _write_unit(self, k: int, twins: list, params: list, owner: dict) -> None:
+    def _write_unit(self, k: int, twins: list, params: list) -> None:
         u = self.units[k]
         flat_mode = u.unit.params is None
         entries = []
         for i, twin in enumerate(twins):
-            opt_twin = owner.get(id(params[0 if flat_mode else i]), (None, None))[1]
+            opt_twin = self.owner.get(id(params[0 if flat_mode else i]), (None, None))[1]
             entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
         found: dict[tuple, torch.dtype] = {}  # path of each per-element tensor (nested too) -> its dtype
         for e in entries:
@@ -269,7 +268,7 @@ class TwinLoad:
         for path, dtype in sorted(found.items(), key=lambda item: str(item[0])):
             flats[path] = self._flat_of(k, path, dtype, entries)
         for j, p in enumerate(params):
-            opt, _ = owner.get(id(p), (None, None))
+            opt, _ = self.owner.get(id(p), (None, None))
             if opt is None:
                 continue
             mine = [e for i, e in enumerate(entries) if (flat_mode or i == j) and e]

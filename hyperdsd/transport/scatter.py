@@ -190,13 +190,7 @@ class Scatterer:
                 if need is not None:
                     self._deliver(i, need.cut(self.fulls[i]).to(self.device), view=True)
             elif need is not None and need.size:
-                dtype = self.metas[i].dtype
-                target = self.target_for(i) if self.target_for is not None else None
-                usable = target is not None and target.is_contiguous() and target.numel() == need.size
-                usable = usable and target.dtype == dtype
-                recv = (
-                    target.view(need.shape()) if usable else torch.empty(need.shape(), dtype=dtype, device=self.device)
-                )
+                recv = self._receive_into(i, need)
                 works.append(dist.irecv(recv, src=root, group=pg, tag=i))
                 received.append((i, recv))
         for work in works:
@@ -212,16 +206,20 @@ class Scatterer:
 
     def _scatter_one(self, i: int) -> None:
         """One large tensor: the root's rows go straight into each rank's destination."""
-        need = self.everyone[self.me][i]
-        shape, dtype = need.shape(), self.metas[i].dtype
-        target = self.target_for(i) if self.target_for is not None else None
-        usable = target is not None and target.is_contiguous() and list(target.shape) == shape and target.dtype == dtype
-        recv = target if usable else torch.empty(shape, dtype=dtype, device=self.device)
+        recv = self._receive_into(i, self.everyone[self.me][i])
         sends = None
         if self.me == 0:
             sends = [self.everyone[r][i].cut(self.fulls[i]).to(self.device) for r in range(self.world)]
         dist.scatter(recv, sends, src=self.group.root, group=self.group.pg)
         self._deliver(i, recv, view=False)
+
+    def _receive_into(self, i: int, need: Need) -> torch.Tensor:
+        """Where this rank receives its piece of tensor ``i``: where it lands
+        (``target_for``) if that fits, else a new tensor."""
+        shape, dtype = need.shape(), self.metas[i].dtype
+        target = self.target_for(i) if self.target_for is not None else None
+        usable = target is not None and target.is_contiguous() and list(target.shape) == shape and target.dtype == dtype
+        return target if usable else torch.empty(shape, dtype=dtype, device=self.device)
 
     def _layout(self, bucket: list[Run], r: int) -> tuple[list[int], int]:
         """Where each run's pieces start in rank ``r``'s buffer, and its width.
