@@ -241,3 +241,50 @@ def frozen_keep_their_own_state():
             return out
 
     return _judged(base, "frozen-keep-their-own-state", set_optimizer_state_dict=set_optimizer_state_dict)
+
+
+# A value no report may show (SPEC §4, 1.4: a report names tensors, never
+# prints their values). Built, not written out, so that no traceback's
+# source line shows it either.
+PLANTED = 4000 + 242.25
+
+
+def _planted(like: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.full(tuple(like.shape) or (3,), PLANTED))
+
+
+def tensor_messages():
+    """hyperdsd, with tensors where reports would print them: the model get
+    returns a tensor as a key and a wrong value under a real one; a full
+    optimizer get raises a KeyError on a parameter it made; the optimizer set
+    raises an error whose text embeds a tensor's printout."""
+    base = load_adapter("hyperdsd")
+    own = _own(base.get_model_state_dict)
+
+    def get_model_state_dict(model, **kw):
+        sd = own(model, **kw)
+        first = next(iter(sd))
+        wrong = _planted(sd[first])
+        return {**sd, first: wrong[..., :1] if wrong.dim() else wrong, wrong: _planted(wrong)}
+
+    def get_optimizer_state_dict(model, optims, **kw):
+        from conformance.adapters import iut_call
+
+        if not getattr(kw.get("options"), "full_state_dict", False):
+            return _own(base.get_optimizer_state_dict)(model, optims, **kw)
+        with iut_call():
+            raise KeyError(_planted(next(iter(model.parameters()))))
+
+    def set_optimizer_state_dict(model, optims, sd, **kw):
+        from conformance.adapters import iut_call
+
+        with iut_call():
+            raise ValueError(f"cannot load {_planted(next(iter(model.parameters())))!r} here")
+
+    return _judged(
+        base,
+        "tensor-messages",
+        get_model_state_dict=get_model_state_dict,
+        get_optimizer_state_dict=get_optimizer_state_dict,
+        set_optimizer_state_dict=set_optimizer_state_dict,
+    )

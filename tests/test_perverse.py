@@ -1,4 +1,5 @@
-"""What the implementation returns is input (SPEC §4, 1.3): a surprise in it is
+"""What the implementation returns is input (SPEC §4, 1.3), and so is what it
+does to the model and optimizers it is handed (1.4): a surprise in either is
 the implementation's failure, never the suite's ``error``; and a soak
 (``--repeat``) reports every verdict that changes between runs."""
 
@@ -11,6 +12,7 @@ from helpers import run_cli, slowness
 
 from conformance.adapters import load_adapter
 from conformance.cli import verdict_changes
+from conformance.judging.handled import Handled, changes
 from conformance.judging.received import Received
 from conformance.running.registry import by_id
 from conformance.running.runner import Runner
@@ -20,7 +22,8 @@ from tools.perverse_impls import PERVERSE
 
 # Cases that read and edit what the implementation returned: model dicts
 # popped and re-keyed (MODEL-2), file and DCP saves, the combined functions,
-# the flat layout, and a loop point. One rank and two.
+# the flat layout, and loop points, where a get must leave the gradients and
+# a set's model and optimizer train on (LOOP-1, LOOP-2). One rank and two.
 SLICE = (
     "MODEL-2[ddp-file-strict]",
     "MODEL-2[single-sharded-nonstrict]",
@@ -29,6 +32,8 @@ SLICE = (
     "OPT-MPMD-3[single-adamw-flat]",
     "API-1[single-adamw-full]",
     "LOOP-1[single-full-accum]",
+    "LOOP-1[single-file-grads]",
+    "LOOP-2[single-file-grads]",
 )
 
 
@@ -112,6 +117,38 @@ def test_well_formed_output_is_no_surprise():
     sd = impl.get_model_state_dict(model)
     got.note("set_model_state_dict", (model, sd), {}, impl.set_model_state_dict(model, sd))
     assert got.surprises() == []
+
+
+@pytest.mark.parametrize(
+    "twist, needles",
+    [
+        ("swapped_params", ["param_groups[0] holds 2 tensor(s) that are not the model's parameters", "'0.weight'"]),
+        ("replaced_params", ["replaced the model's parameters '0.weight', '0.bias', '1.weight' and 1 more"]),
+        ("dropped_group", ["removed param groups of the optimizer: it had 2, it has 1"]),
+        ("added_group", ["added param groups", "param_groups[2] holds 1 tensor(s)", "<Parameter shape=(3,) float32"]),
+        ("cleared_grads", ["changed whether these hold a gradient: '0.weight' (True -> False)"]),
+        ("frozen", ["changed requires_grad of '0.weight' (True -> False), '0.bias'"]),
+    ],
+)
+def test_each_side_effect_is_named_by_what_changed(twist, needles):
+    model, _ = _model_and_optimizer()
+    optim = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+    model(torch.ones(1, 3)).sum().backward()
+    optim.step()
+    before = Handled.of(model, optim)
+    PERVERSE[twist].after_set(model, optim)
+    found = "; ".join(changes(before, Handled.of(model, optim)))
+    for needle in needles:
+        assert needle in found, f"{twist}: {needle!r} not in:\n{found}"
+
+
+def test_hyperdsd_changes_nothing_it_is_handed():
+    model, optim = _model_and_optimizer()
+    impl = load_adapter("hyperdsd")
+    before = Handled.of(model, optim)
+    msd, osd = impl.get_state_dict(model, optim)
+    impl.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    assert changes(before, Handled.of(model, optim)) == []
 
 
 class _Result:

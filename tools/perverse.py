@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         errors += [(name, c) for c in cases if c["status"] == "error"]
         print(
             f"{name:<12} {counts['passed']:>7} {counts['failed']:>7} {counts['n/a']:>7} "
-            f"{counts['error']:>6}  {time.monotonic() - start:>7.0f}  {PERVERSE[name][0]}",
+            f"{counts['error']:>6}  {time.monotonic() - start:>7.0f}  {PERVERSE[name].what}",
             flush=True,
         )
     for name, c in errors:

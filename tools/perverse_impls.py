@@ -1,7 +1,8 @@
-"""Implementations whose output surprises the suite: each wraps hyperdsd and
-twists one thing in what its functions return (SPEC §4, 1.3: what the IUT
-returns is input). The suite must judge every case of theirs ``passed``,
-``failed`` or ``not applicable``, never ``error``.
+"""Implementations that surprise the suite: each wraps hyperdsd and twists one
+thing in what its functions return (SPEC §4, 1.3: what the IUT returns is
+input) or in what its sets do to the model and optimizers they are handed
+(1.4: that is input too). The suite must judge every case of theirs
+``passed``, ``failed`` or ``not applicable``, never ``error``.
 
 ``--impl tools.perverse_impls:NAME`` (the repository root on the path), for
 each NAME in :data:`PERVERSE`.
@@ -9,7 +10,8 @@ each NAME in :data:`PERVERSE`.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -71,54 +73,159 @@ def _none(_sd):
     return None
 
 
-# name: (what is twisted, model get's twist, optimizer get's twist, set's return)
+def _optimizers(optims) -> list:
+    if optims is None:  # set_model_state_dict hands over no optimizer
+        return []
+    return list(optims) if isinstance(optims, (list, tuple)) else [optims]
+
+
+def _swap_params(model, optims) -> None:
+    """The optimizers step copies: every group's parameters become new
+    tensors (not the model's), their state moved along, as a library that
+    rebuilt its optimizers from a state dict of copies leaves them."""
+    for opt in _optimizers(optims):
+        for group in opt.param_groups:
+            copies = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in group["params"]]
+            for old, new in zip(group["params"], copies):
+                if old in opt.state:
+                    opt.state[new] = opt.state.pop(old)
+            group["params"] = copies
+
+
+def _replace_params(model, optims) -> None:
+    """Each module's own parameters become new objects holding the same
+    values (``load_state_dict(assign=True)``'s way): the optimizer keeps
+    stepping the old ones."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not isinstance(p, torch.distributed.tensor.DTensor):
+                module._parameters[name] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+
+
+def _drop_group(model, optims) -> None:
+    """The last param group (and its parameters' state) removed."""
+    for opt in _optimizers(optims):
+        if opt.param_groups:
+            for p in opt.param_groups.pop()["params"]:
+                opt.state.pop(p, None)
+
+
+def _add_group(model, optims) -> None:
+    """A param group added, stepping a tensor the model does not have."""
+    for opt in _optimizers(optims):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+def _clear_grads(model, optims) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _freeze(model, optims) -> None:
+    """Every parameter stops requiring gradients."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class Twist:
+    what: str
+    model_get: Callable | None = None  # applied to what a model get returns
+    optim_get: Callable | None = None  # ... an optimizer get returns
+    set_returns: str | None = None  # what every set returns instead of its keys
+    after_set: Callable | None = None  # done to (model, optimizers) after every set loaded
+    after_get: Callable | None = None  # ... after every get
+
+
 PERVERSE = {
-    "prefixed": ("keys under a wrapper prefix", _prefixed, _optim_prefixed, None),
-    "dropped": ("one key dropped", _drop_last, _optim_dropped, None),
-    "added": ("one key added", _added, _optim_added, None),
-    "none": ("gets return None", _none, _none, None),
-    "items": ("gets return a list of items", _items, _items, None),
-    "tensors": ("tensors where the state's dicts belong", None, _tensors_for_dicts, None),
-    "no_groups": ("optimizer gets without param_groups", None, _without_groups, None),
-    "set_returns": ("sets return nothing or the wrong type", None, None, "wrong"),
+    "prefixed": Twist("keys under a wrapper prefix", _prefixed, _optim_prefixed),
+    "dropped": Twist("one key dropped", _drop_last, _optim_dropped),
+    "added": Twist("one key added", _added, _optim_added),
+    "none": Twist("gets return None", _none, _none),
+    "items": Twist("gets return a list of items", _items, _items),
+    "tensors": Twist("tensors where the state's dicts belong", optim_get=_tensors_for_dicts),
+    "no_groups": Twist("optimizer gets without param_groups", optim_get=_without_groups),
+    "set_returns": Twist("sets return nothing or the wrong type", set_returns="wrong"),
+    # What the calls do to the objects they are handed (SPEC §4, 1.4).
+    "swapped_params": Twist("sets leave the optimizers stepping copies", after_set=_swap_params),
+    "replaced_params": Twist("sets replace the model's parameters", after_set=_replace_params),
+    "dropped_group": Twist("sets drop the last param group", after_set=_drop_group),
+    "added_group": Twist("sets add a param group", after_set=_add_group),
+    "cleared_grads": Twist("gets and sets clear the gradients", after_set=_clear_grads, after_get=_clear_grads),
+    "frozen": Twist("sets freeze every parameter", after_set=_freeze),
 }
 
 
+def _gets(base, t: Twist) -> dict:
+    """The get functions ``t`` twists."""
+    model_twist, optim_twist = t.model_get or _same, t.optim_get or _same
+    effect = t.after_get or _nothing
+
+    def get_model_state_dict(model, **kw):
+        sd = base.get_model_state_dict(model, **kw)
+        effect(model, None)
+        return model_twist(sd)
+
+    def get_optimizer_state_dict(model, optims, **kw):
+        osd = base.get_optimizer_state_dict(model, optims, **kw)
+        effect(model, optims)
+        return optim_twist(osd)
+
+    def get_state_dict(model, optims, **kw):
+        msd, osd = base.get_state_dict(model, optims, **kw)
+        effect(model, optims)
+        return model_twist(msd), optim_twist(osd)
+
+    return dict(
+        get_model_state_dict=get_model_state_dict,
+        get_optimizer_state_dict=get_optimizer_state_dict,
+        get_state_dict=get_state_dict,
+    )
+
+
+def _sets(base, t: Twist) -> dict:
+    """The set functions ``t`` twists."""
+    effect = t.after_set or _nothing
+
+    def after(model, optims, result):
+        effect(model, optims)
+        return t.set_returns if t.set_returns else result
+
+    def set_model_state_dict(model, sd, **kw):
+        result = base.set_model_state_dict(model, sd, **kw)
+        if t.set_returns:
+            return None  # the keys it returns are dropped
+        return after(model, None, result)
+
+    def set_optimizer_state_dict(model, optims, sd, **kw):
+        return after(model, optims, base.set_optimizer_state_dict(model, optims, sd, **kw))
+
+    def set_state_dict(model, optims, **kw):
+        return after(model, optims, base.set_state_dict(model, optims, **kw))
+
+    return dict(
+        set_model_state_dict=set_model_state_dict,
+        set_optimizer_state_dict=set_optimizer_state_dict,
+        set_state_dict=set_state_dict,
+    )
+
+
+def _same(x):
+    return x
+
+
+def _nothing(model, optims) -> None:
+    pass
+
+
 def _twisted(name: str):
-    what, model_twist, optim_twist, set_return = PERVERSE[name]
+    t = PERVERSE[name]
     base = load_adapter("hyperdsd")
     changes = {}
-    if model_twist:
-        changes["get_model_state_dict"] = lambda model, **kw: model_twist(base.get_model_state_dict(model, **kw))
-    if optim_twist:
-        changes["get_optimizer_state_dict"] = lambda model, optims, **kw: optim_twist(
-            base.get_optimizer_state_dict(model, optims, **kw)
-        )
-    if model_twist or optim_twist:
-
-        def get_state_dict(model, optims, **kw):
-            msd, osd = base.get_state_dict(model, optims, **kw)
-            return (model_twist or (lambda x: x))(msd), (optim_twist or (lambda x: x))(osd)
-
-        changes["get_state_dict"] = get_state_dict
-    if set_return:
-
-        def set_model_state_dict(model, sd, **kw):
-            base.set_model_state_dict(model, sd, **kw)  # noqa: B018 - the keys it returns are dropped
-
-        def set_optimizer_state_dict(model, optims, sd, **kw):
-            base.set_optimizer_state_dict(model, optims, sd, **kw)
-            return set_return
-
-        def set_state_dict(model, optims, **kw):
-            base.set_state_dict(model, optims, **kw)
-            return set_return
-
-        changes.update(
-            set_model_state_dict=set_model_state_dict,
-            set_optimizer_state_dict=set_optimizer_state_dict,
-            set_state_dict=set_state_dict,
-        )
+    if t.model_get or t.optim_get or t.after_get:
+        changes.update(_gets(base, t))
+    if t.set_returns or t.after_set:
+        changes.update(_sets(base, t))
     # The wrappers are the implementation under test: their twist is its deviation.
     return replace(base, name=f"perverse-{name}", version="0", functions_are_iut=True, **changes)
 
@@ -127,7 +234,7 @@ def _factory(name: str):
     def make():
         return _twisted(name)
 
-    make.__doc__ = f"hyperdsd with {PERVERSE[name][0]}."
+    make.__doc__ = f"hyperdsd with {PERVERSE[name].what}."
     make.__name__ = name
     return make
 

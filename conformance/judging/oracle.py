@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from .. import _compat, nested
+from .naming import describe, show
 
 # Path segments that wrappers insert and canonical FQNs leave out.
 WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -44,6 +45,16 @@ def check(condition: bool, message: str) -> None:
 def clone_tree(obj: Any) -> Any:
     """A deep copy of a state dict's containers and tensors (DTensors stay DTensors)."""
     return nested.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
+
+
+class FqnOf(dict):
+    """Parameter -> canonical FQN. A tensor the model does not hold (one an
+    implementation left in an optimizer's ``param_groups``, SPEC §4, 1.4)
+    gets a name saying so, not a KeyError: the comparison that reads it
+    then says what changed, under the case's own clause."""
+
+    def __missing__(self, p) -> str:
+        return f"<not a parameter of the model: {describe(p)}>" if isinstance(p, torch.Tensor) else f"<{p!r}>"
 
 
 def snapshot(setup) -> dict:
@@ -129,28 +140,34 @@ def diff_values(
     if isinstance(expected, dict):
         if not isinstance(actual, dict):
             return [f"{where}: expected a dict, got {type(actual).__name__}"]
-        out = [f"{where}[{k!r}]: absent, expected present" for k in expected if k not in actual]
-        out += [f"{where}[{k!r}]: present, expected absent" for k in actual if k not in expected]
+        out = [f"{where}[{show(k)}]: absent, expected present" for k in expected if k not in actual]
+        out += [f"{where}[{show(k)}]: present, expected absent" for k in actual if k not in expected]
         for k in expected:
             if k in actual:
                 sub = atol_of.get(k, atol) if atol_of else atol
-                out += diff_values(expected[k], actual[k], f"{where}[{k!r}]", rtol, sub, atol_of)
+                out += diff_values(expected[k], actual[k], f"{where}[{show(k)}]", rtol, sub, atol_of)
         return out
     if isinstance(expected, (list, tuple)):
-        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
-            return [f"{where}: {actual!r}, expected {expected!r}"]
+        if not isinstance(actual, (list, tuple)):
+            return [f"{where}: {show(actual)}, expected {show(expected)}"]
         out = []
+        if len(actual) != len(expected):
+            out.append(f"{where}: {len(actual)} items, expected {len(expected)}")
         for i, (e, a) in enumerate(zip(expected, actual)):
             out += diff_values(e, a, f"{where}[{i}]", rtol, atol, atol_of)
+        n = len(expected)
+        out += [f"{where}[{i}]: present, expected absent: {show(a)}" for i, a in enumerate(actual[n:], n)]
+        out += [f"{where}[{i}]: absent, expected {show(e)}" for i, e in enumerate(expected[len(actual) :], len(actual))]
         return out
     if type(expected) is not type(actual) and not (
         isinstance(expected, (int, float)) and isinstance(actual, (int, float))
     ):
         return [
-            f"{where}: type {type(actual).__name__} ({actual!r}), expected {type(expected).__name__} ({expected!r})"
+            f"{where}: type {type(actual).__name__} ({show(actual)}), expected {type(expected).__name__} "
+            f"({show(expected)})"
         ]
     if expected != actual:
-        return [f"{where}: {actual!r}, expected {expected!r}"]
+        return [f"{where}: {show(actual)}, expected {show(expected)}"]
     return []
 
 

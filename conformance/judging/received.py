@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from .naming import show
 from .oracle import canonical
 
 __all__ = ["Received", "RECEIVES"]
@@ -45,9 +46,12 @@ def _type(obj: Any) -> str:
 
 
 def _some(names) -> str:
-    names = sorted(names)
+    """A few of ``names`` (keys the IUT returned: tensors among them are named, not printed)."""
+    names = list(names)
+    if all(isinstance(n, str) for n in names):
+        names.sort()
     more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
-    return ", ".join(repr(n) for n in names[:_SHOWN]) + more
+    return ", ".join(show(n) for n in names[:_SHOWN]) + more
 
 
 @dataclass
@@ -69,6 +73,14 @@ class Received:
 
     def __init__(self) -> None:
         self._results: list[_Result] = []
+        self._changes: list[str] = []  # what calls did to the objects they were handed (1.4)
+
+    def note_changes(self, fn: str, lines: list[str]) -> None:
+        if lines:
+            self._changes.append(f"{fn} changed the objects it was handed: " + "; ".join(lines))
+
+    def changes(self) -> list[str]:
+        return list(self._changes)
 
     def note(self, fn: str, args: tuple, kwargs: dict, result: Any) -> None:
         kind = RECEIVES.get(fn)
@@ -105,7 +117,7 @@ class Received:
             return
         odd = [k for k in sd if not isinstance(k, str)]
         if odd:
-            r.problems.append(f"{what} has keys that are not FQN strings: {_some(map(repr, odd))}")
+            r.problems.append(f"{what} has keys that are not FQN strings: {_some(odd)}")
         r.model_keys = frozenset(k for k in sd if isinstance(k, str))
 
     @staticmethod
@@ -119,7 +131,7 @@ class Received:
             if bad or not keys:
                 r.problems.append(
                     f"{what} has neither 'state' nor 'param_groups'"
-                    + (f", and keys outside a flat layout: {_some(map(str, bad))}" if bad else " (it is empty)")
+                    + (f", and keys outside a flat layout: {_some(bad)}" if bad else " (it is empty)")
                 )
                 return
             r.optim = ("flat", frozenset(keys))
@@ -132,7 +144,7 @@ class Received:
         if not_dicts:
             kinds = sorted({_type(state[k]) for k in not_dicts})
             r.problems.append(
-                f"{what}'s 'state' holds {'/'.join(kinds)} where a dict belongs, under {_some(map(str, not_dicts))}"
+                f"{what}'s 'state' holds {'/'.join(kinds)} where a dict belongs, under {_some(not_dicts)}"
             )
         in_groups: set = set()
         if not isinstance(groups, (list, tuple)):
@@ -160,7 +172,7 @@ class Received:
                 problems.append(f"(its keys could not be compared with the model's: {type(exc).__name__}: {exc})")
             if problems:
                 out.append(f"{r.fn} returned what torch's signature does not: " + "; ".join(problems))
-        return out
+        return out + self._changes
 
 
 def _names(model) -> tuple[dict, set[str], dict[int, list]]:

@@ -20,11 +20,14 @@ import contextlib
 import os
 import traceback
 
+import torch
 import torch.distributed as dist
 
 from hyperdsd.testing import NotApplicable, RankContext, region_of
 
 from ..adapters import COMBINED, FUNCTIONS, Adapter, iut_call, raised_by_iut
+from ..judging.handled import Handled, changes
+from ..judging.naming import name_tensors, show
 from ..judging.oracle import CheckFailure
 from ..judging.received import Received
 from .registry import Case
@@ -33,6 +36,17 @@ __all__ = ["CaseContext", "NotApplicable"]
 
 # Adapter members that run the IUT's code.
 _IUT_CALLS = frozenset(FUNCTIONS + COMBINED) | {"options", "shard"}
+
+
+def _handed(name: str, args: tuple, kwargs: dict) -> tuple | None:
+    """(model, optimizers) a get or a set of the IUT is handed; None for other calls."""
+    if name not in FUNCTIONS and name not in COMBINED:
+        return None
+    model = args[0] if args else kwargs.get("model")
+    optimizers = None
+    if "optimizer" in name or name in COMBINED:
+        optimizers = args[1] if len(args) > 1 else kwargs.get("optimizers")
+    return model, optimizers
 
 
 class JudgedAdapter:
@@ -54,6 +68,8 @@ class JudgedAdapter:
             def call(*args, **kwargs):
                 if args:
                     self._c.touched(args[0], name)
+                handed = _handed(name, args, kwargs)
+                before = Handled.of(*handed) if handed else None
                 try:
                     with self._c.rank_ctx.under_test(name), iut_call() if whole else contextlib.nullcontext():
                         result = value(*args, **kwargs)
@@ -61,6 +77,9 @@ class JudgedAdapter:
                     if raised_by_iut(exc):
                         raise
                     raise NotApplicable(f"the adapter of {self._adapter.name} refused {name}: {exc}") from None
+                finally:
+                    if before is not None:
+                        self._c.received.note_changes(name, changes(before, Handled.of(*handed)))
                 self._c.received.note(name, args, kwargs, result)
                 return result
 
@@ -82,6 +101,7 @@ class CaseContext:
         self.dir = workdir
         # id(model) -> the IUT function that last received it (see touched()).
         self._touched: dict[int, str] = {}
+        self._models: dict[int, object] = {}  # the models handed to the IUT, to name their tensors
         # What the IUT's gets and sets returned here, judged when the case stumbles (SPEC §4).
         self.received = Received()
 
@@ -113,12 +133,31 @@ class CaseContext:
 
     def touched(self, model, fn: str) -> None:
         self._touched[id(model)] = fn
+        self._models[id(model)] = model
+
+    def name_tensors(self, exc: BaseException) -> None:
+        """Let ``exc``'s text name the tensors it was raised with (a KeyError
+        on a parameter, say) by FQN, type, shape and dtype, never by their
+        values (SPEC §4, 1.4): its arguments are rewritten in place."""
+        if not any(isinstance(a, torch.Tensor) or (isinstance(a, str) and "tensor(" in a) for a in exc.args):
+            return
+        names: dict[int, str] = {}
+        for model in self._models.values():
+            names.update(Handled.of(model, None).names())
+        try:
+            exc.args = tuple(
+                show(a, names) if isinstance(a, torch.Tensor) else name_tensors(a) if isinstance(a, str) else a
+                for a in exc.args
+            )
+        except (AttributeError, TypeError):  # an exception type whose args are fixed
+            pass
 
     def stumbled(self, exc: Exception) -> CheckFailure | None:
         """The verdict when the case's own code raised ``exc`` outside any IUT
         call: a failure naming what the IUT returned, where that broke torch's
-        promise (SPEC §4: its output is input); None where nothing did, and
-        the error is the suite's."""
+        promise, and what its calls did to the objects they were handed (SPEC
+        §4: both are input); None where nothing did, and the error is the
+        suite's."""
         if isinstance(exc, (AssertionError, NotApplicable)) or region_of(exc):
             return None
         surprises = self.received.surprises()
@@ -129,6 +168,18 @@ class CaseContext:
         return CheckFailure(
             "\n".join(surprises) + f"\n(the case could not go on with it: {type(exc).__name__}: {str(exc)[:300]}{at})"
         )
+
+    def note_changes(self, exc: BaseException) -> None:
+        """Add to a failure's message what the IUT's calls did to the objects
+        they were handed, which the failure may follow from (a difference,
+        training that cannot go on); on its own line, outside the message's
+        first two, by which reports group failures."""
+        changed = self.received.changes()
+        if changed and len(exc.args) == 1 and isinstance(exc.args[0], str):
+            try:
+                exc.args = (exc.args[0] + "\n(" + "\n".join(changed) + ")",)
+            except (AttributeError, TypeError):
+                pass
 
     def after_iut(self, model, what: str):
         """``what`` on a model the IUT was given runs under test, named after

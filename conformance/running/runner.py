@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from hyperdsd.testing import REGIONS, Executor, RankContext, Status, Task, TaskOutcome
 
 from ..adapters import Adapter, load_adapter, set_rank_device
+from ..judging.naming import cut, name_tensors
 from .registry import Case, by_id
 from .results import CaseResult
 from .xfails import Xfails
@@ -47,9 +48,11 @@ def run_phase(
     spec = case.phases[phase]
     try:
         return spec.fn(c, **spec.params)
-    except Exception as exc:
-        failure = c.stumbled(exc)
+    except BaseException as exc:
+        c.name_tensors(exc)
+        failure = c.stumbled(exc) if isinstance(exc, Exception) else None
         if failure is None:
+            c.note_changes(exc)
             raise
         raise failure from exc
 
@@ -73,7 +76,9 @@ def describe_outcome(outcome: TaskOutcome, phase_label: str) -> tuple[str, str, 
             details.append(f"--- stacks of rank {r.rank} ({r.status}) ---\n{r.stacks}")
         if r.log.strip() and r.status != Status.PASSED:
             details.append(f"--- output of rank {r.rank} ---\n{r.log}")
-    return "\n".join(lines), "\n".join(details), named
+    # Reports name tensors, never print them, and stay readable (SPEC §4, 1.4).
+    message = cut(name_tensors("\n".join(lines)))
+    return message, cut(name_tensors("\n".join(details)), max_lines=2000, max_chars=200_000), named
 
 
 def undeclared(adapter: Adapter, case: Case) -> str:

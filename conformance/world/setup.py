@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _compat
-from ..judging.oracle import canonical
+from ..judging.oracle import FqnOf, canonical
 from .layouts import Layout, model_group, parse_layout
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
 
@@ -145,8 +145,9 @@ class Setup:
             return None
         return _compat.fsdp1_full_snapshot(self.module, self.optimizers, self.fqn_of(), canonical)
 
-    def fqn_of(self) -> dict[nn.Parameter, str]:
-        return {p: n for n, p in self.named_parameters()}
+    def fqn_of(self) -> FqnOf:
+        """Parameter -> FQN; a tensor the model does not hold is named as such."""
+        return FqnOf((p, n) for n, p in self.named_parameters())
 
     def param(self, fqn: str) -> nn.Parameter:
         return dict(self.named_parameters())[fqn]
