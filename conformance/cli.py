@@ -295,7 +295,8 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
 
     from hyperdsd.testing import WorldLost
 
-    from .reporting.reports import ConsoleReporter, RunInfo
+    from .reporting.console import ConsoleReporter
+    from .reporting.reports import RunInfo
     from .running.runner import Runner
 
     executor = _executor(args)

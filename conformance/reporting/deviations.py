@@ -120,5 +120,5 @@ def render(deviations: list[Deviation], limit_lines: int = 4) -> list[str]:
         out += [f"       {line}" for line in shown]
         if d.example.xfail_reason:
             out.append(f"       known: {d.example.xfail_reason}")
-        out.append(f"       e.g. {d.example.repro}")
+        out.append(f"       repro: {d.example.repro}")
     return out

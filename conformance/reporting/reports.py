@@ -1,14 +1,13 @@
-"""Reports: live progress and the summary matrix on the console, and the
-JSON and JUnit files that CI systems read."""
+"""Reports: the run's header, what it counts, and the JSON and JUnit files
+that CI systems read (the console's are in :mod:`.console`)."""
 
 from __future__ import annotations
 
 import json
 import platform
-import sys
 import time
 import xml.etree.ElementTree as ET
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 
 from hyperdsd.testing import Status
@@ -16,15 +15,6 @@ from hyperdsd.testing import Status
 from .. import SPEC_VERSION, __version__
 from ..running.results import STATUSES, CaseResult
 from . import deviations
-
-_LABEL = {
-    Status.PASSED: "PASS",
-    Status.FAILED: "FAIL",
-    Status.XFAIL: "XFAIL",
-    Status.XPASS: "XPASS",
-    Status.NOT_APPLICABLE: "N/A",
-    Status.ERROR: "ERROR",
-}
 
 
 @dataclass
@@ -112,119 +102,6 @@ def fault_counts(results: list[CaseResult]) -> dict[str, int]:
     for r in results:
         total.update(r.faults)
     return dict(total)
-
-
-class ConsoleReporter:
-    """A line per case as it finishes, failures in full, then the matrix."""
-
-    def __init__(self, total: int, stream=None, verbose: bool = False):
-        self.total = total
-        self.stream = stream or sys.stdout
-        self.verbose = verbose
-        self.done = 0
-        self.counts: Counter = Counter()
-
-    def write(self, text: str = "") -> None:
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def start(self, info: RunInfo) -> None:
-        h = info.header()
-        self.write(
-            f"conformance {h['suite_version']} (spec {h['spec_version']}) "
-            f"| impl {h['impl']['name']} {h['impl']['version']} "
-            f"| torch {h['torch_version']} | world sizes {','.join(map(str, h['world_sizes']))} | {self.total} cases"
-        )
-        self.write(f"declared: {declaration_line(h['declaration'])}")
-
-    def case_done(self, result: CaseResult) -> None:
-        self.done += 1
-        self.counts[result.status] += 1
-        width = len(str(self.total))
-        running = " ".join(f"{_LABEL[s].lower()} {self.counts[s]}" for s in STATUSES if self.counts[s])
-        line = (
-            f"[{self.done:>{width}}/{self.total}] {_LABEL[result.status]:<5} {result.case.id} "
-            f"({result.duration_s:.2f} s) | {running}"
-        )
-        self.write(line)
-        if result.status.unexpected:
-            self.write(self.failure_text(result, details=self.verbose))
-        elif result.status == Status.XPASS:
-            self.write(f"    unexpectedly passed; the xfail entry says: {result.xfail_reason}")
-        elif result.status == Status.NOT_APPLICABLE and self.verbose:
-            self.write(f"    {result.message}")
-
-    @staticmethod
-    def failure_text(result: CaseResult, details: bool = False) -> str:
-        lines = [f"    clause {result.case.clause} on {result.case.layout}"]
-        lines += ["    " + line for line in result.message.splitlines()]
-        if details and result.details:
-            lines += ["      " + line for line in result.details.splitlines()]
-        lines.append(f"    repro: {result.repro}")
-        return "\n".join(lines)
-
-    def finish(self, results: list[CaseResult], elapsed_s: float, warnings: list[str]) -> None:
-        self.write("")
-        self.write(render_matrix(results))
-        counts = summary_counts(results)
-        self.write("")
-        self.write(" | ".join(f"{s}: {n}" for s, n in counts.items()) + f" | {elapsed_s:.1f} s")
-        self.write("coverage: " + coverage_line(coverage(results)))
-        sections = time_by_section(results)
-        if sections:
-            self.write(
-                "time by section: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['cases']})" for k, v in sections.items())
-            )
-        faults = fault_counts(results)
-        if faults:
-            self.write("faults: " + ", ".join(f"{n} {k}" for k, n in faults.items()))
-        bad = [r for r in results if r.unexpected]
-        found = deviations.group(results)
-        if found:
-            unexpected = [d for d in found if d.status.unexpected]
-            self.write(
-                f"\n{len(bad)} case(s) failed or errored: {len(unexpected)} distinct deviation(s)"
-                + (f", and {len(found) - len(unexpected)} expected" if len(found) > len(unexpected) else "")
-            )
-            for line in deviations.render(found):
-                self.write(line)
-        for w in warnings:
-            self.write(f"warning: {w}")
-
-
-def render_matrix(results: list[CaseResult]) -> str:
-    """Clause by layout; a cell is passed/total, marked when anything failed."""
-    cells: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
-    layouts: list[str] = []
-    for r in results:
-        cells[r.case.clause][r.case.layout][r.status] += 1
-        if r.case.layout not in layouts:
-            layouts.append(r.case.layout)
-    if not results:
-        return "(no cases ran)"
-
-    def cell(counter: Counter) -> str:
-        if not counter:
-            return "."
-        total = sum(counter.values()) - counter[Status.NOT_APPLICABLE]
-        if total == 0:
-            return Status.NOT_APPLICABLE.value
-        ok = counter[Status.PASSED] + counter[Status.XPASS]
-        mark = "!" if counter[Status.FAILED] or counter[Status.ERROR] else ("x" if counter[Status.XFAIL] else "")
-        return f"{ok}/{total}{mark}"
-
-    clauses = list(cells)
-    cw = max(len("clause"), *(len(c) for c in clauses))
-    widths = [max(len(layout), 6) for layout in layouts]
-    lines = ["clause".ljust(cw) + "  " + "  ".join(layout.rjust(w) for layout, w in zip(layouts, widths))]
-    for clause in clauses:
-        lines.append(
-            clause.ljust(cw)
-            + "  "
-            + "  ".join(cell(cells[clause].get(layout, Counter())).rjust(w) for layout, w in zip(layouts, widths))
-        )
-    lines.append("cells: passed/ran; ! failed or errored, x expected failures, . not in this run")
-    return "\n".join(lines)
 
 
 def to_json(

@@ -101,6 +101,8 @@ class LayoutKind:
     # ``flat``: use_orig_params=False (the optimizer holds flat parameters).
     fsdp1: bool = False
     flat: bool = False
+    # Which column of the console's summary its cases count in (:data:`FAMILIES`).
+    family: str = "meshes"
 
 
 # -- how each kind builds its meshes ---------------------------------------
@@ -289,9 +291,13 @@ def _ddp(module: nn.Module) -> nn.Module:
 
 
 KINDS: tuple[LayoutKind, ...] = (
-    LayoutKind("single", r"single", lambda: (1, (("1", ("shard",)),), 1), _no_mesh, _unsharded, _no_dp),
-    LayoutKind("ddp", r"ddp", lambda: (2, (("2", ("shard",)),), 1), _world_mesh, _unsharded, _world_dp, wrap=_ddp),
-    LayoutKind("fsdp", r"fsdp(\d+)", lambda n: (n, ((f"{n}", ("shard",)),), 1), _world_mesh, _fsdp, _world_dp),
+    LayoutKind("single", r"single", lambda: (1, (("1", ("shard",)),), 1), _no_mesh, _unsharded, _no_dp, family="plain"),
+    LayoutKind(
+        "ddp", r"ddp", lambda: (2, (("2", ("shard",)),), 1), _world_mesh, _unsharded, _world_dp, wrap=_ddp, family="ddp"
+    ),
+    LayoutKind(
+        "fsdp", r"fsdp(\d+)", lambda n: (n, ((f"{n}", ("shard",)),), 1), _world_mesh, _fsdp, _world_dp, family="fsdp2"
+    ),
     LayoutKind(
         "hsdp",
         r"hsdp(\d+)x(\d+)",
@@ -299,8 +305,11 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_mesh,
         _fsdp,
         _world_dp,
+        family="hsdp",
     ),
-    LayoutKind("pp", r"pp(\d+)", lambda p: (p, ((f"{p}", ("pp",)),), p), _stages, _unsharded, _no_dp),
+    LayoutKind(
+        "pp", r"pp(\d+)", lambda p: (p, ((f"{p}", ("pp",)),), p), _stages, _unsharded, _no_dp, family="pipeline"
+    ),
     LayoutKind(
         "ppfsdp",
         r"pp(\d+)xfsdp(\d+)",
@@ -308,6 +317,7 @@ KINDS: tuple[LayoutKind, ...] = (
         _stages,
         _fsdp_on_shard_dim,
         _shard_dim_dp,
+        family="pipeline",
     ),
     LayoutKind(
         "tp",
@@ -360,6 +370,7 @@ KINDS: tuple[LayoutKind, ...] = (
         lambda setup: _fsdp1_units(setup, flat=False, strategy="FULL_SHARD"),
         _world_dp,
         fsdp1=True,
+        family="fsdp1",
     ),
     LayoutKind(
         "fsdp1-flat",
@@ -370,6 +381,7 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_dp,
         fsdp1=True,
         flat=True,
+        family="fsdp1",
     ),
     # SHARD_GRAD_OP: parameters stay unsharded from the forward to the backward.
     LayoutKind(
@@ -380,6 +392,7 @@ KINDS: tuple[LayoutKind, ...] = (
         lambda setup: _fsdp1_units(setup, flat=False, strategy="SHARD_GRAD_OP"),
         _world_dp,
         fsdp1=True,
+        family="fsdp1",
     ),
     LayoutKind(
         "hsdp1",
@@ -389,6 +402,7 @@ KINDS: tuple[LayoutKind, ...] = (
         lambda setup: _fsdp1_units(setup, flat=False, strategy="HYBRID_SHARD"),
         _world_dp,
         fsdp1=True,
+        family="fsdp1",
     ),
     # Models on disjoint parts of the world, each fully sharded on its own
     # mesh (colocated trainers: an actor on ranks 0-1, a critic on 2-3).
@@ -404,6 +418,22 @@ KINDS: tuple[LayoutKind, ...] = (
         serves=(("OPT-MESH-2", ("halves2+2",)),),
     ),
 )
+
+
+# The console summary's columns: the kinds' families, FSDP2 policy variants
+# (``fsdp4.bf16``) and moves between layouts (``fsdp4_to_fsdp2``, resharding).
+FAMILIES = ("plain", "ddp", "fsdp2", "hsdp", "pipeline", "fsdp1", "meshes", "policies", "reshard")
+
+
+def family(layout: str) -> str:
+    """The family a case's layout counts in; "other" for a name no kind knows."""
+    if "_to_" in layout:
+        return "reshard"
+    try:
+        parsed = parse_layout(layout)
+    except ValueError:
+        return "other"
+    return "policies" if parsed.policy else parsed.kind.family
 
 
 def parse_layout(name: str) -> Layout:
