@@ -164,10 +164,11 @@ def test_html_matrix_as_rendered_by_headless_chromium(tmp_path):
     )
     dom = proc.stdout
     assert 'data-rendered="yes"' in dom, proc.stderr[-2000:]
-    cells = {}
-    for attrs, text in re.findall(r"<td ([^>]*data-status[^>]*)>([^<]*)</td>", dom):
+    cells, links = {}, {}
+    for attrs, href, text in re.findall(r'<td ([^>]*data-status[^>]*)><a href="#([^"]*)">([^<]*)</a></td>', dom):
         a = dict(re.findall(r'([\w-]+)="([^"]*)"', attrs))
         cells[(a["data-clause"], a["data-layout"])] = (a["data-status"], a["data-bg"], text)
+        links[(a["data-clause"], a["data-layout"])] = href
     # Every (clause, layout) that ran has a cell, coloured by its worst status.
     expected = {}
     for r in results:
@@ -179,10 +180,17 @@ def test_html_matrix_as_rendered_by_headless_chromium(tmp_path):
         assert status == worst, key
         assert bg == COLOURS[worst], (key, bg)
         assert text == f"{got_statuses.count('passed')}/{len(got_statuses)}", (key, text)
+    # Each cell links to the list of its own cases.
+    for (clause, layout), href in links.items():
+        listed = re.search(rf'<details class="cell-cases" id="{href}"><summary>([^<]*)</summary>(.*?)</details>', dom)
+        assert listed and listed.group(1).startswith(f"{clause} on {layout}: "), (clause, layout, href)
+        assert sorted(re.findall(r"</span>([^<\s]+)", listed.group(2))) == sorted(
+            r.case.id for r in results if (r.case.clause, r.case.layout) == (clause, layout)
+        )
     assert "Level: not certified" in dom
     for cid in statuses:
         assert cid in dom  # listed under the cases that did not pass
-    # Distinct deviations come first, and each clause row carries its SPEC text.
-    assert dom.index('id="deviations"') < dom.index('id="matrix"')
+    # The grid comes first, right under the verdict; each clause row carries its SPEC text.
+    assert dom.index('id="level"') < dom.index('id="matrix"') < dom.index('id="deviations"')
     assert dom.count('class="deviation ') == 3
     assert "get, then set into a fresh model and optimizer of the same layout" in dom

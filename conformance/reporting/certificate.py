@@ -11,8 +11,6 @@ core case that ran passed; every report names the clauses not exercised.
 
 from __future__ import annotations
 
-import html
-import json
 import os
 from collections import Counter, defaultdict
 
@@ -22,6 +20,8 @@ from .. import spec
 from ..adapters import PROFILES
 from ..running.registry import all_cases
 from ..running.results import CaseResult
+from ..world.layouts import family
+from .html import render_html
 from .reports import RunInfo, coverage, coverage_line, declaration_line, to_json, write_json, write_junit
 
 _ORDER = (Status.ERROR, Status.FAILED, Status.XFAIL, Status.XPASS, Status.NOT_APPLICABLE, Status.PASSED)  # worst first
@@ -129,12 +129,13 @@ def write_report(
     data["verdict"] = verdict(data["level"], info.declaration)
     texts = spec.clauses()
     data["clauses"] = {c: texts.get(c, "") for c in dict.fromkeys(r.case.clause for r in results)}
+    data["layout_families"] = {layout: family(layout) for layout in dict.fromkeys(r.case.layout for r in results)}
     write_json(os.path.join(directory, "report.json"), data)
     write_junit(os.path.join(directory, "junit.xml"), info, results, elapsed_s)
     with open(os.path.join(directory, "report.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(data, results))
     with open(os.path.join(directory, "report.html"), "w", encoding="utf-8") as f:
-        f.write(render_html(data))
+        f.write(render_html(data, _verdict(data), first_lines(data), _reached))
     return data
 
 
@@ -216,106 +217,6 @@ def render_markdown(data: dict, results: list[CaseResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222}
-h1{font-size:20px;margin:0 0 8px}
-.level{display:inline-block;padding:6px 12px;border-radius:4px;font-weight:600;margin:8px 0}
-.level.yes{background:#c8e6c9;color:#1b5e20}.level.no{background:#ffcdd2;color:#b71c1c}
-table{border-collapse:collapse;margin:12px 0}
-th,td{border:1px solid #ccc;padding:4px 8px;text-align:center}
-th{background:#f5f5f5}
-td.clause{text-align:left;font-family:monospace}
-td.passed{background:#c8e6c9}td.failed{background:#ef9a9a}td.error{background:#e57373;color:#fff}
-td.xfail{background:#ffe082}td.xpass{background:#fff59d}td.na{background:#e0e0e0;color:#666}td.empty{background:#fff}
-details{margin:4px 0}summary{cursor:pointer;font-family:monospace}
-pre{background:#f7f7f7;padding:8px;overflow:auto;white-space:pre-wrap}
-.meta td{text-align:left}
-.spec{font-family:system-ui,sans-serif;font-size:12px;max-width:40em;text-align:left;white-space:normal;color:#444}
-details.deviation{border-left:4px solid #e57373;padding-left:8px}details.deviation.xfail{border-color:#ffe082}
-"""
-
-# The page's script takes the status names from the enum, not from literals of its own.
-_STATUSES = f"const S = {json.dumps({m.name: m.value for m in Status})};"
-
-_JS = """
-const data = JSON.parse(document.getElementById('report-data').textContent);
-const el = (tag, attrs = {}, text) => {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  if (text !== undefined) e.textContent = text;
-  return e;
-};
-const worstOf = (c) => [S.ERROR, S.FAILED, S.XFAIL, S.XPASS, S.NOT_APPLICABLE, S.PASSED].find(s => c[s]) || '';
-const clauses = [], layouts = [], cells = {};
-for (const c of data.cases) {
-  if (!clauses.includes(c.clause)) clauses.push(c.clause);
-  if (!layouts.includes(c.layout)) layouts.push(c.layout);
-  const key = c.clause + '|' + c.layout;
-  cells[key] = cells[key] || {};
-  cells[key][c.status] = (cells[key][c.status] || 0) + 1;
-}
-const table = el('table', {id: 'matrix'});
-const head = el('tr');
-head.appendChild(el('th', {}, 'clause'));
-layouts.forEach(l => head.appendChild(el('th', {}, l)));
-table.appendChild(head);
-for (const clause of clauses) {
-  const tr = el('tr');
-  const td = el('td', {class: 'clause'});
-  const text = (data.clauses || {})[clause];
-  if (text) {
-    const det = el('details');
-    det.appendChild(el('summary', {}, clause));
-    det.appendChild(el('div', {class: 'spec'}, text));
-    td.appendChild(det);
-  } else {
-    td.textContent = clause;
-  }
-  tr.appendChild(td);
-  for (const layout of layouts) {
-    const c = cells[clause + '|' + layout];
-    if (!c) { tr.appendChild(el('td', {class: 'empty', 'data-clause': clause, 'data-layout': layout}, '')); continue; }
-    const total = Object.values(c).reduce((a, b) => a + b, 0);
-    const ran = total - (c[S.NOT_APPLICABLE] || 0);
-    const w = worstOf(c);
-    const text = ran ? `${(c[S.PASSED] || 0) + (c[S.XPASS] || 0)}/${ran}` : S.NOT_APPLICABLE;
-    const title = Object.entries(c).map(([s, n]) => `${n} ${s}`).join(', ');
-    tr.appendChild(el('td', {class: w === S.NOT_APPLICABLE ? 'na' : w, 'data-clause': clause, \
-'data-layout': layout, 'data-status': w, title}, text));
-  }
-  table.appendChild(tr);
-}
-document.getElementById('matrix-slot').replaceChildren(table);
-// The colour each cell renders with, for tests that read the rendered page.
-table.querySelectorAll('td[data-status]').forEach(td => \
-td.setAttribute('data-bg', getComputedStyle(td).backgroundColor));
-const devs = document.getElementById('deviations');
-if (!(data.deviations || []).length) devs.appendChild(el('p', {}, 'No case failed.'));
-(data.deviations || []).forEach((d, i) => {
-  const box = el('details', {class: 'deviation ' + d.status, open: ''});
-  box.appendChild(el('summary', {}, `D${i + 1}  ${d.status.toUpperCase()} in ${d.count} case(s) of \
-${d.clauses.join(', ')}${d.xfail_reason ? '  (expected: ' + d.xfail_reason + ')' : ''}`));
-  box.appendChild(el('pre', {}, d.message + '\\n\\nrepro: ' + d.repro));
-  const list = el('details');
-  list.appendChild(el('summary', {}, 'cases'));
-  list.appendChild(el('pre', {}, d.cases.join('\\n')));
-  box.appendChild(list);
-  devs.appendChild(box);
-});
-const failures = data.cases.filter(c => [S.FAILED, S.ERROR, S.XFAIL, S.XPASS].includes(c.status));
-const list = document.getElementById('failures');
-if (!failures.length) list.appendChild(el('p', {}, 'Every case that ran passed or did not apply.'));
-for (const c of failures) {
-  const d = el('details', {class: c.status});
-  d.appendChild(el('summary', {}, \
-`${c.status.toUpperCase()}  ${c.id}${c.xfail_reason ? '  (' + c.xfail_reason + ')' : ''}`));
-  d.appendChild(el('pre', {}, c.message + '\\n\\nrepro: ' + c.repro));
-  list.appendChild(d);
-}
-document.body.setAttribute('data-rendered', 'yes');
-"""
-
-
 def explore_markdown(section: dict) -> list[str]:
     """The explored-scenarios section (python -m conformance explore): what ran, and each shrunk deviation."""
     lines = ["## Explored scenarios", ""]
@@ -336,44 +237,3 @@ def explore_markdown(section: dict) -> list[str]:
         lines += [f"   - {line}" for line in f["message"].splitlines()[:4]]
         lines.append(f"   - replay: `{f['repro']}`")
     return lines
-
-
-def render_html(data: dict) -> str:
-    impl = data["impl"]
-    verdict = _verdict(data)
-    rows = [
-        ("implementation", f"{impl['spec']} ({impl['name']} {impl['version']})"),
-        ("spec / suite", f"{data['spec_version']} / {data['suite_version']}"),
-        ("torch", data["torch_version"]),
-        ("machine", f"{data['machine']}, Python {data['python']}"),
-        ("world sizes / meshes", f"{', '.join(map(str, data['world_sizes']))} / {', '.join(data['meshes'])}"),
-        ("started", f"{data['started']} ({data['elapsed_s']:.0f} s)"),
-        ("summary", " | ".join(f"{k}: {n}" for k, n in data["summary"].items())),
-    ]
-    firsts = first_lines(data)[1:]
-    rows += [(f"profile {p}", f"{_reached(v)}: {v['why']}") for p, v in data["level"].items()]
-    meta = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
-    payload = json.dumps(data).replace("</", "<\\/")
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<title>Conformance report: {html.escape(impl["name"])} {html.escape(impl["version"])}</title>
-<style>{_CSS}</style></head>
-<body>
-<h1>Conformance report: {html.escape(impl["name"])} {html.escape(impl["version"])}</h1>
-<div class="level {"yes" if verdict == "core certified" else "no"}" id="level">Level: {html.escape(verdict)}</div>
-{"".join(f'<p class="coverage">{html.escape(line)}</p>' for line in firsts)}
-<table class="meta">{meta}</table>
-<h2>Distinct deviations</h2>
-<p>Failing cases grouped by cause: the same error or difference, with case-specific names and numbers masked.</p>
-<div id="deviations"></div>
-<h2>Clause by layout</h2>
-<p>Each cell: cases passed / cases run. Green: all passed; red: failed or errored; \
-amber: expected failures; grey: not applicable.</p>
-<div id="matrix-slot"><noscript>The matrix needs JavaScript; \
-report.md and report.json hold the same data.</noscript></div>
-<h2>Cases that did not pass</h2>
-<div id="failures"></div>
-<script type="application/json" id="report-data">{payload}</script>
-<script>{_STATUSES}{_JS}</script>
-</body></html>
-"""
