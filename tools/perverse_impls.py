@@ -97,9 +97,9 @@ def _replace_params(model, optims) -> None:
     values (``load_state_dict(assign=True)``'s way): the optimizer keeps
     stepping the old ones."""
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and not isinstance(p, torch.distributed.tensor.DTensor):
-                module._parameters[name] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, torch.distributed.tensor.DTensor):
+                setattr(module, name, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
 
 
 def _drop_group(model, optims) -> None:
