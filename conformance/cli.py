@@ -354,6 +354,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
         executor.kill()
         if reporter:
             console.write(f"\ninterrupted after {len(results)} of {len(cases) * args.repeat} cases; all ranks stopped")
+            console.deviations(results)
             partial("run interrupted")
         return 1
     except WorldLost as exc:
@@ -361,6 +362,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
         # what ran and leave: torchrun stops the rest of the world.
         if reporter:
             console.write(f"\nrun aborted: {exc}")
+            console.deviations(results)
             partial(f"run aborted: {exc}")
         sys.stdout.flush()
         os._exit(1)

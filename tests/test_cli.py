@@ -126,7 +126,9 @@ def test_faulty_implementation_is_reported_and_the_run_goes_on(tmp_path, fault, 
         assert bad["duration_s"] < timeout  # seen as it happened, not at the deadline
     assert bad["repro"] == f"python -m conformance --impl faulty_impl:{fault} -k '{ADAMW}' --timeout {timeout}"
     assert good["status"] == "passed", good["message"]
-    assert "repro:" in proc.stdout and "clause OPT-KEYS-1" in proc.stdout
+    # One line as it happened, then the deviation once with its repro.
+    assert proc.stdout.count(f"FAIL  {ADAMW} ") == 1 and "D1 FAIL in 1 case(s) of OPT-KEYS-1" in proc.stdout
+    assert f"repro: {bad['repro']}" in proc.stdout
 
 
 def _env(mark: str, **extra) -> dict:
@@ -314,6 +316,7 @@ def test_torchrun_runs_cases_on_the_launched_world(tmp_path):
             "OPT-KEYS-1[fsdp4-adamw-sharded]",
             "--json",
             str(report),
+            "-v",
         ],
         cwd=str(tmp_path),
         env=env,

@@ -186,19 +186,26 @@ class ConsoleReporter:
         if faults:
             for line in _wrap_items("faults:", [f"{n} {k}" for k, n in faults.items()]):
                 self.write(line)
-        found = deviations.group(results)
-        if found:
-            bad = [r for r in results if r.unexpected]
-            unexpected = [d for d in found if d.status.unexpected]
-            self.write(
-                f"\n{len(bad)} case(s) failed or errored: {len(unexpected)} distinct deviation(s)"
-                + (f", and {len(found) - len(unexpected)} expected" if len(found) > len(unexpected) else "")
-            )
-            for line in deviations.render(found):
-                self.write(line if line.lstrip().startswith("repro:") else _cut(line))
+        self.deviations(results)
         for w in warnings:
             for line in _wrap(f"warning: {w}"):
                 self.write(line)
+
+
+    def deviations(self, results: list[CaseResult]) -> None:
+        """Each distinct deviation among ``results``, once, with its repro;
+        also what an interrupted or aborted run prints of the cases it ran."""
+        found = deviations.group(results)
+        if not found:
+            return
+        bad = [r for r in results if r.unexpected]
+        unexpected = [d for d in found if d.status.unexpected]
+        self.write(
+            f"\n{len(bad)} case(s) failed or errored: {len(unexpected)} distinct deviation(s)"
+            + (f", and {len(found) - len(unexpected)} expected" if len(found) > len(unexpected) else "")
+        )
+        for line in deviations.render(found):
+            self.write(line if line.lstrip().startswith("repro:") else _cut(line))
 
 
 _HEADS = {
