@@ -17,8 +17,7 @@ FAILED = {
     "OPT-RT-1[hsdp2x2-adamw-dcp]": "rank 3 raised KeyError in set_optimizer_state_dict: 'layers.1.fc2.bias'",
     "MODEL-2[ddp-file-strict]": "rank 0 raised conformance.judging.oracle.CheckFailure: file: "
     + "the model differs after a strict load, in a message long enough to run past any terminal's width "
-    + "several times over, "
-    * 3
+    + "several times over, " * 3
     + "\n  params['x']: shape (2,), expected (3,)",
 }
 
@@ -71,6 +70,7 @@ def test_failures_print_one_line_as_they_happen_and_each_deviation_once_with_its
     assert sum(line.strip().startswith("repro: ") for line in lines) == 2
     assert "D1 FAIL in 2 case(s) of OPT-RT-1" in out
     # The failing layouts are named under the table.
+    assert "failed or errored, by clause and layout:" in out
     assert "  OPT-RT-1: fsdp4 (1), hsdp2x2 (1)" in out and "  MODEL-2: ddp (1)" in out
     # A failed check reads "rank 0: ..." on its one line.
     assert "FAIL  MODEL-2[ddp-file-strict] (0.2 s): rank 0: file: the model differs" in out
@@ -88,6 +88,22 @@ def test_on_a_terminal_progress_is_one_line_that_updates():
     assert sum(p.startswith("FAIL  ") for p in printed) == 3
     assert not any(p.startswith("[") for p in printed), "a progress line was left on the screen"
     assert "~" in out and "left" in out  # an estimate of the time left
+
+
+def test_expected_failures_take_a_line_each_and_no_list_of_layouts():
+    cases = {c.id: c for c in all_cases()}
+    results = [
+        CaseResult(c, Status.PASSED, 0.1)
+        if cid not in FAILED
+        else CaseResult(c, Status.XFAIL, 0.1, FAILED[cid], repro="r", xfail_reason="a traced cause, with its link")
+        for cid, c in cases.items()
+    ]
+    stream = io.StringIO()
+    ConsoleReporter(len(results), stream=stream).finish(results, 1.0, [])
+    out = stream.getvalue()
+    assert "0 case(s) failed or errored: 0 distinct deviation(s), and 1 expected" in out
+    assert "  D1 XFAIL in 3 case(s) of MODEL-2, OPT-RT-1; known: a traced cause, with its link" in out
+    assert "repro:" not in out and "by clause and layout:" not in out
 
 
 def test_verbose_prints_a_line_per_case_with_failures_in_full():

@@ -102,7 +102,8 @@ class ConsoleReporter:
             f"| impl {h['impl']['name']} {h['impl']['version']} | torch {h['torch_version']}"
         )
         sizes = ",".join(map(str, h["world_sizes"]))
-        for line in _wrap(f"{self.total} cases | world sizes {sizes} | declared: {declaration_line(h['declaration'])}"):
+        declared = declaration_line(h["declaration"])
+        for line in _wrap(f"{self.total} cases | world sizes {sizes} | declared: {declared}", width=MAX_LINE):
             self.write(line)
 
     def case_done(self, result: CaseResult) -> None:
@@ -191,7 +192,6 @@ class ConsoleReporter:
             for line in _wrap(f"warning: {w}"):
                 self.write(line)
 
-
     def deviations(self, results: list[CaseResult]) -> None:
         """Each distinct deviation among ``results``, once, with its repro;
         also what an interrupted or aborted run prints of the cases it ran."""
@@ -204,8 +204,13 @@ class ConsoleReporter:
             f"\n{len(bad)} case(s) failed or errored: {len(unexpected)} distinct deviation(s)"
             + (f", and {len(found) - len(unexpected)} expected" if len(found) > len(unexpected) else "")
         )
-        for line in deviations.render(found):
+        # Unexpected deviations in full; expected ones (--xfails) a line each: their cause is traced already.
+        full = [d for d in found if d.status.unexpected]
+        for line in deviations.render(full):
             self.write(line if line.lstrip().startswith("repro:") else _cut(line))
+        for i, d in enumerate([d for d in found if not d.status.unexpected], len(full) + 1):
+            what = f"known: {d.example.xfail_reason}" if d.example.xfail_reason else d.signature
+            self.write(_cut(f"  D{i} {LABEL[d.status]} in {len(d.cases)} case(s) of {', '.join(d.clauses)}; {what}"))
 
 
 _HEADS = {
@@ -236,7 +241,7 @@ def _cell(counter: Counter) -> str:
 
 def family_table(results: list[CaseResult]) -> list[str]:
     """Clauses by layout family (at most 100 columns), then, for each clause
-    that did not pass everywhere, the layouts where it did not."""
+    that failed or errored somewhere, the layouts where it did."""
     if not results:
         return ["(no cases ran)"]
     cells: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
@@ -261,11 +266,11 @@ def family_table(results: list[CaseResult]) -> list[str]:
 def _where_not_passed(results: list[CaseResult]) -> list[str]:
     bad: dict[str, Counter] = defaultdict(Counter)
     for r in results:
-        if r.status in (Status.FAILED, Status.ERROR, Status.XFAIL):
+        if r.status.unexpected:
             bad[r.case.clause][r.case.layout] += 1
     if not bad:
         return []
-    out = ["", "did not pass (failed, errored or expected to fail), by clause and layout:"]
+    out = ["", "failed or errored, by clause and layout:"]
     for clause, layouts in bad.items():
         text = ", ".join(f"{layout} ({n})" for layout, n in layouts.most_common())
         out += _wrap(f"  {clause}: {text}", indent="  ")
