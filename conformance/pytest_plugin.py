@@ -142,7 +142,9 @@ def check_case(runner: Runner, case: Case) -> None:
 
 def check_exploration(runner: Runner, budget: str, seed: int, world_sizes: str, rounds: int | None = None) -> None:
     """Explore for ``budget`` (or ``rounds``, if fewer); fail with every shrunk deviation found."""
-    from .exploring.explore import ExploreUsageError, ScenarioRunner, choices, describe_finding, explore, parse_budget
+    from .exploring.engine import ScenarioRunner, explore
+    from .exploring.findings import describe_finding
+    from .exploring.strategy import ExploreUsageError, choices, parse_budget
 
     try:
         sizes = [int(x) for x in world_sizes.split(",") if x.strip()]

@@ -9,10 +9,12 @@ from helpers import run_cli, runner_on, scaled
 from hypothesis import HealthCheck, given, settings
 
 from conformance.adapters import load_adapter
-from conformance.exploring.explore import Scenario, choices, normalise, parse_budget, strategy
-from conformance.exploring.scenario import clause_cases, clauses_of, found_cases, load_found, scenario_case
+from conformance.exploring.findings import normalise
+from conformance.exploring.strategy import choices, parse_budget, strategy
+from conformance.running.generated import clause_cases, clauses_of, found_cases, load_found, scenario_case
 from conformance.running.runner import undeclared
 from conformance.world.layouts import parse_layout
+from conformance.world.scenario import Scenario
 
 PLANTED = "faulty_impl:halves_router_state"
 # A bounded exploration: one round at world size 1, where a scenario takes
@@ -111,7 +113,7 @@ def test_groups_in_another_order():
 
 def _replayed(pools, impl: str, s: Scenario):
     """A scenario's verdict as ``explore --replay`` gives it, on the module's rank pools, in this process."""
-    from conformance.exploring.explore import ScenarioRunner
+    from conformance.exploring.engine import ScenarioRunner
 
     with runner_on(pools, impl) as runner:
         return ScenarioRunner(runner).run(s)
@@ -353,7 +355,7 @@ class _ScriptedRunner:
 def test_later_rounds_look_past_a_known_deviation_to_the_next_check():
     """A scenario whose first failing check deviates as an earlier finding did still counts for what its
     later checks show; each check runs once, however often hypothesis replays the scenario."""
-    from conformance.exploring.explore import ScenarioRunner
+    from conformance.exploring.engine import ScenarioRunner
 
     s = Scenario(empty_at=(0,), scheduler=True)
     assert clauses_of(s)[:2] == ("OPT-EMPTY-1", "OPT-SCHED-2")

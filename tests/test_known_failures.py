@@ -186,7 +186,8 @@ def test_an_explored_deviation_is_traced_from_its_message_and_features(finding, 
 def test_an_exploration_keeps_one_found_case_per_cause_the_simplest(tmp_path, capsys):
     import json
 
-    from conformance.exploring.scenario import Scenario, load_found
+    from conformance.running.generated import load_found
+    from conformance.world.scenario import Scenario
     from tools import trace_known
 
     def finding(**features):

@@ -4,13 +4,14 @@ only a loop point can show fails LOOP, not the clauses taken at rest."""
 import pytest
 from helpers import runner_on
 
-from conformance.exploring.scenario import Scenario, clauses_of
+from conformance.running.generated import clauses_of
 from conformance.running.registry import all_cases, by_id
 from conformance.sections.loop import _sweep
 from conformance.world.layouts import parse_layout
 from conformance.world.loops import POINTS
 from conformance.world.modes import MODES
 from conformance.world.policies import VARIANTS, arguments
+from conformance.world.scenario import Scenario
 
 
 def test_policy_variants_parse_and_name_their_arguments():

@@ -185,7 +185,7 @@ class ExploreSettings:
 
     @property
     def budget_s(self) -> float:
-        from conformance.exploring.explore import parse_budget
+        from conformance.exploring.strategy import parse_budget
 
         return parse_budget(self.budget)
 

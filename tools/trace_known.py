@@ -502,7 +502,7 @@ def _found_scenarios() -> dict[str, dict]:
     """The scenario of every found-scenario case the registry loads (conformance/found/), by case ID."""
     import glob
 
-    from conformance.exploring.scenario import found_dirs
+    from conformance.running.generated import found_dirs
 
     out = {}
     for directory in found_dirs():
@@ -563,7 +563,8 @@ def explore_table(path: str, save_found: str | None = None) -> int:
         print(f"  UNTRACED {line}")
     print(f"causes found: {len(found)} of {len(titles)} traced; untraced deviations: {len(untraced)}")
     if save_found and not untraced:
-        from conformance.exploring.scenario import Scenario, found_record, write_found
+        from conformance.running.generated import found_record, write_found
+        from conformance.world.scenario import Scenario
 
         impl = (report.get("impl") or {}).get("spec", "torch")
         for title in titles:

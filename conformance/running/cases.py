@@ -37,7 +37,7 @@ class Case:
     rtol: float = 0.0
     meshes: tuple[str, ...] = ()
     mode: str | None = None  # the mode the case runs in (None: modes do not apply)
-    # A case built from a scenario (conformance.exploring.scenario): the JSON every
+    # A case built from a scenario (conformance.running.generated): the JSON every
     # rank rebuilds it from, since no registry lists a generated case.
     source: str | None = field(default=None, compare=False)
 

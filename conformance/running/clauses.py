@@ -30,7 +30,7 @@ class Clause:
     only call set on the suite's own dict, "" when both. ``options``: the
     options it needs declared. ``combined``: it judges the combined functions.
 
-    Exploration (conformance.exploring.scenario): ``contains(scenario)`` says whether
+    Exploration (conformance.running.generated): ``contains(scenario)`` says whether
     a generated scenario has the clause's features; ``check(scenario)`` gives
     its check there, ``(fn, params)``, or, for a check in two phases,
     ``build(scenario, case_id, source)`` gives the whole case. ``rank``

@@ -10,6 +10,7 @@ from typing import Iterable
 
 from . import clauses
 from .cases import DEFAULT_DEADLINE_S, Case, Phase, case_id, loads, make_case, needs_of
+from .generated import found_cases
 
 __all__ = ["Case", "DEFAULT_DEADLINE_S", "Phase", "all_cases", "by_id", "case_id", "loads", "make_case", "needs_of"]
 
@@ -26,8 +27,6 @@ def all_cases() -> tuple[Case, ...]:
                 raise RuntimeError(f"{module.__name__} yields {case.id} of a clause it does not declare")
             seen.add(case.id)
             cases.append(case)
-    from ..exploring.scenario import found_cases
-
     for case in found_cases():  # scenarios exploration found: cases like any other
         if case.id in seen:
             raise RuntimeError(f"duplicate case id {case.id}")

@@ -18,6 +18,7 @@ from hyperdsd.testing import REGIONS, Executor, RankContext, Status, Task, TaskO
 
 from ..adapters import Adapter, load_adapter, set_rank_device
 from ..judging.naming import cut, name_tensors
+from .generated import case_from_source
 from .registry import Case, by_id
 from .results import CaseResult
 from .xfails import Xfails
@@ -38,8 +39,6 @@ def run_phase(
     from .case_context import CaseContext
 
     if source is not None:
-        from ..exploring.scenario import case_from_source
-
         case = case_from_source(source)
     else:
         case = by_id()[case_id]

@@ -8,11 +8,11 @@ from ..judging.oracle import WRAPPER_SEGMENTS, canonical, check, diff_snapshots,
 from ..running.cases import loads, make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.layouts import BASE_LAYOUTS
 from ..world.models import ModelConfig, reordered
 from ..world.modes import get_options, optimizers_arg
 from ..world.setup import Setup
 
-LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 WRAPPERS = {  # layout -> wrapper variants
     "single": (("compile",), ("checkpoint",), ("checkpoint", "compile")),
     "ddp": ((), ("compile",)),
@@ -150,7 +150,7 @@ def keys_4(c, layout, mode):
 
 
 def cases():
-    for layout in LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for opt in ("adamw", "sgd"):
             for mode in ("sharded", "full"):
                 yield make_case("OPT-KEYS-1", layout, keys_1, opt=opt, mode=mode)

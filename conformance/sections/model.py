@@ -14,13 +14,11 @@ from ..judging.oracle import check, clone_tree, diff_values, expect_error, fail_
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import parse_layout
+from ..world.layouts import BASE_LAYOUTS, parse_layout
 from ..world.models import ModelConfig, ToyModel
 from ..world.modes import get_options, set_options
 from ..world.setup import Setup
 from .keys import WRAPPERS
-
-LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 
 
 def _model_view(s) -> dict:
@@ -210,7 +208,7 @@ def model_4(c, layout, mode):
 
 
 def cases():
-    for layout in LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for mode in modes.MODES:
             yield make_case("MODEL-1", layout, model_1, mode=mode)
     for layout, variants in WRAPPERS.items():

@@ -30,6 +30,7 @@ from ..judging.oracle import (
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.layouts import BASE_LAYOUTS
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
@@ -307,7 +308,6 @@ def part_6(c, layout, fqn, key, mode="dcp", warm=False):
 
 # (Not FSDP1: it gives every part of a rank's flat shard a gradient, zeros where none flowed, so
 # a parameter that never had one still gets state on the ranks that hold a piece of it.)
-PART_5_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 # (layout, FQN, key): an even and an uneven shard (fsdp3: 3, 3, 2 rows), an
 # empty one (fsdp4: aux.weight has 3 rows), pipeline stages (flat layout).
 PART_6 = (
@@ -379,7 +379,7 @@ def cases():
     for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2"):
         for mode in ("sharded", "full", "flat", "dcp"):
             yield make_case("OPT-PART-4", layout, part_4, mode=mode)
-    for layout in PART_5_LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for variant, own_group in (("shared", False), ("group", True)):
             yield make_case("OPT-PART-5", layout, part_5, mode="dcp", variant=variant, own_group=own_group)
     for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "hsdp2x2"), ("pp2xfsdp2", "pp2")):

@@ -16,10 +16,10 @@ from ..judging.oracle import (
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.layouts import BASE_LAYOUTS
 from ..world.models import batch, loss_fn
 from ..world.modes import get_options, optimizers_arg
 
-LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 
 
@@ -108,12 +108,12 @@ def _clear_nested(entry: dict) -> None:
 
 
 def cases():
-    for layout in LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for opt in OPTS if layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2") else ("adamw",):
             yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="fresh", grads=False)
             if not layout.startswith("pp"):  # stages accumulate gradients only inside a schedule step
                 yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="grads", grads=True)
-    for layout in LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for mode in ("sharded", "flat"):
             yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
     for layout in ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op"):  # FSDP1 (SPEC §2, 1.3)
@@ -130,7 +130,7 @@ def cases():
     for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3)
         yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="sharded", variant="fresh", grads=False)
         yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="sharded", variant="grads", grads=True)
-    for layout in LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
+    for layout in BASE_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
         for mode in ("full", "full_cpu", "flat"):
             yield make_case("OPT-PURE-3", layout, pure_1, opt="adamw", mode=mode, variant="fresh", grads=False)
             yield make_case("OPT-PURE-3", layout, pure_2, opt="adamw", mode=mode, variant="stepped")

@@ -12,11 +12,11 @@ from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fai
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.layouts import BASE_LAYOUTS
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
 
-LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 # FSDP1 (SPEC §2, 1.3): original parameters, flat parameters, HYBRID_SHARD, SHARD_GRAD_OP.
 FSDP1 = ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
@@ -197,15 +197,15 @@ def _tensors(state):
 
 
 def cases():
-    for layout in LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for opt in OPTS:
             for mode in modes.MODES:
                 yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode)
-    for layout in LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for opt in ("adamw", "adagrad"):
             for mode in modes.MODES:
                 yield make_case("OPT-RT-4", layout, rt_4, opt=opt, mode=mode)
-    for i, layout in enumerate(LAYOUTS):  # every layout and mode; the optimizers rotate over both
+    for i, layout in enumerate(BASE_LAYOUTS):  # every layout and mode; the optimizers rotate over both
         for j, mode in enumerate(modes.MODES):
             yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
     for layout in ("single", "fsdp4", "pp2xfsdp2"):
@@ -236,11 +236,11 @@ def cases():
     # (OPT-RT-4 freezes one parameter of a unit: a flat parameter freezes whole, so original parameters only.)
     for mode in modes.MODES:
         yield make_case("OPT-RT-4", "fsdp1-2", rt_4, opt="adamw", mode=mode)
-    for layout in LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
+    for layout in BASE_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
         for mode in ("sharded", "full", "full_cpu", "flat"):
             yield make_case("OPT-RT-2", layout, rt_2, opt="adamw", mode=mode)
-    for layout in LAYOUTS + ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2"):
-        for opt in ("adamw", "sgd") if layout in LAYOUTS else ("adamw",):
+    for layout in BASE_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2"):
+        for opt in ("adamw", "sgd") if layout in BASE_LAYOUTS else ("adamw",):
             yield make_case("OPT-RT-3", layout, rt_3, opt=opt, mode="full_cpu")
 
 

@@ -12,10 +12,10 @@ from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.layouts import BASE_LAYOUTS
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg
 from .reshard import one_group_if_flat, resharded_case
-from .roundtrip import LAYOUTS
 
 OPT = "custom"
 _FULL = ("full", "full_cpu", "bcast", "file")  # modes whose get gathers full tensors
@@ -195,7 +195,7 @@ SOME_MODES = ("sharded", "bcast", "dcp")
 
 
 def cases():
-    for layout in LAYOUTS:
+    for layout in BASE_LAYOUTS:
         for mode in modes.MODES if layout in EVERY_MODE else SOME_MODES:
             yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
     # Lazy state through DCP (fsdp4: a rank holds an empty shard of aux; pipelines go flat).

@@ -420,6 +420,10 @@ KINDS: tuple[LayoutKind, ...] = (
 )
 
 
+# The base layouts: the data-parallel and pipeline layouts most clauses run
+# on, and the ones generated scenarios draw from (conformance.world.scenario).
+BASE_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
+
 # The console summary's columns: the kinds' families, FSDP2 policy variants
 # (``fsdp4.bf16``) and moves between layouts (``fsdp4_to_fsdp2``, resharding).
 FAMILIES = ("plain", "ddp", "fsdp2", "hsdp", "pipeline", "fsdp1", "meshes", "policies", "reshard")

@@ -9,44 +9,9 @@ import signal
 import sys
 import time
 
-from .adapters import AdapterError, load_adapter
-from .running.registry import all_cases, select
-
-DEFAULT_IMPL = "hyperdsd"
-
-
-class UsageError(Exception):
-    pass
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("the timeout must be positive")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("the count must be at least 1")
-    return value
+from ..adapters import AdapterError, load_adapter
+from ..running.registry import all_cases, select
+from .common import DEFAULT_IMPL, UsageError, check_device, count, int_list, positive
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,9 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="implementation under test: hyperdsd, torch, some.module or some.module:attr "
         f"(default: $CONFORMANCE_IMPL or {DEFAULT_IMPL})",
     )
-    p.add_argument(
-        "--world-sizes", type=_int_list, help="only cases whose world sizes are all in this list, e.g. 1,2,4"
-    )
+    p.add_argument("--world-sizes", type=int_list, help="only cases whose world sizes are all in this list, e.g. 1,2,4")
     p.add_argument("--mesh", action="append", default=[], help="only cases on these meshes (repeatable): 4, 2x2, ...")
     p.add_argument(
         "-k", dest="patterns", action="append", default=[], help="only cases whose ID contains this text (repeatable)"
@@ -93,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop after the first case that fails or errors (not under torchrun)",
     )
-    p.add_argument("--timeout", type=_positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
+    p.add_argument("--timeout", type=positive, help="per-case deadline in seconds (default: each case's own, 60 s)")
     p.add_argument(
         "--deadline-scale",
-        type=_positive,
+        type=positive,
         default=float(os.environ.get("CONFORMANCE_DEADLINE_SCALE", "1")),
         help="multiply each case's own deadline, for a slow or busy machine (default: $CONFORMANCE_DEADLINE_SCALE "
         "or 1); ignored with --timeout",
@@ -116,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--repeat",
-        type=_count,
+        type=count,
         default=1,
         metavar="N",
         help="a soak: run the selection N times in the same rank processes and report every case whose verdict "
@@ -126,14 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["diff"]:
-        from .reporting.diff import main as diff_main
-
-        return diff_main(argv[1:])
-    if argv[:1] == ["explore"]:
-        return explore_main(argv[1:])
+def run_main(argv: list[str]) -> int:
+    """The matrix command: parse ``argv``, run, report; the exit status."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -179,7 +136,7 @@ def _run(args) -> int:
 
     for problem in environment_problems():
         raise UsageError(problem)
-    args.backend = _check_device(args.device, args.backend)
+    args.backend = check_device(args.device, args.backend)
     try:
         adapter = load_adapter(args.impl)
     except AdapterError as exc:
@@ -188,7 +145,7 @@ def _run(args) -> int:
     xfails = None
     warnings: list[str] = []
     if args.xfails:
-        from .running.xfails import Xfails
+        from ..running.xfails import Xfails
 
         try:
             xfails = Xfails.load(args.xfails)
@@ -213,8 +170,8 @@ def _list(args, cases) -> int:
             adapter = load_adapter(args.impl)
         except AdapterError as exc:
             raise UsageError(str(exc)) from None
-        from .reporting.reports import declaration_line
-        from .running.runner import undeclared
+        from ..reporting.reports import declaration_line
+        from ..running.runner import undeclared
 
         print(f"# {adapter.name} declares: {declaration_line(adapter.declaration())}", file=sys.stderr)
     runs = 0
@@ -230,38 +187,11 @@ def _list(args, cases) -> int:
     return 0
 
 
-def _check_device(device: str, backend: str | None) -> str:
-    """The backend to use; a usage error for a device or backend torch does not have here."""
-    import torch
-    import torch.distributed as dist
-
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError) as exc:
-        raise UsageError(f"--device {device!r} is not a torch device type: {exc}") from None
-    if kind != device:
-        raise UsageError(
-            f"--device takes a device type such as 'cpu' or 'cuda' (each rank picks its own index), got {device!r}"
-        )
-    if kind != "cpu":
-        module = getattr(torch, kind, None)
-        available = module is not None and callable(getattr(module, "is_available", None)) and module.is_available()
-        if not available:
-            raise UsageError(
-                f"--device {kind}: torch.{kind} is not available on this machine (torch {torch.__version__})"
-            )
-    if backend is None:
-        backend = dist.Backend.default_device_backend_map.get(kind, "gloo")
-    if not dist.is_backend_available(backend):
-        raise UsageError(f"--backend {backend}: this torch build has no such process-group backend")
-    return backend
-
-
 def _report(args, adapter, info, results, warnings, elapsed, complete=True, soak=None) -> None:
-    from .reporting.reports import to_json, write_json, write_junit
+    from ..reporting.reports import to_json, write_json, write_junit
 
     if args.report:
-        from .reporting.certificate import write_report
+        from ..reporting.certificate import write_report
 
         data = write_report(args.report, info, results, warnings, elapsed, adapter.profiles, args.explored)
         core = data["level"].get("core", {})
@@ -295,9 +225,9 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
 
     from hyperdsd.testing import WorldLost
 
-    from .reporting.console import ConsoleReporter
-    from .reporting.reports import RunInfo
-    from .running.runner import Runner
+    from ..reporting.console import ConsoleReporter
+    from ..reporting.reports import RunInfo
+    from ..running.runner import Runner
 
     executor = _executor(args)
     if args.exitfirst and executor.exitfirst_refusal:
@@ -402,110 +332,3 @@ def verdict_changes(runs: list[list]) -> dict:
             verdicts.setdefault(r.case.id, []).append(r.status.value)
     changed = [{"id": k, "verdicts": v} for k, v in verdicts.items() if len(set(v)) > 1]
     return {"runs": len(runs), "cases": len(verdicts), "changed": changed}
-
-
-def build_explore_parser() -> argparse.ArgumentParser:
-    from .exploring.explore import add_arguments
-
-    p = argparse.ArgumentParser(
-        prog="python -m conformance explore",
-        description="Draw scenarios (model sizes and features, optimizer and groups, layout, mode, steps, a fresh "
-        "or warm target) with hypothesis, run the checks of every clause each contains, and shrink each deviation "
-        "to a minimal scenario with a replay token.",
-        epilog="Exit status: 0 when no scenario deviated, 1 otherwise, 2 for usage errors.",
-    )
-    p.add_argument(
-        "--impl", default=None, help=f"implementation under test (default: $CONFORMANCE_IMPL or {DEFAULT_IMPL})"
-    )
-    p.add_argument(
-        "--world-sizes", type=_int_list, help="only layouts of these world sizes, e.g. 1,2 (default: 1,2,3,4)"
-    )
-    p.add_argument("--json", help="write the JSON report (its 'explore' section) here")
-    p.add_argument("--timeout", type=_positive, help="per-check deadline in seconds (default: each clause's own)")
-    p.add_argument(
-        "--deadline-scale",
-        type=_positive,
-        default=float(os.environ.get("CONFORMANCE_DEADLINE_SCALE", "1")),
-        help="multiply each check's own deadline (default: $CONFORMANCE_DEADLINE_SCALE or 1); ignored with --timeout",
-    )
-    p.add_argument("--workdir", help="where scenarios keep checkpoints")
-    p.add_argument("--device", default="cpu", help="device every rank computes on (default: cpu)")
-    p.add_argument("--backend", default=None, help="process-group backend (default: the device's)")
-    add_arguments(p)
-    return p
-
-
-def explore_main(argv: list[str]) -> int:
-    parser = build_explore_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    if args.impl is None:
-        args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
-    try:
-        return _explore(args)
-    except UsageError as exc:
-        print(f"python -m conformance explore: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _explore(args) -> int:
-    import shutil
-
-    from hyperdsd.testing import PoolSet, environment_problems, launched_by_torchrun, stop_fork_server
-
-    from .exploring.explore import ExploreUsageError, check_request, run_command
-    from .reporting.reports import RunInfo
-    from .running.runner import Runner
-
-    try:
-        import hypothesis  # noqa: F401
-    except ImportError:
-        raise UsageError("exploring needs hypothesis: pip install hypothesis (or hyperdsd[explore])") from None
-    if launched_by_torchrun():
-        raise UsageError("explore runs its own rank pools; run it with python, not torchrun")
-    try:
-        check_request(args)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    for problem in environment_problems():
-        raise UsageError(problem)
-    args.backend = _check_device(args.device, args.backend)
-    try:
-        adapter = load_adapter(args.impl)
-    except AdapterError as exc:
-        raise UsageError(str(exc)) from None
-    gloo_timeout = max(5.0, 0.75 * (args.timeout or 60.0 * args.deadline_scale))
-    executor = PoolSet(
-        gloo_timeout_s=gloo_timeout,
-        device_type=args.device,
-        backend=args.backend,
-        preload=("conformance.running.runner",),
-    )
-    workdir = executor.run_workdir(args.workdir, "conformance-explore-")
-    runner = Runner(adapter, executor, timeout=args.timeout, workdir=workdir, deadline_scale=args.deadline_scale)
-    info = RunInfo(
-        adapter.name,
-        adapter.version,
-        adapter.spec,
-        args.world_sizes or [1, 2, 3, 4],
-        [],
-        launcher=executor.launcher,
-        device=args.device,
-        backend=args.backend,
-        declaration=adapter.declaration(),
-    )
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        return run_command(args, adapter, runner, info)
-    except KeyboardInterrupt:
-        print("\nexploration interrupted; all ranks stopped", file=sys.stderr)
-        return 1
-    except ExploreUsageError as exc:
-        raise UsageError(str(exc)) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        executor.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
-        stop_fork_server()

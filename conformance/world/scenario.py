@@ -1,17 +1,11 @@
-"""Generated scenarios: one model, optimizer, layout and mode as data, and
-the checks of every clause whose features it contains.
+"""A generated scenario: one model, optimizer, layout and mode as data.
 
 A :class:`Scenario` is a small frozen record, JSON-serialisable: the model's
 sizes and features, the optimizer and its parameter groups, the layout and
-mode, the steps before and after the save, a fresh or a warm target.
-:func:`clause_cases` turns one into cases of the clauses it exercises, each
-running the clause's own check function from ``conformance/sections`` on
-the scenario's model (the same oracle and deadlines as the matrix), so that
-a failure is a failure of that clause. ``python -m conformance explore``
-draws scenarios (conformance.exploring.explore); a shrunk failure saved with
-``--save-found`` becomes a regular case, ``CLAUSE[found-<hash>]``, loaded
-from ``conformance/found/*.json`` and from the directories in
-``$CONFORMANCE_FOUND`` (``os.pathsep``-separated).
+mode, the steps before and after the save, a fresh or a warm target. It says
+what it builds (:meth:`Scenario.recipe`) and whether it is valid; which
+clauses it exercises, and their cases, are ``conformance.running.generated``'s;
+drawing and shrinking scenarios is ``conformance.exploring``'s.
 
 This module is imported on every rank: it needs nothing beyond the suite.
 """
@@ -20,26 +14,18 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import glob
 import hashlib
 import json
-import os
 import zlib
 from dataclasses import dataclass, fields
-from functools import lru_cache
 
-from ..running import clauses
-from ..running.cases import DEFAULT_DEADLINE_S, Case, Phase
-from ..world.layouts import parse_layout
+from .layouts import BASE_LAYOUTS, parse_layout
 
-FORMAT = 1
 TOKEN_PREFIX = "s1."
-FOUND_ENV = "CONFORMANCE_FOUND"
-# conformance/found/, which the package ships (this module is in conformance/exploring/).
-FOUND_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "found")
 
-# The layouts and optimizers scenarios draw from: the matrix's own.
-LAYOUTS = ("single", "ddp", "fsdp2", "pp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
+# The layouts and optimizers scenarios draw from: the matrix's own, layouts
+# by world size (hypothesis shrinks towards the first).
+LAYOUTS = tuple(sorted(BASE_LAYOUTS, key=lambda name: parse_layout(name).world_size))
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
 DTYPES = ("float32", "float64", "bfloat16")
 EXTRA_STATE = ("", "tensor", "dict", "object")
@@ -188,7 +174,7 @@ class Scenario:
             raise ValueError("invalid scenario: " + "; ".join(problems))
 
     def _loop_problems(self) -> list[str]:
-        from ..world import loops, policies
+        from . import loops, policies
 
         if self.layout not in LAYOUTS:
             return []
@@ -218,7 +204,7 @@ class Scenario:
     def cfg(self):
         import torch
 
-        from ..world.models import ModelConfig
+        from .models import ModelConfig
 
         return ModelConfig(
             vocab=self.vocab,
@@ -236,7 +222,7 @@ class Scenario:
         )
 
     def groups(self):
-        from ..world.models import GroupSpec
+        from .models import GroupSpec
 
         extra = (("custom", 7), ("tag", "scenario")) if self.custom_fields else ()
         return GroupSpec(
@@ -249,7 +235,7 @@ class Scenario:
         )
 
     def recipe(self):
-        from ..world import modes
+        from . import modes
 
         return modes.recipe(self.where, self.optimizer, cfg=self.cfg(), groups=self.groups())
 
@@ -295,11 +281,11 @@ class Scenario:
         if self.reshard_to:
             target += f"; also resharded to {self.reshard_to} ({parse_layout(self.reshard_to).world_size} ranks)"
         if self.loop_point:
-            from ..world.loops import POINTS
+            from .loops import POINTS
 
             target += f"; the get taken {POINTS[self.loop_point].what}" + (" (the set too)" if self.warm else "")
         if self.policy:
-            from ..world.policies import VARIANTS
+            from .policies import VARIANTS
 
             target += f"; FSDP2 policy {self.policy}: {VARIANTS[self.policy]}"
         if self.freeze_after:
@@ -317,14 +303,6 @@ _LATER_FIELDS = ("group_order", "policy", "loop_point", "freeze_after")
 _DEFAULTS = {f.name: f.default for f in fields(Scenario)}
 
 
-# -- the clauses a scenario exercises ----------------------------------------
-
-
-# The order checks run in, most specific first: the first that fails names
-# the scenario's failure (a round trip that fails because of an empty group
-# is OPT-EMPTY-1's deviation before it is OPT-RT-1's).
-# Resharding comes last: it counts only where the scenario round-trips on its own layout;
-# so does a load into groups in another order (OPT-KEYS-1), which is a round trip and more.
 def reshard_problems(s: "Scenario") -> list[str]:
     """Why ``s`` cannot also be resharded to ``s.reshard_to``, in words ([] when it can)."""
     if s.reshard_to not in LAYOUTS:
@@ -356,114 +334,4 @@ def reshard_problems(s: "Scenario") -> list[str]:
             "resharding needs dim 2 or more (with one feature, training on another world size differs by more "
             "than the tolerance)"
         )
-    return out
-
-
-def clauses_of(s: Scenario) -> tuple[str, ...]:
-    """The clauses whose features ``s`` contains, in the order their checks run
-    (each section declares its clauses' features and checks: conformance.running.clauses)."""
-    return tuple(clause_id for clause_id, c in clauses.explored() if c.contains(s))
-
-
-def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
-    """``clause``'s check on ``s`` as a case: ``CLAUSE[<tag or explore-<digest>>]``."""
-    case_id = f"{clause}[{tag or 'explore-' + s.digest}]"
-    source = json.dumps({"format": FORMAT, "id": case_id, "clause": clause, "scenario": s.to_dict()}, sort_keys=True)
-    declared = clauses.clause(clause)
-    if declared.build is not None:
-        return declared.build(s, case_id, source)
-    if declared.check is None:
-        raise ValueError(f"no scenario check for clause {clause!r}")
-    fn, params = declared.check(s)
-    lay = parse_layout(s.where)
-    return Case(
-        id=case_id,
-        clause=clause,
-        layout=s.where,
-        phases=(Phase(lay.world_size, fn, params),),
-        deadline_s=DEFAULT_DEADLINE_S,
-        meshes=lay.mesh_specs,
-        mode=s.mode,
-        source=source,
-    )
-
-
-def clause_cases(s: Scenario) -> list[Case]:
-    return [scenario_case(s, clause) for clause in clauses_of(s)]
-
-
-@lru_cache(maxsize=64)
-def case_from_source(source: str) -> Case:
-    """The case ``source`` (:attr:`Case.source`) describes, rebuilt on a rank."""
-    data = json.loads(source)
-    s = Scenario.from_dict(data["scenario"])
-    clause, case_id = data["clause"], data["id"]
-    tag = case_id[len(clause) + 1 : -1]
-    return scenario_case(s, clause, tag)
-
-
-# -- found scenarios: cases of the regression matrix --------------------------
-
-
-def found_id(clause: str, s: Scenario) -> str:
-    return f"{clause}[found-{s.digest}]"
-
-
-def found_record(clause: str, s: Scenario, *, impl: str, status: str, message: str) -> dict:
-    return {
-        "format": FORMAT,
-        "id": found_id(clause, s),
-        "clause": clause,
-        "scenario": s.to_dict(),
-        "token": s.token,
-        "found_on": impl,
-        "status": status,
-        "message": message,
-        "description": s.describe(),
-    }
-
-
-def write_found(directory: str, record: dict) -> str:
-    """Write ``record`` as ``<directory>/<clause>-found-<digest>.json``; returns the path."""
-    os.makedirs(directory, exist_ok=True)
-    name = record["id"].replace("[", "-").replace("]", "") + ".json"
-    path = os.path.join(directory, name)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
-        f.write("\n")
-    return path
-
-
-def found_dirs() -> list[str]:
-    extra = [d for d in os.environ.get(FOUND_ENV, "").split(os.pathsep) if d]
-    return [FOUND_DIR, *extra]
-
-
-def load_found(path: str) -> Case:
-    """The case a found-scenario file describes; a clear error naming the file otherwise."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        s = Scenario.from_dict(data["scenario"])
-        clause = data["clause"]
-        if clause not in clauses_of(s):
-            raise ValueError(f"clause {clause!r} is not one the scenario exercises ({', '.join(clauses_of(s))})")
-        case = scenario_case(s, clause, f"found-{s.digest}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"found-scenario file {path}: {exc}") from None
-    if data.get("id", case.id) != case.id:
-        raise ValueError(f"found-scenario file {path}: its id {data['id']!r} is not {case.id!r} (edited scenario?)")
-    return case
-
-
-def found_cases() -> list[Case]:
-    """Every found-scenario case in :func:`found_dirs`, sorted by file name within each directory."""
-    out: list[Case] = []
-    seen: set[str] = set()
-    for directory in found_dirs():
-        for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
-            case = load_found(path)
-            if case.id not in seen:
-                seen.add(case.id)
-                out.append(case)
     return out
