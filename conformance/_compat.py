@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -273,109 +274,67 @@ def flat_param_fqns(param) -> list[str] | None:
     """The names of the original parameters an FSDP1 flat parameter holds,
     relative to the module it is registered on (its private ``_fqns``); None
     for any other parameter."""
-    return list(param._fqns) if type(param).__name__ == "FlatParameter" else None
+    # FlatParameter's instances are nn.Parameter objects its metaclass tells
+    # apart (type(p) is Parameter): isinstance is the test.
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    return list(param._fqns) if isinstance(param, FlatParameter) else None
 
 
-def fsdp1_full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonical) -> dict:
-    """The full state of an FSDP1 model and its optimizers by original parameter, as
-    ``conformance.judging.oracle.full_snapshot`` gives it for DTensors: ``{"params": {fqn: full tensor},
-    "state": {fqn: {key: full value}}, "groups": [{fields, "params": [fqn, ...]}]}``, on every rank.
+@dataclass(frozen=True)
+class FlatUnit:
+    """One FSDP1 unit as only its flat parameter's private fields tell it:
+    which part of which original parameter this rank's shard holds."""
 
-    FSDP1 holds each unit's original parameters as one flat parameter, sharded in equal chunks
-    over its process group (the shard group under HYBRID_SHARD), and tells which part of which
-    original parameter each rank's chunk holds only through the flat parameter's private fields
-    (``_fqns``, ``_shapes``, ``_numels``, ``_shard_param_infos``, ``_local_shard``, and ``_params`` with
-    ``use_orig_params``). The suite's own gather, independent of torch's FSDP1 state-dict code
-    (an implementation it judges). Collective over every unit's group.
-    """
-    import torch.distributed as dist
+    name: str  # the unit's module name under the root
+    group: object  # the process group it is sharded over (the shard group under HYBRID_SHARD)
+    flat: torch.nn.Parameter
+    fqns: tuple[str, ...]  # its original parameters, relative to the unit
+    shapes: tuple[torch.Size, ...]
+    numels: tuple[int, ...]
+    originals: tuple | None  # with use_orig_params, the original parameters
+    # (index of the original parameter, offset in the shard, elements in it, first and last index
+    # within the original parameter), for those this rank's shard holds.
+    pieces: tuple[tuple[int, int, int, int, int], ...]
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """This rank's flat shard (FSDP1 sets it at its lazy init, the first forward)."""
+        return self.flat._local_shard
+
+
+def fsdp1_units(root: torch.nn.Module) -> list[FlatUnit]:
+    """Every FSDP1 unit under ``root`` that holds parameters: FSDP1 tells which
+    part of which original parameter a rank's chunk holds only through the flat
+    parameter's private fields (``_fqns``, ``_shapes``, ``_numels``,
+    ``_shard_param_infos``, ``_local_shard``, and ``_params`` with
+    ``use_orig_params``)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from . import nested
-
-    state_of = {}  # parameter -> optimizer state
-    for opt in optimizers:
-        for p, entry in opt.state.items():
-            if entry:
-                state_of[p] = entry
-    params: dict = {}
-    state: dict = {}
-    expand: dict = {}  # flat parameter -> the FQNs of its original parameters
+    out = []
     for name, unit in root.named_modules():
         if not isinstance(unit, FSDP) or unit._handle is None:
             continue
         flat = unit._handle.flat_param
-        prefix = canonical(name)
-        fqns = [canonical(f"{prefix}.{f}" if prefix else f) for f in flat._fqns]
-        expand[flat] = fqns
-        originals = getattr(flat, "_params", None)  # use_orig_params: the original parameters
-        # This rank's pieces: fqn -> (start, end) within the parameter, its values, its state.
-        pieces = {}
-        for i, info in enumerate(flat._shard_param_infos):
-            if not info.in_shard:
-                continue
-            span = slice(info.offset_in_shard, info.offset_in_shard + info.numel_in_shard)
-            if originals is not None:
-                entry = state_of.get(originals[i], {})
-            else:  # per-element state (nested too) is the flat shard's: this parameter's part of it
-                entry = nested.rebuild(
-                    dict(state_of.get(flat, {})),
-                    lambda v, _path: v[span] if isinstance(v, torch.Tensor) and v.dim() else v,
-                )
-            own = nested.rebuild(dict(entry), lambda v, _path: v.detach().clone() if isinstance(v, torch.Tensor) else v)
-            pieces[fqns[i]] = (
-                info.intra_param_start_idx,
-                info.intra_param_end_idx,
-                flat._local_shard[span].clone(),
-                own,
+        originals = getattr(flat, "_params", None)
+        pieces = tuple(
+            (i, info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx, info.intra_param_end_idx)
+            for i, info in enumerate(flat._shard_param_infos)
+            if info.in_shard
+        )
+        out.append(
+            FlatUnit(
+                name,
+                unit.process_group,
+                flat,
+                tuple(flat._fqns),
+                tuple(flat._shapes),
+                tuple(flat._numels),
+                tuple(originals) if originals is not None else None,
+                pieces,
             )
-        everyone = [None] * dist.get_world_size(unit.process_group)
-        dist.all_gather_object(everyone, pieces, group=unit.process_group)
-        for fqn, shape, numel in zip(fqns, flat._shapes, flat._numels):
-            full = torch.zeros(numel, dtype=flat.dtype)
-            spread: dict = {}  # path in the state entry -> its full tensor, or its value
-            template = None  # the entry's structure (nested state too), as the first holder has it
-            for part in everyone:
-                if fqn not in part:
-                    continue
-                start, end, values, own = part[fqn]
-                full[start : end + 1] = values
-                template = own if template is None else template
-                for path, v in nested.leaves(own):
-                    if isinstance(v, torch.Tensor) and v.dim():
-                        spread.setdefault(path, torch.zeros(numel, dtype=v.dtype))[start : end + 1] = v
-                    else:
-                        spread.setdefault(path, v)
-            params[fqn] = full.view(shape)
-            if template:
-                state[fqn] = nested.rebuild(
-                    template,
-                    lambda v, path: (
-                        spread[path].view(shape) if isinstance(v, torch.Tensor) and v.dim() else spread[path]
-                    ),
-                )
-    groups = []
-    for opt in optimizers:
-        for group in opt.param_groups:
-            fields = {k: v for k, v in group.items() if k != "params"}
-            names = [n for p in group["params"] for n in (expand.get(p) or [fqn_of[p]])]
-            groups.append({**fields, "params": names})
-    return {"params": params, "state": state, "groups": groups}
-
-
-def fsdp1_share_bytes(root: torch.nn.Module) -> int:
-    """The bytes of an FSDP1 model's state a rank holds: the original
-    parameters' elements in its flat shards (not their padding) and every
-    buffer whole (FSDP1 does not shard them). From the flat parameters'
-    private ``_shard_param_infos``, as :func:`fsdp1_full_snapshot`."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    total = sum(b.nbytes for b in root.buffers())
-    for unit in root.modules():
-        if isinstance(unit, FSDP) and unit._handle is not None:
-            flat = unit._handle.flat_param
-            total += sum(i.numel_in_shard for i in flat._shard_param_infos if i.in_shard) * flat.element_size()
-    return total
+        )
+    return out
 
 
 def sharded_tensor_pieces(value) -> list | None:

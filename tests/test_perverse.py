@@ -151,6 +151,32 @@ def test_hyperdsd_changes_nothing_it_is_handed():
     assert changes(before, Handled.of(model, optim)) == []
 
 
+def test_an_empty_full_cpu_get_is_no_surprise_but_an_empty_sharded_one_is():
+    # full_state_dict + cpu_offload: every rank but the root gets {} (torch's promise).
+    model, optim = _model_and_optimizer()
+    impl = load_adapter("hyperdsd")
+    full_cpu = impl.options(full_state_dict=True, cpu_offload=True)
+    got = Received()
+    got.note("get_model_state_dict", (model,), {"options": full_cpu}, {})
+    got.note("get_optimizer_state_dict", (model, optim), {"options": full_cpu}, {})
+    got.note("get_state_dict", (model, optim), {"options": full_cpu}, ({}, {}))
+    assert got.surprises() == []
+    got.note("get_model_state_dict", (model,), {}, {})
+    assert "none of the model's" in "\n".join(got.surprises())
+
+
+def test_fsdp1_flat_parameters_are_named_by_their_original_parameters():
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    from conformance import _compat
+
+    flat = FlatParameter(torch.zeros(3), requires_grad=True)
+    flat._fqns = ("fc.weight", "fc.bias")
+    assert type(flat) is torch.nn.Parameter  # its metaclass tells it apart, not its type
+    assert _compat.flat_param_fqns(flat) == ["fc.weight", "fc.bias"]
+    assert _compat.flat_param_fqns(torch.nn.Parameter(torch.zeros(3))) is None
+
+
 class _Result:
     def __init__(self, case_id, status):
         self.case = type("Case", (), {"id": case_id})()

@@ -97,6 +97,8 @@ class Received:
             r.problems.append(f"returned {_type(result)}, which could not be read ({type(exc).__name__}: {exc})")
 
     def _summarise(self, r: _Result, kind: str, result: Any) -> None:
+        if _gathered_elsewhere(r, result):
+            return
         if kind == "both":
             if not isinstance(result, (tuple, list)) or len(result) != 2:
                 r.problems.append(f"returned {_type(result)}, not a (model state dict, optimizer state dict) pair")
@@ -200,6 +202,16 @@ def _names(model) -> tuple[dict, set[str], dict[int, list]]:
         if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
             others.add(canonical(at + "_extra_state"))
     return params, others, flats
+
+
+def _gathered_elsewhere(r: _Result, result: Any) -> bool:
+    """An empty result of a get with ``full_state_dict`` and ``cpu_offload``:
+    torch's promise on every rank but the root, which holds the whole state."""
+    if not (getattr(r.options, "full_state_dict", False) and getattr(r.options, "cpu_offload", False)):
+        return False
+    if r.fn == "get_state_dict":
+        return isinstance(result, (tuple, list)) and len(result) == 2 and all(x == {} for x in result)
+    return r.fn.startswith("get_") and result == {}
 
 
 def _optimizer_params(optimizers) -> list:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
+from ..judging import fsdp1
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_values, expect_error, fail_if
 from ..running.cases import make_case
@@ -147,12 +147,12 @@ def model_3(c, layout, cfg=None):
     box = [largest_full]
     dist.broadcast_object_list(box, src=0)
     largest_full = box[0]
-    fsdp1 = parse_layout(layout).kind.fsdp1  # FSDP1 holds plain flat shards, not DTensors
-    share = _compat.fsdp1_share_bytes(b.model) if fsdp1 else share_bytes(b.module.state_dict())
+    flat_shards = parse_layout(layout).kind.fsdp1  # FSDP1 holds plain flat shards, not DTensors
+    share = fsdp1.share_bytes(b.model) if flat_shards else share_bytes(b.module.state_dict())
     with ReceiveMeter() as meter:
         c.iut.set_model_state_dict(b.model, data["model"], options=set_options(c.iut, "bcast"))
     fail_if(diff_values(want, _model_view(b), "model"), "broadcast load: values differ")
-    if not fsdp1:
+    if not flat_shards:
         not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
         check(not not_dt, f"parameters are no longer DTensors after the load: {not_dt[:5]}")
     if c.rank != 0:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _compat
+from ..judging import fsdp1
 from ..judging.oracle import FqnOf, canonical
 from .layouts import Layout, model_group, parse_layout
 from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
@@ -143,7 +144,7 @@ class Setup:
         DTensors); None for every other layout. Collective."""
         if not self.layout.kind.fsdp1:
             return None
-        return _compat.fsdp1_full_snapshot(self.module, self.optimizers, self.fqn_of(), canonical)
+        return fsdp1.full_snapshot(self.module, self.optimizers, self.fqn_of(), canonical)
 
     def fqn_of(self) -> FqnOf:
         """Parameter -> FQN; a tensor the model does not hold is named as such."""
