@@ -49,7 +49,19 @@ OPTION_FIELDS = (
     "flatten_optimizer_state_dict",
 )
 PROFILES = ("core", "inplace", "tp", "multi-optimizer")
-# How a state dict leaves a setup and comes back (SPEC §2; see world/modes.py).
+# The modes: how a state dict leaves a setup and comes back (SPEC §2). What
+# cases and declarations name; conformance/world/modes.py carries them out.
+#   sharded   default options, in memory.
+#   full      full_state_dict on every rank, in memory.
+#   full_cpu  full_state_dict + cpu_offload (the root holds it all); loaded back with broadcast_from_rank0.
+#   bcast     as full_cpu, through torch.save / torch.load(weights_only=True) on the root.
+#   file      the root saves the full_cpu dict with torch.save; every rank reads the file and sets the full
+#             dict with full_state_dict (no broadcast): the consolidated checkpoint. Pipeline stages take
+#             from it what is theirs (strict=False).
+#   flat      flatten_optimizer_state_dict, in memory.
+#   dcp       default options through torch.distributed.checkpoint: the target's own get gives the load
+#             template, dcp.load runs with the implementation's documented load planner
+#             (Adapter.dcp_load_planner) or DCP's default; on pipeline stages the optimizer goes flat.
 MODES = ("sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp")
 # What a get returns: the modes a get can be declared in. ``bcast`` and
 # ``file`` save a ``full_cpu`` get; ``dcp`` saves a sharded one.
@@ -64,10 +76,12 @@ GET_OF = {
     "dcp": "sharded",
 }
 # Layouts beyond data parallelism (single, ddp, fsdp, hsdp), as an IUT declares them (SPEC §1).
-LAYOUTS = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world", "policies", "fsdp1")
+LAYOUT_CAPABILITIES = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world", "policies", "fsdp1")
 # Options an IUT may lack (SPEC §1): its own options type (what OPT-ATOM-3's
 # contradiction is made of), ``strict=False`` loads, ``ignore_frozen_params``.
-OPTIONS = ("options_type", "strict", "ignore_frozen_params")
+OPTION_CAPABILITIES = ("options_type", "strict", "ignore_frozen_params")
+# Their names before suite 0.5, kept for adapters written against them.
+LAYOUTS, OPTIONS = LAYOUT_CAPABILITIES, OPTION_CAPABILITIES
 
 
 class AdapterError(RuntimeError):
@@ -175,8 +189,8 @@ class Adapter:
     modes: frozenset[str] | None = None
     get_modes: frozenset[str] | None = None
     load_modes: frozenset[str] | None = None
-    layouts: frozenset[str] = frozenset(LAYOUTS)
-    supported_options: frozenset[str] = frozenset(OPTIONS)
+    layouts: frozenset[str] = frozenset(LAYOUT_CAPABILITIES)
+    supported_options: frozenset[str] = frozenset(OPTION_CAPABILITIES)
     # True when the functions (the four, and the combined ones) are the
     # implementation's own (from_module): the suite then wraps each call in
     # ``iut_call`` itself.
@@ -208,8 +222,8 @@ class Adapter:
             ("modes", both, MODES),
             ("load modes", loads, MODES),
             ("get modes", gets, GET_MODES),
-            ("layouts", self.layouts, LAYOUTS),
-            ("options", self.supported_options, OPTIONS),
+            ("layouts", self.layouts, LAYOUT_CAPABILITIES),
+            ("options", self.supported_options, OPTION_CAPABILITIES),
         ):
             unknown = set(declared) - set(known)
             if unknown:
@@ -254,8 +268,8 @@ class Adapter:
         return {
             "get_modes": [m for m in GET_MODES if m in self.get_modes],
             "load_modes": [m for m in MODES if m in self.load_modes],
-            "layouts": [x for x in LAYOUTS if x in self.layouts],
-            "options": [x for x in OPTIONS if x in self.supported_options],
+            "layouts": [x for x in LAYOUT_CAPABILITIES if x in self.layouts],
+            "options": [x for x in OPTION_CAPABILITIES if x in self.supported_options],
             "profiles": sorted(self.profiles),
             "combined": self.combined,
         }
@@ -283,7 +297,8 @@ def describe_declaration(decl: dict) -> str:
 
     line = (
         f"get {listed(decl['get_modes'], GET_MODES)}; load {listed(decl['load_modes'], MODES)}; "
-        f"layouts {listed(decl['layouts'], LAYOUTS)}; options {listed(decl['options'], OPTIONS)}"
+        f"layouts {listed(decl['layouts'], LAYOUT_CAPABILITIES)}; "
+        f"options {listed(decl['options'], OPTION_CAPABILITIES)}"
     )
     if "combined" in decl:
         line += f"; combined {'yes' if decl['combined'] else 'no'}"

@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import run_cli, slowness
 
-from conformance.adapters import LAYOUTS, Adapter, AdapterError, load_adapter
+from conformance.adapters import LAYOUT_CAPABILITIES, Adapter, AdapterError, load_adapter
 from conformance.running.registry import all_cases, by_id
 from conformance.running.runner import Runner, undeclared
 from hyperdsd.testing import PoolSet
@@ -56,7 +56,7 @@ def test_every_case_knows_what_it_needs():
         needs = case.needs
         if case.mode is not None:
             assert needs.get or needs.load, case.id
-        assert set(needs.layouts) <= set(LAYOUTS), case.id
+        assert set(needs.layouts) <= set(LAYOUT_CAPABILITIES), case.id
 
 
 def test_list_with_impl_says_what_would_run_and_why_not():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conformance.adapters import LAYOUTS, Adapter
+from conformance.adapters import LAYOUT_CAPABILITIES, Adapter
 from conformance.running.registry import all_cases, by_id
 from conformance.running.runner import undeclared
 from conformance.world.layouts import parse_layout
@@ -45,7 +45,7 @@ def test_fsdp1_cases_need_the_layout_fsdp1_and_cover_the_clauses():
         "OPT-PART-5",
     }
     assert all("fsdp1" in c.needs.layouts for c in cases)
-    assert "fsdp1" in LAYOUTS
+    assert "fsdp1" in LAYOUT_CAPABILITIES
     assert not any("fsdp1" in c.needs.layouts for c in all_cases() if c not in cases)
     on = {layout: {c.clause for c in cases if c.layout == layout} for layout in FSDP1_LAYOUTS}
     assert all({"OPT-RT-1", "OPT-RT-5", "OPT-PURE-2", "MODEL-1"} <= clauses for clauses in on.values()), on

@@ -17,7 +17,7 @@ from ..exploring.strategy import ExploreUsageError, choices, parse_budget
 from ..running.generated import clause_cases
 from ..running.runner import Runner
 from ..world.layouts import parse_layout
-from ..world.scenario import LAYOUTS, Scenario
+from ..world.scenario import DRAWN_LAYOUTS, Scenario
 from .common import DEFAULT_IMPL, UsageError, check_device, int_list, positive
 
 
@@ -173,7 +173,7 @@ def run_command(args, adapter, runner: Runner, info) -> int:
         if args.json:
             _write(args.json, info, impl, None, [Finding(verdict)] if verdict.bad else [], verdict)
         return 1 if verdict.bad else 0
-    ws = args.world_sizes or sorted({parse_layout(x).world_size for x in LAYOUTS})
+    ws = args.world_sizes or sorted({parse_layout(x).world_size for x in DRAWN_LAYOUTS})
     ch = choices(adapter, ws)
     budget = parse_budget(args.budget)
     print(

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conformance.adapters import OPTIONS, Adapter, iut_call, not_supported, rank_device
+from conformance.adapters import OPTION_CAPABILITIES, Adapter, iut_call, not_supported, rank_device
 
 from . import full_state_backend as backend
 
@@ -121,5 +121,5 @@ conformance_adapter = Adapter(
     options=Options,
     profiles=frozenset({"inplace"}),
     modes=frozenset({"full", "full_cpu", "bcast", "file"}),
-    supported_options=frozenset(OPTIONS) - {"options_type"},
+    supported_options=frozenset(OPTION_CAPABILITIES) - {"options_type"},
 )

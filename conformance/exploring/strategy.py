@@ -14,10 +14,10 @@ from ..world.layouts import parse_layout
 from ..world.loops import POINTS
 from ..world.policies import VARIANTS
 from ..world.scenario import (
+    DRAWN_LAYOUTS,
     DTYPES,
     EXTRA_STATE,
     GROUP_ORDERS,
-    LAYOUTS,
     MODEL_KEYS,
     MODEL_KEYS_MODES,
     OPTIMIZERS,
@@ -59,7 +59,7 @@ def choices(adapter, world_sizes) -> Choices:
     on the world sizes given: the same rule as the matrix's (registry.needs_of)."""
     allowed = set(world_sizes)
     modes_of = []
-    for layout in LAYOUTS:
+    for layout in DRAWN_LAYOUTS:
         if parse_layout(layout).world_size not in allowed:
             continue
         modes = tuple(

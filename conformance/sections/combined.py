@@ -21,7 +21,7 @@ from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
 
-LAYOUTS = ("single", "ddp", "fsdp2", "hsdp2x2", "pp2xfsdp2")
+API_LAYOUTS = ("single", "ddp", "fsdp2", "hsdp2x2", "pp2xfsdp2")
 OPT = "adamw"
 BEFORE, AFTER = 1, 1
 # Loads in which the root alone holds the full dicts; the other ranks pass {}.
@@ -166,7 +166,7 @@ def api_1_strict(c, layout, opt, mode):
 
 
 def cases():
-    for layout in LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
+    for layout in API_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
         for mode in modes.MODES:
             yield make_case("API-1", layout, api_1, opt=OPT, mode=mode)
     for mode in modes.MODES:

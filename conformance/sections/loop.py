@@ -13,7 +13,7 @@ from ..world import loops, modes, policies
 from ..world.layouts import parse_layout
 
 # Every layout runs every mode and each of its points (the point rotates with the mode).
-LAYOUTS = ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2")
+LOOP_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2")
 BEFORE, AFTER = 1, 1
 WARM = 2
 
@@ -180,7 +180,7 @@ def _rotation(layout: str, applies) -> list[tuple[str, str]]:
 def cases():
     for clause, fn, applies in (("LOOP-1", loop_1, lambda p: p.applies), ("LOOP-2", loop_2, lambda p: p.rollback)):
         made = set()
-        for layout in LAYOUTS:
+        for layout in LOOP_LAYOUTS:
             for mode, point in _rotation(layout, applies):
                 made.add((layout, mode, point))
                 yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)

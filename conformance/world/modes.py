@@ -1,24 +1,10 @@
-"""Modes: how a state dict leaves a setup and comes back (SPEC §2).
-
-``sharded``  default options, in memory.
-``full``     ``full_state_dict`` on every rank, in memory.
-``full_cpu`` ``full_state_dict`` + ``cpu_offload`` (rank 0 holds it all);
-             loaded back with ``broadcast_from_rank0``.
-``bcast``    as ``full_cpu``, but through ``torch.save`` / ``torch.load``
-             (``weights_only=True``) on rank 0.
-``file``     rank 0 saves the ``full_cpu`` dict with ``torch.save``; every
-             rank reads the file and sets the full dict with
-             ``full_state_dict`` (no broadcast): the consolidated checkpoint.
-             Pipeline stages take from it what is theirs (``strict=False``).
-``flat``     ``flatten_optimizer_state_dict``, in memory.
-``dcp``      default options through ``torch.distributed.checkpoint``; the
-             target's own get provides the load template, as users do, and
-             ``dcp.load`` runs with the implementation's documented load
-             planner (``Adapter.dcp_load_planner``), or DCP's default
-             planner where it names none: nothing relaxed. On
-             pipeline layouts (MPMD) the optimizer goes in the flat layout:
-             nested ``param_groups.N`` keys of different stages would collide
-             in one checkpoint, which is why the flat layout exists.
+"""Modes: how a state dict leaves a setup and comes back (SPEC §2), carried
+out. The modes themselves (``sharded``, ``full``, ``full_cpu``, ``bcast``,
+``file``, ``flat``, ``dcp``), what each does and the get each declares, are
+defined once, in ``conformance.adapters`` (``MODES``, ``GET_OF``): cases and
+declarations name them there. On pipeline layouts (MPMD) ``dcp`` puts the
+optimizer in the flat layout: nested ``param_groups.N`` keys of different
+stages would collide in one checkpoint, which is why the flat layout exists.
 
 A setup whose model spans part of the world (OPT-MESH-2) keeps everything
 to its own ranks: its first rank is the root of ``full_cpu``, ``bcast`` and

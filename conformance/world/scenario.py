@@ -25,7 +25,7 @@ TOKEN_PREFIX = "s1."
 
 # The layouts and optimizers scenarios draw from: the matrix's own, layouts
 # by world size (hypothesis shrinks towards the first).
-LAYOUTS = tuple(sorted(BASE_LAYOUTS, key=lambda name: parse_layout(name).world_size))
+DRAWN_LAYOUTS = tuple(sorted(BASE_LAYOUTS, key=lambda name: parse_layout(name).world_size))
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
 DTYPES = ("float32", "float64", "bfloat16")
 EXTRA_STATE = ("", "tensor", "dict", "object")
@@ -136,8 +136,8 @@ class Scenario:
         from ..adapters import MODES
 
         problems = []
-        if self.layout not in LAYOUTS:
-            problems.append(f"layout {self.layout!r} is not one of {LAYOUTS}")
+        if self.layout not in DRAWN_LAYOUTS:
+            problems.append(f"layout {self.layout!r} is not one of {DRAWN_LAYOUTS}")
         if self.mode not in MODES:
             problems.append(f"mode {self.mode!r} is not one of {MODES}")
         if self.optimizer not in OPTIMIZERS:
@@ -151,7 +151,7 @@ class Scenario:
                 problems.append(f"{name} must be at least 1")
         if self.before < 0 or self.warm < 0:
             problems.append("before and warm must not be negative")
-        if self.layout in LAYOUTS:
+        if self.layout in DRAWN_LAYOUTS:
             pp = parse_layout(self.layout).pp
             if self.tie and pp > 1:
                 problems.append(f"a tied model cannot be split into pipeline stages ({self.layout})")
@@ -165,10 +165,10 @@ class Scenario:
             problems.append(f"group_order {self.group_order!r} is not one of {GROUP_ORDERS}")
         if self.model_keys not in MODEL_KEYS:
             problems.append(f"model_keys {self.model_keys!r} is not one of {MODEL_KEYS}")
-        elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in LAYOUTS or self.pp > 1):
+        elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in DRAWN_LAYOUTS or self.pp > 1):
             problems.append(f"model_keys are checked in the modes {MODEL_KEYS_MODES} without pipeline stages")
         problems += self._loop_problems()
-        if self.freeze_after and (self.before < 1 or (self.layout in LAYOUTS and self.pp > 1)):
+        if self.freeze_after and (self.before < 1 or (self.layout in DRAWN_LAYOUTS and self.pp > 1)):
             problems.append("freeze_after needs a first step (before >= 1) and no pipeline stages")
         if problems:
             raise ValueError("invalid scenario: " + "; ".join(problems))
@@ -176,7 +176,7 @@ class Scenario:
     def _loop_problems(self) -> list[str]:
         from . import loops, policies
 
-        if self.layout not in LAYOUTS:
+        if self.layout not in DRAWN_LAYOUTS:
             return []
         lay, out = parse_layout(self.layout), []
         if self.policy:
@@ -305,8 +305,8 @@ _DEFAULTS = {f.name: f.default for f in fields(Scenario)}
 
 def reshard_problems(s: "Scenario") -> list[str]:
     """Why ``s`` cannot also be resharded to ``s.reshard_to``, in words ([] when it can)."""
-    if s.reshard_to not in LAYOUTS:
-        return [f"reshard_to {s.reshard_to!r} is not one of {LAYOUTS}"]
+    if s.reshard_to not in DRAWN_LAYOUTS:
+        return [f"reshard_to {s.reshard_to!r} is not one of {DRAWN_LAYOUTS}"]
     if s.reshard_to == s.layout:
         return ["reshard_to is the layout itself"]
     if s.mode not in RESHARD_MODES:
