@@ -2,7 +2,7 @@
 one section per traced cause.
 
 Every failing case of the report must be explained by exactly one cause of
-``CAUSES`` (the first that matches it); a case no cause explains stops the
+``tools/torch_causes.json`` (the first that matches it); a case no cause explains stops the
 tool, so a new deviation is traced by hand before it can be listed. Within a
 cause, cases are written as the shortest ID prefixes that cover them and no
 case that passes or has another cause.
@@ -36,13 +36,6 @@ def _mode(case: dict) -> str:
     layout = case.get("layout") or ""
     body = body[len(layout) + 1 :] if layout and body.startswith(layout + "-") else body
     return next((p for p in body.split("-") if p in MODES), "")
-
-
-@dataclass(frozen=True)
-class Cause:
-    title: str
-    reason: str
-    matches: Callable[[dict, str], bool]  # (case, signature) -> bool
 
 
 # What a missing stage looks like to the clauses that see it.
@@ -92,328 +85,76 @@ def _fsdp1(case) -> bool:
     return any(side.startswith(("fsdp1-", "hsdp1-")) for side in case["layout"].split("_to_"))
 
 
-# What a full load into modules a forward left unsharded raises, release by release.
-_UNSHARDED_LOAD = (
-    "got mixed torch.Tensor and DTensor",
-    "with different meshes",
-    "pointwise computation across different mesh",
-    "Sharding propagation failed for Op(op=aten.copy_.default",  # 2.9
-    "Cross device mesh comm not supported yet",  # 2.8
-)
+# The causes, as data (tools/torch_causes.json): each a title, the reason an
+# expected-failures entry gives, and ``when``: alternatives (any), each a set
+# of conditions on a failing case that must all hold.
+CAUSES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_causes.json")
+
+# The conditions a cause's alternative may name, on (case, signature): the
+# signature is the case's message as reports group it (first line, masked).
+_LISTS = {
+    "clause": lambda c, s, xs: c["clause"] in xs,
+    "not_clause": lambda c, s, xs: c["clause"] not in xs,
+    "layout": lambda c, s, xs: c["layout"] in xs,
+    "mode": lambda c, s, xs: _mode(c) in xs,
+    "id_has": lambda c, s, xs: any(x in c["id"] for x in xs),
+    "id_ends": lambda c, s, xs: c["id"].endswith(tuple(xs)),
+    "sig_has": lambda c, s, xs: any(x in s for x in xs),
+    "sig_has_all": lambda c, s, xs: all(x in s for x in xs),
+    "message_has": lambda c, s, xs: any(x in (c["message"] or "") for x in xs),
+}
+_FLAGS = {
+    "fsdp1": lambda c: _fsdp1(c),
+    "pipeline": lambda c: c["layout"] in PIPELINE,
+}
+_TESTS = {
+    "pipeline_stage_missing": lambda c, s: _pp_stage_only(c, s),
+    "set_key_error_names_a_parameter": lambda c, s: _missing_param_state(c),
+    "set_key_error_names_flat_state": lambda c, s: _set_key_error(c).startswith("state."),
+}
 
 
-CAUSES: tuple[Cause, ...] = (
-    Cause(
-        "FSDP1 full model state under cpu_offload",
-        "on an FSDP1 model, get_model_state_dict with full_state_dict + cpu_offload (full_cpu, and the bcast and "
-        "file saves) kills rank 0 with SIGSEGV (use_orig_params=True, HYBRID_SHARD and SHARD_GRAD_OP alike) and, "
-        "with flat parameters, raises 'setStorage: ... out of bounds for storage of size 0' on rank 0, while the "
-        "other ranks wait in its collective; without cpu_offload (full) it passes",
-        lambda c, s: _fsdp1(c) and "in get_model_state_dict" in s and ("SIGSEGV" in s or "setStorage" in s),
-    ),
-    Cause(
-        "FSDP1 sharded model state of flat parameters over 4 ranks (2.6)",
-        "torch 2.6: on an FSDP1 model with use_orig_params=False on 4 ranks, get_model_state_dict without "
-        "full_state_dict (sharded, flat, dcp) raises NotImplementedError('Only single local shard is supported'): "
-        "a flat parameter's piece of an original parameter spans more than one local shard; 2 ranks pass",
-        lambda c, s: _fsdp1(c) and "in get_model_state_dict" in s and "Only single local shard is supported" in s,
-    ),
-    Cause(
-        "wrapper prefixes on FSDP1",
-        "on an FSDP1 model, torch.compile's _orig_mod. and, with flat parameters, activation checkpointing's "
-        "_checkpoint_wrapped_module. stay in the optimizer state's keys: the load of the dict get returned raises "
-        "a KeyError naming '_orig_mod.layers.0._orig_mod.norm.weight', or finds no state for "
-        "'layers.0._checkpoint_wrapped_module.fc2.bias'; FSDP2 and DDP models under the same wrappers pass",
-        lambda c, s: (
-            _fsdp1(c)
-            and c["clause"] == "OPT-KEYS-2"
-            and any(w in (c["message"] or "") for w in ("'_orig_mod.", "._checkpoint_wrapped_module."))
-        ),
-    ),
-    Cause(
-        "Adagrad's state on FSDP1",
-        "Adagrad makes state for every parameter in its constructor; on FSDP1, a load drops the entries of a "
-        "rank that holds none of a parameter's elements (use_orig_params=True), which the uninterrupted run keeps, "
-        "or writes another value into a flat shard's padding than Adagrad's initial sum (hyperdsd had the same "
-        "deviation, fixed with tests/test_fsdp1.py's Adagrad test)",
-        lambda c, s: (
-            _fsdp1(c)
-            and "-adagrad-" in c["id"]
-            and c["clause"] in ("OPT-RT-1", "OPT-RT-5")
-            and ("differs from the uninterrupted" in s or "does not reproduce the source" in s)
-        ),
-    ),
-    Cause(
-        "nested state on FSDP1",
-        "torch's FSDP1 optimizer-state conversion unflattens per-element state at the top of an entry only: with "
-        "the original parameters a get of per-element tensors nested in a dict or list raises 'The size of tensor "
-        "a (...) must match the size of tensor b (...)'; with flat parameters it returns them as the flat shard's "
-        "pieces (plain tensors of the shard's length), which DCP then cannot load into another layout; the flat "
-        "layout refuses the string state",
-        lambda c, s: (
-            _fsdp1(c)
-            and c["clause"] == "OPT-STATE-1"
-            and any(m in s for m in ("must match the size of tensor b", "not laid out", "Flattening", "Size mismatch"))
-        ),
-    ),
-    Cause(
-        "FSDP1 unit split between optimizers",
-        "on an FSDP1 model with its original parameters, two optimizers over disjoint parameters of one unit "
-        "(OPT-KEYS-4): get_optimizer_state_dict raises 'norm.weight is not in the optimizer state. The "
-        "FSDPParamInfo has the param keys [...] while the optimizer has the param keys [...]' in every mode; "
-        "torch's FSDP1 path reads a unit's parameters from one optimizer",
-        lambda c, s: _fsdp1(c) and "is not in the optimizer state. The FSDPParamInfo" in s,
-    ),
-    Cause(
-        "extra state on FSDP1",
-        "on an FSDP1 model whose blocks keep extra state (get_extra_state), get_model_state_dict raises "
-        "AttributeError: 'ExtraStateBlock' object has no attribute '_extra_state' in every mode: FSDP1's state-dict "
-        "hooks look the _extra_state key up as an attribute",
-        lambda c, s: (
-            _fsdp1(c)
-            and c["clause"] == "MODEL-5"
-            and "in get_model_state_dict" in s
-            and "no attribute '_extra_state'" in (c["message"] or "")
-        ),
-    ),
-    Cause(
-        "FSDP1 full optimizer state under cpu_offload",
-        "on an FSDP1 model with its original parameters, an optimizer state dict taken with full_state_dict + "
-        "cpu_offload (full_cpu, bcast, file) resumes into other values on the first rank of each shard group: "
-        "parameters differ after one step from the uninterrupted run, where the same round trip without "
-        "cpu_offload (full) equals it; rank 0's dict holds other exp_avg values than the gathered shards (OPT-RT-3)",
-        lambda c, s: (
-            _fsdp1(c)
-            and _mode(c) in ("full_cpu", "bcast", "file")
-            and any(m in s for m in ("differs from the uninterrupted", "does not reproduce", "does not hold the full"))
-        ),
-    ),
-    Cause(
-        "FSDP1 flattened optimizer state",
-        "flatten_optimizer_state_dict on FSDP1: loading into a stepped optimizer kills a rank with SIGABRT in "
-        "set_optimizer_state_dict, and with flat parameters and plain SGD (no state) the load raises 'The state "
-        "of _OptimStateKey(...) is empty. This should happen when use_orig_params=True'",
-        lambda c, s: (
-            _fsdp1(c)
-            and _mode(c) == "flat"
-            and "set_optimizer_state_dict" in s
-            and ("SIGABRT" in s or "_OptimStateKey" in s)
-        ),
-    ),
-    Cause(
-        "pipeline stages under full_cpu",
-        "with pipeline stages, full_state_dict + cpu_offload keeps on rank 0 only rank 0's own stage, so a "
-        "consolidated checkpoint (full_cpu, bcast, file) lacks the other stage, which then loads nothing",
-        _pp_stage_only,
-    ),
-    Cause(
-        "fake step in get",
-        "get on a never-stepped optimizer initialises its state by running a step (zero gradients), so the "
-        "optimizer changes and a checkpoint taken before the first step holds step=1, "
-        "https://github.com/pytorch/pytorch/issues/164929",
-        lambda c, s: (
-            "-step0" in c["id"]  # -step0], and -step0-frozen] (a warm DCP rollback with frozen parameters)
-            or c["id"].endswith("-fresh]")
-            or (c["clause"] in ("OPT-PART-6",) and "changed the optimizer" in s)
-            or (
-                c["clause"] == "OPT-PART-1"
-                and ("failed strict load changed" in s or "expected fresh (absent) state" in s)
-            )
-        ),
-    ),
-    Cause(
-        "model on part of the world",
-        "two models on two halves of the world: full_state_dict + cpu_offload gives the full state to global "
-        "rank 0 only, so the half without it gets nothing from its own model",
-        lambda c, s: c["layout"] == "halves2+2" and "absent on rank" in s,
-    ),
-    Cause(
-        "lazy state rejected",
-        "strict set rejects a parameter that never had a gradient (it has no optimizer state) although the "
-        "checkpoint lists it without state (torch 2.7's code: a bare KeyError naming it, strict or not), "
-        "https://github.com/pytorch/pytorch/issues/132628",
-        lambda c, s: (
-            ("Missing optimizer state for parameter" in s or _missing_param_state(c)) and c["clause"] != "OPT-PART-1"
-        ),
-    ),
-    Cause(
-        "no DCP load path for lazy state",
-        "torch documents no DCP load path for lazy state: with DCP's default planner, dcp.load into get's "
-        "template stops with 'Missing key in checkpoint state_dict' for parameters that never had a "
-        "gradient (the checkpoint rightly holds no state for them); no upstream issue found",
-        lambda c, s: "Missing key in checkpoint state_dict" in s,
-    ),
-    Cause(
-        "flat layout and absent state",
-        "flat layout: the state of a parameter the checkpoint lacks is rebuilt as empty dicts, and "
-        "Optimizer.load_state_dict fails with an opaque TypeError (torch 2.7's code: a KeyError naming the flat "
-        "key), https://github.com/pytorch/pytorch/issues/192224",
-        lambda c, s: (
-            "float() argument must be a string or a real number" in s or _set_key_error(c).startswith("state.")
-        ),
-    ),
-    Cause(
-        "non-strict loads refuse absent state",
-        "torch 2.7's code: strict=False with a checkpoint that has no state for a parameter (one added since) "
-        "fails with a bare KeyError naming it; later releases skip that parameter",
-        lambda c, s: c["clause"] == "OPT-PART-1" and c["id"].endswith("-nonstrict]") and _missing_param_state(c),
-    ),
-    Cause(
-        "strict errors do not name what is missing",
-        "strict=True with parameters the checkpoint lacks: the error names one parameter (or, through DCP, "
-        "none); with pipeline stages nothing is raised",
-        lambda c, s: c["clause"] == "OPT-PART-1" and "strict=True with parameters the checkpoint lacks" in s,
-    ),
-    Cause(
-        "plain SGD in full modes",
-        "plain SGD keeps no state tensor: the full and broadcast loads assert 'Expected device to be set' "
-        "(a bare assert in torch 2.7's code)",
-        lambda c, s: (
-            "Expected device to be set" in s
-            or ("sgd_plain" in c["id"] and "raised AssertionError in set_optimizer_state_dict: AssertionError()" in s)
-        ),
-    ),
-    Cause(
-        "nested state values",
-        "set goes through Optimizer.load_state_dict, whose cast turns a list nested in a parameter's state "
-        "into a generator object and float state into the parameter's dtype; the flat layout refuses "
-        "non-tensor values other than int, float and dict",
-        lambda c, s: c["clause"] == "OPT-STATE-1",
-    ),
-    Cause(
-        "empty param groups",
-        "empty param groups: at most one is supported (a ValueError otherwise, or with several optimizers), "
-        "the flat layout fails with an IndexError, and groups after the first lose their fields "
-        "(KeyError 'lr' at the next step) or keep the target's, https://github.com/pytorch/pytorch/issues/143828",
-        lambda c, s: (
-            "zero parameters" in s
-            or "IndexError" in s
-            # torch 2.6: the groups lose their fields, or a bare assert with several optimizers
-            or (c["clause"] == "OPT-EMPTY-1" and "param groups without parameters did not survive" in s)
-            or (c["id"].endswith("-2opt]") and "AssertionError in set_optimizer_state_dict" in s)
-            or (c["clause"] == "OPT-RT-4" and ("KeyError in training" in s or "resumed run differs" in s))
-        ),
-    ),
-    Cause(
-        "validation is rank-local",
-        "validation is rank-local: the rank with a bad value raises while the others load, or wait in a "
-        "collective; a broadcast load changes rank 0's optimizer before it fails",
-        lambda c, s: c["clause"] == "OPT-ATOM-4",
-    ),
-    Cause(
-        "state cast to the parameter's dtype",
-        "state is cast to the parameter's dtype on load (fp32 moments of bf16 parameters become bf16), "
-        "https://github.com/pytorch/pytorch/issues/43706",
-        lambda c, s: c["clause"] == "OPT-DT-3",
-    ),
-    Cause(
-        "group fields the target lacks",
-        "group fields the target's groups lack (initial_lr, custom fields) are dropped, or raise KeyError in "
-        "the full modes; nested set replaces group fields wholesale instead of merging them, "
-        "https://github.com/pytorch/pytorch/issues/140900",
-        lambda c, s: c["clause"] in ("OPT-SCHED-1", "OPT-SCHED-3"),
-    ),
-    Cause(
-        "frozen parameters' state dropped",
-        "optimizer state of frozen parameters is dropped on set, https://github.com/pytorch/pytorch/issues/192202",
-        lambda c, s: c["clause"] == "OPT-PART-3",
-    ),
-    Cause(
-        "no validation of values",
-        "no validation before loading: wrong shapes and non-tensor values load or fail later, and a "
-        "parameter without state fails with a bare KeyError that names nothing",
-        lambda c, s: c["clause"] == "OPT-ATOM-2",
-    ),
-    Cause(
-        "get aliases the optimizer",
-        "get returns the optimizer's own per-parameter state dicts: changing the result changes the optimizer",
-        lambda c, s: c["clause"] == "OPT-PURE-2",
-    ),
-    Cause(
-        "unknown FQNs and groups",
-        "unknown FQNs and unknown, extra or missing param groups load without an error (or with one about "
-        "empty groups that names none of them)",
-        lambda c, s: c["clause"] == "OPT-ATOM-1",
-    ),
-    Cause(
-        "model keys not reported",
-        "model loads: non-strict full and broadcast loads fill missing keys from the model instead of "
-        "reporting them, and strict errors name only the missing or only the unexpected keys (through "
-        "DDP, only the first)",
-        lambda c, s: c["clause"] == "MODEL-2",
-    ),
-    Cause(
-        "broadcast loads send whole tensors",
-        "a broadcast load (broadcast_from_rank0) sends every rank each whole tensor (_broadcast_coalesced) and "
-        "each rank cuts its own shard from it: a non-root rank receives the whole model, not its share plus one "
-        "tensor in flight; the full copy on every rank was raised in the review of "
-        "https://github.com/pytorch/pytorch/pull/125338",
-        lambda c, s: c["clause"] == "MODEL-3" and "sent more than its shard" in s,
-    ),
-    Cause(
-        "partly present state loads",
-        "in-memory loads, the consolidated file's included, take a parameter's state entry as it comes "
-        "(Optimizer.load_state_dict): an entry without exp_avg_sq or step loads without an error, into a fresh "
-        "or a stepped optimizer; only the DCP load path checks what the template expects; no upstream issue found",
-        lambda c, s: c["clause"] == "OPT-PART-6" and "no error was raised" in s,
-    ),
-    Cause(
-        "groups paired by position without state",
-        "a checkpoint with no per-parameter state (plain SGD, or nothing stepped) is taken for one keyed by ids "
-        "(_split_optim_state_dict tests all() over no keys) and goes unsplit to Optimizer.load_state_dict, which "
-        "pairs its groups with the optimizer's by position: into an optimizer that lists its groups in another "
-        "order it raises 'doesn't match the size of optimizer's group', or gives groups each other's fields; "
-        "no upstream issue found",
-        lambda c, s: c["clause"] == "OPT-KEYS-1" and "match the size of optimizer's group" in s,
-    ),
-    Cause(
-        "get reshards what a forward left unsharded",
-        "get calls model.state_dict(), whose FSDP2 pre-hook reshards every module a forward left unsharded "
-        "(reshard_after_forward False or an int, unshard()): the values are right, but the modules' sharding "
-        "state changes under the loop and the next forward gathers again; upstream not searched yet",
-        lambda c, s: c["clause"] == "LOOP-1" and "changed the modules' sharding state" in s,
-    ),
-    Cause(
-        "full loads into unsharded modules",
-        "a full_state_dict set (full, full_cpu, bcast, file) into an FSDP2 model whose parameters a forward "
-        "left unsharded distributes each full value against what the module holds, and fails copying a DTensor "
-        "into it: the unsharded plain tensor ('got mixed torch.Tensor and DTensor'), or with an int "
-        "reshard_after_forward the post-forward DTensor on the smaller mesh ('different meshes'; 2.11: 'Could "
-        "not run pointwise computation across different mesh'; 2.9: 'Sharding propagation failed' for the copy; "
-        "2.8: 'Cross device mesh comm not supported yet'); "
-        "sharded, flat and DCP loads work there; upstream not searched yet",
-        lambda c, s: c["clause"] == "LOOP-2" and any(m in (c["message"] or "") for m in _UNSHARDED_LOAD),
-    ),
-    Cause(
-        "extra state objects in full modes",
-        "extra state that is an arbitrary picklable object (neither a tensor nor a container of them): "
-        "full_state_dict gathers raise ValueError 'Unexpected value type'; tensors and dicts round-trip",
-        lambda c, s: c["clause"] == "MODEL-5" and "Unexpected value type" in s,
-    ),
-    Cause(
-        "combined set leaves the broadcast's other ranks out of the model load",
-        "set_state_dict computes optim_only=not model_state_dict on each rank: in a broadcast_from_rank0 load "
-        "(full_cpu, bcast) the other ranks pass an empty model dict, skip the model's load and return while the "
-        "root waits for them in the model's _broadcast_state_dict: the load hangs, and a strict load of a dict "
-        "with an unexpected key raises on no rank but the root; the two set functions load the same dicts "
-        "without a hang; no upstream issue found (pytorch/pytorch#157781, open, is a set_state_dict hang of a "
-        "full load whose dicts only rank 0 holds, without broadcast_from_rank0)",
-        lambda c, s: c["clause"] == "API-1" and _mode(c) in ("full_cpu", "bcast") and "set_state_dict" in s,
-    ),
-    Cause(
-        "pipeline stages under full_cpu, through set_state_dict",
-        "the consolidated file lacks the other stage (pipeline stages under full_cpu), and 2.7's code (verl's copy) "
-        "raises a bare KeyError naming a parameter of that stage in set_state_dict, as it does in "
-        "set_optimizer_state_dict; API-1 judges a raise of the combined set as it comes, so the stage's deviation "
-        "shows there too",
-        lambda c, s: (
-            c["clause"] == "API-1"
-            and c["layout"] in PIPELINE
-            and _mode(c) == "file"
-            and "KeyError in set_state_dict" in s
-        ),
-    ),
-)
+@dataclass(frozen=True)
+class Cause:
+    title: str
+    reason: str
+    when: tuple[dict, ...]
+
+    def matches(self, case: dict, sig: str) -> bool:
+        return any(_holds(alternative, case, sig) for alternative in self.when)
+
+
+def _holds(conditions: dict, case: dict, sig: str) -> bool:
+    for name, value in conditions.items():
+        if name in _LISTS:
+            ok = _LISTS[name](case, sig, value)
+        elif name in _FLAGS:
+            ok = _FLAGS[name](case) == value
+        elif name == "test":
+            ok = _TESTS[value](case, sig)
+        else:
+            raise ValueError(f"{CAUSES_FILE}: unknown condition {name!r}")
+        if not ok:
+            return False
+    return True
+
+
+def load_causes(path: str = CAUSES_FILE) -> tuple[Cause, ...]:
+    """The causes of ``path``, each condition checked to be one the tracer knows."""
+    with open(path, encoding="utf-8") as f:
+        records = json.load(f)
+    causes = tuple(Cause(r["title"], r["reason"], tuple(r["when"])) for r in records)
+    known = set(_LISTS) | set(_FLAGS) | {"test"}
+    for cause in causes:
+        for alternative in cause.when:
+            unknown = set(alternative) - known
+            if unknown or ("test" in alternative and alternative["test"] not in _TESTS):
+                raise ValueError(f"{path}: cause {cause.title!r} names unknown conditions {sorted(unknown)}")
+    return causes
+
+
+CAUSES = load_causes()
+_UNSHARDED_LOAD = next(c for c in CAUSES if c.title == "full loads into unsharded modules").when[0]["message_has"]
 
 
 # A generated scenario (python -m conformance explore) is attributed to the
