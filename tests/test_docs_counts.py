@@ -66,3 +66,25 @@ def test_the_consolidated_example_figures():
         or (c.clause == "OPT-RT-1" and c.id.endswith("-sgd-file-step0]"))
     )
     assert sum(failing.values()) == failed
+
+
+def test_every_spec_clause_has_its_row_in_the_adapters_guide():
+    """docs/ADAPTERS.md's "What each clause calls" names every clause of SPEC.md
+    (rows list clauses as ``OPT-KEYS-2/3/4``, comma-separated)."""
+    from conformance import spec
+
+    with open(DOC) as f:
+        text = f.read()
+    table = text[text.index("## What each clause calls") :].split("\n\n## ", 1)[0]
+    named = set()
+    for line in table.splitlines():
+        if line.startswith("| ") and not line.startswith("| clause"):
+            for item in line.split("|")[1].split(","):
+                m = re.fullmatch(r"\s*((?:[A-Z]+-)+)(\d+(?:/\d+)*)\s*", item)
+                if m:
+                    named |= {m.group(1) + n for n in m.group(2).split("/")}
+    missing = [c for c in spec.clauses() if c not in named]
+    assert not missing, f"docs/ADAPTERS.md's clause table lacks {missing}"
+    assert not named - set(spec.clauses()), (
+        f"the table names clauses SPEC.md lacks: {sorted(named - set(spec.clauses()))}"
+    )

@@ -30,6 +30,20 @@ def test_enough_mutants_with_unique_names():
     assert len(set(IDS)) == len(IDS), "duplicate mutant names"
 
 
+def test_the_score_is_stated_once_for_every_mutant_listed():
+    """docs/MUTATION.md states the score, counting every mutant of tools/mutants.py; other documents link to it."""
+    import re
+
+    docs = os.path.join(ROOT, "docs")
+    with open(os.path.join(docs, "MUTATION.md")) as f:
+        stated = re.findall(r"\*\*(\d+) mutants: the matrix alone kills \d+", f.read())
+    assert stated == [str(len(MUTANTS))], stated
+    for name in os.listdir(docs):
+        if name.endswith(".md") and name != "MUTATION.md":
+            with open(os.path.join(docs, name)) as f:
+                assert not re.search(r"\d+ mutants", f.read()), f"{name} states a mutation figure: link MUTATION.md"
+
+
 @pytest.mark.parametrize("mutant", MUTANTS, ids=IDS)
 def test_every_mutant_applies_to_todays_sources(mutant, today):
     path, mutated = apply(mutant, today)  # an AnchorError says what rotted: re-anchor it in tools/mutants.py
