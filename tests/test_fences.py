@@ -1,6 +1,8 @@
 """Two fences, both checked by parsing the sources.
 
-- Private torch APIs live in one place per product, the package
+- Private torch APIs, and private names of the standard library (an
+  attribute of one of its modules, or any private name fetched by string
+  with getattr), live in one place per product, the package
   hyperdsd/_compat/ (and the harness's hyperdsd/testing/_compat.py) and
   conformance/_compat.py, each with its reason: a torch upgrade breaks
   private APIs first, and keeping them in one place keeps the fix there.
@@ -12,6 +14,7 @@
 
 import ast
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ALLOWED = {
@@ -39,8 +42,12 @@ PRIVATE_ATTRS = {
 }
 
 
+# Names with a leading underscore that their module documents as public.
+DOCUMENTED = {"_exit"}  # os._exit
+
+
 def _private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__")
+    return name.startswith("_") and not name.startswith("__") and name not in DOCUMENTED
 
 
 def _root(node: ast.AST) -> str:
@@ -49,9 +56,34 @@ def _root(node: ast.AST) -> str:
     return node.id if isinstance(node, ast.Name) else ""
 
 
+# The standard library's modules: their private names are as fragile as torch's.
+STDLIB = frozenset(sys.stdlib_module_names)
+# Names fetched by string: getattr(obj, "_name") hides a private use from the attribute check.
+BY_NAME = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _stdlib_roots(tree: ast.AST) -> set[str]:
+    """The names a source binds to standard-library modules (``import os``,
+    ``from multiprocessing import forkserver``)."""
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in STDLIB}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in STDLIB and not node.level:
+            roots |= {a.asname or a.name for a in node.names}
+    return roots
+
+
 def private_uses(source: str) -> list[tuple[int, str]]:
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    stdlib = _stdlib_roots(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BY_NAME:
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                found.append((node.lineno, ast.unparse(node)))
+            continue
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             if any(_private(part) for part in node.module.split(".")) or any(_private(a.name) for a in node.names):
                 found.append((node.lineno, f"from {node.module} import {', '.join(a.name for a in node.names)}"))
@@ -60,7 +92,7 @@ def private_uses(source: str) -> list[tuple[int, str]]:
                 if alias.name.split(".")[0] == "torch" and any(_private(p) for p in alias.name.split(".")):
                     found.append((node.lineno, f"import {alias.name}"))
         elif isinstance(node, ast.Attribute) and _private(node.attr):
-            if node.attr in PRIVATE_ATTRS or _root(node) in TORCH_NAMES:
+            if node.attr in PRIVATE_ATTRS or _root(node) in TORCH_NAMES or _root(node) in stdlib:
                 found.append((node.lineno, ast.unparse(node)))
     return found
 
@@ -83,6 +115,9 @@ def test_the_fence_sees_what_it_guards():
         "groups = dist.distributed_c10d._world.pg_group_ranks",
         "local = t._local_tensor",
         "children = module._modules.items()",
+        "pid = getattr(server, '_forkserver_pid', None)",
+        "caching = getattr(self, '_enable_plan_caching', False)",
+        "from multiprocessing import forkserver\nforkserver._forkserver",
     ]
     for sample in caught:
         assert private_uses(sample), sample
@@ -90,6 +125,9 @@ def test_the_fence_sees_what_it_guards():
         "from torch.distributed.tensor import DTensor, Shard",
         "from torch.distributed.fsdp import fully_shard as _fully_shard",
         "self._meshes[spec] = mesh",
+        "version = getattr(module, '__version__', None)",
+        "import os\nos.path.join('a', 'b')",
+        "import os\nos._exit(1)",
     ]
     for sample in allowed:
         assert not private_uses(sample), sample

@@ -8,7 +8,16 @@ optimizers (:mod:`.modules`), FSDP1 (:mod:`.fsdp1`), checkpoint files
 (``_compat.local_tensor``).
 """
 
-from .files import archive_writer, file_window, save_records, storage_dtypes, storage_info, tensor_archive
+from .files import (
+    archive_writer,
+    dcp_global_plan_check,
+    dcp_plan_caching,
+    file_window,
+    save_records,
+    storage_dtypes,
+    storage_info,
+    tensor_archive,
+)
 from .fsdp1 import FSDP1_WRAPPED, Fsdp1Unit, fsdp1_reshard, fsdp1_unit, is_flat_param, is_fsdp1
 from .modules import (
     LoadHooks,
@@ -41,6 +50,8 @@ from .tensors import (
 )
 
 __all__ = [
+    "dcp_global_plan_check",
+    "dcp_plan_caching",
     "FSDP1_WRAPPED",
     "Fsdp1Unit",
     "LoadHooks",

@@ -80,3 +80,18 @@ def archive_writer(stream):
     from torch import serialization
 
     return serialization._open_zipfile_writer(stream)
+
+
+def dcp_global_plan_check():
+    """DCP's own check of a global save plan (``_validate_global_plan``): a list
+    of errors (torch 2.12 on) or a bool (before); None where a release lacks it.
+    The fast global save plan runs it once per layout of chunks, as DCP runs it."""
+    from torch.distributed.checkpoint import default_planner
+
+    return getattr(default_planner, "_validate_global_plan", None)
+
+
+def dcp_plan_caching(planner) -> bool:
+    """Whether a DCP save planner caches its plans (``_enable_plan_caching``,
+    torch 2.7 on): then DCP's own planning runs, whose caches it keeps."""
+    return bool(getattr(planner, "_enable_plan_caching", False))

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint import default_planner as _default_planner
 from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
     create_default_local_save_plan,
@@ -141,7 +140,7 @@ def local_shard(state_dict: dict[str, Any], index: MetadataIndex) -> torch.Tenso
 
 
 # DCP's own check of a global plan: a list of errors (torch 2.12 on) or a bool (before); None where absent.
-_validate_global_plan = getattr(_default_planner, "_validate_global_plan", None)
+_validate_global_plan = _compat.dcp_global_plan_check()
 
 
 def _copyable(cls: type) -> bool:
@@ -289,7 +288,7 @@ class SavePlanner(DefaultSavePlanner):
         return found if found is not None else super().lookup_object(index)
 
     def create_local_plan(self) -> SavePlan:
-        if getattr(self, "_enable_plan_caching", False):
+        if _compat.dcp_plan_caching(self):
             return super().create_local_plan()
         plan = local_save_plan(self.state_dict, self.is_coordinator)
         if self.flatten_state_dict:
@@ -299,7 +298,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         made = None
-        if not getattr(self, "_enable_plan_caching", False):
+        if not _compat.dcp_plan_caching(self):
             made = global_save_plan(all_plans, self.dedup_save_to_lowest_rank, self.flatten_state_dict)
         if made is None:  # DCP's own, which raises where the plans are refused
             return super().create_global_plan(all_plans)

@@ -158,7 +158,9 @@ class ForkedWorker:
             # A rank the pool never learnt of would wait for the controller
             # while the controller waited for it; not multiprocessing's child,
             # it dies with the fork server when the controller exits.
-            multiprocessing.process._children.discard(self._proc)  # private: no public way
+            from . import _compat  # not at the top: run as a script, this file has no package
+
+            _compat.forget_child(self._proc)
         self.pid = self._proc.pid
         self.sentinel = self._proc.sentinel
         self._exitcode: int | None = None
@@ -206,9 +208,9 @@ def start_worker(
 
 
 def _kill_fork_server() -> None:
-    from multiprocessing import forkserver
+    from . import _compat
 
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # private: no public handle
+    pid = _compat.fork_server_pid()
     if pid:
         try:
             os.kill(pid, signal.SIGKILL)  # the next start launches a new one
@@ -222,25 +224,19 @@ def stop_fork_server(timeout_s: float = 10.0) -> None:
     then SIGKILL. For a process about to exit (the CLI): left to end with
     it, they would outlive it by the seconds their own exit takes. Ranks
     forked from the server die with it (their parent-death signal)."""
-    from multiprocessing import forkserver, resource_tracker, util
+    from multiprocessing import util
 
-    server, tracker = forkserver._forkserver, resource_tracker._resource_tracker  # private: no public handles
+    from . import _compat
+
     with interrupts_deferred():
-        if server._forkserver_pid is not None:
-            pid, server._forkserver_pid = server._forkserver_pid, None
-            if server._forkserver_alive_fd is not None:
-                os.close(server._forkserver_alive_fd)  # EOF on it ends the server's loop
-                server._forkserver_alive_fd = None
+        pid, address = _compat.detach_fork_server()
+        if pid is not None:
             _reap(pid, timeout_s)
-            address, server._forkserver_address = server._forkserver_address, None
             if address and not util.is_abstract_socket_namespace(address):
                 with contextlib.suppress(OSError):
                     os.unlink(address)
-        if tracker._pid is not None:
-            pid, tracker._pid = tracker._pid, None
-            if tracker._fd is not None:
-                os.close(tracker._fd)  # it leaves once every holder of this pipe has closed it
-                tracker._fd = None
+        pid = _compat.detach_resource_tracker()
+        if pid is not None:
             _reap(pid, timeout_s)
 
 
@@ -267,12 +263,9 @@ def _forked_main(args: list[str], sock, log_path: str, env: dict[str, str], cont
     # pipe has exited, and hands each child a copy: a rank holding it would
     # keep the server, whose death is the rank's own, alive after the
     # controller's. Closed, the server ends with the controller.
-    from multiprocessing import forkserver
+    from . import _compat
 
-    alive = forkserver._forkserver._forkserver_alive_fd  # private: no public handle
-    if alive is not None:
-        os.close(alive)
-        forkserver._forkserver._forkserver_alive_fd = None
+    _compat.close_fork_server_alive_fd()
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
