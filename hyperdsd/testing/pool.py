@@ -266,6 +266,17 @@ class WorkerPool:
                 results[rank] = self._died(rank)
         pending = set(range(self.world_size)) - set(results)
         hard = start + deadline_s
+        releasing, first_failure = self._await(results, pending, hard)
+        recycled = ""
+        if pending:
+            recycled = self._unfinished(results, pending, time.monotonic() >= hard, deadline_s, first_failure)
+        return self._conclude(
+            task, start, [results[r] for r in range(self.world_size)], log_offsets, releasing, recycled
+        )
+
+    def _await(self, results: dict, pending: set, hard: float) -> tuple[bool, m.RankResult | None]:
+        """Results until none is pending, the deadline or the grace after a first failure; meanwhile finished
+        ranks leave their groups, releasing ranks blocked on a failed one. (Whether they left, the first failure.)"""
         release_at = soft = float("inf")
         releasing = False
         first_failure = next(iter(results.values()), None)
@@ -276,8 +287,6 @@ class WorkerPool:
             remaining = limit - time.monotonic()
             if remaining <= 0:
                 if not releasing and limit == release_at:
-                    # A rank failed and others still run: they may be blocked
-                    # on it. Finished ranks leave, which releases them.
                     releasing = True
                     for rank in results:
                         self._tell(rank, m.Leave())
@@ -295,28 +304,27 @@ class WorkerPool:
                 if result.status.failed and first_failure is None:
                     first_failure = result
                     release_at, soft = time.monotonic() + self.release_after_s, time.monotonic() + self.grace_s
-        recycled = ""
-        if pending:
-            timed_out = time.monotonic() >= hard
-            stacks = self._collect_stacks(sorted(pending))
-            for rank in pending:
-                if timed_out:
-                    status, msg = RankStatus.TIMEOUT, f"missed the {deadline_s:g} s deadline"
-                else:
-                    status = RankStatus.STUCK
-                    msg = (
-                        f"still running {self.grace_s:g} s after rank {first_failure.rank} failed "
-                        "(blocked, most likely in a collective)"
-                    )
-                results[rank] = m.RankResult(
-                    rank, status, message=msg, stacks=stacks.get(rank, ""), region=read_region(self.workdir, rank)
+        return releasing, first_failure
+
+    def _unfinished(self, results: dict, pending: set, timed_out: bool, deadline_s: float, first_failure) -> str:
+        """The results of ranks still running, with their stacks; why the pool restarts."""
+        stacks = self._collect_stacks(sorted(pending))
+        for rank in pending:
+            if timed_out:
+                status, msg = RankStatus.TIMEOUT, f"missed the {deadline_s:g} s deadline"
+            else:
+                status = RankStatus.STUCK
+                msg = (
+                    f"still running {self.grace_s:g} s after rank {first_failure.rank} failed "
+                    "(blocked, most likely in a collective)"
                 )
-            recycled = (
-                "ranks "
-                + ",".join(map(str, sorted(pending)))
-                + (" missed the deadline" if timed_out else " were stuck")
+            results[rank] = m.RankResult(
+                rank, status, message=msg, stacks=stacks.get(rank, ""), region=read_region(self.workdir, rank)
             )
-        ordered = [results[r] for r in range(self.world_size)]
+        return "ranks " + ",".join(map(str, sorted(pending))) + (" missed the deadline" if timed_out else " were stuck")
+
+    def _conclude(self, task, start: float, ordered: list, log_offsets: list, releasing: bool, recycled: str):
+        """The verdict; the pool re-forms its process groups, or restarts, where they cannot be trusted."""
         mark_released(ordered)
         status, notes = judge(ordered, task.scope)
         if not recycled and any(r.status == RankStatus.DIED for r in ordered):
