@@ -102,7 +102,18 @@ def test_missing_numpy_is_one_clear_usage_error(monkeypatch, capsys):
 def test_faulty_implementation_is_reported_and_the_run_goes_on(tmp_path, fault, rank, words):
     report = tmp_path / "report.json"
     timeout = HANG_TIMEOUT if fault == "hang" else FAULT_TIMEOUT
-    args = ["--impl", f"faulty_impl:{fault}", "-k", ADAMW, "-k", SGD, "--timeout", str(timeout), "--json", str(report)]
+    args = [
+        "--impl",
+        f"tools.perverse.faulty:{fault}",
+        "-k",
+        ADAMW,
+        "-k",
+        SGD,
+        "--timeout",
+        str(timeout),
+        "--json",
+        str(report),
+    ]
     proc, mark = run_cli(args, env={"FAULTY_IMPL_MARKERS": str(tmp_path)})
     assert left_behind(mark) == []  # the run's ranks and helpers are gone when it returns
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -124,7 +135,9 @@ def test_faulty_implementation_is_reported_and_the_run_goes_on(tmp_path, fault, 
         assert bad["duration_s"] >= timeout
     else:
         assert bad["duration_s"] < timeout  # seen as it happened, not at the deadline
-    assert bad["repro"] == f"python -m conformance --impl faulty_impl:{fault} -k '{ADAMW}' --timeout {timeout}"
+    assert (
+        bad["repro"] == f"python -m conformance --impl tools.perverse.faulty:{fault} -k '{ADAMW}' --timeout {timeout}"
+    )
     assert good["status"] == "passed", good["message"]
     # One line as it happened, then the deviation once with its repro.
     assert proc.stdout.count(f"FAIL  {ADAMW} ") == 1 and "D1 FAIL in 1 case(s) of OPT-KEYS-1" in proc.stdout
@@ -156,7 +169,7 @@ def test_nothing_the_run_started_outlives_it_with_a_hanging_rank(tmp_path):
                 "-m",
                 "conformance",
                 "--impl",
-                "faulty_impl:hang",
+                "tools.perverse.faulty:hang",
                 "-k",
                 ADAMW,
                 "--timeout",
@@ -359,7 +372,7 @@ def test_torchrun_hang_ends_the_run_with_stacks_and_a_partial_report(tmp_path):
                 "-m",
                 "conformance",
                 "--impl",
-                "faulty_impl:hang",
+                "tools.perverse.faulty:hang",
                 "-k",
                 SGD,
                 "-k",
@@ -394,7 +407,9 @@ def test_torchrun_hang_ends_the_run_with_stacks_and_a_partial_report(tmp_path):
 
 def test_exitfirst_stops_after_the_first_failure(tmp_path):
     report = tmp_path / "x.json"
-    proc, mark = run_cli(["--impl", "faulty_impl:raises", "-k", ADAMW, "-k", SGD, "-x", "--json", str(report)])
+    proc, mark = run_cli(
+        ["--impl", "tools.perverse.faulty:raises", "-k", ADAMW, "-k", SGD, "-x", "--json", str(report)]
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
     assert [c["id"] for c in data["cases"]] == [ADAMW] and data["cases"][0]["status"] == "failed"

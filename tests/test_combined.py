@@ -1,6 +1,6 @@
 """SPEC 1.3 API-1: the combined get_state_dict and set_state_dict are
 declared (an implementation without them gets API-1 n/a, naming them) and
-judged: each defect of combined_impls fails its case, none is an error."""
+judged: each defect of tools.perverse.combined fails its case, none is an error."""
 
 import json
 import types
@@ -64,7 +64,7 @@ def test_api_1_runs_in_every_mode_on_the_layout_families():
 
 
 def test_list_with_impl_says_why_api_1_does_not_run():
-    proc, _ = run_cli(["--list", "--impl", "combined_impls:without_combined", "-k", "API-1[fsdp2-adamw-"])
+    proc, _ = run_cli(["--list", "--impl", "tools.perverse.combined:without_combined", "-k", "API-1[fsdp2-adamw-"])
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert rows and all(not r["runs"] for r in rows)
@@ -94,10 +94,15 @@ def _run(pools, impl, case_id, **kwargs):
     "impl, case_id, status, words",
     [
         ("hyperdsd", "API-1[single-adamw-sharded]", "passed", ""),
-        ("combined_impls:without_combined", "API-1[single-adamw-sharded]", "n/a", "does not declare combined"),
-        ("combined_impls:get_returns_none", "API-1[single-adamw-sharded]", "failed", "returned NoneType"),
-        ("combined_impls:get_drops_a_key", "API-1[single-adamw-full]", "failed", "absent, expected present"),
-        ("combined_impls:set_ignores_strict", "API-1[fsdp2-adamw-sharded-strict]", "failed", "no error was raised"),
+        ("tools.perverse.combined:without_combined", "API-1[single-adamw-sharded]", "n/a", "does not declare combined"),
+        ("tools.perverse.combined:get_returns_none", "API-1[single-adamw-sharded]", "failed", "returned NoneType"),
+        ("tools.perverse.combined:get_drops_a_key", "API-1[single-adamw-full]", "failed", "absent, expected present"),
+        (
+            "tools.perverse.combined:set_ignores_strict",
+            "API-1[fsdp2-adamw-sharded-strict]",
+            "failed",
+            "no error was raised",
+        ),
     ],
 )
 def test_each_defect_of_the_combined_functions_fails_its_case(pools, impl, case_id, status, words):
@@ -108,6 +113,8 @@ def test_each_defect_of_the_combined_functions_fails_its_case(pools, impl, case_
 
 def test_a_broadcast_that_leaves_the_root_waiting_fails(pools):
     """torch's combined set: the other ranks skip the model's broadcast; the root waits (SPEC §4: failed)."""
-    result = _run(pools, "combined_impls:set_skips_an_empty_model", "API-1[fsdp2-adamw-bcast]", timeout=scaled(20))
+    result = _run(
+        pools, "tools.perverse.combined:set_skips_an_empty_model", "API-1[fsdp2-adamw-bcast]", timeout=scaled(20)
+    )
     assert result.status == "failed", result.message
     assert "set_state_dict" in result.message

@@ -86,9 +86,9 @@ def _run(pools, impl, case_id):
 
 
 def test_an_error_the_adapter_raises_is_no_pass_and_a_refusal_is_not_applicable(pools):
-    raised = _run(pools, "declared_impls:adapter_raises", "OPT-ATOM-3[single-optim]")
+    raised = _run(pools, "tools.perverse.declared:adapter_raises", "OPT-ATOM-3[single-optim]")
     assert raised.status == "failed" and "outside the implementation's own call" in raised.message
-    refused = _run(pools, "declared_impls:adapter_refuses", "OPT-ATOM-3[single-optim]")
+    refused = _run(pools, "tools.perverse.declared:adapter_refuses", "OPT-ATOM-3[single-optim]")
     assert refused.status == "n/a" and "has no options type" in refused.message
     own = _run(pools, "hyperdsd", "OPT-ATOM-3[single-optim]")  # raised inside the implementation: its pass
     assert own.status == "passed", own.message
@@ -107,7 +107,7 @@ def test_an_error_the_adapter_raises_is_no_pass_and_a_refusal_is_not_applicable(
     ],
 )
 def test_an_extra_state_defect_fails_model_5_only(pools, case_id, status):
-    result = _run(pools, "declared_impls:tensors_only", case_id)
+    result = _run(pools, "tools.perverse.declared:tensors_only", case_id)
     assert result.status == status, f"{case_id}: {result.status}\n{result.message}"
     if status == "failed":
         assert "_extra_state" in result.message

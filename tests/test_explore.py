@@ -16,7 +16,7 @@ from conformance.running.runner import undeclared
 from conformance.world.layouts import parse_layout
 from conformance.world.scenario import Scenario
 
-PLANTED = "faulty_impl:halves_router_state"
+PLANTED = "tools.perverse.faulty:halves_router_state"
 # A bounded exploration: one round at world size 1, where a scenario takes
 # well under a second on a quiet reference machine.
 # One round ends once the planted bug is shrunk; the budget only bounds a round that a
@@ -125,7 +125,7 @@ def _statuses(verdict) -> dict:
 
 def test_a_load_that_pairs_groups_by_position_fails_keys_1_only(pools):
     s = Scenario(group_order="reversed-target")
-    v = _replayed(pools, "faulty_impl:groups_by_position", s)
+    v = _replayed(pools, "tools.perverse.faulty:groups_by_position", s)
     assert (v.status.value, v.clause) == ("failed", "OPT-KEYS-1"), v.message
     assert "groups in reverse order" in v.message, v.message
     assert _statuses(v).get("OPT-RT-1") == "passed", _statuses(v)
@@ -140,7 +140,7 @@ def test_a_load_that_skips_parameters_frozen_after_training_fails_part_3_only(po
     for bad in (Scenario(freeze_after=True, before=0), Scenario(freeze_after=True, layout="pp2")):
         with pytest.raises(ValueError, match="freeze_after"):
             bad.validate()
-    v = _replayed(pools, "faulty_impl:frozen_keep_their_own_state", s)
+    v = _replayed(pools, "tools.perverse.faulty:frozen_keep_their_own_state", s)
     assert (v.status.value, v.clause) == ("failed", "OPT-PART-3"), v.message
     assert "frozen after training" in v.message, v.message
 
@@ -274,6 +274,7 @@ def test_the_certificate_shows_an_exploration(explored, tmp_path):
     assert "## Explored scenarios" in text and f"{section['ran']} generated scenarios" in text
     assert _planted(section["findings"])[0]["token"] in text
     assert json.loads((tmp_path / "cert" / "report.json").read_text())["explore"] == section
+
 
 def test_a_certificate_refuses_what_is_not_an_explorations_report(tmp_path, capsys):
     from conformance.cli import main

@@ -1,7 +1,7 @@
 """conformance/known/torch-*.txt stay in step with the manifest.
 
 Each file comes from a full run against that torch release (several
-minutes, so not repeated here; `python -m tools.trace_known` writes it):
+minutes, so not repeated here; `python -m tools.releases.trace_known` writes it):
 every entry must still match a case and carry a reason, and no entry may
 cover a clause torch's implementation passes.
 """
@@ -34,7 +34,7 @@ PASSED_BY_TORCH = (
 
 
 def test_there_is_a_file_per_traced_release():
-    """One per minor release of pyproject's range, 2.6 to 2.14 (python -m tools.torch_matrix runs them)."""
+    """One per minor release of pyproject's range, 2.6 to 2.14 (python -m tools.releases.torch_matrix runs them)."""
     assert {p.name for p in KNOWN} >= {f"torch-2.{minor}.txt" for minor in range(6, 15)}
 
 
@@ -83,7 +83,7 @@ def _case(case_id, clause, layout, status, message=""):
 def test_trace_known_writes_a_section_per_cause_and_refuses_an_untraced_failure(tmp_path, monkeypatch, capsys):
     import sys
 
-    from tools import trace_known
+    from tools.releases import trace_known
 
     cases = [
         _case("OPT-DT-3[single-adamw-sharded]", "OPT-DT-3", "single", "failed", "rank 0 raised CheckFailure: dtype"),
@@ -114,7 +114,7 @@ def test_trace_known_writes_a_section_per_cause_and_refuses_an_untraced_failure(
 
 def test_check_judges_a_known_file_against_a_run(tmp_path):
     """Green means every failure listed, no listed case passing, no error and no entry matching nothing."""
-    from tools import trace_known
+    from tools.releases import trace_known
 
     known = tmp_path / "torch-9.9.txt"
     known.write_text("OPT-DT-3[single-  # cast\nOPT-GONE[x]  # stale\n")
@@ -176,7 +176,7 @@ def _finding(clause, message, **scenario):
 def test_an_explored_deviation_is_traced_from_its_message_and_features(finding, cause):
     """A generated scenario is filed under the first clause whose check fails; its cause comes from what
     its shrunk scenario still holds. One no rule explains stays untraced (None), to be traced by hand."""
-    from tools import trace_known
+    from tools.releases import trace_known
 
     assert trace_known.explore_cause(finding) == cause
     if cause is not None:
@@ -188,7 +188,7 @@ def test_an_exploration_keeps_one_found_case_per_cause_the_simplest(tmp_path, ca
 
     from conformance.running.generated import load_found
     from conformance.world.scenario import Scenario
-    from tools import trace_known
+    from tools.releases import trace_known
 
     def finding(**features):
         s = Scenario(**features)
@@ -214,7 +214,7 @@ def test_merge_adds_a_later_runs_failures_under_their_causes(tmp_path):
     """A run of cases added since a release's file was written (its full run's report gone): each
     failure goes under its cause, by prefixes that cover no other case of the manifest, with the
     counts in the headings and the header; an untraced failure stops it and nothing is written."""
-    from tools import trace_known
+    from tools.releases import trace_known
 
     known = tmp_path / "torch-9.9.txt"
     known.write_text(

@@ -78,8 +78,8 @@ def test_scenarios_draw_loop_points_and_policies_within_what_applies():
 @pytest.mark.parametrize(
     "impl, failing, passing",
     [
-        ("faulty_impl:reshards_on_get", "LOOP-1[fsdp2-dcp-eval]", "OPT-RT-1[fsdp2-adamw-sharded]"),
-        ("faulty_impl:stale_unsharded_copy", "LOOP-2[fsdp2-full-eval]", "OPT-RT-5[fsdp2-sgd-sharded]"),
+        ("tools.perverse.faulty:reshards_on_get", "LOOP-1[fsdp2-dcp-eval]", "OPT-RT-1[fsdp2-adamw-sharded]"),
+        ("tools.perverse.faulty:stale_unsharded_copy", "LOOP-2[fsdp2-full-eval]", "OPT-RT-5[fsdp2-sgd-sharded]"),
     ],
 )
 def test_a_deviation_only_the_loop_shows_fails_loop_only(pools, impl, failing, passing):

@@ -1,8 +1,8 @@
 """The mutation list still applies to the current sources, so the measured
 score (docs/CONFORMANCE.md, docs/MUTATION.md) cannot rot silently, and it keeps
 applying when code moves: each mutant is anchored to a function and a pattern
-of its syntax tree (tools/anchor.py), not to text. No suite run here: ``python
--m tools.mutate`` runs the campaign."""
+of its syntax tree (tools/mutation/anchor.py), not to text. No suite run here: ``python
+-m tools.mutation.mutate`` runs the campaign."""
 
 import ast
 import os
@@ -12,10 +12,10 @@ import textwrap
 import pytest
 
 from conformance.running.registry import all_cases
-from tools.anchor import AnchorError, Package
-from tools.anchor import apply as edit
-from tools.mutants import MUTANTS, Mutant
-from tools.mutate import ROOT, apply, check, locate, main, package, quick_slice
+from tools.mutation.anchor import AnchorError, Package
+from tools.mutation.anchor import apply as edit
+from tools.mutation.mutants import MUTANTS, Mutant
+from tools.mutation.mutate import ROOT, apply, check, locate, main, package, quick_slice
 
 IDS = [m.name for m in MUTANTS]
 
@@ -31,7 +31,8 @@ def test_enough_mutants_with_unique_names():
 
 
 def test_the_score_is_stated_once_for_every_mutant_listed():
-    """docs/MUTATION.md states the score, counting every mutant of tools/mutants.py; other documents link to it."""
+    """docs/MUTATION.md states the score, counting every mutant of tools/mutation/mutants.py; other documents
+    link to it."""
     import re
 
     docs = os.path.join(ROOT, "docs")
@@ -46,7 +47,7 @@ def test_the_score_is_stated_once_for_every_mutant_listed():
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=IDS)
 def test_every_mutant_applies_to_todays_sources(mutant, today):
-    path, mutated = apply(mutant, today)  # an AnchorError says what rotted: re-anchor it in tools/mutants.py
+    path, mutated = apply(mutant, today)  # an AnchorError says what rotted: re-anchor it in tools/mutation/mutants.py
     with open(os.path.join(ROOT, "hyperdsd", path)) as f:
         source = f.read()
     assert mutated != source
@@ -159,7 +160,7 @@ def _move_out(package_dir: str, names: set[str]) -> None:
 
 
 def _function(source: str, qualname: str) -> str:
-    from tools.anchor import _functions
+    from tools.mutation.anchor import _functions
 
     return next(ast.dump(node) for q, node in _functions(ast.parse(source)) if q == qualname)
 
@@ -252,16 +253,16 @@ def test_check_names_a_gone_function_and_a_pattern_that_does_not_match_once(synt
 
 
 def test_check_on_the_command_line(synthetic, monkeypatch, capsys):
-    import tools.mutate
+    import tools.mutation.mutate
 
-    monkeypatch.setattr(tools.mutate, "ROOT", synthetic)
-    monkeypatch.setattr(tools.mutate, "MUTANTS", tuple(BROKEN))
+    monkeypatch.setattr(tools.mutation.mutate, "ROOT", synthetic)
+    monkeypatch.setattr(tools.mutation.mutate, "MUTANTS", tuple(BROKEN))
     assert main(["--check"]) == 1
     out = capsys.readouterr().out
     assert "mutant gone: function hyperdsd.a.removed is gone" in out
     assert "mutant nothing: the pattern matches 0 times" in out
     assert "# 6 mutants: 5 problems" in out
-    monkeypatch.setattr(tools.mutate, "MUTANTS", tuple(BROKEN[:1]))
+    monkeypatch.setattr(tools.mutation.mutate, "MUTANTS", tuple(BROKEN[:1]))
     assert main(["--check"]) == 0
     assert "every one applies" in capsys.readouterr().out
 
@@ -328,7 +329,7 @@ def test_quick_slice_covers_every_clause_and_mode():
 
 
 def test_explore_command_has_the_budget_seed_and_copy():
-    from tools.mutate import PACKAGE, ExploreSettings, explore_command
+    from tools.mutation.mutate import PACKAGE, ExploreSettings, explore_command
 
     cmd = explore_command(ExploreSettings("90s", 7), "/tmp/r.json")
     assert cmd[1:4] == ["-m", "conformance", "explore"]
@@ -344,7 +345,7 @@ def _report(findings, complete=True, ran=5):
 
 
 def test_explore_result_names_the_first_finding_its_clause_and_token():
-    from tools.mutate import explore_result
+    from tools.mutation.mutate import explore_result
 
     finding = {
         "clause": "MODEL-1",
@@ -363,7 +364,7 @@ def test_explore_result_names_the_first_finding_its_clause_and_token():
 
 
 def test_explore_result_survives_only_a_complete_clean_run():
-    from tools.mutate import explore_result
+    from tools.mutation.mutate import explore_result
 
     assert explore_result(_report([]), 0).killed_by == ""
     assert explore_result(_report([]), 0).ran == 5
@@ -373,7 +374,7 @@ def test_explore_result_survives_only_a_complete_clean_run():
 
 
 def test_stages_and_the_split_score():
-    from tools.mutate import StageResult, Verdict, parse_stages, scores
+    from tools.mutation.mutate import StageResult, Verdict, parse_stages, scores
 
     assert parse_stages("explore,hints") == ("hints", "explore")
     assert parse_stages("hints,quick,full,explore") == ("hints", "quick", "full", "explore")

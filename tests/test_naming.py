@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from faulty_impl import PLANTED
 from helpers import run_cli
 
 from conformance.judging.naming import cut, describe, name_tensors, show
+from tools.perverse.faulty import PLANTED
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_no_report_of_a_run_shows_a_planted_tensors_values(tmp_path):
     KeyError on a parameter and an error whose text holds a tensor's printout:
     every report names them, none prints them."""
     cases = ["MODEL-1[single-sharded]", "OPT-RT-1[single-adamw-sharded]", "OPT-KEYS-1[single-adamw-full]"]
-    args = ["--impl", "faulty_impl:tensor_messages", "--report", str(tmp_path)]
+    args = ["--impl", "tools.perverse.faulty:tensor_messages", "--report", str(tmp_path)]
     proc, _ = run_cli(args + [a for c in cases for a in ("-k", c)], timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     outputs = {"stdout": proc.stdout, "stderr": proc.stderr}
@@ -80,8 +80,9 @@ def test_no_report_of_a_run_shows_a_planted_tensors_values(tmp_path):
     verdicts = {c["id"]: c for c in json.loads(outputs["report.json"])["cases"]}
     assert {c["status"] for c in verdicts.values()} == {"failed"}
     # Named instead: what it is, its shape and dtype.
-    assert "KeyError in get_optimizer_state_dict: '<Parameter shape=(16, 8) float32 cpu>'" in (
-        verdicts["OPT-KEYS-1[single-adamw-full]"]["message"]
+    assert (
+        "KeyError in get_optimizer_state_dict: '<Parameter shape=(16, 8) float32 cpu>'"
+        in (verdicts["OPT-KEYS-1[single-adamw-full]"]["message"])
     )
     assert "cannot load <Parameter shape=(16, 8) float32> here" in verdicts["OPT-RT-1[single-adamw-sharded]"]["message"]
     assert '"<Parameter shape=(8,) float32>"' in verdicts["MODEL-1[single-sharded]"]["message"]

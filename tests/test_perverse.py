@@ -17,8 +17,8 @@ from conformance.judging.received import Received
 from conformance.running.registry import by_id
 from conformance.running.runner import Runner
 from hyperdsd.testing import PoolSet
-from tools import perverse_impls
-from tools.perverse_impls import PERVERSE
+from tools.perverse import twists
+from tools.perverse.twists import PERVERSE
 
 # Cases that read and edit what the implementation returned: model dicts
 # popped and re-keyed (MODEL-2), file and DCP saves, the combined functions,
@@ -46,7 +46,7 @@ def pools():
 
 @pytest.mark.parametrize("twist", list(PERVERSE))
 def test_a_perverse_implementation_fails_and_never_errors(pools, twist):
-    runner = Runner(load_adapter(f"tools.perverse_impls:{twist}"), pools, deadline_scale=slowness())
+    runner = Runner(load_adapter(f"tools.perverse.twists:{twist}"), pools, deadline_scale=slowness())
     try:
         results = {case_id: runner.run_case(by_id()[case_id]) for case_id in SLICE}
     finally:
@@ -70,12 +70,12 @@ def _received(twist: str) -> list[str]:
     model, optim = _model_and_optimizer()
     got = Received()
     if twist.endswith("_flat"):
-        impl = getattr(perverse_impls, twist.removesuffix("_flat"))()
+        impl = getattr(twists, twist.removesuffix("_flat"))()
         options = impl.options(flatten_optimizer_state_dict=True)
         flat = impl.get_optimizer_state_dict(model, optim, options=options)
         got.note("get_optimizer_state_dict", (model, optim), {"options": options}, flat)
         return got.surprises()
-    impl = getattr(perverse_impls, twist)()
+    impl = getattr(twists, twist)()
     got.note("get_model_state_dict", (model,), {}, impl.get_model_state_dict(model))
     got.note("get_optimizer_state_dict", (model, optim), {}, impl.get_optimizer_state_dict(model, optim))
     got.note("get_state_dict", (model, optim), {}, impl.get_state_dict(model, optim))

@@ -1,11 +1,11 @@
-"""tools/torch_matrix.py: the summary it draws from the reports, and docs/TORCH_RELEASES.md, its rendering."""
+"""tools/releases/torch_matrix.py: the summary it draws from the reports, and docs/TORCH_RELEASES.md, its rendering."""
 
 import json
 import os
 
 from helpers import ROOT
 
-from tools import torch_matrix
+from tools.releases import torch_matrix
 
 
 def _report(torch_version, impl, statuses):
@@ -88,7 +88,7 @@ def test_verls_copy_is_a_column_of_its_own_with_torchs_causes(tmp_path):
     assert "| OPT-RT-1 | 1/2 | plain SGD in full modes (1) |" in verl_table
     known_table = doc.split("## torch's known-failures files", 1)[1].split("## torch, clause by clause", 1)[0]
     assert "| 2.13.0 | `conformance/known/torch-2.13.txt` |" in known_table and "verl" not in known_table
-    assert torch_matrix.IMPL_SPECS["verl"] == "tools.verl_state_dict" and "verl" in torch_matrix.IMPLS
+    assert torch_matrix.IMPL_SPECS["verl"] == "tools.releases.verl_state_dict" and "verl" in torch_matrix.IMPLS
 
 
 def test_a_release_without_reports_keeps_its_shipped_entry(tmp_path):
@@ -104,10 +104,10 @@ def test_a_release_without_reports_keeps_its_shipped_entry(tmp_path):
 
 
 def test_the_document_is_the_rendering_of_the_shipped_summary():
-    """docs/TORCH_RELEASES.md is generated (python -m tools.torch_matrix --reuse), never edited by hand."""
+    """docs/TORCH_RELEASES.md is generated (python -m tools.releases.torch_matrix --reuse), never edited by hand."""
     with open(os.path.join(ROOT, "docs", "torch_releases.json")) as f:
         summary = json.load(f)
     with open(os.path.join(ROOT, "docs", "torch_releases_preamble.md")) as f:
         preamble = f.read()
     with open(os.path.join(ROOT, "docs", "TORCH_RELEASES.md")) as f:
-        assert f.read() == torch_matrix.render(summary, preamble), "run python -m tools.torch_matrix --reuse"
+        assert f.read() == torch_matrix.render(summary, preamble), "run python -m tools.releases.torch_matrix --reuse"

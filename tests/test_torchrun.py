@@ -86,7 +86,7 @@ def test_a_failing_rank_under_torchrun_releases_the_others_and_the_run_goes_on(t
     adamw, sgd = "OPT-KEYS-1[fsdp4-adamw-sharded]", "OPT-KEYS-1[fsdp4-sgd-sharded]"
     args = [
         "--impl",
-        "faulty_impl:raises",
+        "tools.perverse.faulty:raises",
         "-k",
         adamw,
         "-k",

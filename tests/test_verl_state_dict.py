@@ -1,4 +1,4 @@
-"""tools/verl_state_dict.py: verl's vendored copy of torch's state_dict, loaded without the verl package."""
+"""tools/releases/verl_state_dict.py: verl's vendored copy of torch's state_dict, loaded without the verl package."""
 
 import importlib.util
 import pickle
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conformance import adapters
-from tools import verl_state_dict
+from tools.releases import verl_state_dict
 
 UTILS = """
 from dataclasses import dataclass
@@ -84,7 +84,7 @@ def test_the_copy_loads_under_its_dotted_names_without_the_verl_package(tmp_path
     if "verl" in sys.modules:
         pytest.skip("the verl package is already imported in this process")
     monkeypatch.syspath_prepend(str(_fake_verl(tmp_path)))
-    adapter = adapters._resolve("tools.verl_state_dict")
+    adapter = adapters._resolve("tools.releases.verl_state_dict")
     assert isinstance(adapter, adapters.Adapter)
     assert (adapter.name, adapter.version) == ("verl-vendored-torch-2.7", "9.9.9")
     assert adapter.profiles == frozenset({"multi-optimizer", "tp"}) and adapter.functions_are_iut
@@ -108,7 +108,7 @@ def test_without_verl_the_error_says_how_to_install_it(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verl" else find_spec(name, *a))
     with pytest.raises(adapters.AdapterError, match=r"verl is not installed.*pip install --no-deps verl==0\.6\.0"):
-        adapters._resolve("tools.verl_state_dict")
+        adapters._resolve("tools.releases.verl_state_dict")
 
 
 def test_a_verl_without_the_copy_is_named(tmp_path, monkeypatch, clean_verl_modules):

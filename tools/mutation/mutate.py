@@ -1,6 +1,6 @@
 """Mutation testing: how sensitive the conformance suite is, measured.
 
-Each mutant of ``tools/mutants.py`` (a small, realistic bug) is applied to a
+Each mutant of ``tools/mutation/mutants.py`` (a small, realistic bug) is applied to a
 copy of ``hyperdsd`` in a temporary directory, under the package name
 ``hyperdsd_mutant``, and the suite runs against it with
 ``--impl hyperdsd_mutant``. The copy has its own name so that only the
@@ -17,14 +17,14 @@ that passes everything SURVIVED. Before the campaign the quick slice (and
 the exploration, with the same budget and seed) runs against the unmutated
 copy: a suite that fails there measures nothing.
 
-    python -m tools.mutate                   # every mutant
-    python -m tools.mutate --only NAME ...   # some (repeatable, or comma-separated)
-    python -m tools.mutate --list            # the mutants and what each models
-    python -m tools.mutate --check           # every mutant applies, every hint selects a case; no run
-    python -m tools.mutate --quick-only      # hints and quick slice only, no full matrix, no exploration
-    python -m tools.mutate --no-explore      # the matrix stages only
-    python -m tools.mutate --stages hints,explore   # exploration alone after the hints
-    python -m tools.mutate --explore-budget 120s --explore-seed 0
+    python -m tools.mutation.mutate                   # every mutant
+    python -m tools.mutation.mutate --only NAME ...   # some (repeatable, or comma-separated)
+    python -m tools.mutation.mutate --list            # the mutants and what each models
+    python -m tools.mutation.mutate --check           # every mutant applies, every hint selects a case; no run
+    python -m tools.mutation.mutate --quick-only      # hints and quick slice only, no full matrix, no exploration
+    python -m tools.mutation.mutate --no-explore      # the matrix stages only
+    python -m tools.mutation.mutate --stages hints,explore   # exploration alone after the hints
+    python -m tools.mutation.mutate --explore-budget 120s --explore-seed 0
 
 Run from the repository root; the temporary copies are removed at the end.
 """
@@ -48,7 +48,7 @@ from .anchor import AnchorError, Function, Package
 from .anchor import apply as edit
 from .mutants import MUTANTS, Mutant
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "hyperdsd_mutant"
 MATRIX_STAGES = ("hints", "quick", "full")
 STAGES = (*MATRIX_STAGES, "explore")
@@ -71,7 +71,7 @@ def locate(mutant: Mutant, pkg: Package | None = None) -> Function:
 
 def apply(mutant: Mutant, pkg: Package | None = None) -> tuple[str, str]:
     """(the module, under hyperdsd/, and its source with the mutant's edit). An
-    :class:`~tools.anchor.AnchorError` names the mutant and what is wrong: its
+    :class:`~tools.mutation.anchor.AnchorError` names the mutant and what is wrong: its
     function is gone or ambiguous, its pattern matches nothing or several times."""
     try:
         fn = locate(mutant, pkg)
@@ -364,7 +364,7 @@ def _line(v: Verdict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.mutate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.mutation.mutate", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", action="append", default=[], help="run only these mutants (repeatable or comma-separated)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument(

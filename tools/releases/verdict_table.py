@@ -1,8 +1,8 @@
 """Summarise a conformance JSON report by clause: a Markdown table of how many
 cases passed, and the most common causes of the others. (An expected-failures
-file is written by ``python -m tools.trace_known``.)
+file is written by ``python -m tools.releases.trace_known``.)
 
-    python -m tools.verdict_table report.json [--causes 2]
+    python -m tools.releases.verdict_table report.json [--causes 2]
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from conformance.running.results import Status
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.verdict_table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.releases.verdict_table",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("report")
     parser.add_argument("--causes", type=int, default=2)

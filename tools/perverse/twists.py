@@ -4,7 +4,7 @@ input) or in what its sets do to the model and optimizers they are handed
 (1.4: that is input too). The suite must judge every case of theirs
 ``passed``, ``failed`` or ``not applicable``, never ``error``.
 
-``--impl tools.perverse_impls:NAME`` (the repository root on the path), for
+``--impl tools.perverse.twists:NAME`` (the repository root on the path), for
 each NAME in :data:`PERVERSE`.
 """
 

@@ -7,7 +7,7 @@ OOM"), and its FSDP workers call that copy whatever torch is installed. Its API 
 the suite drives it as it drives torch's own (the same profiles); the adapter's version is verl's.
 
     pip install --no-deps verl==0.6.0
-    PYTHONPATH=$PWD python -m conformance --impl tools.verl_state_dict --json out/verl.json
+    PYTHONPATH=$PWD python -m conformance --impl tools.releases.verl_state_dict --json out/verl.json
 
 The two files are loaded on their own, never through the ``verl`` package, whose ``__init__``
 imports ray, transformers and more: ``importlib.util.find_spec("verl")`` locates the installed
@@ -121,5 +121,5 @@ def verl_version() -> str:
 
 
 def conformance_adapter() -> Adapter:
-    """The adapter ``--impl tools.verl_state_dict`` resolves to."""
+    """The adapter ``--impl tools.releases.verl_state_dict`` resolves to."""
     return from_module(load(), NAME, version=verl_version(), profiles=PROFILES)

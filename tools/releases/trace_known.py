@@ -2,12 +2,12 @@
 one section per traced cause.
 
 Every failing case of the report must be explained by exactly one cause of
-``tools/torch_causes.json`` (the first that matches it); a case no cause explains stops the
+``tools/releases/causes.json`` (the first that matches it); a case no cause explains stops the
 tool, so a new deviation is traced by hand before it can be listed. Within a
 cause, cases are written as the shortest ID prefixes that cover them and no
 case that passes or has another cause.
 
-    python -m tools.trace_known report.json --torch 2.13.0 > conformance/known/torch-2.13.txt
+    python -m tools.releases.trace_known report.json --torch 2.13.0 > conformance/known/torch-2.13.txt
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from conformance.adapters import MODES
 from conformance.reporting.deviations import signature
 from conformance.running.results import Status
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIPELINE = ("pp2", "pp2xfsdp2")
 
 
@@ -85,10 +85,10 @@ def _fsdp1(case) -> bool:
     return any(side.startswith(("fsdp1-", "hsdp1-")) for side in case["layout"].split("_to_"))
 
 
-# The causes, as data (tools/torch_causes.json): each a title, the reason an
+# The causes, as data (tools/releases/causes.json): each a title, the reason an
 # expected-failures entry gives, and ``when``: alternatives (any), each a set
 # of conditions on a failing case that must all hold.
-CAUSES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_causes.json")
+CAUSES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "causes.json")
 
 # The conditions a cause's alternative may name, on (case, signature): the
 # signature is the case's message as reports group it (first line, masked).
@@ -430,7 +430,9 @@ def known_file(version: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.trace_known", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.releases.trace_known",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("report")
     parser.add_argument("--torch", help="the torch version the report is from, for the header")
@@ -498,7 +500,7 @@ def main() -> int:
         "# from a full run (python -m conformance --impl torch --json ...)"
         + (f" and {len(args.also)} run(s) of cases added since" if args.also else "")
         + f": {len(bad)} failing cases, {len(by_cause)} causes.",
-        "# Written by python -m tools.trace_known; each section is one cause, each line a case ID or prefix.",
+        "# Written by python -m tools.releases.trace_known; each section is one cause, each line a case ID or prefix.",
         "#   python -m conformance --impl torch --xfails "
         f"conformance/known/torch-{'.'.join(args.torch.split('.')[:2])}.txt",
     ]

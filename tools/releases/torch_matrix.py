@@ -3,7 +3,7 @@
 For each torch version, a virtual environment of its own (``.venvs/torch-X``,
 reused when present) gets this project installed with that torch; the
 matrix then runs against hyperdsd, against torch's own implementation and
-against verl's vendored copy of torch 2.7.0's (``tools/verl_state_dict.py``;
+against verl's vendored copy of torch 2.7.0's (``tools/releases/verl_state_dict.py``;
 before its first run there, ``pip install --no-deps verl==0.6.0`` goes into
 the release's environment), one JSON report each
 (``out/torch-matrix/X-hyperdsd.json``, ``X-torch.json``, ``X-verl.json``),
@@ -13,16 +13,16 @@ disk size and each run's wall time beside them (``X-env.json``,
 
 From those reports it writes ``docs/torch_releases.json`` (a compact summary:
 per release and implementation, clause by clause, what passed and which
-traced cause (``tools/trace_known.py``) explains each failure of torch's code,
+traced cause (``tools/releases/trace_known.py``) explains each failure of torch's code,
 its own and verl's copy) and renders
 ``docs/TORCH_RELEASES.md`` from it, after the hand-written
 ``docs/torch_releases_preamble.md``. A test checks that the document is the
 rendering of the summary, so neither is edited by hand. Releases whose
 reports are not in --out keep their entries from the shipped summary.
 
-    python -m tools.torch_matrix --versions 2.6.0 --rm-venv   # one release, then free its disk
-    python -m tools.torch_matrix --versions 2.13.0 --impls hyperdsd -k OPT-RT-1 --no-doc
-    python -m tools.torch_matrix --reuse                  # the summary and document again, from the reports
+    python -m tools.releases.torch_matrix --versions 2.6.0 --rm-venv   # one release, then free its disk
+    python -m tools.releases.torch_matrix --versions 2.13.0 --impls hyperdsd -k OPT-RT-1 --no-doc
+    python -m tools.releases.torch_matrix --reuse                  # the summary and document again, from the reports
 
 Run from the repository root. Every release but 2.13.0 (the CPU build on
 this machine's disk) is a CUDA build from the registry that runs on the CPU:
@@ -42,14 +42,14 @@ import time
 from collections import Counter
 
 from hyperdsd.testing import Status
-from tools import verl_state_dict
+from tools.releases import verl_state_dict
 
 # A report's summary is keyed by the statuses' values (JSON keys are plain strings).
 PASSED, XPASS, FAILED, ERROR, NA = (
     s.value for s in (Status.PASSED, Status.XPASS, Status.FAILED, Status.ERROR, Status.NOT_APPLICABLE)
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The newest patch of every minor release in pyproject's range.
 ALL_VERSIONS = ("2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
 SUMMARY = os.path.join(ROOT, "docs", "torch_releases.json")
@@ -60,14 +60,14 @@ IMPLS = ("hyperdsd", "torch", "verl")
 # by default there only; --impls verl runs it on any release.
 VERL_RELEASES = ("2.6.0",)
 # What --impl each name of IMPLS runs; the name is the one in the reports' file names and the tables.
-IMPL_SPECS = {"hyperdsd": "hyperdsd", "torch": "torch", "verl": "tools.verl_state_dict"}
+IMPL_SPECS = {"hyperdsd": "hyperdsd", "torch": "torch", "verl": "tools.releases.verl_state_dict"}
 # Implementations that are torch's code, whose failures tools/trace_known's causes explain, by report impl name.
 TORCH_CODE = ("torch", verl_state_dict.NAME)
 VERL_PIN = verl_state_dict.PIN
 _DEVIATIONS_SHOWN = 12
 VERL_NOTE = (
     " verl's copy of torch 2.7.0's `state_dict.py` and `_state_dict_utils.py` (verl 0.6.0, "
-    "`--impl tools.verl_state_dict`) on each release's torch; torch's causes apply to it."
+    "`--impl tools.releases.verl_state_dict`) on each release's torch; torch's causes apply to it."
 )
 _ISSUE = re.compile(r"https://github\.com/pytorch/pytorch/issues/(\d+)")
 
@@ -164,8 +164,8 @@ def _with_supplement(report: dict, supplement: dict | None) -> dict:
 
 
 def _cause_of(case: dict) -> str:
-    """The traced cause of a failing case (tools/trace_known.py), or 'untraced'."""
-    from tools.trace_known import cause_of
+    """The traced cause of a failing case (tools/releases/trace_known.py), or 'untraced'."""
+    from tools.releases.trace_known import cause_of
 
     return cause_of(case) or "untraced"
 
@@ -188,7 +188,7 @@ def summarize(report: dict, meta: dict | None, version: str) -> dict:
             entry["causes"][cause] = entry["causes"].get(cause, 0) + 1
     known = None
     if report["impl"]["name"] == "torch":
-        from tools.trace_known import check, known_file
+        from tools.releases.trace_known import check, known_file
 
         if os.path.exists(known_file(version)):
             known = {
@@ -237,7 +237,7 @@ def diff(old: dict, new: dict) -> dict:
 
 def build(out: str, shipped: dict | None) -> dict:
     """The summary from the reports in ``out``; releases without reports keep their shipped entries."""
-    from tools.trace_known import CAUSES
+    from tools.releases.trace_known import CAUSES
 
     old = {r["version"]: r for r in (shipped or {}).get("releases", [])}
     old_diffs = {(d["impl"], d["old"], d["new"]): d for d in (shipped or {}).get("diffs", [])}
@@ -286,7 +286,7 @@ def render(summary: dict, preamble: str) -> str:
     out = [
         preamble.rstrip(),
         "",
-        "<!-- Generated by python -m tools.torch_matrix from docs/torch_releases.json;"
+        "<!-- Generated by python -m tools.releases.torch_matrix from docs/torch_releases.json;"
         " edit docs/torch_releases_preamble.md or the tool, never this file. -->",
         "",
         "## The runs",
@@ -394,7 +394,9 @@ def write_doc(out: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.torch_matrix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.releases.torch_matrix",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--versions", default=",".join(ALL_VERSIONS))
     parser.add_argument(

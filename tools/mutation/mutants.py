@@ -1,9 +1,9 @@
-"""The mutants ``tools/mutate.py`` applies to hyperdsd: small, realistic bugs.
+"""The mutants ``tools/mutation/mutate.py`` applies to hyperdsd: small, realistic bugs.
 
 Each names the function it plants its bug in, by its dotted name
 (``hyperdsd.state.model.plan_load``, ``hyperdsd.checkpoint.planner.LoadPlanner.__init__``),
 a ``pattern`` inside it and the ``replacement``: snippets of Python, matched by
-their syntax tree, not their text (``tools/anchor.py``), so that reformatting
+their syntax tree, not their text (``tools/mutation/anchor.py``), so that reformatting
 the code, or moving the function to another module, does not break the mutant.
 ``...`` in a snippet stands for code the edit leaves as it is: ``if extra: ...``
 -> ``if False: ...`` replaces the test alone, whatever the body. The pattern must
@@ -12,7 +12,7 @@ from it. ``bug`` says what the edit models. ``hints`` are ``-k`` patterns of the
 cases most likely to kill it, run before anything else so that most mutants die
 within seconds.
 
-``python -m tools.mutate --check`` (and ``tests/test_mutants.py``) names a mutant
+``python -m tools.mutation.mutate --check`` (and ``tests/test_mutants.py``) names a mutant
 whose function is gone, ambiguous, or in which its pattern no longer matches once.
 """
 
@@ -640,7 +640,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "when the optimizer lists its groups in another order than the checkpoint (every fixed case loads into "
         "groups in the source's order)",
         ("OPT-KEYS-4[single-sharded]", "OPT-ATOM-1[single-sharded-unknown_group]", "OPT-PART-1[single-sharded-strict]"),
-    ),    # -- what get and set return, and parameters frozen after training (issue 35) ----------------------
+    ),  # -- what get and set return, and parameters frozen after training (issue 35) ----------------------
     Mutant(
         "set-returns-nothing",
         "hyperdsd.api.set_model_state_dict",

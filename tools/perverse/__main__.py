@@ -1,4 +1,4 @@
-"""Runs the matrix against every perverse implementation (tools/perverse_impls.py)
+"""Runs the matrix against every perverse implementation (tools/perverse/twists.py)
 and reports each ``error``: the suite must blame a surprising output on the
 implementation (``failed``), never on itself (SPEC §4, 1.3).
 
@@ -18,9 +18,9 @@ import sys
 import tempfile
 import time
 
-from tools.perverse_impls import PERVERSE
+from tools.perverse.twists import PERVERSE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STATUSES = ("passed", "failed", "n/a", "error")
 
 
@@ -28,7 +28,7 @@ def run_one(name: str, patterns: list[str], extra: list[str]) -> dict:
     """One CLI run; its JSON report's cases."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, "-m", "conformance", "--impl", f"tools.perverse_impls:{name}", "--json", report]
+        cmd = [sys.executable, "-m", "conformance", "--impl", f"tools.perverse.twists:{name}", "--json", report]
         cmd += [arg for p in patterns for arg in ("-k", p)] + extra
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
