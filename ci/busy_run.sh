@@ -2,7 +2,7 @@
 # The README's test command with every core kept busy by another process: the suite must pass there, only slower.
 #
 #   ci/busy_run.sh [EXTRA PYTEST ARGS...]      PYTHON=.venv/bin/python ci/busy_run.sh --durations=20
-#   TESTS="tests/test_cli.py tests/test_harness.py" ci/busy_run.sh      (some files instead of tests/)
+#   TESTS="tests/suite/test_cli.py tests/harness/test_harness.py" ci/busy_run.sh      (some files instead of tests/)
 #
 # Starts one busy loop per core (nproc), runs `python -m pytest -n 2 -q tests`, stops the loops (on any exit,
 # Ctrl-C included; each loop also ends by itself after BUSY_LIMIT_S, default 3 h) and prints the time taken.

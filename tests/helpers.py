@@ -23,7 +23,12 @@ import uuid
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
+# Where test modules and the rank tasks they run live: a subprocess that
+# runs them (a CLI run, a torchrun world) needs every folder on its path.
+TESTS = os.pathsep.join(
+    os.path.join(ROOT, "tests", *sub)
+    for sub in ((), ("library",), ("checkpoint",), ("harness",), ("suite",), ("tooling",), ("repository",))
+)
 
 
 # What one run of _calibration takes on the reference machine (docs/TESTING.md).

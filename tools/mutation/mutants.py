@@ -12,7 +12,7 @@ from it. ``bug`` says what the edit models. ``hints`` are ``-k`` patterns of the
 cases most likely to kill it, run before anything else so that most mutants die
 within seconds.
 
-``python -m tools.mutation.mutate --check`` (and ``tests/test_mutants.py``) names a mutant
+``python -m tools.mutation.mutate --check`` (and ``tests/tooling/test_mutants.py``) names a mutant
 whose function is gone, ambiguous, or in which its pattern no longer matches once.
 """
 

@@ -1,6 +1,6 @@
 """The documents' examples run as they are, and the README stays a front page.
 
-Examples are found by a marker comment (``<!-- example: tests/test_docs.py -->``
+Examples are found by a marker comment (``<!-- example: tests/repository/test_docs.py -->``
 before a python block), not by a heading, so documents can be reorganised.
 """
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-MARKER = "<!-- example: tests/test_docs.py -->"
+MARKER = "<!-- example: tests/repository/test_docs.py -->"
 
 
 def marked_blocks(page: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Message formats, each written out in full beside the code that makes it.
 
 The expected text is inline (expecttest): after a deliberate format change,
-``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_formats.py`` rewrites the
+``EXPECTTEST_ACCEPT=1 python -m pytest tests/library/test_formats.py`` rewrites the
 literals in place, and the diff shows the new messages for review.
 """
 

@@ -1,4 +1,4 @@
-"""Rank-side functions for hyperdsd on FSDP1 models (tests/test_fsdp1.py)."""
+"""Rank-side functions for hyperdsd on FSDP1 models (tests/library/test_fsdp1.py)."""
 
 from __future__ import annotations
 
@@ -151,54 +151,6 @@ def sharded_get(ctx, uop: bool):
     full = _full(model, optimizer)
     _assert_same(full, (rmsd, rosd), exact=False)
     return sorted(msd)
-
-
-def resume(ctx, uop: bool, mode: str, strategy: str = "FULL_SHARD", mesh: str | None = None):
-    """A get in ``mode`` (pure), a set into a fresh, stepped FSDP1 model, then
-    the next steps equal the run that was never interrupted."""
-    source, source_opt = _fsdp1(ctx, 0, uop, strategy, mesh)
-    _steps(source, source_opt, 0, 2)
-    before = _snapshot(source, source_opt)
-    msd, osd = hyperdsd.get_state_dict(source, source_opt, options=StateDictOptions(**GET[mode]))
-    assert _equal(before, _snapshot(source, source_opt)), "the get changed the source"
-    if mode == "full_cpu" and ctx.rank != 0:
-        assert msd == {} and osd == {}, "a rank other than the root holds a full copy"
-    if mode == "dcp":
-        path = _shared_path(ctx)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    target, target_opt = _fsdp1(ctx, 1, uop, strategy, mesh)
-    _steps(target, target_opt, 50, 1)  # a stepped target: its own state must go
-    if mode == "dcp":
-        msd, osd = hyperdsd.get_state_dict(target, target_opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-    options = StateDictOptions(**PUT.get(mode, GET[mode]))
-    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
-    _assert_same(_full(source, source_opt), _full(target, target_opt))
-    _steps(source, source_opt, 2, 2)
-    _steps(target, target_opt, 2, 2)
-    _assert_same(_full(source, source_opt), _full(target, target_opt))
-    return True
-
-
-def dcp_interop(ctx, writer: str, uop: bool = False):
-    """A DCP checkpoint of one FSDP flavour loads into the other, and training
-    goes on as the writer's uninterrupted run."""
-    make = {"fsdp1": lambda seed: _fsdp1(ctx, seed, uop), "fsdp2": lambda seed: _fsdp2(ctx, seed)}
-    reader = "fsdp2" if writer == "fsdp1" else "fsdp1"
-    source, source_opt = make[writer](0)
-    _steps(source, source_opt, 0, 2)
-    path = _shared_path(ctx)
-    msd, osd = hyperdsd.get_state_dict(source, source_opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    target, target_opt = make[reader](1)
-    _steps(target, target_opt, 50, 1)
-    msd, osd = hyperdsd.get_state_dict(target, target_opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd)
-    _steps(source, source_opt, 2, 2)
-    _steps(target, target_opt, 2, 2)
-    _assert_same(_full(source, source_opt), _full(target, target_opt), exact=False)
-    return True
 
 
 def bad_input(ctx, uop: bool, what: str):
@@ -551,67 +503,6 @@ class _OddShaped(torch.optim.SGD):
                 if p.grad is not None:
                     self.state[p].setdefault("trace", {"last": [torch.zeros(3)]})
         return super().step(closure)
-
-
-def _nested_leaves(osd: dict) -> dict:
-    """Every leaf of an optimizer state dict's state, by (FQN, path)."""
-    out = {}
-
-    def walk(obj, path):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, (*path, k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, (*path, i))
-        else:
-            out[path] = obj
-
-    walk(osd["state"], ())
-    return out
-
-
-def nested_state_resumes(ctx, uop: bool, mode: str):
-    """Nested per-element state (a dict holding a list of tensors shaped like
-    the parameter, beside a count) is unflattened per original parameter, laid
-    out like it, and resumes exactly through a set into a stepped target."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.tensor import DTensor
-
-    def make(seed):
-        model = _build(seed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = FSDP(model, device_id=CPU, use_orig_params=uop)
-        return model, _Nested(model.parameters(), lr=0.1 * (seed + 1), momentum=0.9)
-
-    source, source_opt = make(0)
-    _steps(source, source_opt, 0, 2)
-    reference = _build(0)
-    shapes = {k: tuple(v.shape) for k, v in reference.named_parameters()}
-    msd, osd = hyperdsd.get_state_dict(source, source_opt, options=StateDictOptions(**GET[mode]))
-    if mode != "full_cpu" or ctx.rank == 0:
-        trace = {f: e["trace"] for f, e in osd["state"].items()}
-        assert set(trace) == set(shapes), sorted(trace)
-        for fqn, t in trace.items():
-            last = t["last"][0]
-            assert isinstance(last, DTensor) == (mode == "sharded"), (fqn, type(last))
-            assert tuple(last.shape) == shapes[fqn], (fqn, tuple(last.shape), shapes[fqn])
-            assert t["seen"] == 2, (fqn, t["seen"])
-    target, target_opt = make(1)
-    _steps(target, target_opt, 50, 1)  # a stepped target: its own state must go
-    options = StateDictOptions(**PUT.get(mode, GET[mode]))
-    hyperdsd.set_state_dict(target, target_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
-    for model, opt in ((source, source_opt), (target, target_opt)):
-        _steps(model, opt, 2, 2)
-    (ma, oa), (mb, ob) = _full(source, source_opt), _full(target, target_opt)
-    a, b = _nested_leaves(oa), _nested_leaves(ob)
-    assert list(a) == list(b), (list(a), list(b))
-    for path, x in a.items():
-        same = torch.equal(x, b[path]) if isinstance(x, torch.Tensor) else x == b[path]
-        assert same, f"{path} differs after resuming"
-    assert all(torch.equal(ma[k], mb[k]) for k in ma)
-    return True
 
 
 def nested_state_refused(ctx, uop: bool):

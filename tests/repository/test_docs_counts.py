@@ -8,7 +8,7 @@ from conformance.adapters import load_adapter
 from conformance.running.registry import all_cases
 from conformance.running.runner import undeclared
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "ADAPTERS.md")
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "ADAPTERS.md")
 CONSOLIDATED = "conformance.examples.consolidated_adapter"
 
 

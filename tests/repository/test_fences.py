@@ -16,7 +16,7 @@ import ast
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ALLOWED = {
     *(ROOT / "hyperdsd" / "_compat").glob("*.py"),
     ROOT / "hyperdsd" / "testing" / "_compat.py",

@@ -13,7 +13,7 @@ from helpers import ROOT, scaled
 from torch.distributed.checkpoint import FileSystemReader
 
 PAGE = os.path.join(ROOT, "docs", "RESUMING.md")
-BEGIN, END = "<!-- examples: tests/test_resuming.py", "<!-- end examples -->"
+BEGIN, END = "<!-- examples: tests/checkpoint/test_resuming.py", "<!-- end examples -->"
 EXAMPLES = ("resume_one_call.py", "resume_planner.py", "resume_app_state.py")
 # Runs each example in a fresh namespace of one interpreter: torch is imported once.
 RUNNER = "import runpy, sys\nfor path in sys.argv[1:]:\n    runpy.run_path(path, run_name='__main__')\n"

@@ -13,7 +13,7 @@ from helpers import scaled, slowness
 from conformance.world.modes import read_full
 from hyperdsd.testing import PoolSet, Task
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_every_torch_load_in_the_project_is_weights_only():
