@@ -246,7 +246,7 @@ class _Load:
             optim_state.apply_load(self.optim_plan)
             _run_post_hooks(self.optims)
         if self.model_plan is not None:
-            model_state.apply_load(self.model, self.model_plan)
+            model_state.apply_load(self.model, self.model_plan, self.index)
         if self.twin_load is not None:
             self.twin_load.write_back(self.model_plan, self.optim_plan)
 

@@ -9,11 +9,12 @@ optimizers (:mod:`.modules`), FSDP1 (:mod:`.fsdp1`), checkpoint files
 """
 
 from .files import archive_writer, file_window, save_records, storage_dtypes, storage_info, tensor_archive
-from .fsdp1 import FSDP1_WRAPPED, Fsdp1Unit, fsdp1_reshard, fsdp1_unit, is_flat_param, is_fsdp1
+from .fsdp1 import FSDP1_WRAPPED, Fsdp1Unit, fsdp1_class, fsdp1_reshard, fsdp1_unit, is_flat_param, is_fsdp1
 from .modules import (
     LoadHooks,
     checkpoint_wrapper,
     child_modules,
+    fsdp2_class,
     fsdp2_reshard_hooks_off,
     fsdp2_sharded_params,
     has_extra_state,
@@ -31,6 +32,7 @@ from .modules import (
 from .tensors import (
     all_gather_into,
     collective_device,
+    copy_each,
     detached,
     distribute_locally,
     dtensor_local,
@@ -49,12 +51,15 @@ __all__ = [
     "checkpoint_wrapper",
     "child_modules",
     "collective_device",
+    "copy_each",
     "detached",
     "distribute_locally",
     "dtensor_local",
     "file_window",
+    "fsdp1_class",
     "fsdp1_reshard",
     "fsdp1_unit",
+    "fsdp2_class",
     "fsdp2_reshard_hooks_off",
     "fsdp2_sharded_params",
     "has_extra_state",

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compat import local_tensor
+from .._compat import copy_each, local_tensor
 from ..placement import DTensorLayout
 from ..tree import is_container, leaves
 
@@ -92,6 +92,11 @@ class ModelLoadPlan:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     claimed: set[str] = field(default_factory=set)
+    # Every value in place: the model's tensor it goes into, by raw key (as planned
+    # against); ``values`` holds the values themselves then, copied by ``copies``:
+    # (destination, source) local tensors, the pairs that are not the same memory.
+    in_place: dict[str, torch.Tensor] = field(default_factory=dict)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def tensors(self) -> list[Prepared]:
         return [v for v in self.values.values() if isinstance(v, Prepared)]
@@ -103,6 +108,11 @@ class ParamLoad:
     param: torch.Tensor
     fqn: str
     entry: dict | None  # None: the parameter ends without state
+    # In place: the optimizer's own state entry (as planned against, nothing
+    # changes it before the plan is applied), when every value of ``entry`` goes
+    # into its tensor under the same key, no key added or dropped; ``entry``
+    # holds the values themselves then, copied by the plan's ``copies``.
+    into: dict | None = None
 
 
 @dataclass
@@ -120,6 +130,8 @@ class OptimizerLoadPlan:
     # any rank sees state in any of them.
     together: list[list[str]] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)  # source FQNs this rank does not know
+    # (destination, source) local tensors of the loads in place, the pairs that are not the same memory
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def settle(self, answers: dict[str, bool]) -> None:
         """Drop the entries other ranks say nobody loaded (they stay fresh)."""
@@ -135,6 +147,8 @@ class OptimizerLoadPlan:
         """Every planned tensor, nested state (dicts and lists of tensors) included."""
         out = []
         for load in self.params:
+            if load.into is not None:  # copies of local tensors, no planned tensor
+                continue
             for v in (load.entry or {}).values():
                 if isinstance(v, Prepared):
                     out.append(v)
@@ -156,15 +170,19 @@ def redistribute(prepared: Iterable[Prepared]) -> None:
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same view of the same storage (copying is a no-op)."""
-    if a is b:  # a piece delivered into the very tensor it loads (most of a broadcast load)
-        return True
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-        and a.device == b.device
-    )
+    # One call for storage, offset, sizes and strides: asked of each tensor
+    # to load, and five property reads of each (strides a list) cost 4x that.
+    return a is b or (a.is_set_to(b) and a.dtype == b.dtype)
+
+
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (destination, source) pair's source copied into its destination, all in one call."""
+    dests, sources = [], []
+    for dest, source in pairs:
+        dests.append(dest)
+        sources.append(source)
+    if dests:
+        copy_each(dests, sources)
 
 
 def copy_into(existing: torch.Tensor, prepared: Prepared) -> torch.Tensor:

@@ -7,6 +7,7 @@ parameters under each of their names, as PyTorch's own state dict has them.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from .fqn import ModelIndex
+from .in_place import Pairs, column_copies, layout_keys, signature_keys, verdicts_of
 from .load_checks import (
     Verdict,
     Verdicts,
@@ -27,9 +29,10 @@ from .load_checks import (
     planned,
     refused,
 )
-from .load_plan import ModelLoadPlan, Prepared, copy_into, materialize, redistribute, same_memory
+from .load_plan import ModelLoadPlan, Prepared, copy_all, copy_into, materialize, redistribute, same_memory
 
 _EXTRA_STATE = "_extra_state"  # the key suffix of a module's extra state, which is not detached
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -> dict[str, Any]:
@@ -62,9 +65,8 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     # FSDP2's pre-hook (the only one allowed) would reshard what a forward
     # left unsharded; the index reads the sharded parameters where they are
     # instead, so that a get leaves the modules as it found them.
-    for module, _prefix in index.modules:
-        if _compat.module_state_hooks(module) is None:
-            return None
+    if not index.reads_plainly:
+        return None
     sd = {}
     detached = _compat.detached
     for module, prefix in index.modules:
@@ -78,19 +80,44 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     return sd
 
 
-def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str], verdicts: Verdicts) -> Prepared | None:
-    """Check one value against the model's tensor; return what to load (into
-    the tensor in place where it fits)."""
-    if not is_tensorish(value):
-        problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
+def _targets(model: torch.nn.Module, index: ModelIndex) -> tuple[dict[str, Any], dict[str, str]]:
+    """``model.state_dict(keep_vars=True)``, and its raw key by canonical key.
+
+    Read from the modules directly where that is all it could give and no
+    module is unsharded (before a load FSDP2's pre-hook reshards those)."""
+    if not index.reads_plainly or index.unsharded:
+        targets = model.state_dict(keep_vars=True)
+        return targets, {index.canonical_key(k): k for k in targets}
+    targets, raw_of = {}, {}
+    for (module, canon), raw in zip(index.modules, index.raw_prefixes):
+        for name, param in _compat.own_parameters(module).items():
+            if param is not None:
+                targets[raw + name] = param
+                raw_of[canon + name] = raw + name
+        buffers, skip = _compat.own_buffers(module)
+        for name, buf in buffers.items():
+            if buf is not None and name not in skip:
+                targets[raw + name] = buf
+                raw_of[canon + name] = raw + name
+    return targets, raw_of
+
+
+def _prepare(value: Any, target: torch.Tensor, canon: str, problems: list[str], verdicts: Verdicts) -> Prepared | None:
+    """Check one value against the model's tensor under ``canon``; return what
+    to load (into the tensor in place where it fits)."""
+    cls = type(value)
+    if cls is DTensor:  # (a DTensor's layout_key, inline: called once per key of a model)
+        signature = (id(_compat.layout_token(value)), layout_key(target))
+    elif is_tensorish(value):
+        signature = (layout_key(value) if isinstance(value, DTensor) else full_signature(value), layout_key(target))
+    else:
+        problems.append(f"model[{canon!r}]: a {cls.__name__}, expected a tensor")
         return None
-    is_dtensor = isinstance(value, DTensor)
-    signature = (layout_key(value) if is_dtensor else full_signature(value), layout_key(target))
     verdict = verdicts.get(signature)
     if verdict is None:
         verdict = verdicts[signature] = _judge(value, target, verdicts.layouts)
     if verdict.problem:
-        problems.append(f"{where}: {verdict.problem}")
+        problems.append(f"model[{canon!r}]: {verdict.problem}")
         return None
     return planned(verdict, value, _compat.local_tensor(target).device, target)
 
@@ -124,11 +151,15 @@ class _PlainLoads:
 
     def __init__(self, model: torch.nn.Module, index: ModelIndex):
         self._plain: set[str] = set()
+        self.everywhere = False  # every module loads plainly
         if not _compat.loads_by_copying(model):
             return
         own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
         for module, prefix in index.modules:
             own[prefix] = own.get(prefix, True) and _compat.loads_plainly(module)
+        if all(own.values()):
+            self._plain, self.everywhere = set(own), True
+            return
         self._plain = {prefix for prefix in own if own[prefix] and self._above_plain(prefix, own)}
 
     @staticmethod
@@ -152,11 +183,19 @@ def plan_load(
     if not isinstance(sd, dict):
         problems.append(f"the model state dict is a {type(sd).__name__}, expected a dict")
         return plan, problems
-    targets = model.state_dict(keep_vars=True)
-    raw_of = {index.canonical_key(k): k for k in targets}
-    matched: set[str] = set()
+    targets, raw_of = _targets(model, index)
     verdicts = Verdicts()
     loads_plainly = _PlainLoads(model, index)
+    # Read from the modules directly (no extra state, see _targets), every key
+    # the model's as it is named, every module loading by copying:
+    plain = index.reads_plainly and not index.unsharded and not index.renames and loads_plainly.everywhere
+    if plain and sd.keys() == targets.keys():
+        copies = _in_place(sd, targets, verdicts)
+        if copies is not None:
+            plan.values, plan.claimed, plan.copies = dict(sd), set(sd), copies
+            plan.in_place = {key: targets[key] for key in sd}
+            return plan, problems
+    matched: set[str] = set()
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
         if canon not in raw_of:
@@ -167,7 +206,7 @@ def plan_load(
         plan.claimed.add(key)
         target = targets[raw]
         if isinstance(target, torch.Tensor):
-            prepared = _prepare(value, target, f"model[{canon!r}]", problems, verdicts)
+            prepared = _prepare(value, target, canon, problems, verdicts)
             if prepared is None:
                 continue
             if target.device.type == "meta":
@@ -199,11 +238,52 @@ def plan_load(
     return plan, problems
 
 
-def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
+def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> Pairs | None:
+    """(destination, source) local tensors that load ``sd`` (the model's own
+    keys, not renamed) each value into the model's tensor under its key,
+    checked a column at a time, DTensors apart from plain tensors (buffers):
+    the pairs that are not the same memory already. None where any value does
+    not land so (the caller plans key by key, and words any problem)."""
+    values, dests = list(sd.values()), list(map(targets.__getitem__, sd))
+    kinds = set(map(type, values))
+    if kinds == {DTensor} or not kinds - _PLAIN:
+        columns = [(values, dests)]
+    elif kinds <= _PLAIN | {DTensor}:
+        wrapped = [type(v) is DTensor for v in values]
+        columns = [
+            ([v for v, w in zip(values, wrapped) if w is kind], [d for d, w in zip(dests, wrapped) if w is kind])
+            for kind in (True, False)
+        ]
+    else:
+        return None
+    copies: Pairs = []
+    for column, existing in columns:
+        mine, theirs = signature_keys(column), layout_keys(existing)
+        if mine is None or theirs is None:
+            return None
+
+        def judge(i: int, column=column, existing=existing) -> Verdict:
+            return _judge(column[i], existing[i], verdicts.layouts)
+
+        found = verdicts_of(list(zip(mine[0], theirs[0])), verdicts, judge)
+        pairs = column_copies(column, mine[1], existing, found) if found is not None else None
+        if pairs is None:
+            return None
+        copies += pairs
+    return copies
+
+
+def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -> None:
     redistribute(plan.tensors())
     copy_in: dict[str, Any] = {}
     assign: dict[str, Any] = {}
-    targets = model.state_dict(keep_vars=True)
+    targets = _targets(model, index)[0]
+    if plan.in_place:
+        if all(map(operator.is_, map(targets.get, plan.in_place), plan.in_place.values())):
+            copy_all(plan.copies)
+            return
+        # (a tensor of the model replaced since the plan was made: as any value, through load_state_dict)
+        plan.in_place = {}
     for raw, value in plan.values.items():
         if raw in plan.on_meta:
             assign[raw] = materialize(value)

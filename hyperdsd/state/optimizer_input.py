@@ -18,7 +18,9 @@ import torch
 
 from .flat import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
-from .placeholders import Unwritten, is_template_value, unwritten_keys
+from .placeholders import Unwritten, any_placeholders, any_template_values, is_template_value, unwritten_keys
+
+_ALL_WRITTEN = Unwritten(frozenset(), False)  # an entry without placeholders: every key counts as written
 
 
 @dataclass
@@ -58,10 +60,12 @@ class UnwrittenKeys:
 
     def __init__(self):
         self._by_fqn: dict[str, Unwritten] = {}
+        # No template alive when the load began (the usual case): no entry holds a placeholder.
+        self.none = not any_placeholders()
 
     def __call__(self, fqn: str, entry: dict | None) -> Unwritten:
-        if not entry:
-            return Unwritten(set(), False)
+        if not entry or self.none:
+            return _ALL_WRITTEN
         found = self._by_fqn.get(fqn)
         if found is None:
             found = self._by_fqn[fqn] = unwritten_keys(entry)
@@ -104,7 +108,7 @@ def parse(osd: Any, index: ModelIndex, targets: list[TargetGroup], strict: bool,
 
 def _index_state(source: Source, index: ModelIndex) -> None:
     """The checkpoint's state by canonical name, and the canonical names of everything it lists."""
-    source.listed = {index.canonical(f) or f for s in source.groups for f in s.fqns}
+    source.listed = {f for s in source.groups for f in s.fqns}  # canonical as parsed
     for fqn, entry in source.state.items():
         if isinstance(fqn, str) and isinstance(entry, dict):
             canon = index.canonical(fqn)
@@ -244,12 +248,15 @@ def _from_flat(
 ) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
     state, fields, unknown = unflatten(osd, set(index.param_of))
+    templates = any_template_values()
 
     def listed(f: str) -> bool:
         if unwritten.lists(f, state.get(f)):
             return True
         # Group fields count unless they are still the template's own objects
         # (DCP replaces every value it loads; some it copies even when not).
+        if not templates:  # (no template's alive)
+            return bool(fields.get(f))
         values = list(fields.get(f, {}).values())
         return bool(values) and not any(is_template_value(v) for v in values)
 
