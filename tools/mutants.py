@@ -361,9 +361,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "gather-piece-rows-rounded-down",
-        "hyperdsd.transport.gather.Gatherer._piece_bytes",
-        "rows = -(-shape[item.shard_dim] // n) if shape[item.shard_dim] else 0",
-        "rows = shape[item.shard_dim] // n",
+        "hyperdsd.transport.gather._Run.piece_bytes",
+        "rows = -(-shape[self.shard_dim] // n) if shape[self.shard_dim] else 0",
+        "rows = shape[self.shard_dim] // n",
         "gather buckets size uneven pieces with floor division (pieces overlap)",
         ("OPT-RT-1[fsdp3-adamw-full]",),
     ),
