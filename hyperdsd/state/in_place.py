@@ -14,14 +14,16 @@ callers' value-by-value planning, which the verdicts here agree with.
 
 from __future__ import annotations
 
+import itertools
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from .load_checks import Verdict, Verdicts
+from .load_plan import Prepared, TensorMeta
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
@@ -48,8 +50,10 @@ def layout_keys(tensors: Sequence[Any]) -> tuple[list, type] | None:
 def signature_keys(values: Sequence[Any]) -> tuple[list, type] | None:
     """What stands for each of ``values`` in a verdict's signature, as the
     value-by-value checks have it (``layout_key`` of a DTensor,
-    ``full_signature`` of a plain tensor), and their kind; None where they
-    are not all of one kind."""
+    ``full_signature`` of a plain tensor or a stand-in), and their kind;
+    None where they are not all of one kind."""
+    if set(map(type, values)) == {TensorMeta}:  # a broadcast's stand-ins
+        return list(zip(itertools.repeat(TensorMeta), map(_SHAPE, values), map(_DTYPE, values))), TensorMeta
     found = layout_keys(values)
     if found is None or found[1] is DTensor:
         return found
@@ -97,3 +101,24 @@ def column_copies(
     if not all(map(operator.eq, map(_SHAPE, (d for d, _ in pairs)), map(_SHAPE, (s for _, s in pairs)))):
         return None
     return pairs
+
+
+def column_receivers(
+    values: Sequence[TensorMeta],
+    existing: Sequence[Any],
+    signatures: Sequence[tuple],
+    verdicts: dict[tuple, Verdict],
+    devices: Iterable[torch.device],
+) -> list[Prepared] | None:
+    """A broadcast's stand-ins ``values``, each planned to be received into
+    ``existing``'s tensor (its verdict by its signature, accepted in place):
+    None where a local shape is not that tensor's (the caller plans anew)."""
+    layouts = [verdicts[s].layout for s in signatures]
+    wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
+    dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
+    if any(map(_IS_META, dests)) or list(map(tuple, map(_SHAPE, dests))) != list(map(tuple, wants)):
+        return None  # (a model built on the meta device is assigned its values)
+    return [
+        Prepared(layout, device, meta=meta, dest=target)
+        for layout, device, meta, target in zip(layouts, devices, values, existing)
+    ]

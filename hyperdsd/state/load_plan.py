@@ -70,6 +70,15 @@ class Prepared:
             return self.source_dtensor.dtype
         return self.meta.dtype
 
+    def copied_into(self) -> torch.Tensor | None:
+        """Where a delivered piece is to be copied, when that is an existing
+        tensor (``dest``), taken as this value's data now (the caller copies);
+        None when the piece must be handed to :meth:`receive`."""
+        if self.landing is not None or self.dest is None:
+            return None
+        self.local = local_tensor(self.dest)
+        return self.local
+
     def receive(self, piece: torch.Tensor) -> None:
         """Take a delivered piece (a view into a transfer buffer)."""
         if self.landing is not None:
@@ -94,7 +103,8 @@ class ModelLoadPlan:
     claimed: set[str] = field(default_factory=set)
     # Every value in place: the model's tensor it goes into, by raw key (as planned
     # against); ``values`` holds the values themselves then, copied by ``copies``:
-    # (destination, source) local tensors, the pairs that are not the same memory.
+    # (destination, source) local tensors, the pairs that are not the same memory;
+    # or a broadcast's receivers, each delivered into its tensor.
     in_place: dict[str, torch.Tensor] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -110,9 +120,12 @@ class ParamLoad:
     entry: dict | None  # None: the parameter ends without state
     # In place: the optimizer's own state entry (as planned against, nothing
     # changes it before the plan is applied), when every value of ``entry`` goes
-    # into its tensor under the same key, no key added or dropped; ``entry``
-    # holds the values themselves then, copied by the plan's ``copies``.
+    # into its tensor under the same key, no key added or dropped: applying
+    # leaves the entry as it is. ``entry`` holds the values themselves then,
+    # copied by the plan's ``copies``; or, ``received``, a broadcast's
+    # receivers, each delivered into its tensor.
     into: dict | None = None
+    received: bool = False
 
 
 @dataclass
@@ -147,7 +160,7 @@ class OptimizerLoadPlan:
         """Every planned tensor, nested state (dicts and lists of tensors) included."""
         out = []
         for load in self.params:
-            if load.into is not None:  # copies of local tensors, no planned tensor
+            if load.into is not None and not load.received:  # copies of local tensors, no planned tensor
                 continue
             for v in (load.entry or {}).values():
                 if isinstance(v, Prepared):

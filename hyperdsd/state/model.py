@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from .fqn import ModelIndex
-from .in_place import Pairs, column_copies, layout_keys, signature_keys, verdicts_of
+from .in_place import Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
 from .load_checks import (
     Verdict,
     Verdicts,
@@ -29,7 +29,7 @@ from .load_checks import (
     planned,
     refused,
 )
-from .load_plan import ModelLoadPlan, Prepared, copy_all, copy_into, materialize, redistribute, same_memory
+from .load_plan import ModelLoadPlan, Prepared, TensorMeta, copy_all, copy_into, materialize, redistribute, same_memory
 
 _EXTRA_STATE = "_extra_state"  # the key suffix of a module's extra state, which is not detached
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -190,10 +190,11 @@ def plan_load(
     # the model's as it is named, every module loading by copying:
     plain = index.reads_plainly and not index.unsharded and not index.renames and loads_plainly.everywhere
     if plain and sd.keys() == targets.keys():
-        copies = _in_place(sd, targets, verdicts)
-        if copies is not None:
-            plan.values, plan.claimed, plan.copies = dict(sd), set(sd), copies
-            plan.in_place = {key: targets[key] for key in sd}
+        found = _in_place(sd, targets, verdicts)
+        if found is not None:
+            plan.copies, receivers = found
+            plan.values = dict(sd) if receivers is None else dict(zip(sd, receivers))
+            plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
             return plan, problems
     matched: set[str] = set()
     for key, value in sd.items():
@@ -238,39 +239,52 @@ def plan_load(
     return plan, problems
 
 
-def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> Pairs | None:
-    """(destination, source) local tensors that load ``sd`` (the model's own
-    keys, not renamed) each value into the model's tensor under its key,
-    checked a column at a time, DTensors apart from plain tensors (buffers):
-    the pairs that are not the same memory already. None where any value does
-    not land so (the caller plans key by key, and words any problem)."""
+def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list | None] | None:
+    """A load of ``sd`` (the model's own keys, not renamed) that puts each value
+    into the model's tensor under its key, checked a column at a time (of one
+    kind of value and of tensor: DTensors apart from plain ones, buffers): the
+    (destination, source) local tensors to copy, the pairs that are not the
+    same memory already; and, for a broadcast's stand-ins, their receivers in
+    ``sd``'s order (else None). None where any value does not land so (the
+    caller plans key by key, and words any problem)."""
     values, dests = list(sd.values()), list(map(targets.__getitem__, sd))
-    kinds = set(map(type, values))
-    if kinds == {DTensor} or not kinds - _PLAIN:
-        columns = [(values, dests)]
-    elif kinds <= _PLAIN | {DTensor}:
-        wrapped = [type(v) is DTensor for v in values]
-        columns = [
-            ([v for v, w in zip(values, wrapped) if w is kind], [d for d, w in zip(dests, wrapped) if w is kind])
-            for kind in (True, False)
-        ]
+    kinds = set(zip(map(type, values), map(type, dests)))
+    if len(kinds) == 1:
+        columns = [list(range(len(values)))]
     else:
-        return None
+        by_kind: dict[tuple, list[int]] = {}
+        for i, kind in enumerate(zip(map(type, values), map(type, dests))):
+            by_kind.setdefault(kind, []).append(i)
+        columns = list(by_kind.values())
+    stand_ins = {value_kind for value_kind, _ in kinds} == {TensorMeta}
     copies: Pairs = []
-    for column, existing in columns:
+    receivers: list = [None] * len(values)
+    for rows in columns:
+        column, existing = [values[i] for i in rows], [dests[i] for i in rows]
         mine, theirs = signature_keys(column), layout_keys(existing)
-        if mine is None or theirs is None:
+        if mine is None or theirs is None or (mine[1] is TensorMeta) != stand_ins:
             return None
+        signatures = list(zip(mine[0], theirs[0]))
 
         def judge(i: int, column=column, existing=existing) -> Verdict:
             return _judge(column[i], existing[i], verdicts.layouts)
 
-        found = verdicts_of(list(zip(mine[0], theirs[0])), verdicts, judge)
-        pairs = column_copies(column, mine[1], existing, found) if found is not None else None
+        found = verdicts_of(signatures, verdicts, judge)
+        if found is None:
+            return None
+        if stand_ins:
+            devices = [_compat.local_tensor(target).device for target in existing]
+            got = column_receivers(column, existing, signatures, found, devices)
+            if got is None:
+                return None
+            for i, receiver in zip(rows, got):
+                receivers[i] = receiver
+            continue
+        pairs = column_copies(column, mine[1], existing, found)
         if pairs is None:
             return None
         copies += pairs
-    return copies
+    return copies, receivers if stand_ins else None
 
 
 def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -> None:

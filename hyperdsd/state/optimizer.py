@@ -114,7 +114,7 @@ def apply_load(plan: OptimizerLoadPlan) -> None:
         if load.entry is None:
             load.opt.state.pop(load.param, None)
             continue
-        if load.into is not None:  # each value into its own tensor (plan.copies): the entry stays as it is
+        if load.into is not None:  # each value into its own tensor (plan.copies, or delivered): the entry stays
             continue
         current = load.opt.state.get(load.param)
         new = {key: _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .fqn import ModelIndex
-from .load_plan import OptimizerLoadPlan, ParamLoad
+from .load_plan import OptimizerLoadPlan, ParamLoad, TensorMeta
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .optimizer_values import EntryValues, steps_nonzero
 from .placeholders import has_placeholders
@@ -120,14 +120,25 @@ def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: Target
     chosen = [i for i, (entry, own) in enumerate(zip(entries, owns)) if entry and own]
     if not chosen:
         return list(zip(params, fqns))
-    mine = [entries[i] for i in chosen]
-    copies = (
-        values.in_place([params[i] for i in chosen], mine, [owns[i] for i in chosen]) if steps_nonzero(mine) else None
-    )
-    if copies is None:
+    mine, theirs = [entries[i] for i in chosen], [params[i] for i in chosen]
+    columns = values.columns(theirs, mine, [owns[i] for i in chosen]) if steps_nonzero(mine) else None
+    if columns is None:
         return list(zip(params, fqns))
-    plan.copies += copies
-    plan.params += [ParamLoad(target.opt, params[i], fqns[i], entries[i], owns[i]) for i in chosen]
+    kinds = {column.kind for column in columns}
+    if kinds == {TensorMeta}:  # a broadcast's: each value planned to be received in place
+        received = values.received(theirs, columns)
+        if received is None:
+            return list(zip(params, fqns))
+        plan.params += [
+            ParamLoad(target.opt, p, fqns[i], entry, owns[i], received=True)
+            for i, p, entry in zip(chosen, theirs, received)
+        ]
+    else:
+        copies = values.copies(columns) if TensorMeta not in kinds else None
+        if copies is None:
+            return list(zip(params, fqns))
+        plan.copies += copies
+        plan.params += [ParamLoad(target.opt, params[i], fqns[i], entries[i], owns[i]) for i in chosen]
     if len(chosen) == len(params):
         return []
     taken = set(chosen)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from .. import _compat
 from ..placement import LayoutCache
 from ..tree import is_container
-from .in_place import Pairs, column_copies, layout_keys, signature_keys, verdicts_of
+from .in_place import Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
 from .load_checks import (
     Verdict,
     Verdicts,
@@ -33,6 +34,17 @@ from .load_checks import (
 )
 from .load_plan import TensorMeta
 from .optimizer_input import TargetGroup
+
+
+class Column(NamedTuple):
+    """One state key's values across a group's parameters, checked (:meth:`EntryValues.columns`)."""
+
+    key: str
+    kind: type  # DTensor, torch.Tensor or TensorMeta
+    values: list
+    existing: list  # the optimizer's own tensors under the key
+    signatures: list[tuple]
+    verdicts: dict[tuple, Verdict]  # by signature
 
 
 class EntryValues:
@@ -54,20 +66,20 @@ class EntryValues:
         # where a step lands: beside its parameter only in capturable and fused groups (_target_device)
         self.step_on_param = bool(target.group.get("capturable") or target.group.get("fused"))
 
-    def in_place(self, params: list, entries: list[dict], owns: list[dict]) -> Pairs | None:
-        """(destination, source) local tensors that load ``entries`` into the
-        optimizer's own entries ``owns`` (of ``params``, one to one), each
-        value into the tensor under its key, checked a column at a time: the
-        pairs that are not the same memory already. None where any value does
-        not land so, or the entries hold no ``step`` (they may be a saved
-        template, see :func:`_ask_stepless`): the caller plans them one by one."""
+    def columns(self, params: list, entries: list[dict], owns: list[dict]) -> list[Column] | None:
+        """Each key's column of ``entries`` checked against ``owns``, the
+        optimizer's own entries (of ``params``, one to one), each distinct
+        signature judged once: None where the entries do not all hold the
+        same keys as their own (``step`` among them: without it they may be a
+        saved template, see :func:`_ask_stepless`), or a value would not land
+        in the tensor it replaces as it is (the caller plans them one by one)."""
         keys = tuple(entries[0])
         if "step" not in keys or set(map(tuple, entries)) != {keys} or set(map(tuple, owns)) != {keys}:
             return None
         found = layout_keys(params)
         if found is None:
             return None
-        copies: Pairs = []
+        columns = []
         for key in keys:
             take = operator.itemgetter(key)
             values, existing = list(map(take, entries)), list(map(take, owns))
@@ -80,11 +92,38 @@ class EntryValues:
                 return _judge(values[i], params[i], key, existing[i], self.verdicts.layouts)
 
             verdicts = verdicts_of(signatures, self.verdicts, judge)
-            pairs = column_copies(values, mine[1], existing, verdicts) if verdicts is not None else None
+            if verdicts is None:
+                return None
+            columns.append(Column(key, mine[1], values, existing, signatures, verdicts))
+        return columns
+
+    @staticmethod
+    def copies(columns: list[Column]) -> Pairs | None:
+        """(destination, source) local tensors that load the columns' values (tensors)
+        into their tensors: the pairs that are not the same memory already; None
+        where one would not land as it is."""
+        copies: Pairs = []
+        for column in columns:
+            pairs = column_copies(column.values, column.kind, column.existing, column.verdicts)
             if pairs is None:
                 return None
             copies += pairs
         return copies
+
+    def received(self, params: list, columns: list[Column]) -> list[dict] | None:
+        """Each parameter's entry planned from the columns' stand-ins (a
+        broadcast's), each to be received into the tensor it replaces; None
+        where one's local shape is not that tensor's (it is planned anew)."""
+        planned_columns = []
+        devices = [_compat.local_tensor(p).device for p in params]
+        for column in columns:
+            on = itertools.repeat(_CPU) if column.key == "step" and not self.step_on_param else devices
+            receivers = column_receivers(column.values, column.existing, column.signatures, column.verdicts, on)
+            if receivers is None:
+                return None
+            planned_columns.append(receivers)
+        keys = [column.key for column in columns]
+        return [dict(zip(keys, row)) for row in zip(*planned_columns)]
 
     def prepared(self, p, fqn: str, written: dict, expected: dict | None) -> dict:
         """Each of ``written``'s values as :func:`_prepare` plans it."""
@@ -119,14 +158,17 @@ class EntryValues:
 
 
 def steps_nonzero(entries: list[dict]) -> bool:
-    """Whether every entry's ``step`` is a one-element tensor that is not 0
+    """Whether every entry's ``step`` is a one-element tensor that is not 0 (a stand-in without a fill)
     (so that none is a saved template, see :func:`~.saved_templates.step_is_zero`),
     told for all at once; False where not, or not told so."""
     try:
         steps = list(map(operator.itemgetter("step"), entries))
     except KeyError:
         return False
-    if set(map(type, steps)) != {torch.Tensor}:
+    kinds = set(map(type, steps))
+    if kinds == {TensorMeta}:  # a broadcast's: the root worked out the value of the entries that may be 0
+        return set(map(operator.attrgetter("fill"), steps)) == {None}
+    if kinds != {torch.Tensor}:
         return False
     try:
         stacked = torch.stack(steps)  # (one shape, dtype and device)
