@@ -66,12 +66,19 @@ class ModelIndex:
         # ending in a dot).
         self.modules: list[tuple[nn.Module, str]] = []
         self.raw_prefixes: list[str] = []  # each of ``modules``' key prefix in ``model.state_dict()``
+        # Every parameter and persistent buffer in ``modules``' order (what a
+        # plain ``model.state_dict()`` holds, see ``reads_plainly``), each as the
+        # optimizer steps it; its canonical key and its key in ``state_dict()``.
+        self.tensors: list[torch.Tensor] = []
+        self.tensor_keys: list[str] = []
+        self.tensor_raw_keys: list[str] = []
         # Parameters FSDP2 left unsharded (after a forward, an ``unshard()``):
         # what the module holds by name is not what the optimizer steps.
         self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self.fsdp1_modules: list[tuple[nn.Module, str]] = []
         self.renames = False  # a child hidden somewhere: canonical keys are not all ``state_dict()``'s
         fqn_of, aliases, param_of, first_name = self.fqn_of, self.aliases, self.param_of, self.first_name
+        tensors, keys, raw_keys = self.tensors, self.tensor_keys, self.tensor_raw_keys
         # Depth first, parents before children, children in registration
         # order: a tied parameter's first name is the one state_dict() lists
         # first. An explicit stack: thousands of modules through nested
@@ -92,14 +99,25 @@ class ModelIndex:
             for name, param in (
                 self.own_parameters(module) if self._sharded else _compat.own_parameters(module)
             ).items():
-                if param is None or (fsdp1 and _compat.is_flat_param(param)):
+                if param is None:
                     continue
-                fqn = f"{canon}{name}"
+                fqn = canon + name
+                tensors.append(param)
+                keys.append(fqn)
+                raw_keys.append(raw + name)
+                if fsdp1 and _compat.is_flat_param(param):
+                    continue
                 first = fqn_of.setdefault(param, fqn)
                 if first is not fqn:  # tied: a second name
                     aliases.setdefault(param, [first]).append(fqn)
                 param_of[fqn] = param
                 first_name[fqn] = first
+            buffers, skip = _compat.own_buffers(module)
+            for name, buf in buffers.items():
+                if buf is not None and name not in skip:
+                    tensors.append(buf)
+                    keys.append(canon + name)
+                    raw_keys.append(raw + name)
             children = _compat.child_modules(module)
             if not children:
                 continue

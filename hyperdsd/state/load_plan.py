@@ -107,6 +107,9 @@ class ModelLoadPlan:
     # or a broadcast's receivers, each delivered into its tensor.
     in_place: dict[str, torch.Tensor] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (the modules' parameter and buffer registries then, and what they held: applying checks them unchanged)
+    registries: list[dict] = field(default_factory=list)
+    registered: tuple[list, list] = ([], [])
 
     def tensors(self) -> list[Prepared]:
         return [v for v in self.values.values() if isinstance(v, Prepared)]

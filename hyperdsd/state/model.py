@@ -7,6 +7,7 @@ parameters under each of their names, as PyTorch's own state dict has them.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -67,17 +68,7 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     # instead, so that a get leaves the modules as it found them.
     if not index.reads_plainly:
         return None
-    sd = {}
-    detached = _compat.detached
-    for module, prefix in index.modules:
-        for name, param in index.own_parameters(module).items():
-            if param is not None:
-                sd[prefix + name] = detached(param)
-        buffers, skip = _compat.own_buffers(module)
-        for name, buf in buffers.items():
-            if buf is not None and name not in skip:
-                sd[prefix + name] = detached(buf)
-    return sd
+    return dict(zip(index.tensor_keys, map(_compat.detached, index.tensors)))
 
 
 def _targets(model: torch.nn.Module, index: ModelIndex) -> tuple[dict[str, Any], dict[str, str]]:
@@ -88,18 +79,19 @@ def _targets(model: torch.nn.Module, index: ModelIndex) -> tuple[dict[str, Any],
     if not index.reads_plainly or index.unsharded:
         targets = model.state_dict(keep_vars=True)
         return targets, {index.canonical_key(k): k for k in targets}
-    targets, raw_of = {}, {}
-    for (module, canon), raw in zip(index.modules, index.raw_prefixes):
-        for name, param in _compat.own_parameters(module).items():
-            if param is not None:
-                targets[raw + name] = param
-                raw_of[canon + name] = raw + name
-        buffers, skip = _compat.own_buffers(module)
-        for name, buf in buffers.items():
-            if buf is not None and name not in skip:
-                targets[raw + name] = buf
-                raw_of[canon + name] = raw + name
-    return targets, raw_of
+    return dict(zip(index.tensor_raw_keys, index.tensors)), dict(zip(index.tensor_keys, index.tensor_raw_keys))
+
+
+def _targets_now(model: torch.nn.Module, index: ModelIndex) -> dict[str, Any]:
+    """``_targets``' first, read again (a plan is applied to the tensors the modules hold then)."""
+    if not index.reads_plainly or index.unsharded:
+        return model.state_dict(keep_vars=True)
+    targets = {}
+    for module, raw in zip((module for module, _ in index.modules), index.raw_prefixes):
+        params, (buffers, skip) = _compat.own_parameters(module), _compat.own_buffers(module)
+        targets.update((raw + name, param) for name, param in params.items() if param is not None)
+        targets.update((raw + name, buf) for name, buf in buffers.items() if buf is not None and name not in skip)
+    return targets
 
 
 def _prepare(value: Any, target: torch.Tensor, canon: str, problems: list[str], verdicts: Verdicts) -> Prepared | None:
@@ -195,6 +187,8 @@ def plan_load(
             plan.copies, receivers = found
             plan.values = dict(sd) if receivers is None else dict(zip(sd, receivers))
             plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
+            plan.registries = [d for module, _ in index.modules for d in _registries(module)]
+            plan.registered = _registered(plan.registries)
             return plan, problems
     matched: set[str] = set()
     for key, value in sd.items():
@@ -287,17 +281,34 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
     return copies, receivers if stand_ins else None
 
 
+def _registries(module: torch.nn.Module) -> tuple[dict, dict]:
+    return _compat.own_parameters(module), _compat.own_buffers(module)[0]
+
+
+def _registered(registries: list[dict]) -> tuple[list, list]:
+    """What ``registries`` (modules' parameters and buffers by name) hold now: the names, the tensors."""
+    return list(itertools.chain.from_iterable(registries)), list(
+        itertools.chain.from_iterable(map(dict.values, registries))
+    )
+
+
 def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -> None:
     redistribute(plan.tensors())
     copy_in: dict[str, Any] = {}
     assign: dict[str, Any] = {}
-    targets = _targets(model, index)[0]
     if plan.in_place:
-        if all(map(operator.is_, map(targets.get, plan.in_place), plan.in_place.values())):
-            copy_all(plan.copies)
+        names, tensors = _registered(plan.registries)
+        planned_names, planned_tensors = plan.registered
+        if (
+            names == planned_names
+            and len(tensors) == len(planned_tensors)
+            and all(map(operator.is_, tensors, planned_tensors))
+        ):
+            copy_all(plan.copies)  # every module holds what the plan was made against
             return
         # (a tensor of the model replaced since the plan was made: as any value, through load_state_dict)
         plan.in_place = {}
+    targets = _targets_now(model, index)
     for raw, value in plan.values.items():
         if raw in plan.on_meta:
             assign[raw] = materialize(value)

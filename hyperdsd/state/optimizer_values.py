@@ -74,7 +74,8 @@ class EntryValues:
         saved template, see :func:`_ask_stepless`), or a value would not land
         in the tensor it replaces as it is (the caller plans them one by one)."""
         keys = tuple(entries[0])
-        if "step" not in keys or set(map(tuple, entries)) != {keys} or set(map(tuple, owns)) != {keys}:
+        # the same number of keys, and each key in each (itemgetter raises below): the same keys
+        if "step" not in keys or set(map(len, entries)) != {len(keys)} or set(map(len, owns)) != {len(keys)}:
             return None
         found = layout_keys(params)
         if found is None:
@@ -82,7 +83,10 @@ class EntryValues:
         columns = []
         for key in keys:
             take = operator.itemgetter(key)
-            values, existing = list(map(take, entries)), list(map(take, owns))
+            try:
+                values, existing = list(map(take, entries)), list(map(take, owns))
+            except KeyError:
+                return None
             mine, theirs = signature_keys(values), layout_keys(existing)
             if mine is None or theirs is None:
                 return None
@@ -171,10 +175,10 @@ def steps_nonzero(entries: list[dict]) -> bool:
     if kinds != {torch.Tensor}:
         return False
     try:
-        stacked = torch.stack(steps)  # (one shape, dtype and device)
-    except (RuntimeError, TypeError):
+        values = list(map(torch.Tensor.item, steps))  # (one-element tensors only)
+    except (RuntimeError, ValueError):
         return False
-    return stacked.numel() == len(steps) and not bool((stacked == 0).any())
+    return 0 not in values
 
 
 _CPU = torch.device("cpu")
