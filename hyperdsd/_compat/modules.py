@@ -139,20 +139,16 @@ def loads_plainly(module: torch.nn.Module) -> bool:
     # nn.Module. FSDP2's hooks do nothing to a copy made in place into the
     # sharded parameter (the plan reads the model resharded, and the local
     # tensor is kept).
-    cls = type(module)
-    plain = _PLAIN_LOADING_CLASSES.get(cls)
-    if plain is None:
-        plain = _PLAIN_LOADING_CLASSES[cls] = cls._load_from_state_dict is torch.nn.Module._load_from_state_dict
-    if not plain or "_load_from_state_dict" in module.__dict__:  # (patched on the instance)
+    if (
+        type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+        or "_load_from_state_dict" in module.__dict__  # patched on the instance
+    ):
         return False
     for hooks in (module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
         for hook in hooks.values():
             if getattr(hook, "__qualname__", None) not in _FSDP_LOAD_HOOKS:
                 return False
     return True
-
-
-_PLAIN_LOADING_CLASSES: dict[type, bool] = {}
 
 
 def loads_by_copying(model: torch.nn.Module) -> bool:
