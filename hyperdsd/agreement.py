@@ -84,7 +84,16 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
     # One object per distinct shape and per distinct (shape, dtype): pickle
     # sends a shared object once, so every rank unpickles a handful instead
     # of one per tensor.
-    shared: dict[tuple, tuple] = {}
+    shared: dict[tuple, ShapeDtype] = {}
+
+    def stand_in(leaf: torch.Tensor) -> TensorMeta:
+        pair = shared.get((leaf.shape, leaf.dtype))
+        if pair is None:
+            pair = shared[(leaf.shape, leaf.dtype)] = ShapeDtype(tuple(leaf.shape), leaf.dtype)
+        fulls.append(leaf)
+        metas.append(pair)
+        fill = tensor_fill(leaf) if summarise and id(leaf) in summarise else None
+        return TensorMeta(pair.shape, pair.dtype, len(fulls) - 1, None if fill in (UNKNOWN, VARIES) else fill)
 
     def meta(leaf: Any, path: tuple) -> Any:
         if isinstance(leaf, DTensor):
@@ -93,17 +102,15 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
                 "(get them with full_state_dict=True)"
             )
             return None
-        if isinstance(leaf, torch.Tensor):
-            fulls.append(leaf)
-            shape = tuple(leaf.shape)
-            shape = shared.setdefault(shape, shape)
-            pair = ShapeDtype(shape, leaf.dtype)
-            metas.append(shared.setdefault(pair, pair))
-            fill = tensor_fill(leaf) if id(leaf) in summarise else None
-            return TensorMeta(shape, leaf.dtype, len(fulls) - 1, None if fill in (UNKNOWN, VARIES) else fill)
-        return leaf
+        return stand_in(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
-    return rebuild(state_dict, meta), fulls, metas, problems
+    def walk(obj: Any, path: tuple) -> Any:
+        # rebuild(obj, meta), a dict's plain tensors taken in place (most of a state dict's leaves)
+        if type(obj) is dict:
+            return {k: stand_in(v) if type(v) is torch.Tensor else walk(v, path + (k,)) for k, v in obj.items()}
+        return rebuild(obj, meta, path)
+
+    return walk(state_dict, ()), fulls, metas, problems
 
 
 def optimizer_names(manifest: Any) -> list[str]:

@@ -43,7 +43,10 @@ def _working():
     of short-lived objects (freed by reference counting, no cycles); each
     allocation burst makes the collector walk every object of the process,
     the model's included: on a 10,000-parameter model that was 60% of a
-    sharded set. Collection resumes on return, where it was.
+    sharded set. Collection resumes on return, where it was. What the call
+    made and no longer needs is released before that (the calls below work
+    in functions of their own): objects still alive when the collector
+    resumes are walked at its next allocation, a tenth of a broadcast load.
     """
     paused = gc.isenabled()
     gc.disable()
@@ -91,8 +94,12 @@ def get_model_state_dict(
     opts = resolve_options(options)
     _no_submodules(submodules)
     with _working():
-        target = _Target(model, (), opts)
-        return _model_state(target.model, target.index, opts, target.model_stages)
+        return _model_only(model, opts)
+
+
+def _model_only(model: nn.Module, opts: StateDictOptions) -> dict[str, Any]:
+    target = _Target(model, (), opts)
+    return _model_state(target.model, target.index, opts, target.model_stages)
 
 
 def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions, stages=None) -> dict[str, Any]:
@@ -114,8 +121,12 @@ def get_optimizer_state_dict(
     _no_submodules(submodules)
     optims = optimizer_params(optimizers)
     with _working():
-        target = _Target(model, optims, opts)
-        return _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages)
+        return _optimizers_only(model, optims, opts)
+
+
+def _optimizers_only(model: nn.Module, optims: tuple, opts: StateDictOptions) -> dict[str, Any]:
+    target = _Target(model, optims, opts)
+    return _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages)
 
 
 def _optimizer_state(
@@ -142,11 +153,15 @@ def get_state_dict(
     opts = resolve_options(options)
     _no_submodules(submodules)
     with _working():
-        target = _Target(model, optimizer_params(optimizers), opts)
-        return (
-            _model_state(target.model, target.index, opts, target.model_stages),
-            _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages),
-        )
+        return _both(model, optimizer_params(optimizers), opts)
+
+
+def _both(model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False) -> tuple[dict, dict]:
+    target = _Target(model, optims, opts)
+    return (
+        _model_state(target.model, target.index, opts, target.model_stages),
+        _optimizer_state(target.index, target.optims, opts, to_load=to_load, stages=target.optim_stages),
+    )
 
 
 def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOptions) -> tuple[dict, dict]:
@@ -156,12 +171,7 @@ def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOp
     checkpoint's entries for them whole before anything is read."""
     opts = resolve_options(options)
     with _working():
-        target = _Target(model, optimizer_params(optimizers), opts)
-        t_model, t_optims, index = target.model, target.optims, target.index
-        return (
-            _model_state(t_model, index, opts, target.model_stages),
-            _optimizer_state(index, t_optims, opts, to_load=True, stages=target.optim_stages),
-        )
+        return _both(model, optimizer_params(optimizers), opts, to_load=True)
 
 
 # -- set ---------------------------------------------------------------------
@@ -246,9 +256,18 @@ class _Load:
             optim_state.apply_load(self.optim_plan)
             _run_post_hooks(self.optims)
         if self.model_plan is not None:
-            model_state.apply_load(self.model, self.model_plan)
+            model_state.apply_load(self.model, self.model_plan, self.index)
         if self.twin_load is not None:
             self.twin_load.write_back(self.model_plan, self.optim_plan)
+
+
+def _load(model: nn.Module, opts: StateDictOptions, optimizers, what: str, parts: dict) -> tuple[list, list]:
+    """One load (:class:`_Load`); its plans are released on return. Returns
+    the model plan's missing and unexpected keys (none without a model)."""
+    load = _Load(model, opts, optimizers)
+    load.run(what, parts)
+    plan = load.model_plan
+    return (plan.missing, plan.unexpected) if plan is not None else ([], [])
 
 
 def set_model_state_dict(
@@ -261,9 +280,8 @@ def set_model_state_dict(
     """
     opts = resolve_options(options)
     with _working():
-        load = _Load(model, opts)
-        load.run("set_model_state_dict", {"model": model_state_dict})
-    return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)
+        missing, unexpected = _load(model, opts, (), "set_model_state_dict", {"model": model_state_dict})
+    return _compat.incompatible_keys(missing, unexpected)
 
 
 def set_optimizer_state_dict(
@@ -281,8 +299,7 @@ def set_optimizer_state_dict(
     """
     opts = resolve_options(options)
     with _working():
-        load = _Load(model, opts, optimizers)
-        load.run("set_optimizer_state_dict", {"optim": optim_state_dict})
+        _load(model, opts, optimizers, "set_optimizer_state_dict", {"optim": optim_state_dict})
 
 
 def set_state_dict(
@@ -296,9 +313,10 @@ def set_state_dict(
     """Both at once: nothing is changed unless both load."""
     opts = resolve_options(options)
     with _working():
-        load = _Load(model, opts, optimizers)
-        load.run("set_state_dict", {"model": model_state_dict, "optim": optim_state_dict})
-    return _compat.incompatible_keys(load.model_plan.missing, load.model_plan.unexpected)
+        missing, unexpected = _load(
+            model, opts, optimizers, "set_state_dict", {"model": model_state_dict, "optim": optim_state_dict}
+        )
+    return _compat.incompatible_keys(missing, unexpected)
 
 
 # Names used by some training frameworks.

@@ -51,8 +51,8 @@ class DTensorLayout:
     def of(cls, t: DTensor) -> "DTensorLayout":
         return cls(t.device_mesh, tuple(t.placements), t.shape, t.stride())
 
-    @property
-    def simple(self) -> bool:
+    @functools.cached_property
+    def simple(self) -> bool:  # (asked of each tensor a broadcast delivers)
         return is_simple(self.placements)
 
     def slices_for(self, coordinate) -> tuple[slice, ...]:

@@ -43,6 +43,7 @@ own processes, in the full and broadcast modes (FSDP1: the full get).
     python -m tools.bench --reps 3 --budget 60 # fewer repetitions: still over an hour
     python -m tools.bench --sizes 4m --reps 3 --no-memory --no-breakdown
     python -m tools.bench --sizes 10k --modes get,set --no-memory --breakdown-sizes 10k
+    python -m tools.bench --sizes 2k --modes set,flat_set --hsdp-sizes "" --fsdp1-sizes "" --no-memory --no-breakdown
     python -m tools.bench --sizes 10k,50k --modes resume --resume-50k --reps 3 --no-memory --no-breakdown
 
 ``--torch-skip SIZE:MODE,...`` leaves torch out where it takes many minutes
@@ -66,11 +67,11 @@ if not __package__:  # run as a script: tools is imported from the repository ro
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hyperdsd.testing import RankStatus, Status
-from tools import bench_tasks
+from tools import bench_breakdown, bench_tasks
 from tools.bench_tasks import MODES
 
-FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both")
-MANY_KEYS = ("10k", "50k")
+FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both", "resume")
+MANY_KEYS = bench_tasks.MANY_KEYS
 RELATIVE_TO_GET = ("full_get", "bcast_set", "bcast_both")  # targets: at most 10x hyperdsd's own sharded get
 FSDP1 = tuple(bench_tasks.FSDP1_MESHES)
 
@@ -148,23 +149,11 @@ def main() -> None:
     print(
         f"{'size':>5} {'mesh':>10} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10}"
         f" {'hyperdsd/floor':>15} {'reps':>5}"
-        f" {'ms/1k keys':>11} {'us/key':>8} {'x clone':>8} {'x own get':>10}"
+        f" {'us/key':>8} {'clone ms':>9} {'x clone':>8} {'x own get':>10}"
     )
     own_get: dict[str, float] = {}
-    clone_ms: dict[str, float] = {}
     with PoolSet(gloo_timeout_s=900) as pools:
         for size, mode, mesh in runs:
-            if size in MANY_KEYS and size not in clone_ms:
-                outcome = pools.run(4, Task(bench_tasks.clone_floor, {"size": size, "reps": args.reps}), 3600)
-                if outcome.status == Status.PASSED:
-                    # slowest rank per repetition, then the median
-                    clone_ms[size] = statistics.median(max(per) for per in zip(*outcome.values))
-                    keys = bench_tasks.keys_of(size)
-                    print(
-                        f"{size:>5} per-tensor floor (clone of every local tensor, slowest rank): "
-                        f"{clone_ms[size]:.1f} ms, {clone_ms[size] / keys * 1000:.1f} us/key",
-                        flush=True,
-                    )
             torch_too = (size, mode) not in torch_skip
             crashed = ""  # what happened to torch where it killed a rank (FSDP1)
             if torch_too and mesh in FSDP1:
@@ -202,16 +191,21 @@ def main() -> None:
                     own_get[size] = b
                 relative = f"{b / own_get[size]:10.1f}" if mode in RELATIVE_TO_GET and size in own_get else f"{'':>10}"
                 per_key = b / bench_tasks.keys_of(size) * 1000
-                floor_x = f"{b / clone_ms[size]:8.1f}" if size in clone_ms else f"{'-':>8}"
-                extra = f" {per_key:11.1f} {b / bench_tasks.keys_of(size) * 1000:8.1f} {floor_x} {relative}"
+                clone = statistics.median(t["clone"])  # the per-tensor floor, alternating in the same run
+                extra = f" {per_key:8.1f} {clone:9.1f} {b / clone:8.2f} {relative}"
             print(f"{size:>5} {mesh:>10} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
             if crashed:
                 print(f"{'':>5} {mesh:>10} {mode:>10}  {crashed}", flush=True)
             if mode == "resume":
                 ratio = f", torch {a / 1000:.1f} s, ratio {b / a:.2f}" if torch_too else ""
-                print(f"{'':>5} resume {size}: hyperdsd {b / 1000:.1f} s{ratio}", flush=True)
+                floor = statistics.median(t["floor"])
+                print(
+                    f"{'':>5} resume {size}: hyperdsd {b / 1000:.1f} s{ratio}; "
+                    f"DCP's floor {floor / 1000:.1f} s, x floor {b / floor:.2f}",
+                    flush=True,
+                )
         if not args.no_breakdown:
-            _breakdown(
+            bench_breakdown.table(
                 pools,
                 [s for s in args.breakdown_sizes.split(",") if s],
                 [m for m in args.breakdown_modes.split(",") if m],
@@ -219,36 +213,6 @@ def main() -> None:
     if not args.no_memory:
         memory_sizes = [s for s in (args.memory_sizes or args.sizes).split(",") if s]
         _memory(memory_sizes, args.hsdp_sizes.split(","), torch_skip | _pairs(args.memory_torch_skip), fsdp1_sizes)
-
-
-def _breakdown(pools, sizes: list[str], modes: list[str]) -> None:
-    from hyperdsd.testing import Task
-
-    print(
-        "\nwhere a key's time goes: hyperdsd's CPU time per key (us), slowest rank; "
-        "cProfile shares scaled to the unprofiled CPU time"
-    )
-    for size in sizes:
-        keys = bench_tasks.keys_of(size)
-        columns: dict[str, dict[str, float]] = {}
-        for mode in modes:
-            outcome = pools.run(4, Task(bench_tasks.breakdown, {"size": size, "mode": mode}), 3600)
-            if outcome.status != Status.PASSED:
-                print(f"{size} {mode}: failed: {outcome.describe()[:300]}")
-                continue
-            slowest = max(outcome.values, key=lambda v: v["cpu_s"])
-            profiled = sum(slowest["profiled"].values()) or 1.0
-            scale = slowest["cpu_s"] / profiled
-            columns[mode] = {cat: sec * scale / keys * 1e6 for cat, sec in slowest["profiled"].items()}
-            columns[mode]["total"] = slowest["cpu_s"] / keys * 1e6
-        if not columns:
-            continue
-        cats = [name for name, _ in bench_tasks.CATEGORIES] + ["other (benchmark, Python)"]
-        print(f"\n{size} ({keys} keys) {'':>28}" + "".join(f"{m:>10}" for m in columns))
-        for cat in cats + ["total"]:
-            if cat != "total" and not any(col.get(cat, 0.0) >= 0.05 for col in columns.values()):
-                continue
-            print(f"  {cat:<40}" + "".join(f"{col.get(cat, 0.0):10.1f}" for col in columns.values()), flush=True)
 
 
 def _memory(

@@ -14,15 +14,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-SIZES = {  # name -> (layers, blocks of layers, width): about 4M, 17M, 67M, 268M params; 10,000 and 50,000 small ones
+SIZES = {  # name -> (layers, blocks of layers, width): about 4M, 17M, 67M, 268M params; 2,000 to 50,000 small ones
     "4m": (4, 1, 1024),
     "17m": (4, 1, 2048),
     "67m": (4, 1, 4096),
     "268m": (4, 1, 8192),
+    "2k": (20, 50, 8),  # 50 FSDP units of 20 Linear(8, 8): 2,000 parameters (issue 48's comparison with torch)
     "10k": (50, 100, 4),  # 100 FSDP units of 50 Linear(4, 4): 10,000 parameters
     "50k": (50, 500, 4),  # 500 units of 50: 50,000 parameters
-    "2k": (50, 20, 4),  # 20 units of 50: 2,000 parameters (quick profiles)
 }
+# Models of many small parameters: their rows add the per-tensor floor (see clone_floor).
+MANY_KEYS = ("2k", "10k", "50k")
 # Built on the meta device and materialised after sharding: a rank never holds the whole model.
 ON_META = ("268m",)
 # FSDP1 layouts (``--fsdp1-sizes``), by the name they take in place of a mesh: use_orig_params.
@@ -193,28 +195,19 @@ def _resume(ctx, impl_name, model, opt, timer=None) -> None:
         shutil.rmtree(box[0], ignore_errors=True)
 
 
-def clone_floor(ctx, size: str, mesh: str = "4", reps: int = 3):
+def _clone_all(model, opt) -> None:
     """The per-tensor floor: one ``clone()`` of every local tensor (each
-    parameter's shard and its optimizer state values) in a Python loop; this
-    rank's ms per repetition."""
+    parameter's shard and its optimizer state values) in a Python loop."""
     from torch.distributed.tensor import DTensor
-
-    model, opt = _build(ctx, size, mesh)
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        for p in model.parameters():
-            local(p).clone()
-            for v in opt.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor):
-                    local(v).clone()
-        times.append((time.perf_counter() - start) * 1000)
-    return times
+    for p in model.parameters():
+        local(p).clone()
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor):
+                local(v).clone()
 
 
 def profile_resume(
@@ -284,7 +277,8 @@ def _floor(ctx, mode: str, model, opt, buf) -> None:
     agreement that makes bad input on one rank raise on all (SPEC OPT-ATOM-4),
     which torch's sharded set does not perform. full_get: every rank's state
     bytes gathered into rank 0 in one gloo call. bcast_set: the same bytes
-    scattered from rank 0 in one call. Other modes: one all-reduce.
+    scattered from rank 0 in one call. resume: DCP's own save and load of
+    the same state dicts (:func:`_dcp_floor`). Other modes: one all-reduce.
     """
     flag = torch.zeros(2, dtype=torch.int32)
     if mode in ("set", "flat_set"):
@@ -301,36 +295,59 @@ def _floor(ctx, mode: str, model, opt, buf) -> None:
             )
     elif mode in ("bcast_set", "bcast_both"):
         dist.scatter(buf, [torch.empty_like(buf) for _ in range(ctx.world_size)] if ctx.rank == 0 else None, src=0)
+    elif mode == "resume":
+        _dcp_floor(ctx, ctx.cache["floor_inputs"])
     else:
         dist.all_reduce(flag)
 
 
+def _dcp_floor(ctx, state: dict) -> None:
+    """DCP's own floor under a resume: plain ``dcp.save`` and ``dcp.load`` (DCP's
+    default planners, reader and writer) of the state dicts
+    ``hyperdsd.checkpoint`` saves, read beforehand: no state-dict conversion,
+    no validation, no commit."""
+    import torch.distributed.checkpoint as dcp
+
+    box = [tempfile.mkdtemp(prefix="bench-dcp-floor-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    dcp.save(state, checkpoint_id=box[0])
+    dcp.load(state, checkpoint_id=box[0])
+    dist.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+
+
 def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0, torch_too: bool = True):
-    """Alternate the two implementations and the floor, ``reps`` times each,
-    or fewer once ``budget_s`` is spent (one each at least); slowest rank's ms.
-    Without ``torch_too`` torch's op is not run (the floor still is, where
-    it is not torch's op)."""
+    """Alternate the two implementations and the floor (on the models of many
+    keys, the per-tensor floor too: ``clone``), ``reps`` times each, in a
+    rotating order, or fewer once ``budget_s`` is spent (one each at least);
+    slowest rank's ms. Without ``torch_too`` torch's op is not run (the floor
+    still is, where it is not torch's op)."""
     model, opt = _build(ctx, size, mesh)
     ctx.cache["mesh"] = mesh
     buf = _local_state(model, opt) if mode in ("full_get", "bcast_set", "bcast_both") else None
+    contenders = ["torch", "hyperdsd", "floor"] + (["clone"] if size in MANY_KEYS and mesh == "4" else [])
+    if not torch_too:
+        contenders.remove("torch")
+        if mode in ("set", "flat_set"):
+            contenders.remove("floor")  # torch's own op
     began = time.perf_counter()
-    times = {"torch": [], "hyperdsd": [], "floor": []}
-    orders = (("torch", "hyperdsd", "floor"), ("hyperdsd", "floor", "torch"), ("floor", "torch", "hyperdsd"))
+    times: dict[str, list[float]] = {name: [] for name in ("torch", "hyperdsd", "floor", "clone")}
     for r in range(reps):
         spent = torch.tensor([time.perf_counter() - began])
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops at the same repetition
         if r > 0 and spent.item() > budget_s:
             break
-        for name in orders[r % 3]:
-            if not torch_too and (name == "torch" or (name == "floor" and mode in ("set", "flat_set"))):
-                continue
-            inputs = _prepare(ctx, "torch" if name == "floor" else name, mode, model, opt)
+        for name in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
+            inputs = _floor_inputs(ctx, mode, model, opt) if name == "floor" else _prepare(ctx, name, mode, model, opt)
             ctx.cache["floor_inputs"] = inputs
             dist.barrier()
             with ctx.under_test(name):  # a rank that dies here names who killed it (bench.py reruns without torch)
                 start = time.perf_counter()
                 if name == "floor":
                     _floor(ctx, mode, model, opt, buf)
+                elif name == "clone":
+                    _clone_all(model, opt)
                 else:
                     _op(ctx, name, mode, model, opt, inputs)
                 elapsed = torch.tensor([time.perf_counter() - start])
@@ -339,6 +356,15 @@ def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float =
             del inputs
             ctx.cache.pop("floor_inputs", None)
     return times
+
+
+def _floor_inputs(ctx, mode: str, model, opt):
+    """What the floor takes (not timed): a set's, torch's inputs (its floor is
+    torch's op); a resume's, the state dicts ``hyperdsd.checkpoint.save`` saves."""
+    if mode == "resume":
+        msd, osd = _impl("hyperdsd").get_state_dict(model, opt)
+        return {"model": msd, "optim": osd}
+    return _prepare(ctx, "torch", mode, model, opt)
 
 
 def torch_once(ctx, size: str, mode: str, mesh: str) -> bool:
@@ -397,94 +423,3 @@ def memory(ctx, impl: str, size: str, mode: str, mesh: str):
         "peak_above_base_mib": (peak - base) / 1024,
         "own_state_mib": _state_bytes(model, opt) / 2**20,
     }
-
-
-# -- where a key's time goes -------------------------------------------------
-
-# Categories of the per-key breakdown, by the file (and for applying, the
-# function) a profiled function lives in. Built-in functions and torch's C
-# methods count in their caller's category.
-CATEGORIES = (
-    ("FQN index", ("hyperdsd/state/fqn.py",)),
-    (
-        "module/optimizer state_dict() (torch)",
-        ("torch/nn/modules/module.py", "torch/optim/", "torch/distributed/fsdp/", "torch/utils/hooks"),
-    ),
-    (
-        "checks (validation)",
-        (
-            "hyperdsd/state/model.py",
-            "hyperdsd/state/optimizer_load.py",
-            "hyperdsd/state/optimizer_input.py",
-            "hyperdsd/state/placeholders.py",
-            "hyperdsd/state/templates.py",
-            "hyperdsd/state/saved_templates.py",
-            "hyperdsd/api.py",
-        ),
-    ),
-    (
-        "plan objects (Prepared, layouts)",
-        ("hyperdsd/state/load_plan.py", "hyperdsd/state/load_checks.py", "hyperdsd/placement.py"),
-    ),
-    ("reading state (get)", ("hyperdsd/state/optimizer.py",)),
-    ("applying (copies, new state)", ()),
-    (
-        "DTensor dispatch and construction",
-        ("torch/distributed/tensor/", "torch/_dynamo", "torch/_compile", "torch/_ops", "torch/_library"),
-    ),
-    ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
-    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py")),
-    ("buckets: packing, regions", ("hyperdsd/transport/", "hyperdsd/agreement.py")),
-    ("object collectives (pickle)", ("object", "pickle")),
-    ("tensor collectives (waiting included)", ("torch/distributed/", "~:wait")),
-)
-_READ = {"read_state", "_entry_copy", "_own", "_param_fqn", "_same", "offload", "_to_cpu"}
-_APPLY = {"apply_load", "_loaded", "copy_into", "materialize", "receive", "redistribute", "_run_post_hooks"}
-
-
-def _category(path: str, fn: str) -> str:
-    if fn in _APPLY:
-        return "applying (copies, new state)"
-    if fn in _READ:
-        return "reading state (get)"
-    if "object" in fn or "pickle" in path or "pickle" in fn:
-        return "object collectives (pickle)"
-    for name, marks in CATEGORIES:
-        if any(m in path for m in marks if m not in ("object", "pickle", "~:wait")):
-            return name
-    if path == "~" and fn.endswith("wait>"):
-        return "tensor collectives (waiting included)"
-    return "other (benchmark, Python)"
-
-
-def breakdown(ctx, size: str, mode: str, mesh: str = "4"):
-    """hyperdsd's CPU time for one op on this rank (unprofiled) and its
-    profiled CPU time by category (seconds), built-ins counted in their
-    caller's category."""
-    import cProfile
-    import pstats
-
-    model, opt = _build(ctx, size, mesh)
-    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
-    _op(ctx, "hyperdsd", mode, model, opt, inputs)  # warm up
-    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
-    dist.barrier()
-    start = time.process_time()
-    _op(ctx, "hyperdsd", mode, model, opt, inputs)
-    cpu = time.process_time() - start
-    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
-    dist.barrier()
-    prof = cProfile.Profile(time.process_time)  # CPU time: the machine is shared
-    prof.enable()
-    _op(ctx, "hyperdsd", mode, model, opt, inputs)
-    prof.disable()
-    by_cat: dict[str, float] = {}
-    for (path, _, fn), (_, _, tt, _, callers) in pstats.Stats(prof).stats.items():
-        if path == "~" and callers and not fn.endswith("wait>"):
-            for (cpath, _, cfn), edge in callers.items():  # a built-in: its callers' categories, by share
-                cat = _category(cpath, cfn)
-                by_cat[cat] = by_cat.get(cat, 0.0) + edge[2]
-        else:
-            cat = _category(path, fn)
-            by_cat[cat] = by_cat.get(cat, 0.0) + tt
-    return {"rank": ctx.rank, "cpu_s": cpu, "profiled": by_cat}

@@ -18,11 +18,12 @@ from .files import (
     storage_info,
     tensor_archive,
 )
-from .fsdp1 import FSDP1_WRAPPED, Fsdp1Unit, fsdp1_reshard, fsdp1_unit, is_flat_param, is_fsdp1
+from .fsdp1 import FSDP1_WRAPPED, Fsdp1Unit, fsdp1_class, fsdp1_reshard, fsdp1_unit, is_flat_param, is_fsdp1
 from .modules import (
     LoadHooks,
     checkpoint_wrapper,
     child_modules,
+    fsdp2_class,
     fsdp2_reshard_hooks_off,
     fsdp2_sharded_params,
     has_extra_state,
@@ -40,6 +41,7 @@ from .modules import (
 from .tensors import (
     all_gather_into,
     collective_device,
+    copy_each,
     detached,
     distribute_locally,
     dtensor_local,
@@ -60,12 +62,15 @@ __all__ = [
     "checkpoint_wrapper",
     "child_modules",
     "collective_device",
+    "copy_each",
     "detached",
     "distribute_locally",
     "dtensor_local",
     "file_window",
+    "fsdp1_class",
     "fsdp1_reshard",
     "fsdp1_unit",
+    "fsdp2_class",
     "fsdp2_reshard_hooks_off",
     "fsdp2_sharded_params",
     "has_extra_state",

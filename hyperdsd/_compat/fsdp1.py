@@ -9,7 +9,7 @@ import torch
 
 
 @functools.cache
-def _fsdp1_class() -> type:
+def fsdp1_class() -> type:
     # Imported once: an import statement per module of a large model is measurable.
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -17,7 +17,7 @@ def _fsdp1_class() -> type:
 
 
 def is_fsdp1(module: torch.nn.Module) -> bool:
-    return isinstance(module, _fsdp1_class())
+    return isinstance(module, fsdp1_class())
 
 
 FSDP1_WRAPPED = "_fsdp_wrapped_module"  # the child FSDP1 hides from state-dict keys

@@ -54,7 +54,7 @@ def fsdp2_reshard_hooks_off(model: torch.nn.Module):
 
 
 @functools.cache
-def _fsdp2_class() -> type:
+def fsdp2_class() -> type:
     # Imported once: the index asks every module of a large model.
     from torch.distributed.fsdp import FSDPModule
 
@@ -71,7 +71,7 @@ def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module,
     attributes point; FSDP2 says where they are only through its parameter
     groups (``state_dict()``'s pre-hook finds them by resharding, which a get
     must not do)."""
-    if not isinstance(module, _fsdp2_class()):
+    if not isinstance(module, fsdp2_class()):
         return []
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)  # a list in newer torch, one group before
@@ -82,9 +82,9 @@ def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module,
     for group in groups:
         for fsdp_param in group.fsdp_params:
             info, sharded = fsdp_param._module_info, fsdp_param.sharded_param
-            places = [(info.module, info.param_name)]
-            places += list(zip(info.shared_modules, info.shared_param_names))
-            for owner, name in places:
+            if info.module._parameters.get(info.param_name) is not sharded:
+                found.append((info.module, info.param_name, sharded))
+            for owner, name in zip(info.shared_modules, info.shared_param_names):
                 if owner._parameters.get(name) is not sharded:
                     found.append((owner, name, sharded))
     return found

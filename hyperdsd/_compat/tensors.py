@@ -44,6 +44,13 @@ layout_token: Callable[[DTensor], object] = operator.attrgetter("_spec")
 dtensor_local: Callable[[DTensor], torch.Tensor] = operator.attrgetter("_local_tensor")
 
 
+def copy_each(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``dest.copy_(source)`` for each pair, in one call."""
+    # torch's foreach kernels are private; one call for thousands of small
+    # copies is a third of their time as Python calls.
+    torch._foreach_copy_(dests, sources)
+
+
 def version_of(t: torch.Tensor) -> int:
     # The in-place version counter is how we know whether anyone (DCP) wrote
     # into a placeholder tensor; there is no public accessor.

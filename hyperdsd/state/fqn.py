@@ -9,6 +9,8 @@ so that every lookup after is a dict access.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -54,43 +56,73 @@ class ModelIndex:
         self.modifiers_attr = modifiers_attr
         self.fqn_of: dict[nn.Parameter, str] = {}  # first canonical name
         self.param_of: dict[str, nn.Parameter] = {}  # every canonical name
+        # every canonical name -> its parameter's first: keyed by strings, so a
+        # lookup does not hash a tensor (Tensor.__hash__ is Python code)
+        self.first_name: dict[str, str] = {}
         self.aliases: dict[nn.Parameter, list[str]] = {}  # every name of a parameter that has several
         self._module_paths: dict[str, tuple[nn.Module, str]] = {"": (model, "")}
         # Every module in the order state_dict() visits it (depth first, a
         # module under two names twice), with its canonical key prefix ("" or
         # ending in a dot).
         self.modules: list[tuple[nn.Module, str]] = []
+        self.raw_prefixes: list[str] = []  # each of ``modules``' key prefix in ``model.state_dict()``
+        # Every parameter and persistent buffer in ``modules``' order (what a
+        # plain ``model.state_dict()`` holds, see ``reads_plainly``), each as the
+        # optimizer steps it; its canonical key and its key in ``state_dict()``.
+        self.tensors: list[torch.Tensor] = []
+        self.tensor_keys: list[str] = []
+        self.tensor_raw_keys: list[str] = []
         # Parameters FSDP2 left unsharded (after a forward, an ``unshard()``):
         # what the module holds by name is not what the optimizer steps.
         self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self.fsdp1_modules: list[tuple[nn.Module, str]] = []
-        fqn_of, aliases, param_of = self.fqn_of, self.aliases, self.param_of
+        self.renames = False  # a child hidden somewhere: canonical keys are not all ``state_dict()``'s
+        fqn_of, aliases, param_of, first_name = self.fqn_of, self.aliases, self.param_of, self.first_name
+        tensors, keys, raw_keys = self.tensors, self.tensor_keys, self.tensor_raw_keys
         # Depth first, parents before children, children in registration
         # order: a tied parameter's first name is the one state_dict() lists
         # first. An explicit stack: thousands of modules through nested
         # generators cost more than the rest of the index.
         stack = [(model, "", "")]
+        fsdp1_class, fsdp2_class = _compat.fsdp1_class(), _compat.fsdp2_class()  # (asked of every module)
         while stack:
             module, raw, canon = stack.pop()
             self.modules.append((module, canon))
-            if _compat.is_fsdp1(module):
+            self.raw_prefixes.append(raw)
+            if isinstance(module, fsdp1_class):
                 if not fsdp1:
                     raise FSDP1Model(f"module {raw[:-1] or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1)")
                 self.fsdp1_modules.append((module, raw))
-            for owner, name, sharded in _compat.fsdp2_sharded_params(module):
-                self._sharded.setdefault(owner, {})[name] = sharded
-            for name, param in self.own_parameters(module).items():
-                if param is None or (fsdp1 and _compat.is_flat_param(param)):
+            if isinstance(module, fsdp2_class):
+                for owner, name, sharded in _compat.fsdp2_sharded_params(module):
+                    self._sharded.setdefault(owner, {})[name] = sharded
+            for name, param in (
+                self.own_parameters(module) if self._sharded else _compat.own_parameters(module)
+            ).items():
+                if param is None:
                     continue
-                fqn = f"{canon}{name}"
+                fqn = canon + name
+                tensors.append(param)
+                keys.append(fqn)
+                raw_keys.append(raw + name)
+                if fsdp1 and _compat.is_flat_param(param):
+                    continue
                 first = fqn_of.setdefault(param, fqn)
                 if first is not fqn:  # tied: a second name
                     aliases.setdefault(param, [first]).append(fqn)
                 param_of[fqn] = param
+                first_name[fqn] = first
+            buffers, skip = _compat.own_buffers(module)
+            for name, buf in buffers.items():
+                if buf is not None and name not in skip:
+                    tensors.append(buf)
+                    keys.append(canon + name)
+                    raw_keys.append(raw + name)
             children = _compat.child_modules(module)
             if not children:
                 continue
             hidden = _hidden_children(module, modifiers_attr)
+            self.renames = self.renames or any(name in children for name in hidden)
             for name, child in reversed(children.items()):
                 if child is None:
                     continue
@@ -105,6 +137,16 @@ class ModelIndex:
         own = _compat.own_parameters(module)
         sharded = self._sharded.get(module)
         return own if sharded is None else {**own, **sharded}
+
+    @functools.cached_property
+    def reads_plainly(self) -> bool:
+        """Whether every module's state dict is its parameters and buffers
+        (:func:`hyperdsd._compat.module_state_hooks`): then it is read from
+        the modules directly, not through ``model.state_dict()``."""
+        for module, _prefix in self.modules:
+            if _compat.module_state_hooks(module) is None:
+                return False
+        return True
 
     @property
     def unsharded(self) -> bool:
@@ -165,8 +207,7 @@ class ModelIndex:
 
     def canonical(self, fqn: str) -> str | None:
         """The first canonical name of the parameter ``fqn`` names (any alias)."""
-        param = self.param_of.get(fqn)
-        return None if param is None else self.fqn_of[param]
+        return self.first_name.get(fqn)
 
 
 def optimizer_params(optimizers) -> tuple[torch.optim.Optimizer, ...]:

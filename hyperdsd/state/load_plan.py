@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compat import local_tensor
+from .._compat import copy_each, local_tensor
 from ..placement import DTensorLayout
 from ..tree import is_container, leaves
 
@@ -70,6 +70,15 @@ class Prepared:
             return self.source_dtensor.dtype
         return self.meta.dtype
 
+    def copied_into(self) -> torch.Tensor | None:
+        """Where a delivered piece is to be copied, when that is an existing
+        tensor (``dest``), taken as this value's data now (the caller copies);
+        None when the piece must be handed to :meth:`receive`."""
+        if self.landing is not None or self.dest is None:
+            return None
+        self.local = local_tensor(self.dest)
+        return self.local
+
     def receive(self, piece: torch.Tensor) -> None:
         """Take a delivered piece (a view into a transfer buffer)."""
         if self.landing is not None:
@@ -92,6 +101,15 @@ class ModelLoadPlan:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     claimed: set[str] = field(default_factory=set)
+    # Every value in place: the model's tensor it goes into, by raw key (as planned
+    # against); ``values`` holds the values themselves then, copied by ``copies``:
+    # (destination, source) local tensors, the pairs that are not the same memory;
+    # or a broadcast's receivers, each delivered into its tensor.
+    in_place: dict[str, torch.Tensor] = field(default_factory=dict)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (the modules' parameter and buffer registries then, and what they held: applying checks them unchanged)
+    registries: list[dict] = field(default_factory=list)
+    registered: tuple[list, list] = ([], [])
 
     def tensors(self) -> list[Prepared]:
         return [v for v in self.values.values() if isinstance(v, Prepared)]
@@ -103,6 +121,14 @@ class ParamLoad:
     param: torch.Tensor
     fqn: str
     entry: dict | None  # None: the parameter ends without state
+    # In place: the optimizer's own state entry (as planned against, nothing
+    # changes it before the plan is applied), when every value of ``entry`` goes
+    # into its tensor under the same key, no key added or dropped: applying
+    # leaves the entry as it is. ``entry`` holds the values themselves then,
+    # copied by the plan's ``copies``; or, ``received``, a broadcast's
+    # receivers, each delivered into its tensor.
+    into: dict | None = None
+    received: bool = False
 
 
 @dataclass
@@ -120,6 +146,8 @@ class OptimizerLoadPlan:
     # any rank sees state in any of them.
     together: list[list[str]] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)  # source FQNs this rank does not know
+    # (destination, source) local tensors of the loads in place, the pairs that are not the same memory
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def settle(self, answers: dict[str, bool]) -> None:
         """Drop the entries other ranks say nobody loaded (they stay fresh)."""
@@ -135,6 +163,8 @@ class OptimizerLoadPlan:
         """Every planned tensor, nested state (dicts and lists of tensors) included."""
         out = []
         for load in self.params:
+            if load.into is not None and not load.received:  # copies of local tensors, no planned tensor
+                continue
             for v in (load.entry or {}).values():
                 if isinstance(v, Prepared):
                     out.append(v)
@@ -156,15 +186,19 @@ def redistribute(prepared: Iterable[Prepared]) -> None:
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same view of the same storage (copying is a no-op)."""
-    if a is b:  # a piece delivered into the very tensor it loads (most of a broadcast load)
-        return True
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-        and a.device == b.device
-    )
+    # One call for storage, offset, sizes and strides: asked of each tensor
+    # to load, and five property reads of each (strides a list) cost 4x that.
+    return a is b or (a.is_set_to(b) and a.dtype == b.dtype)
+
+
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (destination, source) pair's source copied into its destination, all in one call."""
+    dests, sources = [], []
+    for dest, source in pairs:
+        dests.append(dest)
+        sources.append(source)
+    if dests:
+        copy_each(dests, sources)
 
 
 def copy_into(existing: torch.Tensor, prepared: Prepared) -> torch.Tensor:

@@ -7,6 +7,8 @@ parameters under each of their names, as PyTorch's own state dict has them.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from .fqn import ModelIndex
+from .in_place import Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
 from .load_checks import (
     Verdict,
     Verdicts,
@@ -27,9 +30,10 @@ from .load_checks import (
     planned,
     refused,
 )
-from .load_plan import ModelLoadPlan, Prepared, copy_into, materialize, redistribute, same_memory
+from .load_plan import ModelLoadPlan, Prepared, TensorMeta, copy_all, copy_into, materialize, redistribute, same_memory
 
 _EXTRA_STATE = "_extra_state"  # the key suffix of a module's extra state, which is not detached
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def read_state(model: torch.nn.Module, index: ModelIndex, ignore_frozen: bool) -> dict[str, Any]:
@@ -62,35 +66,50 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     # FSDP2's pre-hook (the only one allowed) would reshard what a forward
     # left unsharded; the index reads the sharded parameters where they are
     # instead, so that a get leaves the modules as it found them.
-    for module, _prefix in index.modules:
-        if _compat.module_state_hooks(module) is None:
-            return None
-    sd = {}
-    detached = _compat.detached
-    for module, prefix in index.modules:
-        for name, param in index.own_parameters(module).items():
-            if param is not None:
-                sd[prefix + name] = detached(param)
-        buffers, skip = _compat.own_buffers(module)
-        for name, buf in buffers.items():
-            if buf is not None and name not in skip:
-                sd[prefix + name] = detached(buf)
-    return sd
-
-
-def _prepare(value: Any, target: torch.Tensor, where: str, problems: list[str], verdicts: Verdicts) -> Prepared | None:
-    """Check one value against the model's tensor; return what to load (into
-    the tensor in place where it fits)."""
-    if not is_tensorish(value):
-        problems.append(f"{where}: a {type(value).__name__}, expected a tensor")
+    if not index.reads_plainly:
         return None
-    is_dtensor = isinstance(value, DTensor)
-    signature = (layout_key(value) if is_dtensor else full_signature(value), layout_key(target))
+    return dict(zip(index.tensor_keys, map(_compat.detached, index.tensors)))
+
+
+def _targets(model: torch.nn.Module, index: ModelIndex) -> tuple[dict[str, Any], dict[str, str]]:
+    """``model.state_dict(keep_vars=True)``, and its raw key by canonical key.
+
+    Read from the modules directly where that is all it could give and no
+    module is unsharded (before a load FSDP2's pre-hook reshards those)."""
+    if not index.reads_plainly or index.unsharded:
+        targets = model.state_dict(keep_vars=True)
+        return targets, {index.canonical_key(k): k for k in targets}
+    return dict(zip(index.tensor_raw_keys, index.tensors)), dict(zip(index.tensor_keys, index.tensor_raw_keys))
+
+
+def _targets_now(model: torch.nn.Module, index: ModelIndex) -> dict[str, Any]:
+    """``_targets``' first, read again (a plan is applied to the tensors the modules hold then)."""
+    if not index.reads_plainly or index.unsharded:
+        return model.state_dict(keep_vars=True)
+    targets = {}
+    for module, raw in zip((module for module, _ in index.modules), index.raw_prefixes):
+        params, (buffers, skip) = _compat.own_parameters(module), _compat.own_buffers(module)
+        targets.update((raw + name, param) for name, param in params.items() if param is not None)
+        targets.update((raw + name, buf) for name, buf in buffers.items() if buf is not None and name not in skip)
+    return targets
+
+
+def _prepare(value: Any, target: torch.Tensor, canon: str, problems: list[str], verdicts: Verdicts) -> Prepared | None:
+    """Check one value against the model's tensor under ``canon``; return what
+    to load (into the tensor in place where it fits)."""
+    cls = type(value)
+    if cls is DTensor:  # (a DTensor's layout_key, inline: called once per key of a model)
+        signature = (id(_compat.layout_token(value)), layout_key(target))
+    elif is_tensorish(value):
+        signature = (layout_key(value) if isinstance(value, DTensor) else full_signature(value), layout_key(target))
+    else:
+        problems.append(f"model[{canon!r}]: a {cls.__name__}, expected a tensor")
+        return None
     verdict = verdicts.get(signature)
     if verdict is None:
         verdict = verdicts[signature] = _judge(value, target, verdicts.layouts)
     if verdict.problem:
-        problems.append(f"{where}: {verdict.problem}")
+        problems.append(f"model[{canon!r}]: {verdict.problem}")
         return None
     return planned(verdict, value, _compat.local_tensor(target).device, target)
 
@@ -124,11 +143,15 @@ class _PlainLoads:
 
     def __init__(self, model: torch.nn.Module, index: ModelIndex):
         self._plain: set[str] = set()
+        self.everywhere = False  # every module loads plainly
         if not _compat.loads_by_copying(model):
             return
         own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
         for module, prefix in index.modules:
             own[prefix] = own.get(prefix, True) and _compat.loads_plainly(module)
+        if all(own.values()):
+            self._plain, self.everywhere = set(own), True
+            return
         self._plain = {prefix for prefix in own if own[prefix] and self._above_plain(prefix, own)}
 
     @staticmethod
@@ -152,11 +175,22 @@ def plan_load(
     if not isinstance(sd, dict):
         problems.append(f"the model state dict is a {type(sd).__name__}, expected a dict")
         return plan, problems
-    targets = model.state_dict(keep_vars=True)
-    raw_of = {index.canonical_key(k): k for k in targets}
-    matched: set[str] = set()
+    targets, raw_of = _targets(model, index)
     verdicts = Verdicts()
     loads_plainly = _PlainLoads(model, index)
+    # Read from the modules directly (no extra state, see _targets), every key
+    # the model's as it is named, every module loading by copying:
+    plain = index.reads_plainly and not index.unsharded and not index.renames and loads_plainly.everywhere
+    if plain and sd.keys() == targets.keys():
+        found = _in_place(sd, targets, verdicts)
+        if found is not None:
+            plan.copies, receivers = found
+            plan.values = dict(sd) if receivers is None else dict(zip(sd, receivers))
+            plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
+            plan.registries = [d for module, _ in index.modules for d in _registries(module)]
+            plan.registered = _registered(plan.registries)
+            return plan, problems
+    matched: set[str] = set()
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
         if canon not in raw_of:
@@ -167,7 +201,7 @@ def plan_load(
         plan.claimed.add(key)
         target = targets[raw]
         if isinstance(target, torch.Tensor):
-            prepared = _prepare(value, target, f"model[{canon!r}]", problems, verdicts)
+            prepared = _prepare(value, target, canon, problems, verdicts)
             if prepared is None:
                 continue
             if target.device.type == "meta":
@@ -199,11 +233,82 @@ def plan_load(
     return plan, problems
 
 
-def apply_load(model: torch.nn.Module, plan: ModelLoadPlan) -> None:
+def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list | None] | None:
+    """A load of ``sd`` (the model's own keys, not renamed) that puts each value
+    into the model's tensor under its key, checked a column at a time (of one
+    kind of value and of tensor: DTensors apart from plain ones, buffers): the
+    (destination, source) local tensors to copy, the pairs that are not the
+    same memory already; and, for a broadcast's stand-ins, their receivers in
+    ``sd``'s order (else None). None where any value does not land so (the
+    caller plans key by key, and words any problem)."""
+    values, dests = list(sd.values()), list(map(targets.__getitem__, sd))
+    kinds = set(zip(map(type, values), map(type, dests)))
+    if len(kinds) == 1:
+        columns = [list(range(len(values)))]
+    else:
+        by_kind: dict[tuple, list[int]] = {}
+        for i, kind in enumerate(zip(map(type, values), map(type, dests))):
+            by_kind.setdefault(kind, []).append(i)
+        columns = list(by_kind.values())
+    stand_ins = {value_kind for value_kind, _ in kinds} == {TensorMeta}
+    copies: Pairs = []
+    receivers: list = [None] * len(values)
+    for rows in columns:
+        column, existing = [values[i] for i in rows], [dests[i] for i in rows]
+        mine, theirs = signature_keys(column), layout_keys(existing)
+        if mine is None or theirs is None or (mine[1] is TensorMeta) != stand_ins:
+            return None
+        signatures = list(zip(mine[0], theirs[0]))
+
+        def judge(i: int, column=column, existing=existing) -> Verdict:
+            return _judge(column[i], existing[i], verdicts.layouts)
+
+        found = verdicts_of(signatures, verdicts, judge)
+        if found is None:
+            return None
+        if stand_ins:
+            devices = [_compat.local_tensor(target).device for target in existing]
+            got = column_receivers(column, existing, signatures, found, devices)
+            if got is None:
+                return None
+            for i, receiver in zip(rows, got):
+                receivers[i] = receiver
+            continue
+        pairs = column_copies(column, mine[1], existing, found)
+        if pairs is None:
+            return None
+        copies += pairs
+    return copies, receivers if stand_ins else None
+
+
+def _registries(module: torch.nn.Module) -> tuple[dict, dict]:
+    return _compat.own_parameters(module), _compat.own_buffers(module)[0]
+
+
+def _registered(registries: list[dict]) -> tuple[list, list]:
+    """What ``registries`` (modules' parameters and buffers by name) hold now: the names, the tensors."""
+    return list(itertools.chain.from_iterable(registries)), list(
+        itertools.chain.from_iterable(map(dict.values, registries))
+    )
+
+
+def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -> None:
     redistribute(plan.tensors())
     copy_in: dict[str, Any] = {}
     assign: dict[str, Any] = {}
-    targets = model.state_dict(keep_vars=True)
+    if plan.in_place:
+        names, tensors = _registered(plan.registries)
+        planned_names, planned_tensors = plan.registered
+        if (
+            names == planned_names
+            and len(tensors) == len(planned_tensors)
+            and all(map(operator.is_, tensors, planned_tensors))
+        ):
+            copy_all(plan.copies)  # every module holds what the plan was made against
+            return
+        # (a tensor of the model replaced since the plan was made: as any value, through load_state_dict)
+        plan.in_place = {}
+    targets = _targets_now(model, index)
     for raw, value in plan.values.items():
         if raw in plan.on_meta:
             assign[raw] = materialize(value)

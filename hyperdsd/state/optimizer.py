@@ -20,7 +20,7 @@ from ..tree import is_container, rebuild
 from .flat import GROUPS, STATE
 from .fqn import ModelIndex
 from .load_checks import fits
-from .load_plan import OptimizerLoadPlan, Prepared, copy_into, materialize, redistribute
+from .load_plan import OptimizerLoadPlan, Prepared, copy_all, copy_into, materialize, redistribute
 from .templates import stateless_template, template_state
 
 
@@ -111,10 +111,12 @@ def apply_load(plan: OptimizerLoadPlan) -> None:
     """Carry out a checked plan: state first, then group fields."""
     redistribute(plan.tensors())
     for load in plan.params:
-        current = load.opt.state.get(load.param)
         if load.entry is None:
             load.opt.state.pop(load.param, None)
             continue
+        if load.into is not None:  # each value into its own tensor (plan.copies, or delivered): the entry stays
+            continue
+        current = load.opt.state.get(load.param)
         new = {key: _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}
         if current is None:
             load.opt.state[load.param] = new
@@ -122,6 +124,7 @@ def apply_load(plan: OptimizerLoadPlan) -> None:
             for key in [k for k in current if k not in new]:
                 del current[key]
             current.update(new)
+    copy_all(plan.copies)
     for group, fields in plan.groups:
         for key, value in fields.items():
             old = group.get(key)

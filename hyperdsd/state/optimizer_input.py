@@ -18,7 +18,9 @@ import torch
 
 from .flat import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
-from .placeholders import Unwritten, is_template_value, unwritten_keys
+from .placeholders import Unwritten, any_placeholders, any_template_values, is_template_value, unwritten_keys
+
+_ALL_WRITTEN = Unwritten(frozenset(), False)  # an entry without placeholders: every key counts as written
 
 
 @dataclass
@@ -58,10 +60,12 @@ class UnwrittenKeys:
 
     def __init__(self):
         self._by_fqn: dict[str, Unwritten] = {}
+        # No template alive when the load began (the usual case): no entry holds a placeholder.
+        self.none = not any_placeholders()
 
     def __call__(self, fqn: str, entry: dict | None) -> Unwritten:
-        if not entry:
-            return Unwritten(set(), False)
+        if not entry or self.none:
+            return _ALL_WRITTEN
         found = self._by_fqn.get(fqn)
         if found is None:
             found = self._by_fqn[fqn] = unwritten_keys(entry)
@@ -104,13 +108,20 @@ def parse(osd: Any, index: ModelIndex, targets: list[TargetGroup], strict: bool,
 
 def _index_state(source: Source, index: ModelIndex) -> None:
     """The checkpoint's state by canonical name, and the canonical names of everything it lists."""
-    source.listed = {index.canonical(f) or f for s in source.groups for f in s.fqns}
-    for fqn, entry in source.state.items():
-        if isinstance(fqn, str) and isinstance(entry, dict):
-            canon = index.canonical(fqn)
-            if canon is not None and (canon not in source.by_name or fqn == canon):
-                source.by_name[canon] = entry
-    source.listed.update(f for f, e in source.by_name.items() if source.unwritten.lists(f, e))
+    source.listed = {f for s in source.groups for f in s.fqns}  # canonical as parsed
+    state = source.state
+    if set(map(type, state.values())) <= {dict} and list(map(index.first_name.get, state)) == list(state):
+        source.by_name = dict(state)  # (every key a parameter's canonical name, every entry a dict)
+    else:
+        for fqn, entry in state.items():
+            if isinstance(fqn, str) and isinstance(entry, dict):
+                canon = index.canonical(fqn)
+                if canon is not None and (canon not in source.by_name or fqn == canon):
+                    source.by_name[canon] = entry
+    if source.unwritten.none:  # an entry lists its parameter if it holds anything
+        source.listed.update(filter(source.by_name.__getitem__, source.by_name))
+    else:
+        source.listed.update(f for f, e in source.by_name.items() if source.unwritten.lists(f, e))
 
 
 def _from_nested(osd: Any, index: ModelIndex, targets: list[TargetGroup], problems: list[str]) -> Source | None:
@@ -244,12 +255,17 @@ def _from_flat(
 ) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
     state, fields, unknown = unflatten(osd, set(index.param_of))
+    templates = any_template_values()
 
     def listed(f: str) -> bool:
+        if unwritten.none and not templates:  # (no template alive: anything there lists it)
+            return bool(state.get(f) or fields.get(f))
         if unwritten.lists(f, state.get(f)):
             return True
         # Group fields count unless they are still the template's own objects
         # (DCP replaces every value it loads; some it copies even when not).
+        if not templates:
+            return bool(fields.get(f))
         values = list(fields.get(f, {}).values())
         return bool(values) and not any(is_template_value(v) for v in values)
 
@@ -262,7 +278,11 @@ def _from_flat(
         chosen = next((fields[f] for f in present if f in fields), {})
         for f in present:
             other = fields.get(f)
-            if other is not None and other is not chosen and _differs(other, chosen):
+            if other is None or other is chosen:
+                continue
+            if other.keys() == chosen.keys() and all(map(operator.is_, other.values(), chosen.values())):
+                continue  # one group's own values, as a get writes them
+            if _differs(other, chosen):
                 differing = sorted(k for k in set(other) | set(chosen) if _differs(other.get(k), chosen.get(k)))
                 if strict:
                     problems.append(

@@ -14,28 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch.distributed.tensor import DTensor
-
-from .. import _compat
-from ..placement import LayoutCache
-from ..tree import is_container
 from .fqn import ModelIndex
-from .load_checks import (
-    Verdict,
-    Verdicts,
-    accepted,
-    dtensor_layout,
-    dtensor_problem,
-    full_signature,
-    is_tensorish,
-    kind_differs,
-    layout_key,
-    planned,
-    refused,
-)
-from .load_plan import OptimizerLoadPlan, ParamLoad
+from .load_plan import OptimizerLoadPlan, ParamLoad, TensorMeta
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
+from .optimizer_values import EntryValues, steps_nonzero
 from .placeholders import has_placeholders
 from .saved_templates import step_is_zero
 from .templates import Expectations
@@ -83,16 +65,21 @@ def _prepare_all(
     # By the optimizer's position: what it expects, and its entries without step, (param, fqn, entry).
     expectations = [Expectations(opt) for opt in plan.optimizers]
     stepless: list[list[tuple]] = [[] for _ in plan.optimizers]
-    verdicts = Verdicts()
+    values = EntryValues(problems)
+    listed, by_name, unwritten = source.listed, source.by_name, source.unwritten
     for target, src in zip(targets, source.matched):
         if src is not None:
             plan.groups.append((target.group, {k: v for k, v in src.fields.items() if k not in _STRUCTURAL}))
         expectation = expectations[target.position]
-        for p, fqn in zip(target.group["params"], target.fqns):
-            if fqn not in source.listed:
+        values.start_group(target)
+        rest = zip(target.group["params"], target.fqns)
+        if not expectation.fresh and unwritten.none:
+            rest = _group_in_place(plan, values, target, by_name)
+        for p, fqn in rest:
+            if fqn not in listed:
                 continue  # not in the checkpoint: left as it is
-            entry = source.by_name.get(fqn)
-            skip, unknown = source.unwritten(fqn, entry)
+            entry = by_name.get(fqn)
+            skip, unknown = unwritten(fqn, entry)
             if entry and has_placeholders(entry):
                 plan.questions[fqn] = None if unknown else len(skip) < len(entry)
             written = {k: v for k, v in (entry or {}).items() if k not in skip}
@@ -115,23 +102,47 @@ def _prepare_all(
                     problems.append(
                         f"state[{fqn!r}] lacks {lacking} (the optimizer keeps {sorted(map(str, expected))})"
                     )
-            prepared = {
-                key: _prepare(
-                    value,
-                    p,
-                    key,
-                    target.group,
-                    expected.get(key) if expected else None,
-                    f"state[{fqn!r}][{key!r}]",
-                    problems,
-                    verdicts,
-                )
-                for key, value in written.items()
-            }
-            plan.params.append(ParamLoad(target.opt, p, fqn, prepared))
+            plan.params.append(ParamLoad(target.opt, p, fqn, values.prepared(p, fqn, written, expected)))
     for position, found in enumerate(stepless):
         if found:
             _ask_stepless(plan, expectations[position], found, f"\0optimizer {position}")
+
+
+def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: TargetGroup, by_name: dict) -> list:
+    """Plan, a column at a time, the loads of the group's parameters that the
+    checkpoint holds an entry for and the optimizer has one of its own, each
+    value into its own tensor (:meth:`EntryValues.in_place`): with ``step``
+    and none 0, they ask nothing of the other ranks (:meth:`OptimizerLoadPlan.settle`
+    keeps them). Returns the (parameter, FQN) pairs left to plan one by one."""
+    params, fqns = target.group["params"], target.fqns
+    entries = list(map(by_name.get, fqns))
+    owns = list(map(target.opt.state.get, params))
+    chosen = [i for i, (entry, own) in enumerate(zip(entries, owns)) if entry and own]
+    if not chosen:
+        return list(zip(params, fqns))
+    mine, theirs = [entries[i] for i in chosen], [params[i] for i in chosen]
+    columns = values.columns(theirs, mine, [owns[i] for i in chosen]) if steps_nonzero(mine) else None
+    if columns is None:
+        return list(zip(params, fqns))
+    kinds = {column.kind for column in columns}
+    if kinds == {TensorMeta}:  # a broadcast's: each value planned to be received in place
+        received = values.received(theirs, columns)
+        if received is None:
+            return list(zip(params, fqns))
+        plan.params += [
+            ParamLoad(target.opt, p, fqns[i], entry, owns[i], received=True)
+            for i, p, entry in zip(chosen, theirs, received)
+        ]
+    else:
+        copies = values.copies(columns) if TensorMeta not in kinds else None
+        if copies is None:
+            return list(zip(params, fqns))
+        plan.copies += copies
+        plan.params += [ParamLoad(target.opt, params[i], fqns[i], entries[i], owns[i]) for i in chosen]
+    if len(chosen) == len(params):
+        return []
+    taken = set(chosen)
+    return [(p, fqn) for i, (p, fqn) in enumerate(zip(params, fqns)) if i not in taken]
 
 
 def _ask_stepless(plan: OptimizerLoadPlan, expectation: Expectations, found: list[tuple], name: str) -> None:
@@ -154,89 +165,3 @@ def _ask_stepless(plan: OptimizerLoadPlan, expectation: Expectations, found: lis
     plan.questions.update(dict.fromkeys([name, *fqns], False))
     plan.confirm.update([name, *fqns])
     plan.together.append([name, *fqns])
-
-
-def _target_device(key: str, group: dict, value, param_device: torch.device) -> torch.device:
-    if key == "step" and not (group.get("capturable") or group.get("fused")):
-        return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
-    return param_device
-
-
-def _verdict(value, p, key: str, expected, verdicts: Verdicts) -> Verdict:
-    """The checks of a tensor state value (or stand-in) against its parameter
-    and the state the optimizer keeps, all of which depend on layouts, shapes
-    and dtypes alone: once per combination of them and ``step`` or not."""
-    mine = layout_key(value) if isinstance(value, DTensor) else full_signature(value)
-    signature = (mine, layout_key(p), layout_key(expected), key == "step")
-    verdict = verdicts.get(signature)
-    if verdict is None:
-        verdict = verdicts[signature] = _judge(value, p, key, expected, verdicts.layouts)
-    return verdict
-
-
-def _judge(value, p, key: str, expected, layouts: LayoutCache) -> Verdict:
-    if isinstance(value, DTensor):
-        if not isinstance(p, DTensor):
-            return refused(dtensor_problem(value, p, "the parameter"))
-        if problem := _value_problem(value, p, key, expected) or dtensor_problem(value, p, "the parameter"):
-            return refused(problem)
-        return accepted(value.dtype, *dtensor_layout(value, p, layouts), expected)
-    if problem := _value_problem(value, p, key, expected):
-        return refused(problem)
-    # A full value of the parameter's shape is sharded like it; scalars (step) stay plain.
-    shape = tuple(value.shape)
-    sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()
-    return accepted(value.dtype, layouts.of(p, contiguous=True) if sharded else None, False, expected)
-
-
-def _value_problem(value, p, key: str, expected) -> str:
-    """Why a tensor (or stand-in) cannot be ``p``'s state under ``key`` beside
-    ``expected``, the optimizer's own ("" if it can): its kind and shape."""
-    # State keeps its own dtype, but not of another kind: no integer moments for float parameters.
-    if key != "step" and kind_differs(value.dtype, p.dtype):
-        return f"dtype {value.dtype}, expected a floating-point dtype for the state of a {p.dtype} parameter"
-    shape = tuple(value.shape)
-    allowed = (tuple(expected.shape),) if isinstance(expected, torch.Tensor) else ((), tuple(p.shape))
-    if shape not in allowed:
-        want = " or ".join(str(a) for a in sorted(set(allowed)))
-        return f"shape {shape}, expected {want}"
-    return ""
-
-
-def _prepare(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
-    """Check one state value against its parameter and ``expected``, what the
-    optimizer keeps (or would create) under ``key``; return what to load.
-
-    Nested values (dicts, lists and tuples, as custom optimizers keep) are
-    checked leaf by leaf against the same place in ``expected``.
-    """
-    if isinstance(value, torch.Tensor):
-        return _prepare_leaf(value, p, key, group, expected, where, problems, verdicts)
-    if is_container(value) and isinstance(expected, torch.Tensor):
-        problems.append(f"{where}: a {type(value).__name__}, expected a tensor like the optimizer's")
-        return None
-    if type(value) is dict:
-        mine = expected if isinstance(expected, dict) else {}
-        return {
-            k: _prepare(v, p, key, group, mine.get(k), f"{where}[{k!r}]", problems, verdicts) for k, v in value.items()
-        }
-    if type(value) in (list, tuple):
-        mine = expected if isinstance(expected, (list, tuple)) and len(expected) == len(value) else [None] * len(value)
-        return type(value)(
-            _prepare(v, p, key, group, e, f"{where}[{i}]", problems, verdicts)
-            for i, (v, e) in enumerate(zip(value, mine))
-        )
-    return _prepare_leaf(value, p, key, group, expected, where, problems, verdicts)
-
-
-def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
-    if not is_tensorish(value):
-        if isinstance(expected, torch.Tensor):
-            problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
-        return value
-    verdict = _verdict(value, p, key, expected, verdicts)
-    if verdict.problem:
-        problems.append(f"{where}: {verdict.problem}")
-        return None
-    # loaded in place into the state tensor it replaces, where it fits
-    return planned(verdict, value, _target_device(key, group, value, _compat.local_tensor(p).device), expected)

@@ -60,6 +60,11 @@ def state_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def any_placeholders() -> bool:
+    """Whether any template's placeholder is alive in this process (if not, no entry holds one)."""
+    return bool(_placeholders)
+
+
 def has_placeholders(entry: dict) -> bool:
     if not _placeholders:  # no template alive in this process: the usual case, one check per entry
         return False
@@ -75,6 +80,11 @@ def _track_values(values: list, anchor: torch.Tensor) -> None:
 def _forget_values(ids: list[int]) -> None:
     for i in ids:
         _template_values.pop(i, None)
+
+
+def any_template_values() -> bool:
+    """Whether any flat template's group fields are alive in this process (if not, no value is one)."""
+    return bool(_template_values)
 
 
 def is_template_value(value: Any) -> bool:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from ..placement import DTensorLayout
-from ..tree import leaves, rebuild
+from ..tree import is_container, leaves, rebuild
 from . import collectives
 from .gather import Gatherer
 from .group import Group
@@ -71,24 +71,51 @@ def full_entries(
         if part:  # (one unit's keys: the same ranks hold them, and the same root gathers them)
             values.update(fill(part, root_of(next(iter(part)))))
     gatherer = Gatherer(cpu=cpu)
+    fixed = roots is None  # every key's root the same: asked once
+    root = (group.root if root_only else None) if fixed else None
     for key, value in values.items():
-        for sub, leaf in leaves(value):
-            if isinstance(leaf, DTensor):
-                gatherer.add((key, sub), leaf, root=root_of(key))
+        if not fixed:
+            root = root_of(key)
+        if type(value) is DTensor:  # (a model's entry, or a state dict's flat layout: no walk)
+            gatherer.add((key, ()), value, root=root)
+        elif type(value) is dict and not any(map(is_container, value.values())):  # AdamW's entries
+            for name, leaf in value.items():
+                if isinstance(leaf, DTensor):
+                    gatherer.add((key, (name,)), leaf, root=root)
+        else:
+            for sub, leaf in leaves(value):
+                if isinstance(leaf, DTensor):
+                    gatherer.add((key, sub), leaf, root=root)
     gathered = gatherer.run()
     kept: dict[str, Any] = {}
     for key, value in values.items():
-        root = root_of(key)
+        if not fixed:
+            root = root_of(key)
         if root is not None and root != me:
             continue
-
-        def full(leaf: Any, sub: tuple, key=key) -> Any:
-            if isinstance(leaf, DTensor):
-                return gathered[(key, sub)]
-            return _to_cpu(leaf) if cpu and isinstance(leaf, torch.Tensor) else leaf
-
-        kept[key] = rebuild(value, full)
+        kept[key] = _full(key, value, gathered, cpu)
     return kept, roots
+
+
+def _full(key: str, value: Any, gathered: dict, cpu: bool) -> Any:
+    """``value`` with each DTensor replaced by its full tensor (gathered under
+    (``key``, its path)), and, with ``cpu``, each other tensor on the CPU."""
+    if type(value) is DTensor:
+        return gathered[(key, ())]
+    if type(value) is dict and not any(map(is_container, value.values())):
+        return {
+            name: gathered[(key, (name,))] if isinstance(leaf, DTensor) else _kept(leaf, cpu)
+            for name, leaf in value.items()
+        }
+
+    def full(leaf: Any, sub: tuple) -> Any:
+        return gathered[(key, sub)] if isinstance(leaf, DTensor) else _kept(leaf, cpu)
+
+    return rebuild(value, full)
+
+
+def _kept(leaf: Any, cpu: bool) -> Any:
+    return _to_cpu(leaf) if cpu and isinstance(leaf, torch.Tensor) else leaf
 
 
 def full_model(sd: dict[str, Any], group: Group, *, cpu: bool, stages: list | None = None) -> dict[str, Any]:

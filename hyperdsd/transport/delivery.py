@@ -12,7 +12,7 @@ holds its own state plus one bucket in flight.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -44,6 +44,8 @@ class Receiver(Protocol):
 
     def receive(self, piece: torch.Tensor) -> None: ...
 
+    def copied_into(self) -> torch.Tensor | None: ...
+
 
 # Who uses each of the root's tensors: mostly one receiver, kept as itself;
 # a tuple only for a tensor loaded into several places. A list per tensor
@@ -62,31 +64,47 @@ def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None]
     needs: list[Need | None] = [None] * len(metas)
     users: Users = [None] * len(metas)
     cut: set[int] = set()
-    regions: dict[tuple, Need] = {}  # tensors of one layout and shape need the same region: computed once
+    # Tensors of one layout and shape need the same region: computed once, by
+    # the layout object first (a plan shares one per distinct layout), then by value.
+    by_layout: dict[int, tuple[Need, bool]] = {}
+    regions: dict[tuple, Need] = {}
     for p in prepared:
         i = p.meta.index
         if p.landing is not None:  # the one user of its root tensor (see Landing)
             if p.landing.need is not None:
                 needs[i], users[i] = p.landing.need, p
             continue
-        if p.layout is not None and p.layout.simple:
-            key = (p.layout.mesh, p.layout.placements, tuple(p.layout.shape))
-            need = regions.get(key)
-            if need is None:
-                need = regions[key] = Need.of_layout(p.layout)
-        else:
-            key = ("whole", p.meta.shape)
-            need = regions.get(key)
-            if need is None:
-                need = regions[key] = Need.whole(p.meta.shape)
-            if p.layout is not None:
-                cut.add(i)  # a layout DTensor cuts itself (strided shards)
+        layout = p.layout
+        found = by_layout.get(id(layout)) if layout is not None else None
+        if found is None:
+            found = _region(layout, p.meta.shape, regions)
+            if layout is not None:
+                by_layout[id(layout)] = found
+        need, cuts = found
+        if cuts:
+            cut.add(i)  # a layout DTensor cuts itself (strided shards)
         if needs[i] is not None and needs[i] != need:
             need = Need.whole(p.meta.shape)  # used twice with different regions: take it whole
             cut.add(i)
         needs[i] = need
         users[i] = p if users[i] is None else users_of(users, i) + (p,)
     return needs, users, cut
+
+
+def _region(layout: DTensorLayout | None, shape, regions: dict[tuple, Need]) -> tuple[Need, bool]:
+    """What a receiver of ``layout`` (None: a plain tensor) needs of a root tensor
+    of ``shape``, and whether it cuts its own region from the whole tensor."""
+    if layout is not None and layout.simple:
+        key = (layout.mesh, layout.placements, tuple(layout.shape))
+        need = regions.get(key)
+        if need is None:
+            need = regions[key] = Need.of_layout(layout)
+        return need, False
+    key = ("whole", shape)
+    need = regions.get(key)
+    if need is None:
+        need = regions[key] = Need.whole(shape)
+    return need, layout is not None
 
 
 def deliver(
@@ -117,6 +135,22 @@ def deliver(
         for p in users_of(users, i):
             p.receive(p.layout.local_from_full(piece) if p.layout is not None and i in cut else piece)
 
+    def receive_run(members: Sequence[int], block: torch.Tensor) -> None:
+        """A run's pieces, stacked in ``members``' order: those whose one receiver
+        copies its piece into an existing tensor copied in one call, the others
+        handed over one by one."""
+        dests, pieces = [], []
+        for i, piece in zip(members, block.unbind(0)):
+            u = users[i]
+            target = u.copied_into() if type(u) is not tuple and i not in cut else None
+            if target is None:
+                receive(i, piece)
+            else:
+                dests.append(target)
+                pieces.append(piece)
+        if dests:
+            _compat.copy_each(dests, pieces)
+
     def target_for(i: int) -> torch.Tensor | None:
         """Where a large piece can be received in place: its one user's destination."""
         u = users[i]
@@ -127,5 +161,13 @@ def deliver(
         return None if u.dest is None else _compat.local_tensor(u.dest)
 
     scatter_from_root(
-        metas, fulls, needs, device, on_piece=receive, target_for=target_for, everyone_needs=everyone_needs, group=group
+        metas,
+        fulls,
+        needs,
+        device,
+        on_piece=receive,
+        target_for=target_for,
+        everyone_needs=everyone_needs,
+        group=group,
+        on_run=receive_run,
     )

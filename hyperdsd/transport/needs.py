@@ -83,9 +83,15 @@ class PackedNeeds(Sequence):
 
     def __init__(self, needs: Sequence[Need | None]):
         table: dict[Need, int] = {}
+        # Needs repeat as objects (a plan shares one per layout): each object's
+        # place looked up by identity, the value hashed once per object.
+        by_id: dict[int, int] = {id(None): -1}
         index = array("i")
         for need in needs:
-            index.append(-1 if need is None else table.setdefault(need, len(table)))
+            j = by_id.get(id(need))
+            if j is None:
+                j = by_id[id(need)] = table.setdefault(need, len(table))
+            index.append(j)
         self.table = list(table)
         self.index = index
 

@@ -45,8 +45,10 @@ class Scatterer:
     ``everyone``: needs by group rank) and call
     :meth:`run`. With ``on_piece``, each piece is handed over as a view into
     the bucket as it arrives (copy what you keep), so a rank holds its own
-    state plus one bucket; without it, pieces are returned. ``target_for``
-    names where a large piece may be received in place.
+    state plus one bucket; without it, pieces are returned. ``on_run``,
+    beside it, takes a run's pieces at once, stacked (one view of the
+    bucket), in the order of the tensors it names. ``target_for`` names where
+    a large piece may be received in place.
     """
 
     def __init__(
@@ -59,8 +61,10 @@ class Scatterer:
         on_piece: Callable[[int, torch.Tensor], None] | None = None,
         target_for: Callable[[int], torch.Tensor | None] | None = None,
         group: Group | None = None,
+        on_run: Callable[[Sequence[int], torch.Tensor], None] | None = None,
     ):
         self.group = group or world()
+        self.on_run = on_run
         self.metas = metas
         self.fulls = fulls
         self.everyone = everyone
@@ -71,12 +75,23 @@ class Scatterer:
         self.world = self.group.size
         self.me = self.group.index
         self.out: list[torch.Tensor | None] = [None] * len(metas)
+        self._sizes: list[int] = []  # bytes of each tensor, see run
+
+    def _nbytes(self, i: int) -> int:
+        """Bytes of the root's tensor ``i``."""
+        return self._sizes[i]
 
     def run(self) -> list[torch.Tensor | None]:
-        direct = [i for i in range(len(self.metas)) if self.world > 1 and self._direct(i)]
+        # Bytes of each tensor: worked out once per distinct (shape, dtype) object (the manifest shares them).
+        objects = list(map(id, self.metas))
+        of_object = {k: math.prod(m.shape) * m.dtype.itemsize for k, m in dict(zip(objects, self.metas)).items()}
+        self._sizes = list(map(of_object.__getitem__, objects))
+        # Only a large tensor can move on its own: most of a model of many small tensors are not.
+        large = [i for i, n in enumerate(self._sizes) if n >= DIRECT_BYTES] if self.world > 1 else []
+        direct = [i for i in large if self._direct(i)]
         for i in direct:
             self._scatter_one(i)
-        runs = [i for i in range(len(self.metas)) if self.world > 1 and self._runs_apart(i)]
+        runs = [i for i in large if self._runs_apart(i)]
         self._send_runs(runs)
         skip = set(direct) | set(runs)
         # A range, not a list, when nothing went direct (tens of thousands of small tensors).
@@ -113,20 +128,23 @@ class Scatterer:
         metas and needs, by value, in index order.
         """
         packed = all(isinstance(e, PackedNeeds) for e in self.everyone)
-        indexes = [e.index for e in self.everyone] if packed else []
+        # each tensor's needs, rank by rank: what every rank packed (a region's number), or the regions
+        per_rank = list(zip(*(e.index for e in self.everyone))) if packed else None
+        # each distinct (shape, dtype) by a number: by value (never by object identity: the
+        # root's own objects are other than the copies the other ranks received), asked once per object
+        codes: dict[int, int] = {}
+        by_value: dict[tuple, int] = {}
         runs: dict[Any, list[int]] = {}
+        sizes = self._sizes
         for i in indices:
-            shape, dtype = self.metas[i]
-            if math.prod(shape) * dtype.itemsize > _STACKED_BYTES:
+            if sizes[i] > _STACKED_BYTES:
                 key: Any = ("alone", i)
             else:
-                # Never by object identity: the root's own needs may be other
-                # objects than the copies the other ranks received.
-                key = (
-                    shape,
-                    dtype,
-                    tuple([ix[i] for ix in indexes]) if packed else tuple([e[i] for e in self.everyone]),
-                )
+                meta = self.metas[i]
+                code = codes.get(id(meta))
+                if code is None:
+                    code = codes[id(meta)] = by_value.setdefault(tuple(meta), len(by_value))
+                key = (code, per_rank[i] if packed else tuple([e[i] for e in self.everyone]))
             members = runs.get(key)
             if members is None:
                 runs[key] = [i]
@@ -143,7 +161,7 @@ class Scatterer:
     def _direct(self, i: int) -> bool:
         """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
         shape, dtype = self.metas[i]
-        if math.prod(shape) * dtype.itemsize < DIRECT_BYTES:
+        if self._nbytes(i) < DIRECT_BYTES:
             return False  # no piece can be large: most tensors of a model with many parameters
         sizes = set()
         for needs in self.everyone:
@@ -158,8 +176,7 @@ class Scatterer:
     def _runs_apart(self, i: int) -> bool:
         """Every rank that needs tensor ``i`` needs a run of its elements (an
         FSDP1 flat shard's part), and it is large: the runs go point to point."""
-        shape, dtype = self.metas[i]
-        if math.prod(shape) * dtype.itemsize < DIRECT_BYTES:
+        if self._nbytes(i) < DIRECT_BYTES:
             return False
         needs = [e[i] for e in self.everyone]
         return any(n is not None for n in needs) and all(n is None or n.flat for n in needs)
@@ -271,6 +288,14 @@ class Scatterer:
             if n < 0:
                 continue
             shape = self.everyone[self.me][members[0]].shape()
+            if self.on_run is not None and n > 0:
+                self.on_run(
+                    members,
+                    from_bytes(
+                        recv[off : off + len(members) * n], self.metas[members[0]].dtype, [len(members), *shape]
+                    ),
+                )
+                continue
             for i in members:
                 self._deliver(i, from_bytes(recv[off : off + n], self.metas[i].dtype, shape), view=True)
                 off += n
@@ -326,6 +351,7 @@ def scatter_from_root(
     target_for: Callable[[int], torch.Tensor | None] | None = None,
     everyone_needs: Sequence[Sequence[Need | None]] | None = None,
     group: Group | None = None,
+    on_run: Callable[[Sequence[int], torch.Tensor], None] | None = None,
 ) -> list[torch.Tensor | None]:
     """Deliver to every rank of ``group`` (default: the world) the regions it
     needs of tensors only the group's root holds.
@@ -336,4 +362,4 @@ def scatter_from_root(
     ``everyone_needs``), then :class:`Scatterer` moves the pieces.
     """
     everyone = everyone_needs if everyone_needs is not None else exchange(PackedNeeds(needs), group)
-    return Scatterer(metas, fulls, everyone, device, bucket_bytes, on_piece, target_for, group).run()
+    return Scatterer(metas, fulls, everyone, device, bucket_bytes, on_piece, target_for, group, on_run).run()

@@ -1,0 +1,124 @@
+"""Loads that land in the tensors they replace, checked a column at a time.
+
+Loading a state dict into the model or optimizer it came from (a sharded
+set, or a resume whose DCP template was filled in place) puts each value
+into the tensor it replaces: same layout, dtype and local shape. Tens of
+thousands of small tensors share a handful of layouts, so what decides each
+verdict (:mod:`.load_checks`) is computed for a whole column of values (one
+state key across an optimizer group's parameters, or a model's tensors of
+one class) with ``map`` and ``zip``, not statement by statement per value,
+and each distinct signature is judged once. Whatever does not land in place
+(another class, a layout that moves, a problem to word) is left to the
+callers' value-by-value planning, which the verdicts here agree with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import _compat
+from .load_checks import Verdict, Verdicts
+from .load_plan import Prepared, TensorMeta
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_IS_META = operator.attrgetter("is_meta")
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) local tensors
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def layout_keys(tensors: Sequence[Any]) -> tuple[list, type] | None:
+    """:func:`~.load_checks.layout_key` of each of ``tensors`` and their kind
+    (DTensor, or Tensor for plain tensors and parameters), where all are of
+    one kind, exactly; None otherwise."""
+    classes = set(map(type, tensors))
+    if classes == {DTensor}:
+        return list(map(id, map(_compat.layout_token, tensors))), DTensor
+    if classes <= _PLAIN:
+        return list(zip(map(tuple, map(_SHAPE, tensors)), map(_DTYPE, tensors))), torch.Tensor
+    return None
+
+
+def signature_keys(values: Sequence[Any]) -> tuple[list, type] | None:
+    """What stands for each of ``values`` in a verdict's signature, as the
+    value-by-value checks have it (``layout_key`` of a DTensor,
+    ``full_signature`` of a plain tensor or a stand-in), and their kind;
+    None where they are not all of one kind."""
+    if set(map(type, values)) == {TensorMeta}:  # a broadcast's stand-ins
+        return list(zip(itertools.repeat(TensorMeta), map(_SHAPE, values), map(_DTYPE, values))), TensorMeta
+    found = layout_keys(values)
+    if found is None or found[1] is DTensor:
+        return found
+    return [(cls, *key) for cls, key in zip(map(type, values), found[0])], torch.Tensor
+
+
+def verdicts_of(
+    signatures: list[tuple], verdicts: Verdicts, judge: Callable[[int], Verdict]
+) -> dict[tuple, Verdict] | None:
+    """The verdict of each distinct signature, each judged once (``judge(i)``:
+    of the ``i``-th value, the first with that signature) or taken from
+    ``verdicts``; None where one is not a value loaded in place, as is."""
+    found = {}
+    # each distinct signature with the index of its first value
+    for signature, first in dict(zip(reversed(signatures), range(len(signatures) - 1, -1, -1))).items():
+        verdict = verdicts.get(signature)
+        if verdict is None:
+            verdict = verdicts[signature] = judge(first)
+        if verdict.problem or verdict.moves or not verdict.fits:
+            return None
+        found[signature] = verdict
+    return found
+
+
+def column_copies(
+    values: Sequence[Any], cls: type, existing: Sequence[Any], verdicts: dict[tuple, Verdict]
+) -> Pairs | None:
+    """(destination, source) local tensors for ``values`` (all of kind
+    ``cls``) landing in ``existing``'s tensors, one to one, their verdicts
+    ``verdicts`` (accepted, in place): the pairs that are not the same memory
+    already. None where a value would not land as it is: a full tensor cut
+    for a DTensor first, or local shapes that differ."""
+    wrapped = cls is DTensor
+    if any((verdict.layout is not None) != wrapped for verdict in verdicts.values()):
+        return None  # (a full tensor planned into a DTensor is cut first)
+    sources = list(map(_compat.dtensor_local, values)) if wrapped else list(values)
+    dests = list(map(_compat.dtensor_local, existing)) if wrapped else list(existing)
+    if any(map(_IS_META, dests)):
+        return None  # (a model built on the meta device is assigned its values, not copied into)
+    # The verdicts say the dtypes match: the same storage, offset, sizes and strides is the same memory.
+    same = list(map(torch.Tensor.is_set_to, sources, dests))
+    if all(same):
+        return []
+    pairs = [(dest, source) for dest, source, alike in zip(dests, sources, same) if not alike]
+    if not all(map(operator.eq, map(_SHAPE, (d for d, _ in pairs)), map(_SHAPE, (s for _, s in pairs)))):
+        return None
+    return pairs
+
+
+def column_receivers(
+    values: Sequence[TensorMeta],
+    existing: Sequence[Any],
+    signatures: Sequence[tuple],
+    verdicts: dict[tuple, Verdict],
+    devices: Iterable[torch.device],
+) -> list[Prepared] | None:
+    """A broadcast's stand-ins ``values``, each planned to be received into
+    ``existing``'s tensor (its verdict by its signature, accepted in place):
+    None where a local shape is not that tensor's (the caller plans anew)."""
+    layouts = [verdicts[s].layout for s in signatures]
+    wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
+    dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
+    if any(map(_IS_META, dests)) or list(map(tuple, map(_SHAPE, dests))) != list(map(tuple, wants)):
+        return None  # (a model built on the meta device is assigned its values)
+    return [
+        Prepared(layout, device, meta=meta, dest=target)
+        for layout, device, meta, target in zip(layouts, devices, values, existing)
+    ]

@@ -1,0 +1,131 @@
+"""Where a key's time goes in ``python -m tools.bench``: hyperdsd's CPU time
+per key on the slowest rank, by category of the code it runs (cProfile's
+shares, scaled to the unprofiled CPU time of the same op)."""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from hyperdsd.testing import Status
+from tools import bench_tasks
+from tools.bench_tasks import _build, _op, _prepare
+
+# Categories of the per-key breakdown, by the file (and for applying, the
+# function) a profiled function lives in. Built-in functions and torch's C
+# methods count in their caller's category.
+CATEGORIES = (
+    ("FQN index", ("hyperdsd/state/fqn.py",)),
+    (
+        "module/optimizer state_dict() (torch)",
+        ("torch/nn/modules/module.py", "torch/optim/", "torch/distributed/fsdp/", "torch/utils/hooks"),
+    ),
+    (
+        "checks (validation)",
+        (
+            "hyperdsd/state/model.py",
+            "hyperdsd/state/optimizer_load.py",
+            "hyperdsd/state/optimizer_input.py",
+            "hyperdsd/state/placeholders.py",
+            "hyperdsd/state/templates.py",
+            "hyperdsd/state/saved_templates.py",
+            "hyperdsd/api.py",
+        ),
+    ),
+    (
+        "plan objects (Prepared, layouts)",
+        ("hyperdsd/state/load_plan.py", "hyperdsd/state/load_checks.py", "hyperdsd/placement.py"),
+    ),
+    ("reading state (get)", ("hyperdsd/state/optimizer.py",)),
+    ("applying (copies, new state)", ()),
+    (
+        "DTensor dispatch and construction",
+        ("torch/distributed/tensor/", "torch/_dynamo", "torch/_compile", "torch/_ops", "torch/_library"),
+    ),
+    ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
+    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py")),
+    ("buckets: packing, regions", ("hyperdsd/transport/", "hyperdsd/agreement.py")),
+    ("object collectives (pickle)", ("object", "pickle")),
+    ("tensor collectives (waiting included)", ("torch/distributed/", "~:wait")),
+)
+_READ = {"read_state", "_entry_copy", "_own", "_param_fqn", "_same", "offload", "_to_cpu"}
+_APPLY = {"apply_load", "_loaded", "copy_into", "materialize", "receive", "redistribute", "_run_post_hooks"}
+
+
+def _category(path: str, fn: str) -> str:
+    if fn in _APPLY:
+        return "applying (copies, new state)"
+    if fn in _READ:
+        return "reading state (get)"
+    if "object" in fn or "pickle" in path or "pickle" in fn:
+        return "object collectives (pickle)"
+    for name, marks in CATEGORIES:
+        if any(m in path for m in marks if m not in ("object", "pickle", "~:wait")):
+            return name
+    if path == "~" and fn.endswith("wait>"):
+        return "tensor collectives (waiting included)"
+    return "other (benchmark, Python)"
+
+
+def breakdown(ctx, size: str, mode: str, mesh: str = "4"):
+    """hyperdsd's CPU time for one op on this rank (unprofiled) and its
+    profiled CPU time by category (seconds), built-ins counted in their
+    caller's category."""
+    import cProfile
+    import pstats
+
+    model, opt = _build(ctx, size, mesh)
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    _op(ctx, "hyperdsd", mode, model, opt, inputs)  # warm up
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    dist.barrier()
+    start = time.process_time()
+    _op(ctx, "hyperdsd", mode, model, opt, inputs)
+    cpu = time.process_time() - start
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    dist.barrier()
+    prof = cProfile.Profile(time.process_time)  # CPU time: the machine is shared
+    prof.enable()
+    _op(ctx, "hyperdsd", mode, model, opt, inputs)
+    prof.disable()
+    by_cat: dict[str, float] = {}
+    for (path, _, fn), (_, _, tt, _, callers) in pstats.Stats(prof).stats.items():
+        if path == "~" and callers and not fn.endswith("wait>"):
+            for (cpath, _, cfn), edge in callers.items():  # a built-in: its callers' categories, by share
+                cat = _category(cpath, cfn)
+                by_cat[cat] = by_cat.get(cat, 0.0) + edge[2]
+        else:
+            cat = _category(path, fn)
+            by_cat[cat] = by_cat.get(cat, 0.0) + tt
+    return {"rank": ctx.rank, "cpu_s": cpu, "profiled": by_cat}
+
+
+def table(pools, sizes: list[str], modes: list[str]) -> None:
+    from hyperdsd.testing import Task
+
+    print(
+        "\nwhere a key's time goes: hyperdsd's CPU time per key (us), slowest rank; "
+        "cProfile shares scaled to the unprofiled CPU time"
+    )
+    for size in sizes:
+        keys = bench_tasks.keys_of(size)
+        columns: dict[str, dict[str, float]] = {}
+        for mode in modes:
+            outcome = pools.run(4, Task(breakdown, {"size": size, "mode": mode}), 3600)
+            if outcome.status != Status.PASSED:
+                print(f"{size} {mode}: failed: {outcome.describe()[:300]}")
+                continue
+            slowest = max(outcome.values, key=lambda v: v["cpu_s"])
+            profiled = sum(slowest["profiled"].values()) or 1.0
+            scale = slowest["cpu_s"] / profiled
+            columns[mode] = {cat: sec * scale / keys * 1e6 for cat, sec in slowest["profiled"].items()}
+            columns[mode]["total"] = slowest["cpu_s"] / keys * 1e6
+        if not columns:
+            continue
+        cats = [name for name, _ in CATEGORIES] + ["other (benchmark, Python)"]
+        print(f"\n{size} ({keys} keys) {'':>28}" + "".join(f"{m:>10}" for m in columns))
+        for cat in cats + ["total"]:
+            if cat != "total" and not any(col.get(cat, 0.0) >= 0.05 for col in columns.values()):
+                continue
+            print(f"  {cat:<40}" + "".join(f"{col.get(cat, 0.0):10.1f}" for col in columns.values()), flush=True)
