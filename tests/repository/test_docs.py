@@ -179,7 +179,7 @@ def test_every_name_a_document_gives_exists():
 def test_the_name_check_finds_what_is_missing():
     text = (
         "See `tools/no_such_tool.py`, [the guide](ADAPTERS.md#no-such-heading), `gone_module.py`,\n"
-        "`hyperdsd.no_such_module`, and run `python -m tools.no_such_module`; but `tools/bench.py`,\n"
+        "`hyperdsd.no_such_module`, and run `python -m tools.no_such_module`; but `tools/benchmarks/bench.py`,\n"
         "[its anchor](PERFORMANCE.md#the-suites-own-speed), `helpers.py`, `hyperdsd.checkpoint.Manager`\n"
         "and conformance/found/ exist, and `conformance/found/<hash>.json` is a pattern.\n"
     )

@@ -39,12 +39,13 @@ time per key of the slowest rank, by category (cProfile shares scaled to the
 unprofiled CPU time). Then peak resident memory, per implementation in its
 own processes, in the full and broadcast modes (FSDP1: the full get).
 
-    python -m tools.bench                      # everything: hours on 2 shared cores (torch on the 10k and 50k models)
-    python -m tools.bench --reps 3 --budget 60 # fewer repetitions: still over an hour
-    python -m tools.bench --sizes 4m --reps 3 --no-memory --no-breakdown
-    python -m tools.bench --sizes 10k --modes get,set --no-memory --breakdown-sizes 10k
-    python -m tools.bench --sizes 2k --modes set,flat_set --hsdp-sizes "" --fsdp1-sizes "" --no-memory --no-breakdown
-    python -m tools.bench --sizes 10k,50k --modes resume --resume-50k --reps 3 --no-memory --no-breakdown
+    python -m tools.benchmarks.bench                       # everything: hours on 2 shared cores
+    python -m tools.benchmarks.bench --reps 3 --budget 60 # fewer repetitions: still over an hour
+    python -m tools.benchmarks.bench --sizes 4m --reps 3 --no-memory --no-breakdown
+    python -m tools.benchmarks.bench --sizes 10k --modes get,set --no-memory --breakdown-sizes 10k
+    python -m tools.benchmarks.bench --sizes 2k --modes set,flat_set --hsdp-sizes "" --fsdp1-sizes "" \
+        --no-memory --no-breakdown
+    python -m tools.benchmarks.bench --sizes 10k,50k --modes resume --resume-50k --reps 3 --no-memory --no-breakdown
 
 ``--torch-skip SIZE:MODE,...`` leaves torch out where it takes many minutes
 per repetition (by default: full get and broadcast sets on the 50k model;
@@ -52,8 +53,8 @@ per repetition (by default: full get and broadcast sets on the 50k model;
 broadcast set on the large models); memory runs skip torch there
 too, and ``--memory-torch-skip`` names more.
 
-Run from the repository root (``python -m tools.bench`` or ``python tools/bench.py``): the
-ranks import their work from ``tools.bench_tasks``.
+Run from the repository root (``python -m tools.benchmarks.bench`` or ``python tools/benchmarks/bench.py``): the
+ranks import their work from ``tools.benchmarks.bench_tasks``.
 """
 
 from __future__ import annotations
@@ -64,11 +65,11 @@ import statistics
 import sys
 
 if not __package__:  # run as a script: tools is imported from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hyperdsd.testing import RankStatus, Status
-from tools import bench_breakdown, bench_tasks
-from tools.bench_tasks import MODES
+from tools.benchmarks import bench_breakdown, bench_tasks
+from tools.benchmarks.bench_tasks import MODES
 
 FLOORED = ("set", "flat_set", "full_get", "bcast_set", "bcast_both", "resume")
 MANY_KEYS = bench_tasks.MANY_KEYS
@@ -91,7 +92,9 @@ def _pairs(text: str) -> set[tuple[str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.benchmarks.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--sizes", default="4m,17m,67m,268m,10k,50k")
     parser.add_argument("--modes", default=",".join(MODES))

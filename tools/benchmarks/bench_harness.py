@@ -6,10 +6,10 @@ CPU ranks both ways, in the same run, and prints the per-test wall time of
 each and the warm pool's overhead (wall time minus the slowest rank's own
 work), as medians.
 
-    python -m tools.bench_harness [--tests 8] [--world-size 4]
+    python -m tools.benchmarks.bench_harness [--tests 8] [--world-size 4]
 
 Run from the repository root: the pool's ranks import the test body from
-``tools.bench_harness``.
+``tools.benchmarks.bench_harness``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]
     from hyperdsd.testing import PoolSet, Task
 
     # This module runs as __main__; the ranks import it under its own name.
-    task = importlib.import_module("tools.bench_harness").fsdp_get_set
+    task = importlib.import_module("tools.benchmarks.bench_harness").fsdp_get_set
     with PoolSet() as pools:
         start = time.perf_counter()
         pools.pool(world_size)
@@ -111,7 +111,9 @@ def warm_pool(n: int, world_size: int) -> tuple[float, list[float], list[float]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.benchmarks.bench_harness",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--tests", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=4)

@@ -5,7 +5,7 @@ that map them, so torch's libraries count once) of the command and every
 descendant, sampled every 0.2 s from /proc; prints the peak, the number of
 processes at that moment, and the wall time. Linux only.
 
-    python -m tools.peak_memory -- pytest --pyargs conformance --dsd-impl hyperdsd -n 2 -q
+    python -m tools.benchmarks.peak_memory -- pytest --pyargs conformance --dsd-impl hyperdsd -n 2 -q
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def tree_pss(root: int) -> tuple[int, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.peak_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.benchmarks.peak_memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """What an atomic save costs: hyperdsd.checkpoint.save against plain dcp.save, side by side.
 
 Four CPU ranks on gloo, the README's 17M-parameter FSDP2 model with AdamW
-state (``tools.bench``'s ``17m``). Each repetition saves over an existing
+state (``tools.benchmarks.bench``'s ``17m``). Each repetition saves over an existing
 checkpoint at a fixed path, as training scripts do, once each way and in
 rotating order; the table shows the medians (slowest rank):
 
@@ -15,7 +15,7 @@ Then the cost a per-file CRC-32 would add (not done by hyperdsd): reading
 back and checksumming one rank's data file, as a save (and again a load)
 would have to.
 
-    python -m tools.bench_commit [--size 17m] [--reps 9]
+    python -m tools.benchmarks.bench_commit [--size 17m] [--reps 9]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 import zlib
 
 if not __package__:  # run as a script: tools is imported from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 WAYS = ("sync", "async")
 
@@ -66,7 +66,7 @@ def time_saves(ctx, size: str, reps: int):
     import torch
     import torch.distributed as dist
 
-    from tools.bench_tasks import _build
+    from tools.benchmarks.bench_tasks import _build
 
     model, opt = _build(ctx, size, "4")
     root = _dirs(ctx)
@@ -115,7 +115,9 @@ def time_saves(ctx, size: str, reps: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_commit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.benchmarks.bench_commit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--size", default="17m")
     parser.add_argument("--reps", type=int, default=9)
@@ -126,7 +128,9 @@ def main() -> None:
     from hyperdsd.testing import PoolSet, Status, Task
 
     with PoolSet(gloo_timeout_s=900) as pools:
-        outcome = pools.run(4, Task("tools.bench_commit:time_saves", {"size": args.size, "reps": args.reps}), 3600)
+        outcome = pools.run(
+            4, Task("tools.benchmarks.bench_commit:time_saves", {"size": args.size, "reps": args.reps}), 3600
+        )
     if outcome.status != Status.PASSED:
         sys.exit(f"failed: {outcome.describe()}")
     t = outcome.values[0]

@@ -1,4 +1,4 @@
-"""Where a key's time goes in ``python -m tools.bench``: hyperdsd's CPU time
+"""Where a key's time goes in ``python -m tools.benchmarks.bench``: hyperdsd's CPU time
 per key on the slowest rank, by category of the code it runs (cProfile's
 shares, scaled to the unprofiled CPU time of the same op)."""
 
@@ -9,8 +9,8 @@ import time
 import torch.distributed as dist
 
 from hyperdsd.testing import Status
-from tools import bench_tasks
-from tools.bench_tasks import _build, _op, _prepare
+from tools.benchmarks import bench_tasks
+from tools.benchmarks.bench_tasks import _build, _op, _prepare
 
 # Categories of the per-key breakdown, by the file (and for applying, the
 # function) a profiled function lives in. Built-in functions and torch's C

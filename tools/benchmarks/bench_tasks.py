@@ -1,4 +1,4 @@
-"""Rank-side work for ``python -m tools.bench``: build a model once per
+"""Rank-side work for ``python -m tools.benchmarks.bench``: build a model once per
 process, time get/set in one mode for both implementations, or measure peak
 memory."""
 
