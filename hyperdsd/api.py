@@ -66,7 +66,7 @@ def _no_submodules(submodules) -> None:
 class _Target:
     """What a call reads or loads: the model and optimizers themselves, or for
     a model that FSDP1 wraps their twin in the canonical layout
-    (:mod:`hyperdsd.fsdp1`), which a load writes back into them."""
+    (:mod:`hyperdsd.fsdp1.twin`), which a load writes back into them."""
 
     def __init__(self, model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False):
         self.twin = None
@@ -75,8 +75,8 @@ class _Target:
             self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
             self.model, self.optims = model, optims
         except FSDP1Model:
-            from .fsdp1 import Twin  # loaded for FSDP1 models only
-            from .fsdp1_stream import model_stages, optim_stages
+            from .fsdp1.streaming import model_stages, optim_stages
+            from .fsdp1.twin import Twin  # loaded for FSDP1 models only
 
             stream = opts.full_state_dict and not to_load
             self.twin = Twin(model, optims, opts.dsd_fqn_modifiers, to_load=to_load, stream=stream)
@@ -211,7 +211,7 @@ class _Load:
         self.model, self.index, self.optims = target.model, target.index, target.optims
         self.twin_load = None  # an FSDP1 model's: the load lands in it and is written back through its twin
         if target.twin is not None:
-            from .fsdp1_load import TwinLoad
+            from .fsdp1.landing import TwinLoad
 
             self.twin_load = TwinLoad(target.twin)
         self.group = groups.of_params(self.index.fqn_of)

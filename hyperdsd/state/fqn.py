@@ -40,7 +40,7 @@ def _hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
 
 class FSDP1Model(StateDictError):
     """Raised by :class:`ModelIndex` for a model that FSDP1 wraps: calls on it
-    go through a twin (:mod:`hyperdsd.fsdp1`)."""
+    go through a twin (:mod:`hyperdsd.fsdp1.twin`)."""
 
 
 class ModelIndex:

@@ -339,9 +339,9 @@ def partial_load(ctx, uop: bool, broadcast: bool):
     rank loads replaces its rows, the rest stays, in the model and in its
     optimizer (a load's twin reads its flat state only where some rank
     leaves some of it)."""
-    import hyperdsd.fsdp1
+    import hyperdsd.fsdp1.twin
 
-    class Eager(hyperdsd.fsdp1.Twin):
+    class Eager(hyperdsd.fsdp1.twin.Twin):
         def __init__(self, model, optimizers, modifiers_attr, to_load=False, stream=False):
             super().__init__(model, optimizers, modifiers_attr)
 
@@ -356,15 +356,15 @@ def partial_load(ctx, uop: bool, broadcast: bool):
         part_msd, part_osd = {}, {}
     options = StateDictOptions(strict=False, full_state_dict=True, broadcast_from_rank0=broadcast)
     ends = []
-    for twin in (hyperdsd.fsdp1.Twin, Eager):
+    for twin in (hyperdsd.fsdp1.twin.Twin, Eager):
         model, opt = _fsdp1(ctx, 1, uop)
         _steps(model, opt, 50, 1)
-        lazy, hyperdsd.fsdp1.Twin = hyperdsd.fsdp1.Twin, twin
+        lazy, hyperdsd.fsdp1.twin.Twin = hyperdsd.fsdp1.twin.Twin, twin
         try:
             hyperdsd.set_model_state_dict(model, part_msd, options=options)
             hyperdsd.set_optimizer_state_dict(model, opt, part_osd, options=options)
         finally:
-            hyperdsd.fsdp1.Twin = lazy
+            hyperdsd.fsdp1.twin.Twin = lazy
         ends.append(_full(model, opt))
     _assert_same(*ends)
     return True
@@ -377,11 +377,11 @@ def streamed_full_get(
     values, dtypes and order as through a twin that reads all its rows first,
     for the model and the optimizers apart and together, from a model with
     frozen, tied and unstepped parameters; and the model is left as it was."""
-    import hyperdsd.fsdp1
-    import hyperdsd.fsdp1_stream
+    import hyperdsd.fsdp1.streaming
+    import hyperdsd.fsdp1.twin
     from hyperdsd.transport.collectives import BUCKET_BYTES
 
-    class Eager(hyperdsd.fsdp1.Twin):
+    class Eager(hyperdsd.fsdp1.twin.Twin):
         def __init__(self, model, optimizers, modifiers_attr, to_load=False, stream=False):
             super().__init__(model, optimizers, modifiers_attr, to_load=to_load)
 
@@ -406,9 +406,9 @@ def streamed_full_get(
     before = _snapshot(model, optimizer)
     ends = []
     # Rows read first; gathered from the flat shards in runs of a unit each, of about 48 bytes a rank each
-    for twin, bucket in ((Eager, None), (hyperdsd.fsdp1.Twin, None), (hyperdsd.fsdp1.Twin, 96)):
-        streamed, hyperdsd.fsdp1.Twin = hyperdsd.fsdp1.Twin, twin
-        default, hyperdsd.fsdp1_stream.BUCKET_BYTES = hyperdsd.fsdp1_stream.BUCKET_BYTES, bucket or BUCKET_BYTES
+    for twin, bucket in ((Eager, None), (hyperdsd.fsdp1.twin.Twin, None), (hyperdsd.fsdp1.twin.Twin, 96)):
+        streamed, hyperdsd.fsdp1.twin.Twin = hyperdsd.fsdp1.twin.Twin, twin
+        default, hyperdsd.fsdp1.streaming.BUCKET_BYTES = hyperdsd.fsdp1.streaming.BUCKET_BYTES, bucket or BUCKET_BYTES
         try:
             both = hyperdsd.get_state_dict(model, optimizer, options=options)
             apart = (
@@ -416,7 +416,7 @@ def streamed_full_get(
                 hyperdsd.get_optimizer_state_dict(model, optimizer, options=options),
             )
         finally:
-            hyperdsd.fsdp1.Twin, hyperdsd.fsdp1_stream.BUCKET_BYTES = streamed, default
+            hyperdsd.fsdp1.twin.Twin, hyperdsd.fsdp1.streaming.BUCKET_BYTES = streamed, default
         ends.append((both, apart))
     assert _equal(before, _snapshot(model, optimizer)), "the get changed the model"
     (eager_both, eager_apart), *streamed_ends = ends

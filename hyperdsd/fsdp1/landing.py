@@ -1,4 +1,4 @@
-"""A load's end on an FSDP1 model, through its twin (:class:`hyperdsd.fsdp1.Twin`).
+"""A load's end on an FSDP1 model, through its twin (:class:`hyperdsd.fsdp1.twin.Twin`).
 
 Once a load is planned against the twin, :class:`TwinLoad` lands a
 broadcast's pieces straight in FSDP1's flat layout (:meth:`TwinLoad.land`:
@@ -17,14 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _compat
-from .fsdp1 import Twin
-from .state.fsdp1 import UnitLayout, at_path
-from .state.load_plan import Prepared
-from .transport import fsdp1 as moves
-from .transport.delivery import Landing
-from .transport.needs import Need
-from .tree import leaves, rebuild
+from .. import _compat
+from ..state.flat_shards import UnitLayout, at_path
+from ..state.load_plan import Prepared
+from ..transport import flat_shards as moves
+from ..transport.delivery import Landing
+from ..transport.needs import Need
+from ..tree import leaves, rebuild
+from .twin import Twin
 
 _STRUCTURAL = ("params", "param_names")
 

@@ -1,14 +1,14 @@
 """FSDP1 models through a twin in hyperdsd's canonical layout.
 
 :class:`Twin` reads an FSDP1 model and its optimizers into a twin (see
-:mod:`hyperdsd.state.fsdp1`): each original parameter a DTensor sharded by
+:mod:`hyperdsd.state.flat_shards`): each original parameter a DTensor sharded by
 rows on the unit's mesh, its optimizer state per original parameter
 (unflattened from the flat parameter's under ``use_orig_params=False``),
 keyed by canonical FQN. Gets read the twin as they read an FSDP2 model (a
-full get takes its tensors from the flat shards: :mod:`hyperdsd.fsdp1_stream`); a
+full get takes its tensors from the flat shards: :mod:`hyperdsd.fsdp1.streaming`); a
 set plans, checks and agrees against the twin, loads into it, and only then
 writes what changed into FSDP1's flat shards, its optimizers' state and their
-param groups (:mod:`hyperdsd.fsdp1_load`). Reading changes nothing: every
+param groups (:mod:`hyperdsd.fsdp1.landing`). Reading changes nothing: every
 tensor of the twin that stands for flat state is new. A set's twin does not
 read what the load overwrites: its rows start empty, and what some rank's
 load leaves is read from the flat shards at write-back.
@@ -20,13 +20,22 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from .errors import StateDictError
-from .state import fsdp1 as layout_of
-from .state.fqn import ModelIndex
-from .state.fsdp1 import RowsAt, UnitLayout, at_path, merge, per_element_paths, summarize, twin_module, twin_optimizer
-from .transport import fsdp1 as moves
-from .tree import rebuild
+from .. import _compat
+from ..errors import StateDictError
+from ..state import flat_shards as layout_of
+from ..state.flat_shards import (
+    RowsAt,
+    UnitLayout,
+    at_path,
+    merge,
+    per_element_paths,
+    summarize,
+    twin_module,
+    twin_optimizer,
+)
+from ..state.fqn import ModelIndex
+from ..transport import flat_shards as moves
+from ..tree import rebuild
 
 
 class Twin:
@@ -36,14 +45,14 @@ class Twin:
         self.real_model = model
         self.real_optims = tuple(optimizers)
         # A full get's twin reads no rows: the gather takes the full tensors
-        # from the flat shards (:mod:`hyperdsd.fsdp1_stream`). Optimizers whose
+        # from the flat shards (:mod:`hyperdsd.fsdp1.streaming`). Optimizers whose
         # state_dict() runs hooks have their rows read, for the hooks to see.
         self.stream_rows = stream
         self.stream_state = stream and bool(self.real_optims) and all(map(_compat.plain_state_dict, self.real_optims))
         self.hollow: dict[int, tuple[int, int]] = {}  # id of a streamed state DTensor -> (key, parameter) in its unit
         # A load overwrites what it loads: the twin's flat state then starts
         # empty, and what a load leaves is read from the flat shards at write-back
-        # only where some rank did not load it (:mod:`hyperdsd.fsdp1_load`). An optimizer
+        # only where some rank did not load it (:mod:`hyperdsd.fsdp1.landing`). An optimizer
         # load reads no parameter values (a scratch step steps zeros like them),
         # but its load hooks, which see the twin, might: the rows are read for them.
         self.load_hooked = any(h.pre or h.post for h in map(_compat.optimizer_load_hooks, self.real_optims))

@@ -2,7 +2,7 @@
 
 An FSDP1 rank holds a contiguous run of its unit's flat parameter (or of a
 state tensor laid out like it); the canonical layout gives it whole rows of
-each parameter (:class:`hyperdsd.state.fsdp1.UnitLayout`). :func:`to_rows`
+each parameter (:class:`hyperdsd.state.flat_shards.UnitLayout`). :func:`to_rows`
 and :func:`to_flat` move exactly the elements whose holder and owner
 differ, among the ranks the unit is sharded over (a replica of HYBRID_SHARD
 moves within itself): no rank ever holds more than its shard in either

@@ -1,6 +1,6 @@
 """A full get of an FSDP1 model, gathered from its flat shards run by run.
 
-A full get's twin (:class:`hyperdsd.fsdp1.Twin` with ``stream``) reads no
+A full get's twin (:class:`hyperdsd.fsdp1.twin.Twin` with ``stream``) reads no
 rows: its parameters and per-element optimizer state stand in hollow. The
 gather (:func:`hyperdsd.transport.consolidate.full_entries`) takes them in
 stages, each a run of one unit's parameters of about one gather bucket's
@@ -21,10 +21,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .state.fsdp1 import UnitLayout, at_path
-from .transport import fsdp1 as moves
-from .transport.collectives import BUCKET_BYTES
-from .tree import rebuild
+from ..state.flat_shards import UnitLayout, at_path
+from ..transport import flat_shards as moves
+from ..transport.collectives import BUCKET_BYTES
+from ..tree import rebuild
 
 
 def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:

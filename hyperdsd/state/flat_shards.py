@@ -14,7 +14,7 @@ writes what it loaded back into the flat shards.
 
 Here: the geometry of one unit (:class:`UnitLayout`: which elements each
 rank holds in either layout) and the twin's construction from pieces that
-:mod:`hyperdsd.transport.fsdp1` moved. No collectives.
+:mod:`hyperdsd.transport.flat_shards` moved. No collectives.
 """
 
 from __future__ import annotations
