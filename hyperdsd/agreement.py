@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from . import _compat
 from .state.flat import is_flat
 from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan, TensorMeta
-from .state.saved_templates import UNKNOWN, VARIES, never_stepped_tensors, tensor_fill
+from .state.saved_placeholders import UNKNOWN, VARIES, never_stepped_tensors, tensor_fill
 from .transport import collectives
 from .transport.delivery import deliver, needs_for
 from .transport.group import Group
@@ -74,7 +74,7 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
 
     The tensors of optimizer entries whose ``step`` is 0 carry the one value
     they hold, if they do (``TensorMeta.fill``): every rank needs it to tell
-    a saved never-stepped template from real state.
+    a saved never-stepped placeholder state from real state.
     """
     # By id(): the tensors live in ``state_dict`` for the call, and compare elementwise.
     summarise = never_stepped_tensors(state_dict.get("optim")) if isinstance(state_dict, dict) else set()

@@ -141,8 +141,8 @@ def _optimizer_state(
     if opts.flatten_optimizer_state_dict and nested:
         nested = flat_format.flatten(nested)
         anchor = placeholders.first_placeholder(nested)
-        if anchor is not None and any(not opt.state for opt in optims):  # a never-stepped optimizer's template
-            placeholders.track_template_fields(nested, anchor)
+        if anchor is not None and any(not opt.state for opt in optims):  # a never-stepped optimizer's placeholder state
+            placeholders.track_placeholder_fields(nested, anchor)
     return nested
 
 

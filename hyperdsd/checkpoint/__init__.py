@@ -25,9 +25,9 @@ failing rank's error; :func:`load` turns it into one :class:`StateDictError`).
 """
 
 from .app_state import AppState
+from .load_planner import LoadPlanner
+from .loading import load
 from .manager import Manager
-from .planner import LoadPlanner
-from .save_load import load, save
-from .saving import SaveFuture, settle
+from .saving import SaveFuture, save, settle
 
 __all__ = ["AppState", "LoadPlanner", "Manager", "SaveFuture", "load", "save", "settle"]

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from ..errors import StateDictError
 from ..options import StateDictOptions
 from . import commit
-from .save_load import load
+from .loading import load
 from .saving import _agreed, _path, _save, settle
 
 

@@ -1,4 +1,5 @@
-"""Atomic saves, async saves that finish, and the paths and errors they share."""
+"""Saving a checkpoint: :func:`save` in one call (atomic, optionally async),
+async saves that finish, and the paths and errors loading shares."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import inspect
 import os
 import shutil
 import threading
+from collections.abc import Mapping
 from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -22,10 +25,10 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from ..errors import StateDictError
-from ..options import resolve_options
+from ..options import StateDictOptions, resolve_options
 from . import commit
 from .app_state import _as_list, _check_extra, _state
-from .plans import SavePlanner
+from .save_planner import SavePlanner
 from .writer import Writer
 
 # -- atomic saves, and async saves that finish -----------------------------------
@@ -121,6 +124,40 @@ def _join_sweepers() -> None:
 
 
 atexit.register(_join_sweepers)  # a script that ends after a save leaves no garbage beside it
+
+
+def save(
+    checkpoint_id,
+    model,
+    optimizers,
+    *,
+    schedulers=(),
+    extra: Mapping[str, Any] | None = None,
+    options: StateDictOptions | None = None,
+    async_save: bool = False,
+    storage_writer: StorageWriter | None = None,
+):
+    """Save the model, optimizers, schedulers and ``extra`` as a DCP checkpoint, atomically.
+
+    The checkpoint holds ``model``, ``optim`` (by FQN), ``schedulers`` (a
+    list of their state dicts, if any) and each key of ``extra`` (a
+    ``Stateful``'s state dict, or any value DCP saves). Pipeline stages
+    pass ``StateDictOptions(flatten_optimizer_state_dict=True)``, so that
+    stages write disjoint keys.
+
+    ``checkpoint_id`` is a directory path. The checkpoint is written beside
+    it and takes its place only once every rank has written it (see
+    :mod:`hyperdsd.checkpoint.commit`); a save that fails on any rank raises
+    :class:`StateDictError` on every rank and leaves what was committed
+    there before. ``storage_writer`` is DCP's (a ``FileSystemWriter``, or a
+    subclass, that writes where it is reset to).
+
+    With ``async_save`` the state is staged and written in the background;
+    returns a future that completes once the checkpoint is committed, or
+    holds the error. The next :func:`save` or :func:`load` waits for it and
+    raises that error if nobody has asked the future for it.
+    """
+    return _save(_path(checkpoint_id), model, optimizers, schedulers, extra, options, async_save, storage_writer)
 
 
 def _save(*args, **kwargs):

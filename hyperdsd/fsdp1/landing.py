@@ -314,7 +314,7 @@ class TwinLoad:
             else:
                 rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
                 if landed is not None and i in landed.params and landed.flat is not None:
-                    # landed, then dropped (a template nobody filled): zeros, as if never landed
+                    # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed
                     for _, a, b in u.held(u.index, [i]):
                         landed.flat[a - u.index * u.shard : b - u.index * u.shard].zero_()
         if landed is None:

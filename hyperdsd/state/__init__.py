@@ -5,8 +5,8 @@ Names (:mod:`.fqn`), the model's and the optimizers' state (:mod:`.model`,
 (:mod:`.optimizer_input`), load plans that check everything before anything
 changes (:mod:`.optimizer_load`; the plans' types :mod:`.load_plan`, their
 checks :mod:`.load_checks`), placeholder state for
-never-stepped optimizers (:mod:`.placeholders`, :mod:`.templates`,
-:mod:`.saved_templates`), the flat layout (:mod:`.flat`) and a DCP template
-judged against a checkpoint (:mod:`.dcp_template`). Nothing here issues a
+never-stepped optimizers (:mod:`.placeholders`, :mod:`.placeholder_state`,
+:mod:`.saved_placeholders`), the flat layout (:mod:`.flat`) and FSDP1's flat
+shards as rows (:mod:`.flat_shards`). Nothing here issues a
 collective: who sends what to whom is :mod:`hyperdsd.transport`'s.
 """

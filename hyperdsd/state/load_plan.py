@@ -34,7 +34,7 @@ class TensorMeta:
     shape: tuple
     dtype: torch.dtype
     index: int
-    # The one value every element holds (:func:`~hyperdsd.state.saved_templates.tensor_fill`),
+    # The one value every element holds (:func:`~hyperdsd.state.saved_placeholders.tensor_fill`),
     # worked out on the root for the state of never-stepped entries only; None: not known.
     fill: Any = None
 
@@ -137,9 +137,9 @@ class OptimizerLoadPlan:
     groups: list[tuple[dict, dict]] = field(default_factory=list)  # (the optimizer's group, fields to set)
     optimizers: tuple = ()
     claimed: set[str] = field(default_factory=set)  # source FQNs this rank loads
-    # Was the template entry of each FQN loaded into? None: this rank cannot tell.
+    # Was the placeholder state entry of each FQN loaded into? None: this rank cannot tell.
     questions: dict[str, bool | None] = field(default_factory=dict)
-    # FQNs whose answer every rank's own must confirm (a saved template is
+    # FQNs whose answer every rank's own must confirm (a saved placeholder state is
     # one only if no rank sees real state in its shard).
     confirm: set[str] = field(default_factory=set)
     # FQNs answered together (an optimizer's entries without step): state if

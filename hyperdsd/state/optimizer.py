@@ -21,7 +21,7 @@ from .flat import GROUPS, STATE
 from .fqn import ModelIndex
 from .load_checks import fits
 from .load_plan import OptimizerLoadPlan, Prepared, copy_all, copy_into, materialize, redistribute
-from .templates import stateless_template, template_state
+from .placeholder_state import placeholder_state_of, stateless_placeholders
 
 
 def _own(value: Any) -> Any:
@@ -64,7 +64,7 @@ def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
     State entries are new dicts, nested containers included (changing them
     does not reach the optimizer); their tensors are the optimizer's own, as
     ``Optimizer.state_dict()`` gives them. A never-stepped optimizer yields
-    placeholder state (see templates). ``to_load``: a template to load a
+    placeholder state (see placeholder_state). ``to_load``: a template to load a
     checkpoint into, where a stepped optimizer's parameters without state
     get placeholder state too, so that what the checkpoint holds for them is
     checked before anything is read.
@@ -73,7 +73,7 @@ def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
     groups: list[dict] = []
     gi = 0
     for opt in optimizers:
-        template = template_state(opt) if not opt.state else (stateless_template(opt) if to_load else {})
+        placeholders = placeholder_state_of(opt) if not opt.state else (stateless_placeholders(opt) if to_load else {})
         if _compat.plain_state_dict(opt):
             sd_groups, stored = opt.param_groups, opt.state  # what state_dict() would pack, read in place
         else:
@@ -84,7 +84,7 @@ def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
             for pi, (key, p) in enumerate(zip(g_sd["params"], group["params"])):
                 fqn = _param_fqn(index, p, gi, pi)
                 fqns.append(fqn)
-                entry = stored.get(key) or (template.get(p) if template else None)
+                entry = stored.get(key) or (placeholders.get(p) if placeholders else None)
                 if entry:
                     state[fqn] = _entry_copy(entry)
             groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns})

@@ -18,7 +18,7 @@ import torch
 
 from .flat import GROUPS, STATE, is_flat, unflatten
 from .fqn import ModelIndex
-from .placeholders import Unwritten, any_placeholders, any_template_values, is_template_value, unwritten_keys
+from .placeholders import Unwritten, any_placeholder_values, any_placeholders, is_placeholder_value, unwritten_keys
 
 _ALL_WRITTEN = Unwritten(frozenset(), False)  # an entry without placeholders: every key counts as written
 
@@ -60,7 +60,7 @@ class UnwrittenKeys:
 
     def __init__(self):
         self._by_fqn: dict[str, Unwritten] = {}
-        # No template alive when the load began (the usual case): no entry holds a placeholder.
+        # No placeholder state alive when the load began (the usual case): no entry holds a placeholder.
         self.none = not any_placeholders()
 
     def __call__(self, fqn: str, entry: dict | None) -> Unwritten:
@@ -72,7 +72,7 @@ class UnwrittenKeys:
         return found
 
     def lists(self, fqn: str, entry: dict | None) -> bool:
-        """Whether the entry holds anything somebody wrote (a template's placeholders do not list a parameter)."""
+        """Whether the entry holds anything somebody wrote (placeholders do not list a parameter)."""
         return bool(entry) and len(self(fqn, entry).keys) < len(entry)
 
 
@@ -255,19 +255,19 @@ def _from_flat(
 ) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
     state, fields, unknown = unflatten(osd, set(index.param_of))
-    templates = any_template_values()
+    alive = any_placeholder_values()
 
     def listed(f: str) -> bool:
-        if unwritten.none and not templates:  # (no template alive: anything there lists it)
+        if unwritten.none and not alive:  # (no placeholder state alive: anything there lists it)
             return bool(state.get(f) or fields.get(f))
         if unwritten.lists(f, state.get(f)):
             return True
-        # Group fields count unless they are still the template's own objects
+        # Group fields count unless they are still the placeholder state's own objects
         # (DCP replaces every value it loads; some it copies even when not).
-        if not templates:
+        if not alive:
             return bool(fields.get(f))
         values = list(fields.get(f, {}).values())
-        return bool(values) and not any(is_template_value(v) for v in values)
+        return bool(values) and not any(is_placeholder_value(v) for v in values)
 
     aligned: list[SourceGroup | None] = []
     for t in targets:

@@ -4,7 +4,7 @@ One pass, in the order :func:`plan_load` takes it: the optimizers' param
 groups and the checkpoint parsed against them (:mod:`.optimizer_input`);
 which parameters it holds state for; each value it holds prepared against
 its parameter and the state its optimizer keeps or, never stepped, would
-create (:class:`~.templates.Expectations`), every tensor checked by
+create (:class:`~.placeholder_state.Expectations`), every tensor checked by
 :mod:`.load_checks`. The result is an :class:`~.load_plan.OptimizerLoadPlan`
 and the problems found; once every rank has agreed there are none,
 :func:`hyperdsd.state.optimizer.apply_load` carries it out.
@@ -18,9 +18,9 @@ from .fqn import ModelIndex
 from .load_plan import OptimizerLoadPlan, ParamLoad, TensorMeta
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
 from .optimizer_values import EntryValues, steps_nonzero
+from .placeholder_state import Expectations
 from .placeholders import has_placeholders
-from .saved_templates import step_is_zero
-from .templates import Expectations
+from .saved_placeholders import step_is_zero
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -83,14 +83,14 @@ def _prepare_all(
             if entry and has_placeholders(entry):
                 plan.questions[fqn] = None if unknown else len(skip) < len(entry)
             written = {k: v for k, v in (entry or {}).items() if k not in skip}
-            if not written:  # absent, or a template entry nobody filled: the parameter ends fresh
+            if not written:  # absent, or a placeholder state entry nobody filled: the parameter ends fresh
                 plan.params.append(ParamLoad(target.opt, p, fqn, None))
                 continue
             if len(written) == len(entry) and step_is_zero(entry):
-                # Perhaps a saved template: "never stepped", so the parameter
+                # Perhaps a saved placeholder state: "never stepped", so the parameter
                 # ends without state (a warm target's own is dropped). Ranks
                 # see different shards: real state if any rank sees it.
-                plan.questions[fqn] = not expectation.saved_template(p, entry)
+                plan.questions[fqn] = not expectation.saved_placeholder(p, entry)
                 plan.confirm.add(fqn)
             elif len(written) == len(entry) and "step" not in entry and not unknown:
                 # (an entry this rank cannot tell written from unwritten goes by the other ranks alone)
@@ -147,18 +147,18 @@ def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: Target
 
 def _ask_stepless(plan: OptimizerLoadPlan, expectation: Expectations, found: list[tuple], name: str) -> None:
     """Ask whether an optimizer's entries without ``step`` are a saved
-    never-stepped template: only if all of them are, on every rank (see
-    :mod:`hyperdsd.state.saved_templates`). ``name`` stands for the optimizer in
+    never-stepped placeholder state: only if all of them are, on every rank (see
+    :mod:`hyperdsd.state.saved_placeholders`). ``name`` stands for the optimizer in
     the vote: its position among the optimizers loaded, alike on every rank
     (NUL never occurs in an FQN). Pipeline stages each load their own
     optimizer at the same position, the parts of one optimizer that steps as
     a whole: a stage whose momentum buffers all happen to be zero (its
     gradients were) is told a real checkpoint by the others. A rank that
     sees real values anywhere in them answers "real" under that name alone;
-    one that sees only the template asks, for the optimizer and for each
+    one that sees only the placeholder state asks, for the optimizer and for each
     entry, and all its entries go by the optimizer's answer. A load of real
     state asks nothing where every rank sees some."""
-    if not expectation.stepless_template([(p, entry) for p, _, entry in found]):
+    if not expectation.stepless_placeholder([(p, entry) for p, _, entry in found]):
         plan.questions[name] = True
         return
     fqns = [fqn for _, fqn, _ in found]

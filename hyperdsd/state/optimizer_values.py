@@ -71,7 +71,7 @@ class EntryValues:
         optimizer's own entries (of ``params``, one to one), each distinct
         signature judged once: None where the entries do not all hold the
         same keys as their own (``step`` among them: without it they may be a
-        saved template, see :func:`_ask_stepless`), or a value would not land
+        saved placeholder state, see :func:`_ask_stepless`), or a value would not land
         in the tensor it replaces as it is (the caller plans them one by one)."""
         keys = tuple(entries[0])
         # the same number of keys, and each key in each (itemgetter raises below): the same keys
@@ -163,7 +163,7 @@ class EntryValues:
 
 def steps_nonzero(entries: list[dict]) -> bool:
     """Whether every entry's ``step`` is a one-element tensor that is not 0 (a stand-in without a fill)
-    (so that none is a saved template, see :func:`~.saved_templates.step_is_zero`),
+    (so that none is a saved placeholder state, see :func:`~.saved_placeholders.step_is_zero`),
     told for all at once; False where not, or not told so."""
     try:
         steps = list(map(operator.itemgetter("step"), entries))

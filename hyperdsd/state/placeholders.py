@@ -1,13 +1,13 @@
-"""Placeholders: the tensors of a never-stepped optimizer's state template.
+"""Placeholders: the tensors of a never-stepped optimizer's placeholder state.
 
 The usual way to load a checkpoint through DCP is to ask the optimizer for
 its state dict, let DCP fill it in place, and set it back. An optimizer that
-has never stepped has no state to fill: a get gives a template instead
-(:mod:`.templates`), whose tensors are *placeholders*. set_* recognises one
+has never stepped has no state to fill: a get gives a placeholder state instead
+(:mod:`.placeholder_state`), whose tensors are *placeholders*. set_* recognises one
 that nobody wrote into (its in-place version counter has not moved) and
 treats it as absent, so what a partial load did not cover leaves the
-optimizer as fresh as before. A template that was saved comes back as
-copies, and is recognised by its values instead (:mod:`.saved_templates`).
+optimizer as fresh as before. A placeholder state that was saved comes back as
+copies, and is recognised by its values instead (:mod:`.saved_placeholders`).
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ import torch
 from .. import _compat
 from ..tree import is_container, leaves
 
-# -- which objects are a template's --------------------------------------------
+# -- which objects are a placeholder state's --------------------------------------------
 #
 # Two registries keyed by ``id()``: placeholder tensors, with the in-place
 # version counter each had when marked, and the group-field values of flat
-# templates (floats and tuples that DCP and torch.load must read as they
+# placeholder states (floats and tuples that DCP and torch.load must read as they
 # are, so they cannot carry a tag). Keyed by ``id()`` because nothing of ours
-# travels with a template (a get returns it, DCP fills it, set_* is handed it
+# travels with a placeholder state (a get returns it, DCP fills it, set_* is handed it
 # back) and tensors compare elementwise. Invariant: an id stays registered only
 # while its object lives (a tensor's weakref callback drops it; a value is
-# dropped when its template's anchor tensor is collected), and every lookup
+# dropped when its placeholder state's anchor tensor is collected), and every lookup
 # checks that the registered object is the very one asked about, so a
-# reused id never matches. The registries keep no template alive.
+# reused id never matches. The registries keep no placeholder state alive.
 
 _placeholders: dict[int, tuple[weakref.ref, int]] = {}  # id -> (the tensor, weakly; its version)
-_template_values: dict[int, object] = {}  # id -> the value, while its template's anchor lives
+_placeholder_values: dict[int, object] = {}  # id -> the value, while its placeholder state's anchor lives
 
 
 def mark_placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -61,35 +61,35 @@ def state_tensors(value: Any) -> list[torch.Tensor]:
 
 
 def any_placeholders() -> bool:
-    """Whether any template's placeholder is alive in this process (if not, no entry holds one)."""
+    """Whether any placeholder state's placeholder is alive in this process (if not, no entry holds one)."""
     return bool(_placeholders)
 
 
 def has_placeholders(entry: dict) -> bool:
-    if not _placeholders:  # no template alive in this process: the usual case, one check per entry
+    if not _placeholders:  # no placeholder state alive in this process: the usual case, one check per entry
         return False
     return any(id(t) in _placeholders for v in entry.values() for t in state_tensors(v))
 
 
 def _track_values(values: list, anchor: torch.Tensor) -> None:
     for v in values:
-        _template_values[id(v)] = v
+        _placeholder_values[id(v)] = v
     weakref.finalize(anchor, _forget_values, [id(v) for v in values])
 
 
 def _forget_values(ids: list[int]) -> None:
     for i in ids:
-        _template_values.pop(i, None)
+        _placeholder_values.pop(i, None)
 
 
-def any_template_values() -> bool:
-    """Whether any flat template's group fields are alive in this process (if not, no value is one)."""
-    return bool(_template_values)
+def any_placeholder_values() -> bool:
+    """Whether any flat placeholder state's group fields are alive in this process (if not, no value is one)."""
+    return bool(_placeholder_values)
 
 
-def is_template_value(value: Any) -> bool:
-    """A group field of a flat template, still the template's own object."""
-    return id(value) in _template_values and _template_values[id(value)] is value
+def is_placeholder_value(value: Any) -> bool:
+    """A group field of a flat placeholder state, still the placeholder state's own object."""
+    return id(value) in _placeholder_values and _placeholder_values[id(value)] is value
 
 
 class Unwritten(NamedTuple):
@@ -111,7 +111,7 @@ def unwritten_keys(entry: dict) -> Unwritten:
     asks them, see ``collectives.agree``). Until then they count as written.
     """
     if not has_placeholders(entry):
-        return Unwritten(set(), False)  # nothing of a template's: every key counts as written
+        return Unwritten(set(), False)  # nothing of a placeholder state's: every key counts as written
     unwritten, empty, plain = set(), set(), set()
     for k, v in entry.items():
         tensors = state_tensors(v)
@@ -130,8 +130,8 @@ def unwritten_keys(entry: dict) -> Unwritten:
     return Unwritten(unwritten, unknown)
 
 
-# Group fields of a flat template are recognised by identity (see above): the
-# template holds objects made for it, and anything DCP loads arrives as a new
+# Group fields of a flat placeholder state are recognised by identity (see above): the
+# placeholder state holds objects made for it, and anything DCP loads arrives as a new
 # object.
 def _fresh(value: Any) -> tuple[Any, bool]:
     """A new object equal to ``value``, and whether it is unique (not a cached singleton)."""
@@ -142,11 +142,11 @@ def _fresh(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
-def track_template_fields(flat: dict, anchor: torch.Tensor) -> None:
-    """Replace the group fields of a flat template by tracked copies.
+def track_placeholder_fields(flat: dict, anchor: torch.Tensor) -> None:
+    """Replace the group fields of a flat placeholder state by tracked copies.
 
-    The copies stay known while ``anchor`` (one of the template's
-    placeholders) lives; nothing is kept after the template is gone.
+    The copies stay known while ``anchor`` (one of the placeholder state's
+    placeholders) lives; nothing is kept after the placeholder state is gone.
     """
     tracked = []
     for key, value in flat.items():

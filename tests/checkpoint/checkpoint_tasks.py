@@ -554,7 +554,8 @@ def bulk_plans_match_dcp(ctx, layout: str):
         create_default_local_save_plan,
     )
 
-    from hyperdsd.checkpoint.plans import local_load_plan, local_save_plan
+    from hyperdsd.checkpoint.load_planner import local_load_plan
+    from hyperdsd.checkpoint.save_planner import local_save_plan
 
     a = _setup(ctx, layout, 0)
     a.train(1)
@@ -586,7 +587,7 @@ def _global_plan_matches_dcp(ctx, setup, opts):
     has DCP's metadata, and torch's own ``dcp.load`` loads from it what it loads from DCP's."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from hyperdsd.checkpoint.plans import SavePlanner
+    from hyperdsd.checkpoint.save_planner import SavePlanner
 
     def state():
         msd, osd = hyperdsd.get_state_dict(setup.model, setup.optimizers[0], options=opts)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 import hyperdsd
 from hyperdsd import StateDictError, checkpoint
-from hyperdsd.state.dcp_template import Entry, judge, optimizer_entries, optimizer_roots
+from hyperdsd.checkpoint.load_template import Entry, judge, optimizer_entries, optimizer_roots
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

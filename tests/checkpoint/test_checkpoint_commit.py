@@ -128,7 +128,7 @@ def test_a_save_over_an_existing_path_loads_the_new_state_and_leaves_nothing_bes
 def test_the_metadata_a_commit_leaves_for_dcp_to_send_every_rank_is_emptied_and_the_file_is_whole(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hyperdsd.checkpoint.plans import SavePlanner
+    from hyperdsd.checkpoint.save_planner import SavePlanner
     from hyperdsd.checkpoint.writer import Writer
 
     path = tmp_path / "ckpt"

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from hyperdsd.checkpoint import plans as dcp_plans
-from hyperdsd.checkpoint.plans import SavePlanner, global_save_plan
+from hyperdsd.checkpoint import save_planner as dcp_plans
+from hyperdsd.checkpoint.save_planner import SavePlanner, global_save_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

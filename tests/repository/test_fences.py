@@ -231,3 +231,24 @@ def test_a_rank_judging_torch_loads_no_hyperdsd_code():
     assert outcome.status == "passed", outcome.describe()
     (loaded,) = outcome.values
     assert [m for m in loaded if m != "hyperdsd" and not m.startswith("hyperdsd.testing")] == [], loaded
+
+
+# -- sizes: a module that grows past the cap becomes a folder ---------------------
+
+MODULE_LINES = 400
+FUNCTION_LINES = 80
+
+
+def test_no_hyperdsd_module_or_function_outgrows_its_cap():
+    too_long = []
+    for path in sorted((ROOT / "hyperdsd").rglob("*.py")):
+        source = path.read_text()
+        lines = len(source.splitlines())
+        if lines > MODULE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}, {length} lines")
+    assert not too_long, f"over {MODULE_LINES} lines a module, {FUNCTION_LINES} a function:\n" + "\n".join(too_long)

@@ -65,8 +65,9 @@ def test_every_hint_selects_a_case():
 TEXT_MUTANTS = {
     "get-steps-fresh-optimizer": (
         "state/optimizer.py",
-        "        template = template_state(opt) if not opt.state else (stateless_template(opt) if to_load else {})\n",
-        "        template = {}\n"
+        "        placeholders = placeholder_state_of(opt) if not opt.state "
+        "else (stateless_placeholders(opt) if to_load else {})\n",
+        "        placeholders = {}\n"
         "        if not opt.state:  # initialise state as torch's get does: zero grads, a step at lr 0\n"
         "            lrs = [g['lr'] for g in opt.param_groups]\n"
         "            for g in opt.param_groups:\n"
@@ -102,7 +103,7 @@ TEXT_MUTANTS = {
         "    verdict = _verdict(value, p, key, expected, verdicts)\n",
     ),
     "dcp-partial-loaded-into-warm": (
-        "state/dcp_template.py",
+        "checkpoint/load_template.py",
         "        if present:\n",
         "        if present and not entry.placeholder:\n"
         "            drop += missing  # a stepped optimizer has the rest: load what is there\n"

@@ -1,7 +1,7 @@
 """The mutants ``tools/mutation/mutate.py`` applies to hyperdsd: small, realistic bugs.
 
 Each names the function it plants its bug in, by its dotted name
-(``hyperdsd.state.model.plan_load``, ``hyperdsd.checkpoint.planner.LoadPlanner.__init__``),
+(``hyperdsd.state.model.plan_load``, ``hyperdsd.checkpoint.load_planner.LoadPlanner.__init__``),
 a ``pattern`` inside it and the ``replacement``: snippets of Python, matched by
 their syntax tree, not their text (``tools/mutation/anchor.py``), so that reformatting
 the code, or moving the function to another module, does not break the mutant.
@@ -36,9 +36,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "get-steps-fresh-optimizer",
         "hyperdsd.state.optimizer.read_state",
-        "template = template_state(opt) if not opt.state else (stateless_template(opt) if to_load else {})",
+        "placeholders = placeholder_state_of(opt) if not opt.state "
+        "else (stateless_placeholders(opt) if to_load else {})",
         """
-        template = {}
+        placeholders = {}
         if not opt.state:  # initialise state as torch's get does: zero grads, a step at lr 0
             lrs = [g['lr'] for g in opt.param_groups]
             for g in opt.param_groups:
@@ -51,15 +52,16 @@ MUTANTS: tuple[Mutant, ...] = (
                 g['lr'] = lr
             opt.zero_grad(set_to_none=True)
         """,
-        "get initialises a never-stepped optimizer's real state (a zero-gradient step) instead of a template on a copy",
+        "get initialises a never-stepped optimizer's real state (a zero-gradient step) instead of placeholder "
+        "state on a copy",
         ("OPT-PURE-1[single-adamw-sharded-fresh]",),
     ),
     Mutant(
-        "get-template-on-real-params",
-        "hyperdsd.state.templates.scratch_step",
+        "get-placeholders-on-real-params",
+        "hyperdsd.state.placeholder_state.scratch_step",
         '{**group, "params": [stand_ins[p] for p in mine]}',
         '{**group, "params": mine}',
-        "the template's scratch optimizer is built over the real parameters (their gradients step them)",
+        "the placeholder state's scratch optimizer is built over the real parameters (their gradients step them)",
         ("OPT-PURE-1[single-adamw-sharded-grads]",),
     ),
     Mutant(
@@ -81,8 +83,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "get-drops-frozen-state",
         "hyperdsd.state.optimizer.read_state",
-        "entry = stored.get(key) or (template.get(p) if template else None)",
-        "entry = (stored.get(key) or (template.get(p) if template else None)) if p.requires_grad else None",
+        "entry = stored.get(key) or (placeholders.get(p) if placeholders else None)",
+        "entry = (stored.get(key) or (placeholders.get(p) if placeholders else None)) if p.requires_grad else None",
         "get leaves out the optimizer state of parameters frozen after training",
         ("OPT-PART-3[single-sharded]",),
     ),
@@ -259,11 +261,11 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-EMPTY-1[pp2-adamw-full_cpu]",),
     ),
     Mutant(
-        "flat-template-fields-untracked",
+        "flat-placeholder-fields-untracked",
         "hyperdsd.api._optimizer_state",
-        "placeholders.track_template_fields(nested, anchor)",
+        "placeholders.track_placeholder_fields(nested, anchor)",
         "pass",
-        "a flat template's own group fields count as loaded (a DCP load that did not cover them lists them)",
+        "a flat placeholder state's own group fields count as loaded (a DCP load that did not cover them lists them)",
         ("OPT-PART-1[pp2xfsdp2-dcp-strict_same_hparams]",),
     ),
     # -- placeholders ---------------------------------------------------------------
@@ -290,7 +292,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "hyperdsd.state.placeholders.unwritten_keys",
         "if empty and (len(unwritten) < holding or unknown): ...",
         "if empty: ...",
-        "empty shards of an unwritten template entry count as written (the rank loads empty state)",
+        "empty shards of an unwritten placeholder entry count as written (the rank loads empty state)",
         ("OPT-RESHARD-2[fsdp2_to_fsdp4-adamw-dcp-subset]",),
     ),
     Mutant(
@@ -298,19 +300,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "hyperdsd.state.load_plan.OptimizerLoadPlan.settle",
         "asked = self.questions.get(load.fqn, True) is None or load.fqn in self.confirm",
         "asked = load.fqn in self.confirm",
-        "a rank holding an empty shard of a template entry ignores what the other ranks say about it",
+        "a rank holding an empty shard of a placeholder entry ignores what the other ranks say about it",
         ("OPT-RESHARD-2[fsdp2_to_fsdp4-sgd-dcp-aux]",),
     ),
     Mutant(
-        "saved-template-loads-as-state",
+        "saved-placeholders-load-as-state",
         "hyperdsd.state.optimizer_load._prepare_all",
-        "plan.questions[fqn] = not expectation.saved_template(p, entry)",
+        "plan.questions[fqn] = not expectation.saved_placeholder(p, entry)",
         "plan.questions[fqn] = True",
-        "a never-stepped optimizer's template, saved before the first step, loads as real state",
+        "a never-stepped optimizer's placeholder state, saved before the first step, loads as real state",
         ("OPT-RT-5[single-adamw-sharded-step0]", "OPT-PART-3[single-sharded-step0]"),
     ),
     Mutant(
-        "saved-template-keeps-warm-state",
+        "saved-placeholders-keep-warm-state",
         "hyperdsd.state.optimizer.apply_load",
         "load.opt.state.pop(load.param, None)",
         "pass",
@@ -318,20 +320,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("OPT-RT-5[single-adamw-sharded-step0]",),
     ),
     Mutant(
-        "stepless-template-loads-as-state",
+        "stepless-placeholders-load-as-state",
         "hyperdsd.state.optimizer_load._ask_stepless",
-        "if not expectation.stepless_template([(p, entry) for p, _, entry in found]): ...",
+        "if not expectation.stepless_placeholder([(p, entry) for p, _, entry in found]): ...",
         "if True: ...",
-        "a never-stepped SGD-with-momentum template (zero buffers, no step), saved before the first step, loads as "
-        "real state",
+        "a never-stepped SGD-with-momentum placeholder state (zero buffers, no step), saved before the first "
+        "step, loads as real state",
         ("OPT-RT-5[single-sgd-sharded-step0]", "OPT-RT-1[single-sgd-full-step0]"),
     ),
     Mutant(
         "step-placeholder-not-zeroed",
-        "hyperdsd.state.templates._as_placeholders",
+        "hyperdsd.state.placeholder_state._as_placeholders",
         "value.zero_()",
         "pass",
-        "a never-stepped optimizer's template says step 1, as after the scratch step",
+        "a never-stepped optimizer's placeholder state says step 1, as after the scratch step",
         ("OPT-RT-1[fsdp4-adamw-full-step0]",),
     ),
     # -- shards, gathers, broadcasts ------------------------------------------------------
@@ -442,10 +444,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "a stage sliced from a pp x dp mesh is taken for a model of its own",
         ("OPT-RT-1[pp2xfsdp2-adamw-full_cpu]",),
     ),
-    # -- DCP load planner (hyperdsd/checkpoint/planner.py) ---------------------------------
+    # -- DCP load planner (hyperdsd/checkpoint/load_planner.py) ---------------------------------
     Mutant(
         "dcp-flat-lazy-fields-dropped",
-        "hyperdsd.state.dcp_template.judge",
+        "hyperdsd.checkpoint.load_template.judge",
         'if entry.fields and not _keys_under(ordered, entry.fields_prefix + "."): ...',
         "if entry.fields: ...",
         "flat layout: a lazy parameter's group fields are left out of the load even where the checkpoint holds them",
@@ -453,7 +455,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dcp-coordinator-own-keys",
-        "hyperdsd.checkpoint.planner.LoadPlanner.create_global_plan",
+        "hyperdsd.checkpoint.load_planner.LoadPlanner.create_global_plan",
         "asked.update(keys)",
         "asked.update(self.asked)",
         "the coordinator judges unexpected checkpoint entries by its own state dict "
@@ -462,7 +464,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dcp-unexpected-entries-ignored",
-        "hyperdsd.checkpoint.planner.LoadPlanner.create_global_plan",
+        "hyperdsd.checkpoint.load_planner.LoadPlanner.create_global_plan",
         "if extra: ...",
         "if False: ...",
         "strict DCP loads ignore checkpoint entries no rank asks for (a checkpoint with a param group more loads)",
@@ -470,7 +472,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dcp-planner-always-partial",
-        "hyperdsd.checkpoint.planner.LoadPlanner.__init__",
+        "hyperdsd.checkpoint.load_planner.LoadPlanner.__init__",
         "super().__init__(allow_partial_load=not strict)",
         "super().__init__(allow_partial_load=True)",
         "strict DCP loads skip template entries the checkpoint lacks (they keep the target's values)",
@@ -500,7 +502,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "nested-placeholders-unmarked",
-        "hyperdsd.state.templates._as_placeholders",
+        "hyperdsd.state.placeholder_state._as_placeholders",
         """
         for t in state_tensors(value):
             mark_placeholder(t)
@@ -509,7 +511,7 @@ MUTANTS: tuple[Mutant, ...] = (
         if isinstance(value, torch.Tensor):
             mark_placeholder(value)
         """,
-        "a never-stepped optimizer's template marks only top-level tensors as placeholders "
+        "a never-stepped optimizer's placeholder state marks only top-level tensors as placeholders "
         "(nested ones count as real state)",
         ("OPT-STATE-1[single-custom-dcp-lazy]",),
     ),
@@ -527,7 +529,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dcp-partial-loaded-into-warm",
-        "hyperdsd.state.dcp_template.judge",
+        "hyperdsd.checkpoint.load_template.judge",
         "if present: ...",
         """
         if present and not entry.placeholder:

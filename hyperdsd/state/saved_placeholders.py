@@ -1,14 +1,14 @@
-"""Saved templates: a never-stepped optimizer's template, told by its values.
+"""Saved placeholder states: a never-stepped optimizer's placeholder state, told by its values.
 
-A template that was copied (torch.save, a DCP round trip, a clone) is no
+A placeholder state that was copied (torch.save, a DCP round trip, a clone) is no
 longer the object that was marked as a placeholder (:mod:`.placeholders`);
-what survives is its values. ``step`` is 0 (zeroed when the template is
+what survives is its values. ``step`` is 0 (zeroed when the placeholder state is
 made: "never stepped"), which no optimizer that counts its steps holds after
 a step of its own; every other value is what the class's first
 zero-gradient step leaves (zeros for Adam's moments). An entry counts as a
-saved template only when both hold: ``step`` is 0 and every other value
-equals, key for key, the template the target optimizer itself would give for
-that parameter (:mod:`.templates`). Such an entry says "never stepped": the
+saved placeholder state only when both hold: ``step`` is 0 and every other value
+equals, key for key, the placeholder state the target optimizer itself would give for
+that parameter (:mod:`.placeholder_state`). Such an entry says "never stepped": the
 parameter ends without state, a stepped target's own included. Optimizers
 whose constructor makes state (Adagrad's ``sum``) have none: their
 never-stepped state is real and loads as such.
@@ -16,9 +16,9 @@ never-stepped state is real and loads as such.
 State without ``step`` (SGD's momentum buffer) has no count to tell it by,
 and one such entry cannot be told from a real one (a parameter whose
 gradients were all zero keeps a zero buffer). So these entries are judged
-together, optimizer by optimizer: they are a saved template only if every
+together, optimizer by optimizer: they are a saved placeholder state only if every
 one of them the load holds for that optimizer equals, key for key, its own
-template, on every rank. A checkpoint taken after a real step has real
+placeholder state, on every rank. A checkpoint taken after a real step has real
 values in some of them, and then all load as state.
 """
 
@@ -34,7 +34,7 @@ from .placeholders import state_tensors
 
 
 class _Fill(NamedTuple):
-    """A template tensor, summarised: its global shape and the one value all
+    """A placeholder state tensor, summarised: its global shape and the one value all
     its elements hold (``UNKNOWN``: this rank's shard has no elements;
     ``VARIES``: not one value)."""
 
@@ -90,8 +90,8 @@ def _summary(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def template_fills(found: tuple[dict, set] | None) -> dict:
-    """What an optimizer's never-stepped template holds, by parameter, each
+def placeholder_fills(found: tuple[dict, set] | None) -> dict:
+    """What an optimizer's never-stepped placeholder state holds, by parameter, each
     tensor summarised (:class:`_Fill`), from :func:`scratch_step`'s result.
     Parameters whose state the constructor makes, and optimizers that cannot
     be stepped on a copy (``found`` None), have no entry."""
@@ -106,8 +106,8 @@ def template_fills(found: tuple[dict, set] | None) -> dict:
 
 
 def stepless_fills(found: tuple[dict, set] | None) -> dict:
-    """Like :func:`template_fills`, for the entries without ``step`` (SGD's
-    momentum buffer): what the never-stepped template holds, by parameter."""
+    """Like :func:`placeholder_fills`, for the entries without ``step`` (SGD's
+    momentum buffer): what the never-stepped placeholder state holds, by parameter."""
     if found is None:
         return {}
     state, eager = found
@@ -120,8 +120,8 @@ def stepless_fills(found: tuple[dict, set] | None) -> dict:
 
 def surely_real(entry: dict) -> bool:
     """Whether this rank's part of ``entry`` holds a tensor that is not one
-    value throughout (no template holds such): a cheap first look that spares
-    building the template for a load of real state."""
+    value throughout (no placeholder state holds such): a cheap first look that spares
+    building the placeholder state for a load of real state."""
     for v in entry.values():
         for t in state_tensors(v):
             if tensor_fill(t) is VARIES:
@@ -131,11 +131,11 @@ def surely_real(entry: dict) -> bool:
     return False
 
 
-def is_saved_stepless_template(entry: dict, fills: dict | None) -> bool:
+def is_saved_stepless_placeholder(entry: dict, fills: dict | None) -> bool:
     """Whether ``entry`` (no ``step``) equals, as far as this rank can see, the
-    target optimizer's own template for its parameter (``fills``:
+    target optimizer's own placeholder state for its parameter (``fills``:
     :func:`stepless_fills`'s entry). Only all of an optimizer's such entries
-    together, on every rank, make a saved template (the caller agrees)."""
+    together, on every rank, make a saved placeholder state (the caller agrees)."""
     return fills is not None and entry.keys() == fills.keys() and all(_matches(v, fills[k]) for k, v in entry.items())
 
 
@@ -170,14 +170,14 @@ def _matches(value: Any, summary: Any) -> bool:
         return False
     try:
         return bool(value == summary)
-    except Exception:  # noqa: BLE001 - an odd value is not the template's
+    except Exception:  # noqa: BLE001 - an odd value is not the placeholder state's
         return False
 
 
-def is_saved_template(entry: dict, fills: dict | None) -> bool:
+def is_saved_placeholder(entry: dict, fills: dict | None) -> bool:
     """Whether ``entry`` is, as far as this rank can see, a never-stepped
-    optimizer's template that was saved: ``step`` 0 and every other value the
-    target optimizer's own template (``fills``: :func:`template_fills`'s entry
+    optimizer's placeholder state that was saved: ``step`` 0 and every other value the
+    target optimizer's own placeholder state (``fills``: :func:`placeholder_fills`'s entry
     for the parameter). Ranks see different shards: the caller agrees across
     ranks (real if any rank sees real state)."""
     if fills is None or not step_is_zero(entry):
@@ -188,9 +188,9 @@ def is_saved_template(entry: dict, fills: dict | None) -> bool:
 
 def never_stepped_tensors(osd: Any) -> set[int]:
     """The ids of the tensors of every entry of ``osd`` (nested or flat)
-    that may be a saved template (``step`` 0, or no ``step`` at all): what a
+    that may be a saved placeholder state (``step`` 0, or no ``step`` at all): what a
     broadcast's root summarises (:func:`tensor_fill`) so that every rank can
-    tell a saved template from its manifest."""
+    tell a saved placeholder state from its manifest."""
     if not isinstance(osd, dict):
         return set()
     out: set[int] = set()

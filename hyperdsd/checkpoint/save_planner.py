@@ -1,13 +1,13 @@
-"""DCP's local save and load plans, built in bulk.
+"""The save planner: DCP's save plans, built in bulk.
 
 DCP plans each DTensor of a state dict on its own: its local shard's shape
-and offset from its mesh and placements, then the write item or the read
-items that cover it (with the resharding sweep over the saved chunks). A
-model of many same-shaped parameters asks the same questions tens of
+and offset from its mesh and placements, then the write item that covers
+it. A model of many same-shaped parameters asks the same questions tens of
 thousands of times. Here DCP answers once per kind of DTensor (global shape,
-mesh, placements; for a load, the saved chunks too) and its answer is
-reused for every DTensor of that kind, with the key's own name. Every other
-value goes through DCP's own planning. The plans are those DCP would make.
+mesh, placements) and its answer is reused for every DTensor of that kind,
+with the key's own name. Every other value goes through DCP's own planning.
+The plans are those DCP would make (the load planner's local plans are
+built alike: :mod:`.load_planner`).
 
 The coordinator's global save plan (DCP's ``dedup_save_plans``,
 ``create_default_global_save_plan`` and ``_validate_global_plan``) is made
@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import (
-    create_default_local_load_plan,
     create_default_local_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
@@ -34,16 +33,15 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
 
-__all__ = ["SavePlanner", "global_save_plan", "local_load_plan", "local_save_plan"]
+__all__ = ["SavePlanner", "global_save_plan", "local_save_plan", "local_shard", "plain_dtensor"]
 
 
-def _plain_dtensor(obj: Any) -> bool:
+def plain_dtensor(obj: Any) -> bool:
     """A DTensor whose local tensor is a plain tensor and that holds no partial values: DCP plans it by its
     geometry alone."""
     return (
@@ -61,7 +59,7 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
     made: dict[tuple, WriteItem | None] = {}
     grad = torch.is_grad_enabled()
     for fqn, obj in state_dict.items():
-        if not _plain_dtensor(obj):
+        if not plain_dtensor(obj):
             rest[fqn] = obj
             items.append(fqn)
             continue
@@ -99,44 +97,11 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
     return SavePlan(ordered)
 
 
-def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> LoadPlan:
-    """``create_default_local_load_plan(state_dict, metadata, strict)``, DTensors planned once per kind."""
-    items: list[ReadItem] = []
-    rest: dict[str, Any] = {}
-    made: dict[tuple, list[ReadItem]] = {}
-    saved = metadata.state_dict_metadata
-    for fqn, obj in state_dict.items():
-        md = saved.get(fqn)
-        if not (isinstance(md, TensorStorageMetadata) and _plain_dtensor(obj) and md.size == obj.size()):
-            rest[fqn] = obj  # DCP plans it, or raises as it does
-            continue
-        if obj.device_mesh.get_coordinate() is None:
-            continue  # outside the DTensor's mesh: nothing to read (as DCP)
-        kind = (obj.shape, obj.device_mesh, obj.placements, tuple((c.offsets, c.sizes) for c in md.chunks))
-        template = made.get(kind)
-        if template is None:
-            template = made[kind] = create_read_items_for_chunk_list(fqn, md, obj.__create_chunk_list__())
-        for t in template:
-            items.append(
-                ReadItem(
-                    type=t.type,
-                    dest_index=MetadataIndex(fqn, t.dest_index.offset, t.dest_index.index),
-                    dest_offsets=t.dest_offsets,
-                    storage_index=MetadataIndex(fqn, t.storage_index.offset, t.storage_index.index),
-                    storage_offsets=t.storage_offsets,
-                    lengths=t.lengths,
-                )
-            )
-    if rest:
-        items += create_default_local_load_plan(rest, metadata, strict).items
-    return LoadPlan(items)
-
-
 def local_shard(state_dict: dict[str, Any], index: MetadataIndex) -> torch.Tensor | None:
     """The tensor DCP's ``find_state_dict_object`` finds for a plain DTensor's key (its local tensor, without
     going through autograd as ``to_local()`` does); None for anything else."""
     obj = state_dict.get(index.fqn)
-    return _compat.local_tensor(obj) if _plain_dtensor(obj) else None
+    return _compat.local_tensor(obj) if plain_dtensor(obj) else None
 
 
 # DCP's own check of a global plan: a list of errors (torch 2.12 on) or a bool (before); None where absent.
@@ -173,9 +138,28 @@ def global_save_plan(
     runs once per layout of chunks, on the first key of that layout, since it looks at nothing else."""
     if _validate_global_plan is None:
         return None
-    # dedup_save_plans: each index's plans (the first, and the set DCP builds where it is in several), in
-    # the order the indices first appear; the last item with an index counts its storage size.
     keys = [[(item.index.fqn, item.index.offset) for item in plan.items] for plan in all_plans]
+    dropped = _deduplicated(all_plans, keys, save_to_lowest_rank)
+    made = _hinted_plans(all_plans, keys, dropped)
+    if made is None:
+        return None
+    global_plan, md = made
+    metadata = Metadata(md)
+    if flatten_state_dict:
+        # dict(ChainMap(*mappings)): keys in the order of the reversed list, values from the first plan with each
+        merged: dict = {}
+        for plan in reversed(global_plan):
+            if type(plan.planner_data) is not dict:
+                return None
+            merged.update(plan.planner_data)
+        metadata = dataclasses.replace(metadata, planner_data=merged)
+    return (global_plan, metadata) if _valid(global_plan, md) else None
+
+
+def _deduplicated(all_plans: list[SavePlan], keys: list[list[tuple]], save_to_lowest_rank: bool) -> list[set]:
+    """dedup_save_plans: per plan, the indices it leaves to another. Each index's plans (the first, and the
+    set DCP builds where it is in several), in the order the indices first appear; the last item with an
+    index counts its storage size."""
     owner: dict[tuple, int] = {}
     shared: dict[tuple, set[int]] = {}
     last: dict[tuple, WriteItem] = {}
@@ -189,30 +173,38 @@ def global_save_plan(
         owner.update(dict.fromkeys(mine, p))  # keys keep their first place; a shared key's value goes unused
         last.update(zip(mine, plan.items))
     dropped: list[set[tuple]] = [set() for _ in all_plans]
-    if shared:
-        sizes = [0] * len(all_plans)
-        storage: dict[tuple, int | None] = {}
-        for key, chosen in owner.items():
-            plans = shared.get(key)
-            if plans is not None:
-                chosen = min(plans) if save_to_lowest_rank else min(plans, key=sizes.__getitem__)
-                for p in plans:
-                    if p != chosen:
-                        dropped[p].add(key)
-            if save_to_lowest_rank:
-                continue
-            item = last[key]
-            data = item.tensor_data
-            if data is None:
-                sizes[chosen] += 1
-                continue
-            kind = (data.size, data.properties.dtype)
-            nbytes = storage.get(kind, -1)
-            if nbytes == -1:
-                nbytes = storage[kind] = item.tensor_storage_size()
-            sizes[chosen] += nbytes or 1
-    # create_default_global_save_plan over the items kept, with index hints (each item and its index
-    # copied, as dataclasses.replace does, where that is what it does)
+    if not shared:
+        return dropped
+    sizes = [0] * len(all_plans)
+    storage: dict[tuple, int | None] = {}
+    for key, chosen in owner.items():
+        plans = shared.get(key)
+        if plans is not None:
+            chosen = min(plans) if save_to_lowest_rank else min(plans, key=sizes.__getitem__)
+            for p in plans:
+                if p != chosen:
+                    dropped[p].add(key)
+        if save_to_lowest_rank:
+            continue
+        item = last[key]
+        data = item.tensor_data
+        if data is None:
+            sizes[chosen] += 1
+            continue
+        kind = (data.size, data.properties.dtype)
+        nbytes = storage.get(kind, -1)
+        if nbytes == -1:
+            nbytes = storage[kind] = item.tensor_storage_size()
+        sizes[chosen] += nbytes or 1
+    return dropped
+
+
+def _hinted_plans(
+    all_plans: list[SavePlan], keys: list[list[tuple]], dropped: list[set]
+) -> tuple[list[SavePlan], dict[str, Any]] | None:
+    """create_default_global_save_plan over the items kept, with index hints (each item and its index
+    copied, as dataclasses.replace does, where that is what it does): the plans and the metadata's
+    entries; None where DCP would refuse them."""
     copy = _COPYABLE
     new = object.__new__
     shard, byte_io = WriteItemType.SHARD, WriteItemType.BYTE_IO
@@ -255,16 +247,11 @@ def global_save_plan(
             append(hinted)
             chunks.append(data.chunk)
         global_plan.append(dataclasses.replace(plan, items=items))
-    metadata = Metadata(md)
-    if flatten_state_dict:
-        # dict(ChainMap(*mappings)): keys in the order of the reversed list, values from the first plan with each
-        merged: dict = {}
-        for plan in reversed(global_plan):
-            if type(plan.planner_data) is not dict:
-                return None
-            merged.update(plan.planner_data)
-        metadata = dataclasses.replace(metadata, planner_data=merged)
-    # _validate_global_plan, once per layout: it looks at a key's size and its chunks' offsets and sizes
+    return global_plan, md
+
+
+def _valid(global_plan: list[SavePlan], md: dict[str, Any]) -> bool:
+    """_validate_global_plan, once per layout: it looks at a key's size and its chunks' offsets and sizes."""
     first: dict[tuple, str] = {}
     for fqn, value in md.items():
         if type(value) is TensorStorageMetadata:
@@ -275,8 +262,8 @@ def global_save_plan(
     for fqn in first.values():
         verdict = _validate_global_plan(global_plan, Metadata({fqn: md[fqn]}))
         if verdict is not True and verdict != []:
-            return None
-    return global_plan, metadata
+            return False
+    return True
 
 
 class SavePlanner(DefaultSavePlanner):

@@ -1,17 +1,24 @@
-"""DCP's default load planner, knowing what optimizer state may be absent (lazy) and what may not."""
+"""The load planner: DCP's default load planner, knowing what optimizer state
+may be absent (lazy) and what may not, its local plans built in bulk (DTensors
+planned once per kind, as the save planner plans them)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     FileSystemReader,
 )
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import StateDictError
-from ..state.dcp_template import add_saved_state, judge, optimizer_entries, unexpected
-from .plans import local_load_plan, local_shard
+from .load_template import add_saved_state, judge, optimizer_entries, unexpected
+from .save_planner import local_shard, plain_dtensor
 
 _SHOWN = 10  # unexpected keys named in an error; the rest are counted
 
@@ -127,3 +134,36 @@ def _plain_plans(reader) -> bool:
         and cls.prepare_local_plan is FileSystemReader.prepare_local_plan
         and cls.prepare_global_plan is FileSystemReader.prepare_global_plan
     )
+
+
+def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> LoadPlan:
+    """``create_default_local_load_plan(state_dict, metadata, strict)``, DTensors planned once per kind."""
+    items: list[ReadItem] = []
+    rest: dict[str, Any] = {}
+    made: dict[tuple, list[ReadItem]] = {}
+    saved = metadata.state_dict_metadata
+    for fqn, obj in state_dict.items():
+        md = saved.get(fqn)
+        if not (isinstance(md, TensorStorageMetadata) and plain_dtensor(obj) and md.size == obj.size()):
+            rest[fqn] = obj  # DCP plans it, or raises as it does
+            continue
+        if obj.device_mesh.get_coordinate() is None:
+            continue  # outside the DTensor's mesh: nothing to read (as DCP)
+        kind = (obj.shape, obj.device_mesh, obj.placements, tuple((c.offsets, c.sizes) for c in md.chunks))
+        template = made.get(kind)
+        if template is None:
+            template = made[kind] = create_read_items_for_chunk_list(fqn, md, obj.__create_chunk_list__())
+        for t in template:
+            items.append(
+                ReadItem(
+                    type=t.type,
+                    dest_index=MetadataIndex(fqn, t.dest_index.offset, t.dest_index.index),
+                    dest_offsets=t.dest_offsets,
+                    storage_index=MetadataIndex(fqn, t.storage_index.offset, t.storage_index.index),
+                    storage_offsets=t.storage_offsets,
+                    lengths=t.lengths,
+                )
+            )
+    if rest:
+        items += create_default_local_load_plan(rest, metadata, strict).items
+    return LoadPlan(items)

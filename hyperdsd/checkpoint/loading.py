@@ -1,4 +1,4 @@
-"""A checkpoint in one call each: :func:`save` (atomic, optionally async) and :func:`load` (committed only)."""
+"""Loading a checkpoint: :func:`load` in one call, committed checkpoints only."""
 
 from __future__ import annotations
 
@@ -6,51 +6,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (
-    CheckpointException,
-)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.storage import StorageReader
 
 from ..options import StateDictOptions, resolve_options
 from . import commit
 from .app_state import _apply, _as_list, _check_extra, _state
-from .planner import LoadPlanner, _plain_plans
+from .load_planner import LoadPlanner, _plain_plans
 from .reader import Reader
-from .saving import _committed, _gc_paused, _one_error, _path, _save, settle
-
-
-def save(
-    checkpoint_id,
-    model,
-    optimizers,
-    *,
-    schedulers=(),
-    extra: Mapping[str, Any] | None = None,
-    options: StateDictOptions | None = None,
-    async_save: bool = False,
-    storage_writer: StorageWriter | None = None,
-):
-    """Save the model, optimizers, schedulers and ``extra`` as a DCP checkpoint, atomically.
-
-    The checkpoint holds ``model``, ``optim`` (by FQN), ``schedulers`` (a
-    list of their state dicts, if any) and each key of ``extra`` (a
-    ``Stateful``'s state dict, or any value DCP saves). Pipeline stages
-    pass ``StateDictOptions(flatten_optimizer_state_dict=True)``, so that
-    stages write disjoint keys.
-
-    ``checkpoint_id`` is a directory path. The checkpoint is written beside
-    it and takes its place only once every rank has written it (see
-    :mod:`hyperdsd.checkpoint.commit`); a save that fails on any rank raises
-    :class:`StateDictError` on every rank and leaves what was committed
-    there before. ``storage_writer`` is DCP's (a ``FileSystemWriter``, or a
-    subclass, that writes where it is reset to).
-
-    With ``async_save`` the state is staged and written in the background;
-    returns a future that completes once the checkpoint is committed, or
-    holds the error. The next :func:`save` or :func:`load` waits for it and
-    raises that error if nobody has asked the future for it.
-    """
-    return _save(_path(checkpoint_id), model, optimizers, schedulers, extra, options, async_save, storage_writer)
+from .saving import _committed, _gc_paused, _one_error, settle
 
 
 def load(

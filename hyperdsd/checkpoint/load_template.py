@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .flat import GROUPS, STATE, split_fqn
-from .placeholders import is_template_value, is_unwritten_placeholder
+from ..state.flat import GROUPS, STATE, split_fqn
+from ..state.placeholders import is_placeholder_value, is_unwritten_placeholder
 
 Path = tuple  # a DCP object path: str keys and int list indices
 
@@ -108,7 +108,7 @@ def optimizer_entries(original: Any, flat: dict[str, Any], mappings: dict[str, P
         value = flat.get(key)
         (entry.fields if is_field else entry.keys).append(key)
         entry.placeholder = (
-            entry.placeholder or is_unwritten_placeholder(value) or (is_field and is_template_value(value))
+            entry.placeholder or is_unwritten_placeholder(value) or (is_field and is_placeholder_value(value))
         )
     return list(entries.values())
 

@@ -1,17 +1,17 @@
-"""State templates for optimizers that have never stepped, built on a copy.
+"""Placeholder state for optimizers that have never stepped, built on a copy.
 
 Stepping a never-stepped optimizer to create state to fill (what other
-implementations do) changes it. Here the template is built on a throwaway
+implementations do) changes it. Here the placeholder state is built on a throwaway
 optimizer: the same class, built by its own constructor with the same
 hyperparameters over zero-filled stand-ins of the parameters, stepped once
 with zero gradients. The real optimizer, its parameters and its gradients
-are never touched. The template's tensors are placeholders
+are never touched. The placeholder state's tensors are placeholders
 (:mod:`.placeholders`), its ``step`` 0: saved as it is, it means "never
-stepped" (:mod:`.saved_templates`).
+stepped" (:mod:`.saved_placeholders`).
 
 A load checks each optimizer's entries against its :class:`Expectations`:
 the state the optimizer keeps or, for a parameter without state, the
-template's, and whether a saved entry is the template.
+placeholder state's, and whether a saved entry is the placeholder state.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 
 from .. import _compat
 from .placeholders import mark_placeholder, state_tensors
-from .saved_templates import (
-    is_saved_stepless_template,
-    is_saved_template,
+from .saved_placeholders import (
+    is_saved_placeholder,
+    is_saved_stepless_placeholder,
+    placeholder_fills,
     step_is_zero,
     stepless_fills,
     surely_real,
-    template_fills,
 )
 
 # -- the scratch step --------------------------------------------------------
@@ -100,7 +100,7 @@ def scratch_step(opt: torch.optim.Optimizer, warn: bool, only: set | None = None
     except Exception as exc:  # noqa: BLE001 - any optimizer may refuse a bare step
         if warn:
             warnings.warn(
-                f"hyperdsd: cannot build a state template for {type(opt).__name__} ({type(exc).__name__}: {exc}); "
+                f"hyperdsd: cannot build placeholder state for {type(opt).__name__} ({type(exc).__name__}: {exc}); "
                 "a DCP load into this never-stepped optimizer will restore param_groups only",
                 stacklevel=4,
             )
@@ -113,15 +113,15 @@ def scratch_step(opt: torch.optim.Optimizer, warn: bool, only: set | None = None
     return out, eager
 
 
-# -- templates ---------------------------------------------------------------
+# -- placeholder states ---------------------------------------------------------------
 
 
-def template_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
+def placeholder_state_of(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     """Placeholder state for a never-stepped optimizer (see module docstring)."""
     return _as_placeholders(scratch_state(opt) or {})
 
 
-def stateless_template(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
+def stateless_placeholders(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     """Placeholder state for the parameters a stepped optimizer holds no state
     for (frozen, or without a gradient since): what a load checks a
     checkpoint's entries for them against, as a never-stepped optimizer's."""
@@ -153,7 +153,7 @@ class Expectations:
     parameter's current state or, for a parameter without state, what a step
     would create (built once, only when needed: for a stepped optimizer, over
     its parameters without state alone); and whether an entry the load holds
-    is this optimizer's never-stepped template, saved."""
+    is this optimizer's never-stepped placeholder state, saved."""
 
     def __init__(self, opt):
         self.opt = opt
@@ -175,25 +175,25 @@ class Expectations:
         found = self._scratch_step()
         return found[0] if found is not None else None
 
-    def saved_template(self, p, entry: dict) -> bool:
-        """Whether ``entry`` is this optimizer's never-stepped template, saved
-        (see :func:`is_saved_template`); the template is built on first need."""
+    def saved_placeholder(self, p, entry: dict) -> bool:
+        """Whether ``entry`` is this optimizer's never-stepped placeholder state, saved
+        (see :func:`is_saved_placeholder`); the placeholder state is built on first need."""
         if not step_is_zero(entry):
             return False
         if self._fills is None:
-            self._fills = template_fills(self._scratch_step())
-        return is_saved_template(entry, self._fills.get(p))
+            self._fills = placeholder_fills(self._scratch_step())
+        return is_saved_placeholder(entry, self._fills.get(p))
 
-    def stepless_template(self, entries: list[tuple]) -> bool:
+    def stepless_placeholder(self, entries: list[tuple]) -> bool:
         """Whether every one of ``entries`` (``(param, entry)``, entries
         without ``step``) is, on this rank, this optimizer's never-stepped
-        template, saved. Real values are looked for first, so a load of real
-        state builds no template."""
+        placeholder state, saved. Real values are looked for first, so a load of real
+        state builds no placeholder state."""
         if any(surely_real(entry) for _, entry in entries):
             return False
         if self._stepless is None:
             self._stepless = stepless_fills(self._scratch_step())
-        return all(is_saved_stepless_template(entry, self._stepless.get(p)) for p, entry in entries)
+        return all(is_saved_stepless_placeholder(entry, self._stepless.get(p)) for p, entry in entries)
 
     def of(self, p) -> dict | None:
         entry = self.opt.state.get(p)
