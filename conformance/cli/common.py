@@ -4,12 +4,27 @@ usage error, and the device and backend check."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from typing import Callable
 
 DEFAULT_IMPL = "hyperdsd"
 
 
 class UsageError(Exception):
     pass
+
+
+def as_command(prog: str, fn: Callable, args) -> int:
+    """``fn(args)``'s exit status, the implementation defaulted from the
+    environment; a usage error is printed as argparse prints its own (status 2)."""
+    if args.impl is None:
+        args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
+    try:
+        return fn(args)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def int_list(text: str) -> list[int]:

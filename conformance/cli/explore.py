@@ -18,7 +18,7 @@ from ..running.generated import clause_cases
 from ..running.runner import Runner
 from ..world.layouts import parse_layout
 from ..world.scenario import DRAWN_LAYOUTS, Scenario
-from .common import DEFAULT_IMPL, UsageError, check_device, int_list, positive
+from .common import DEFAULT_IMPL, UsageError, as_command, check_device, int_list, positive
 
 
 def build_explore_parser() -> argparse.ArgumentParser:
@@ -56,13 +56,7 @@ def explore_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    if args.impl is None:
-        args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
-    try:
-        return _explore(args)
-    except UsageError as exc:
-        print(f"python -m conformance explore: error: {exc}", file=sys.stderr)
-        return 2
+    return as_command("python -m conformance explore", _explore, args)
 
 
 def _explore(args) -> int:

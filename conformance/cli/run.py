@@ -11,7 +11,7 @@ import time
 
 from ..adapters import AdapterError, load_adapter
 from ..running.registry import all_cases, select
-from .common import DEFAULT_IMPL, UsageError, check_device, count, int_list, positive
+from .common import DEFAULT_IMPL, UsageError, as_command, check_device, count, int_list, positive
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,13 +109,7 @@ def run_main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-    if args.impl is None:
-        args.impl = os.environ.get("CONFORMANCE_IMPL", DEFAULT_IMPL)
-    try:
-        return _run(args)
-    except UsageError as exc:
-        print(f"python -m conformance: error: {exc}", file=sys.stderr)
-        return 2
+    return as_command("python -m conformance", _run, args)
 
 
 def _run(args) -> int:

@@ -96,7 +96,7 @@ TEXT_MUTANTS = {
         "        if split is None:\n",
     ),
     "state-cast-to-param-dtype": (
-        "state/optimizer_load.py",
+        "state/optimizer_values.py",
         "    verdict = _verdict(value, p, key, expected, verdicts)\n",
         '    if isinstance(value, torch.Tensor) and key != "step":\n'
         "        value = value.to(p.dtype)  # state follows its parameter's dtype\n"
