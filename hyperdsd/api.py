@@ -140,8 +140,9 @@ def _optimizer_state(
         nested = consolidate.offload(nested)
     if opts.flatten_optimizer_state_dict and nested:
         nested = flat_format.flatten(nested)
-        anchor = placeholders.first_placeholder(nested)
-        if anchor is not None and any(not opt.state for opt in optims):  # a never-stepped optimizer's placeholder state
+        # A never-stepped optimizer's placeholder state; a stepped one's has none to search for.
+        anchor = placeholders.first_placeholder(nested) if any(not opt.state for opt in optims) else None
+        if anchor is not None:
             placeholders.track_placeholder_fields(nested, anchor)
     return nested
 

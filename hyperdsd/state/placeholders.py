@@ -160,6 +160,8 @@ def track_placeholder_fields(flat: dict, anchor: torch.Tensor) -> None:
 
 
 def first_placeholder(flat: dict) -> torch.Tensor | None:
+    if not _placeholders:  # none alive in this process
+        return None
     for value in flat.values():
         if is_unwritten_placeholder(value):
             return value

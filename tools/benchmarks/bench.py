@@ -126,6 +126,9 @@ def main() -> None:
     )
     parser.add_argument("--breakdown-sizes", default="10k,50k")
     parser.add_argument("--breakdown-modes", default="get,set,full_get,bcast_set,flat_get,flat_set")
+    parser.add_argument(
+        "--breakdown-top", action="store_true", help="also list each mode's functions of most CPU time per key"
+    )
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args()
@@ -212,6 +215,7 @@ def main() -> None:
                 pools,
                 [s for s in args.breakdown_sizes.split(",") if s],
                 [m for m in args.breakdown_modes.split(",") if m],
+                top=args.breakdown_top,
             )
     if not args.no_memory:
         memory_sizes = [s for s in (args.memory_sizes or args.sizes).split(",") if s]

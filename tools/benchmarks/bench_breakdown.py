@@ -12,25 +12,36 @@ from hyperdsd.testing import Status
 from tools.benchmarks import bench_tasks
 from tools.benchmarks.bench_tasks import _build, _op, _prepare
 
-# Categories of the per-key breakdown, by the file (and for applying, the
-# function) a profiled function lives in. Built-in functions and torch's C
-# methods count in their caller's category.
+# Categories of the per-key breakdown: each of hyperdsd's modules in one
+# (a test holds every module to that, so a moved module is not silently
+# counted as "other"), torch's by the folder a function lives in. Built-in
+# functions and torch's C methods count in their caller's category.
 CATEGORIES = (
     ("FQN index", ("hyperdsd/state/fqn.py",)),
     (
-        "module/optimizer state_dict() (torch)",
-        ("torch/nn/modules/module.py", "torch/optim/", "torch/distributed/fsdp/", "torch/utils/hooks"),
+        "module/optimizer registries, state_dict() (torch)",
+        (
+            "hyperdsd/_compat/modules.py",
+            "torch/nn/modules/module.py",
+            "torch/optim/",
+            "torch/distributed/fsdp/",
+            "torch/utils/hooks",
+        ),
     ),
     (
         "checks (validation)",
         (
+            "hyperdsd/api.py",
+            "hyperdsd/options.py",
+            "hyperdsd/errors.py",
             "hyperdsd/state/model.py",
+            "hyperdsd/state/in_place.py",
             "hyperdsd/state/optimizer_load.py",
             "hyperdsd/state/optimizer_input.py",
+            "hyperdsd/state/optimizer_values.py",
             "hyperdsd/state/placeholders.py",
             "hyperdsd/state/placeholder_state.py",
             "hyperdsd/state/saved_placeholders.py",
-            "hyperdsd/api.py",
         ),
     ),
     (
@@ -41,14 +52,35 @@ CATEGORIES = (
     ("applying (copies, new state)", ()),
     (
         "DTensor dispatch and construction",
-        ("torch/distributed/tensor/", "torch/_dynamo", "torch/_compile", "torch/_ops", "torch/_library"),
+        (
+            "hyperdsd/_compat/tensors.py",
+            "hyperdsd/_compat/__init__.py",
+            "torch/distributed/tensor/",
+            "torch/_dynamo",
+            "torch/_compile",
+            "torch/_ops",
+            "torch/_library",
+        ),
     ),
     ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
     ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py")),
+    (
+        "FSDP1: twin, flat shards",
+        (
+            "hyperdsd/fsdp1/",
+            "hyperdsd/state/flat_shards.py",
+            "hyperdsd/transport/flat_shards.py",
+            "hyperdsd/_compat/fsdp1.py",
+        ),
+    ),
     ("buckets: packing, regions", ("hyperdsd/transport/", "hyperdsd/agreement.py")),
+    ("checkpoint: plans, files", ("hyperdsd/checkpoint/", "hyperdsd/_compat/files.py", "torch/distributed/checkpoint/")),
     ("object collectives (pickle)", ("object", "pickle")),
     ("tensor collectives (waiting included)", ("torch/distributed/", "~:wait")),
 )
+# Modules no call runs code of: the package's namespace, sub-packages'
+# docstrings, the test harness.
+NOT_ON_A_CALL = ("hyperdsd/__init__.py", "hyperdsd/state/__init__.py", "hyperdsd/testing/")
 _READ = {"read_state", "_entry_copy", "_own", "_param_fqn", "_same", "offload", "_to_cpu"}
 _APPLY = {"apply_load", "_loaded", "copy_into", "materialize", "receive", "redistribute", "_run_post_hooks"}
 
@@ -90,18 +122,34 @@ def breakdown(ctx, size: str, mode: str, mesh: str = "4"):
     _op(ctx, "hyperdsd", mode, model, opt, inputs)
     prof.disable()
     by_cat: dict[str, float] = {}
-    for (path, _, fn), (_, _, tt, _, callers) in pstats.Stats(prof).stats.items():
+    by_fn: dict[str, float] = {}  # the same time by function, built-ins in their callers
+    for (path, line, fn), (_, _, tt, _, callers) in pstats.Stats(prof).stats.items():
         if path == "~" and callers and not fn.endswith("wait>"):
-            for (cpath, _, cfn), edge in callers.items():  # a built-in: its callers' categories, by share
+            for (cpath, cline, cfn), edge in callers.items():  # a built-in: its callers' categories, by share
                 cat = _category(cpath, cfn)
                 by_cat[cat] = by_cat.get(cat, 0.0) + edge[2]
+                name = _function_name(cpath, cline, cfn)
+                by_fn[name] = by_fn.get(name, 0.0) + edge[2]
         else:
             cat = _category(path, fn)
             by_cat[cat] = by_cat.get(cat, 0.0) + tt
-    return {"rank": ctx.rank, "cpu_s": cpu, "profiled": by_cat}
+            name = _function_name(path, line, fn)
+            by_fn[name] = by_fn.get(name, 0.0) + tt
+    top = sorted(by_fn.items(), key=lambda kv: -kv[1])[:TOP_FUNCTIONS]
+    return {"rank": ctx.rank, "cpu_s": cpu, "profiled": by_cat, "top": top}
 
 
-def table(pools, sizes: list[str], modes: list[str]) -> None:
+TOP_FUNCTIONS = 12
+
+
+def _function_name(path: str, line: int, fn: str) -> str:
+    for root in ("hyperdsd/", "torch/", "tools/"):
+        if root in path:
+            return f"{root}{path.split(root, 1)[1]}:{line}({fn})"
+    return f"{path}:{line}({fn})"
+
+
+def table(pools, sizes: list[str], modes: list[str], top: bool = False) -> None:
     from hyperdsd.testing import Task
 
     print(
@@ -121,11 +169,15 @@ def table(pools, sizes: list[str], modes: list[str]) -> None:
             scale = slowest["cpu_s"] / profiled
             columns[mode] = {cat: sec * scale / keys * 1e6 for cat, sec in slowest["profiled"].items()}
             columns[mode]["total"] = slowest["cpu_s"] / keys * 1e6
+            if top:
+                print(f"\n{size} {mode}: the {TOP_FUNCTIONS} functions of most CPU time per key (us), slowest rank")
+                for name, sec in slowest["top"]:
+                    print(f"  {sec * scale / keys * 1e6:8.2f}  {name}")
         if not columns:
             continue
         cats = [name for name, _ in CATEGORIES] + ["other (benchmark, Python)"]
-        print(f"\n{size} ({keys} keys) {'':>28}" + "".join(f"{m:>10}" for m in columns))
+        print(f"\n{size} ({keys} keys) {'':>38}" + "".join(f"{m:>10}" for m in columns))
         for cat in cats + ["total"]:
             if cat != "total" and not any(col.get(cat, 0.0) >= 0.05 for col in columns.values()):
                 continue
-            print(f"  {cat:<40}" + "".join(f"{col.get(cat, 0.0):10.1f}" for col in columns.values()), flush=True)
+            print(f"  {cat:<50}" + "".join(f"{col.get(cat, 0.0):10.1f}" for col in columns.values()), flush=True)
