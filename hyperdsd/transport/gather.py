@@ -6,7 +6,8 @@ tensor to every rank of its shard group or only to a root. DTensors of one
 layout (mesh dim, shard dim, global shape, dtype) and root form a run,
 packed and assembled as one stack: a model of tens of thousands of small
 tensors has a handful of layouts, and tensor by tensor the slicing and
-viewing of pieces cost more than the gather. Large pieces evenly split along
+viewing of pieces cost more than the gather. Pieces of 64 KiB and more are
+packed and assembled one by one, each copied once. Large pieces evenly split along
 dim 0 skip the packing and land straight in the full tensor. Placements
 other than one plain Shard (plus Replicate) fall back to
 ``DTensor.full_tensor()``.
@@ -25,6 +26,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import _compat
 from ..placement import chunk_bounds
 from .collectives import BUCKET_BYTES, DIRECT_BYTES, aligned, rank
+
+# Pieces smaller than this are stacked, a run of them in one copy: tensor by
+# tensor, a small piece's slicing and viewing cost more than its bytes.
+# Larger ones are copied one by one, once each (a stack would copy them twice).
+STACK_BYTES = 1 << 16
 
 
 def _single_shard(dt: DTensor) -> tuple[int, int] | None:
@@ -215,14 +221,21 @@ class Gatherer:
 
     @staticmethod
     def _pack(send: torch.Tensor, off: int, run: _Run, start: int, stop: int, n: int) -> None:
-        """This rank's pieces of ``run``'s tensors ``start:stop``, stacked, each at its
-        stride (the largest piece) in ``send`` from ``off``."""
+        """This rank's pieces of ``run``'s tensors ``start:stop``, each at its stride
+        (the largest piece) in ``send`` from ``off``: small ones stacked in one
+        copy, large ones copied one by one."""
         locals_ = [_compat.local_tensor(dt) for dt in run.tensors[start:stop]]
-        numel = locals_[0].numel()
-        if numel:
-            stacked = torch.stack(locals_).reshape(len(locals_), numel).view(torch.uint8)
-            width = run.piece_bytes(n)
-            send[off : off + len(locals_) * width].view(len(locals_), width)[:, : stacked.shape[1]].copy_(stacked)
+        first, width = locals_[0], run.piece_bytes(n)
+        nbytes = first.numel() * first.dtype.itemsize
+        if nbytes == 0:
+            return
+        if nbytes >= STACK_BYTES:  # one copy each, straight into its place
+            for i, local in enumerate(locals_):
+                at = off + i * width
+                send[at : at + nbytes].view(local.dtype).view(local.shape).copy_(local)
+            return
+        stacked = torch.stack(locals_).reshape(len(locals_), first.numel()).view(torch.uint8)
+        send[off : off + len(locals_) * width].view(len(locals_), width)[:, :nbytes].copy_(stacked)
 
     def _assemble(self, run: _Run, start: int, stop: int, rows, off: int, n: int) -> None:
         """The full tensors of ``run``'s tensors ``start:stop`` from every rank's
@@ -239,8 +252,13 @@ class Gatherer:
                 continue
             block = rows[r][off : off + count * width].view(count, width)[:, :nbytes]
             parts.append(block.view(first.dtype).view(piece_shape))
+        keys = run.keys[start:stop]
+        if width >= STACK_BYTES:  # one concatenation each: a tensor of its own in one copy
+            for i, key in enumerate(keys):
+                self._keep(key, torch.cat([part[i] for part in parts], dim=d))
+            return
         full = torch.cat(parts, dim=d + 1)
         if self.cpu:
             full = full.cpu()
-        for key, tensor in zip(run.keys[start:stop], full.unbind(0)):
+        for key, tensor in zip(keys, full.unbind(0)):
             self.results[key] = tensor.clone()

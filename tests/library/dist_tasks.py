@@ -27,7 +27,13 @@ SHAPES = [
 ]
 
 
-BIG = [((2048, 512), torch.float32), ((1026, 600), torch.float32), ((4096, 256), torch.bfloat16)]  # even, uneven, bf16
+# even, uneven (twice: a run of large pieces, uneven among ranks, copied one by one), bf16
+BIG = [
+    ((2048, 512), torch.float32),
+    ((1026, 600), torch.float32),
+    ((1026, 600), torch.float32),
+    ((4096, 256), torch.bfloat16),
+]
 
 
 def _tensors(mesh, placements, big=False):
@@ -52,6 +58,8 @@ def gather(ctx, mesh="4", root: bool = False, bucket_bytes: int = 64, big: bool 
         return 0
     for i, (full, _) in enumerate(pairs):
         assert results[i].dtype == full.dtype and torch.equal(results[i], full), f"tensor {i} differs"
+    storages = [t.untyped_storage().data_ptr() for t in results.values() if t.numel()]
+    assert len(set(storages)) == len(storages), "full tensors share storage"
     return len(results)
 
 

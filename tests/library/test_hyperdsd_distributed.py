@@ -14,7 +14,13 @@ def run(pools, world_size, fn, **kwargs):
 @pytest.mark.parametrize("big", [False, True], ids=["small", "with-large"])
 def test_gather_in_small_buckets_with_uneven_and_empty_shards(pools, mesh, root, big):
     values = run(pools, 4, "gather", mesh=mesh, root=root, bucket_bytes=64, big=big)
-    assert values[0] == (9 if big else 6)
+    assert values[0] == (10 if big else 6)
+
+
+@pytest.mark.parametrize("root", [False, True])
+def test_gather_of_large_pieces_in_one_bucket(pools, root):
+    """Runs of pieces too large to stack, several in a bucket, uneven among ranks."""
+    assert run(pools, 4, "gather", mesh="4", root=root, bucket_bytes=1 << 26, big=True)[0] == 10
 
 
 def test_gather_on_three_ranks_uneven(pools):
