@@ -14,8 +14,9 @@ have no such floor (get is local; dcp is dominated by DCP's own save and
 load). On the models with many small parameters (10k, 50k) the table adds
 hyperdsd's time per 1,000 keys (parameters; each also has three AdamW state
 values), per key, and as a multiple of the per-tensor floor: one ``clone()``
-of every local tensor (a parameter's shard and its optimizer state values)
-in a Python loop, slowest rank, measured in the same run; and, for the modes
+of every local tensor (a parameter's shard and its optimizer state values,
+the tensors DTensors wrap, not reached through ``to_local()``) in a Python
+loop, slowest rank, measured in the same run; and, for the modes
 whose target is relative to it, the ratio to hyperdsd's own sharded get.
 ``resume`` is a save and a load of the model and optimizer:
 ``hyperdsd.checkpoint.save`` then ``load``, against torch's
