@@ -74,7 +74,10 @@ CATEGORIES = (
         ),
     ),
     ("buckets: packing, regions", ("hyperdsd/transport/", "hyperdsd/agreement.py")),
-    ("checkpoint: plans, files", ("hyperdsd/checkpoint/", "hyperdsd/_compat/files.py", "torch/distributed/checkpoint/")),
+    (
+        "checkpoint: plans, files",
+        ("hyperdsd/checkpoint/", "hyperdsd/_compat/files.py", "torch/distributed/checkpoint/"),
+    ),
     ("object collectives (pickle)", ("object", "pickle")),
     ("tensor collectives (waiting included)", ("torch/distributed/", "~:wait")),
 )
