@@ -84,6 +84,7 @@ CATEGORIES = (
 # Modules no call runs code of: the package's namespace, sub-packages'
 # docstrings, the test harness.
 NOT_ON_A_CALL = ("hyperdsd/__init__.py", "hyperdsd/state/__init__.py", "hyperdsd/testing/")
+TOP_FUNCTIONS = 12  # listed per mode with --breakdown-top
 _READ = {"read_state", "_entry_copy", "_own", "_param_fqn", "_same", "offload", "_to_cpu"}
 _APPLY = {"apply_load", "_loaded", "copy_into", "materialize", "receive", "redistribute", "_run_post_hooks"}
 
@@ -125,24 +126,21 @@ def breakdown(ctx, size: str, mode: str, mesh: str = "4"):
     _op(ctx, "hyperdsd", mode, model, opt, inputs)
     prof.disable()
     by_cat: dict[str, float] = {}
-    by_fn: dict[str, float] = {}  # the same time by function, built-ins in their callers
+    by_fn: dict[str, float] = {}  # the same time by function
+
+    def credit(path: str, line: int, fn: str, seconds: float) -> None:
+        cat, name = _category(path, fn), _function_name(path, line, fn)
+        by_cat[cat] = by_cat.get(cat, 0.0) + seconds
+        by_fn[name] = by_fn.get(name, 0.0) + seconds
+
     for (path, line, fn), (_, _, tt, _, callers) in pstats.Stats(prof).stats.items():
         if path == "~" and callers and not fn.endswith("wait>"):
-            for (cpath, cline, cfn), edge in callers.items():  # a built-in: its callers' categories, by share
-                cat = _category(cpath, cfn)
-                by_cat[cat] = by_cat.get(cat, 0.0) + edge[2]
-                name = _function_name(cpath, cline, cfn)
-                by_fn[name] = by_fn.get(name, 0.0) + edge[2]
+            for caller, edge in callers.items():  # a built-in: its callers', by share
+                credit(*caller, edge[2])
         else:
-            cat = _category(path, fn)
-            by_cat[cat] = by_cat.get(cat, 0.0) + tt
-            name = _function_name(path, line, fn)
-            by_fn[name] = by_fn.get(name, 0.0) + tt
+            credit(path, line, fn, tt)
     top = sorted(by_fn.items(), key=lambda kv: -kv[1])[:TOP_FUNCTIONS]
     return {"rank": ctx.rank, "cpu_s": cpu, "profiled": by_cat, "top": top}
-
-
-TOP_FUNCTIONS = 12
 
 
 def _function_name(path: str, line: int, fn: str) -> str:
@@ -179,7 +177,7 @@ def table(pools, sizes: list[str], modes: list[str], top: bool = False) -> None:
         if not columns:
             continue
         cats = [name for name, _ in CATEGORIES] + ["other (benchmark, Python)"]
-        print(f"\n{size} ({keys} keys) {'':>38}" + "".join(f"{m:>10}" for m in columns))
+        print(f"\n  {f'{size} ({keys} keys)':<50}" + "".join(f"{m:>10}" for m in columns))
         for cat in cats + ["total"]:
             if cat != "total" and not any(col.get(cat, 0.0) >= 0.05 for col in columns.values()):
                 continue
