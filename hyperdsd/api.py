@@ -72,7 +72,7 @@ class _Target:
         self.twin = None
         self.model_stages = self.optim_stages = None  # a twin's: a full get gathers from its flat shards
         try:
-            self.index = ModelIndex(model, opts.dsd_fqn_modifiers)
+            self.index = ModelIndex.of(model, opts.dsd_fqn_modifiers)
             self.model, self.optims = model, optims
         except FSDP1Model:
             from .fsdp1.streaming import model_stages, optim_stages
@@ -105,7 +105,7 @@ def _model_only(model: nn.Module, opts: StateDictOptions) -> dict[str, Any]:
 def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions, stages=None) -> dict[str, Any]:
     sd = model_state.read_state(model, index, opts.ignore_frozen_params)
     if opts.full_state_dict:
-        return consolidate.full_model(sd, groups.of_params(index.fqn_of), cpu=opts.cpu_offload, stages=stages)
+        return consolidate.full_model(sd, groups.of_params(index.params), cpu=opts.cpu_offload, stages=stages)
     return consolidate.offload(sd) if opts.cpu_offload else sd
 
 
@@ -134,7 +134,7 @@ def _optimizer_state(
 ) -> dict[str, Any]:
     nested = optim_state.read_state(index, optims, to_load=to_load)
     if opts.full_state_dict:
-        group = groups.of_params(index.fqn_of)
+        group = groups.of_params(index.params)
         nested = consolidate.full_optimizer(nested, group, cpu=opts.cpu_offload, stages=stages)
     elif opts.cpu_offload:
         nested = consolidate.offload(nested)
@@ -215,7 +215,7 @@ class _Load:
             from .fsdp1.landing import TwinLoad
 
             self.twin_load = TwinLoad(target.twin)
-        self.group = groups.of_params(self.index.fqn_of)
+        self.group = groups.of_params(self.index.params)
         self.problems: list[str] = []
         self.model_plan: ModelLoadPlan | None = None
         self.optim_plan: OptimizerLoadPlan | None = None

@@ -21,8 +21,10 @@ from .files import (
 from .fsdp1 import FSDP1_WRAPPED, Fsdp1Unit, fsdp1_class, fsdp1_reshard, fsdp1_unit, is_flat_param, is_fsdp1
 from .modules import (
     LoadHooks,
+    all_read_plainly,
     checkpoint_wrapper,
     child_modules,
+    each_loads_plainly,
     fsdp2_class,
     fsdp2_reshard_hooks_off,
     fsdp2_sharded_params,
@@ -36,6 +38,7 @@ from .modules import (
     own_buffers,
     own_parameters,
     plain_state_dict,
+    registries_fingerprint,
     unhooked_step,
 )
 from .tensors import (
@@ -58,6 +61,7 @@ __all__ = [
     "Fsdp1Unit",
     "LoadHooks",
     "all_gather_into",
+    "all_read_plainly",
     "archive_writer",
     "checkpoint_wrapper",
     "child_modules",
@@ -65,6 +69,7 @@ __all__ = [
     "copy_each",
     "detached",
     "distribute_locally",
+    "each_loads_plainly",
     "dtensor_local",
     "file_window",
     "fsdp1_class",
@@ -87,6 +92,7 @@ __all__ = [
     "own_buffers",
     "own_parameters",
     "plain_state_dict",
+    "registries_fingerprint",
     "root_mesh",
     "save_records",
     "storage_dtypes",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import operator
 from typing import Callable, NamedTuple
 
 import torch
@@ -26,6 +28,34 @@ def own_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor | None]
     # As own_parameters: ``named_buffers`` goes through a generator per module,
     # and tells nothing of persistence.
     return module._buffers, module._non_persistent_buffers_set
+
+
+_CHILDREN, _PARAMETERS, _BUFFERS = (operator.attrgetter(a) for a in ("_modules", "_parameters", "_buffers"))
+_NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
+
+
+def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list]:
+    """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.index_cache`):
+    their classes, each registry's names and the ids of what it holds, the
+    non-persistent buffers' names (equal lists, the same registries, where
+    everything they held is alive); and every parameter then every buffer
+    the registries hold, in order, None included."""
+    # The registries are nn.Module's private dicts (see child_modules), read a
+    # column at a time in C: a Python loop over thousands of modules costs
+    # more than the walk the comparison saves.
+    parts: list = [list(map(type, modules))]
+    held: list = []
+    for registry in (_CHILDREN, _PARAMETERS, _BUFFERS):
+        dicts = list(map(registry, modules))
+        values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
+        parts.append(list(itertools.chain.from_iterable(dicts)))
+        parts.append(list(map(id, values)))
+        if registry is not _CHILDREN:
+            held += values
+    non_persistent = list(map(_NON_PERSISTENT, modules))
+    parts.append(list(map(len, non_persistent)))
+    parts.append([set(names) for names in non_persistent if names])
+    return parts, held
 
 
 _FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
@@ -61,6 +91,11 @@ def fsdp2_class() -> type:
     return FSDPModule
 
 
+_MODULE_INFO, _SHARDED_PARAM = operator.attrgetter("_module_info"), operator.attrgetter("sharded_param")
+_INFO_PARAMETERS, _INFO_NAME = operator.attrgetter("module._parameters"), operator.attrgetter("param_name")
+_INFO_SHARED = operator.attrgetter("shared_modules")
+
+
 def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
     """(module, attribute name, sharded parameter) for each parameter that
     ``module``'s FSDP2 state manages and that is registered as something else
@@ -80,7 +115,14 @@ def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module,
         groups = [group] if group is not None else []
     found = []
     for group in groups:
-        for fsdp_param in group.fsdp_params:
+        fsdp_params = group.fsdp_params
+        infos = list(map(_MODULE_INFO, fsdp_params))
+        registered = map(dict.get, map(_INFO_PARAMETERS, infos), map(_INFO_NAME, infos))
+        if all(map(operator.is_, registered, map(_SHARDED_PARAM, fsdp_params))) and not any(
+            map(len, map(_INFO_SHARED, infos))
+        ):
+            continue  # (every parameter registered sharded, none shared: a column at a time, in C)
+        for fsdp_param in fsdp_params:
             info, sharded = fsdp_param._module_info, fsdp_param.sharded_param
             if info.module._parameters.get(info.param_name) is not sharded:
                 found.append((info.module, info.param_name, sharded))
@@ -117,6 +159,30 @@ def module_state_hooks(module: torch.nn.Module) -> list[Callable] | None:
 _PLAIN_MODULE_CLASSES: dict[type, bool] = {}
 
 
+_STATE_DICT_HOOKS = operator.attrgetter("_state_dict_hooks")
+_STATE_DICT_PRE_HOOKS = operator.attrgetter("_state_dict_pre_hooks")
+
+
+def all_read_plainly(modules: list[torch.nn.Module]) -> bool:
+    """Whether :func:`module_state_hooks` finds every one of ``modules`` plain:
+    asked of each class once, and of each module's hook registries in C; only
+    the modules with pre-hooks (FSDP2's units) one by one."""
+    for cls in set(map(type, modules)):
+        if cls not in _PLAIN_MODULE_CLASSES:
+            module_state_hooks(next(m for m in modules if type(m) is cls))  # (fills the class's entry)
+        if not _PLAIN_MODULE_CLASSES[cls]:
+            return False
+    if any(map(len, map(_STATE_DICT_HOOKS, modules))):
+        return False
+    return _qualnames(map(_STATE_DICT_PRE_HOOKS, modules)) <= {_FSDP_RESHARD_HOOK}
+
+
+def _qualnames(registries) -> set:
+    """The ``__qualname__`` of every hook in ``registries`` (hook dicts), read in C."""
+    hooks = itertools.chain.from_iterable(map(dict.values, registries))
+    return set(map(getattr, hooks, itertools.repeat("__qualname__"), itertools.repeat(None)))
+
+
 def has_extra_state(module: torch.nn.Module) -> bool:
     """Whether ``module``'s class keeps extra state (nn.Module's protocol:
     ``state_dict`` calls ``get_extra_state`` only where a class overrides it)."""
@@ -149,6 +215,26 @@ def loads_plainly(module: torch.nn.Module) -> bool:
             if getattr(hook, "__qualname__", None) not in _FSDP_LOAD_HOOKS:
                 return False
     return True
+
+
+_LOAD_PRE_HOOKS = operator.attrgetter("_load_state_dict_pre_hooks")
+_LOAD_POST_HOOKS = operator.attrgetter("_load_state_dict_post_hooks")
+
+
+def each_loads_plainly(modules: list[torch.nn.Module]) -> list[bool]:
+    """:func:`loads_plainly` of each of ``modules``: its class asked once, and
+    only a module with load hooks or a patched method one by one."""
+    plain_class = {
+        cls: cls._load_from_state_dict is torch.nn.Module._load_from_state_dict for cls in set(map(type, modules))
+    }
+    plain = list(map(plain_class.__getitem__, map(type, modules)))
+    pre, post = list(map(_LOAD_PRE_HOOKS, modules)), list(map(_LOAD_POST_HOOKS, modules))
+    asked = list(map(operator.contains, map(vars, modules), itertools.repeat("_load_from_state_dict")))  # patched
+    if not _qualnames(itertools.chain(pre, post)) <= set(_FSDP_LOAD_HOOKS):  # hooks of others' somewhere
+        asked = list(map(operator.or_, asked, map(operator.or_, map(bool, pre), map(bool, post))))
+    for i in itertools.compress(range(len(modules)), asked):
+        plain[i] = plain[i] and loads_plainly(modules[i])
+    return plain
 
 
 def loads_by_copying(model: torch.nn.Module) -> bool:

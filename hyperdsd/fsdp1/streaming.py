@@ -85,7 +85,7 @@ def optim_stages(twin) -> list | None:
         if not typed:
             continue
         for run in _runs(u, sum(dtype.itemsize for _, dtype in typed)):
-            keys = [twin.index.fqn_of.get(twins[i]) for i in run]
+            keys = [twin.index.fqn_of(twins[i]) for i in run]
             stages.append((keys, partial(_state_values, twin, n, run)))
     return stages
 

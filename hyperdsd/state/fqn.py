@@ -3,8 +3,9 @@ without what wrappers insert (``module.`` of DDP, ``_orig_mod.`` of
 ``torch.compile``, ``_checkpoint_wrapped_module.`` of activation
 checkpointing, children a module hides through ``_fqn_modifiers``).
 
-A :class:`ModelIndex` is built once per call, in one pass over the modules,
-so that every lookup after is a dict access.
+A :class:`ModelIndex` is built in one pass over the modules, so that every
+lookup after is a dict access; :meth:`ModelIndex.of` keeps it from one call to
+the next while the model is as it was (:mod:`.index_cache`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..errors import StateDictError
 _CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
 
 
-def _hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
+def hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
     """Names of children whose name does not appear in FQNs."""
     # Children and methods are looked up where they live: a missing attribute
     # on a Module goes through a slow __getattr__ that raises.
@@ -54,12 +55,15 @@ class ModelIndex:
     def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers", fsdp1: bool = False):
         self.model = model
         self.modifiers_attr = modifiers_attr
-        self.fqn_of: dict[nn.Parameter, str] = {}  # first canonical name
+        # first canonical name by the parameter's id (the index keeps the
+        # parameter alive): a lookup does not hash a tensor (Tensor.__hash__ is
+        # Python code)
+        self.fqn_by_id: dict[int, str] = {}
+        self.params: list[nn.Parameter] = []  # each parameter once, in the order of its first name
         self.param_of: dict[str, nn.Parameter] = {}  # every canonical name
         # every canonical name -> its parameter's first: keyed by strings, so a
         # lookup does not hash a tensor (Tensor.__hash__ is Python code)
         self.first_name: dict[str, str] = {}
-        self.aliases: dict[nn.Parameter, list[str]] = {}  # every name of a parameter that has several
         self._module_paths: dict[str, tuple[nn.Module, str]] = {"": (model, "")}
         # Every module in the order state_dict() visits it (depth first, a
         # module under two names twice), with its canonical key prefix ("" or
@@ -77,7 +81,7 @@ class ModelIndex:
         self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self.fsdp1_modules: list[tuple[nn.Module, str]] = []
         self.renames = False  # a child hidden somewhere: canonical keys are not all ``state_dict()``'s
-        fqn_of, aliases, param_of, first_name = self.fqn_of, self.aliases, self.param_of, self.first_name
+        fqn_by_id, params, param_of, first_name = self.fqn_by_id, self.params, self.param_of, self.first_name
         tensors, keys, raw_keys = self.tensors, self.tensor_keys, self.tensor_raw_keys
         # Depth first, parents before children, children in registration
         # order: a tied parameter's first name is the one state_dict() lists
@@ -107,9 +111,9 @@ class ModelIndex:
                 raw_keys.append(raw + name)
                 if fsdp1 and _compat.is_flat_param(param):
                     continue
-                first = fqn_of.setdefault(param, fqn)
-                if first is not fqn:  # tied: a second name
-                    aliases.setdefault(param, [first]).append(fqn)
+                first = fqn_by_id.setdefault(id(param), fqn)
+                if first is fqn:  # (else tied: a second name)
+                    params.append(param)
                 param_of[fqn] = param
                 first_name[fqn] = first
             buffers, skip = _compat.own_buffers(module)
@@ -121,7 +125,7 @@ class ModelIndex:
             children = _compat.child_modules(module)
             if not children:
                 continue
-            hidden = _hidden_children(module, modifiers_attr)
+            hidden = hidden_children(module, modifiers_attr)
             self.renames = self.renames or any(name in children for name in hidden)
             for name, child in reversed(children.items()):
                 if child is None:
@@ -130,6 +134,18 @@ class ModelIndex:
                 child_canon = canon[:-1] if name in hidden else f"{canon}{name}"
                 self._module_paths[child_raw] = (child, child_canon)
                 stack.append((child, f"{child_raw}.", f"{child_canon}." if child_canon else ""))
+
+    @classmethod
+    def of(cls, model: nn.Module, modifiers_attr: str = "_fqn_modifiers") -> ModelIndex:
+        """The index of ``model``: the one the last call built where the model
+        is as it was then (:mod:`.index_cache`), else built anew."""
+        from .index_cache import index_of  # (which imports this module)
+
+        return index_of(cls, model, modifiers_attr)
+
+    def fqn_of(self, param: torch.Tensor) -> str | None:
+        """The first canonical name of ``param``; None if it is not the model's."""
+        return self.fqn_by_id.get(id(param))
 
     def own_parameters(self, module: nn.Module) -> dict[str, nn.Parameter | None]:
         """``module``'s own parameters by name, each as the optimizer steps it
@@ -143,10 +159,7 @@ class ModelIndex:
         """Whether every module's state dict is its parameters and buffers
         (:func:`hyperdsd._compat.module_state_hooks`): then it is read from
         the modules directly, not through ``model.state_dict()``."""
-        for module, _prefix in self.modules:
-            if _compat.module_state_hooks(module) is None:
-                return False
-        return True
+        return _compat.all_read_plainly([module for module, _ in self.modules])
 
     @property
     def unsharded(self) -> bool:
@@ -190,14 +203,14 @@ class ModelIndex:
         current, canon = parent, parent_canon
         children = _compat.child_modules(current)
         while name not in children:
-            hidden = [h for h in _hidden_children(current, self.modifiers_attr) if h in children]
+            hidden = [h for h in hidden_children(current, self.modifiers_attr) if h in children]
             if not hidden:
                 raise StateDictError(f"state-dict key path {path!r} does not name a submodule of the model")
             current = children[hidden[0]]
             children = _compat.child_modules(current)
         child = children[name]
         child_canon = f"{canon}.{name}" if canon else name
-        if name in _hidden_children(current, self.modifiers_attr):
+        if name in hidden_children(current, self.modifiers_attr):
             child_canon = canon
         self._module_paths[path] = (child, child_canon)
         return f"{child_canon}." if child_canon else ""

@@ -93,8 +93,11 @@ def column_copies(
     dests = list(map(_compat.dtensor_local, existing)) if wrapped else list(existing)
     if any(map(_IS_META, dests)):
         return None  # (a model built on the meta device is assigned its values, not copied into)
-    # The verdicts say the dtypes match: the same storage, offset, sizes and strides is the same memory.
-    same = list(map(torch.Tensor.is_set_to, sources, dests))
+    # The verdicts say the dtypes match: the same storage, offset, sizes and strides is the same memory
+    # (asked only of distinct objects: an optimizer's state read back is its own tensors).
+    same = list(map(operator.is_, sources, dests))
+    if not all(same):
+        same = [alike or dest.is_set_to(source) for alike, source, dest in zip(same, sources, dests)]
     if all(same):
         return []
     pairs = [(dest, source) for dest, source, alike in zip(dests, sources, same) if not alike]

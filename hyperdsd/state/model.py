@@ -147,8 +147,10 @@ class _PlainLoads:
         if not _compat.loads_by_copying(model):
             return
         own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
-        for module, prefix in index.modules:
-            own[prefix] = own.get(prefix, True) and _compat.loads_plainly(module)
+        for prefix, plain in zip(
+            (prefix for _, prefix in index.modules), _compat.each_loads_plainly([m for m, _ in index.modules])
+        ):
+            own[prefix] = own.get(prefix, True) and plain
         if all(own.values()):
             self._plain, self.everywhere = set(own), True
             return
@@ -187,7 +189,7 @@ def plan_load(
             plan.copies, receivers = found
             plan.values = dict(sd) if receivers is None else dict(zip(sd, receivers))
             plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
-            plan.registries = [d for module, _ in index.modules for d in _registries(module)]
+            plan.registries = _registries([module for module, _ in index.modules])
             plan.registered = _registered(plan.registries)
             return plan, problems
     matched: set[str] = set()
@@ -281,8 +283,9 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
     return copies, receivers if stand_ins else None
 
 
-def _registries(module: torch.nn.Module) -> tuple[dict, dict]:
-    return _compat.own_parameters(module), _compat.own_buffers(module)[0]
+def _registries(modules: list[torch.nn.Module]) -> list[dict]:
+    """Every one of ``modules``' parameter registries, then every buffer registry."""
+    return [*map(_compat.own_parameters, modules), *(buffers for buffers, _ in map(_compat.own_buffers, modules))]
 
 
 def _registered(registries: list[dict]) -> tuple[list, list]:

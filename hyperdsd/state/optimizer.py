@@ -49,7 +49,7 @@ def _same(leaf: Any, _path: tuple) -> Any:
 
 
 def _param_fqn(index: ModelIndex, p, gi: int, pi: int) -> str:
-    fqn = index.fqn_of.get(p)
+    fqn = index.fqn_by_id.get(id(p))
     if fqn is None:
         raise StateDictError(
             f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "

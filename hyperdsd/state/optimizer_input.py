@@ -82,14 +82,15 @@ def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[Ta
     for opt in optimizers:
         position = next(i for i, o in enumerate(optimizers) if o is opt)
         for gi, g in enumerate(opt.param_groups):
-            unknown = [i for i, p in enumerate(g["params"]) if p not in index.fqn_of]
-            if unknown:
+            fqns = list(map(index.fqn_by_id.get, map(id, g["params"])))
+            if None in fqns:
+                unknown = [i for i, fqn in enumerate(fqns) if fqn is None]
                 problems.append(
                     f"the optimizer's param_groups[{gi}] holds parameters that are not the model's "
                     f"(positions {unknown})"
                 )
                 return None
-            targets.append(TargetGroup(opt, g, [index.fqn_of[p] for p in g["params"]], position))
+            targets.append(TargetGroup(opt, g, fqns, position))
     return targets
 
 

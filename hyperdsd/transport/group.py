@@ -84,13 +84,13 @@ def of_params(params: Iterable[Any]) -> Group:
     everyone = world()
     if not everyone.has_peers:
         return everyone
+    # Tens of thousands of parameters share a handful of layouts: each mesh is
+    # read off a distinct one (``device_mesh`` is a property, a call per tensor).
+    layouts = {id(s): s for s in map(_compat.layout_token, [p for p in params if isinstance(p, DTensor)])}
     roots: dict[int, Any] = {}
-    seen: set[int] = set()
-    for p in params:
-        if isinstance(p, DTensor) and id(p.device_mesh) not in seen:
-            seen.add(id(p.device_mesh))
-            root = _compat.root_mesh(p.device_mesh)
-            roots.setdefault(id(root), root)
+    for mesh in {id(s.mesh): s.mesh for s in layouts.values()}.values():
+        root = _compat.root_mesh(mesh)
+        roots.setdefault(id(root), root)
     ranks: set[int] = set()
     for mesh in roots.values():
         ranks.update(mesh.mesh.flatten().tolist())

@@ -107,7 +107,7 @@ def test_wrapper_segments_are_not_in_canonical_names():
     model.blocks["0"] = checkpoint_wrapper(model.blocks["0"])
     compiled = torch.compile(model, backend="eager")  # nothing is compiled until a forward
     index = ModelIndex(compiled)
-    assert index.fqn_of[model.blocks["0"].fc.weight] == "blocks.0.fc.weight"
+    assert index.fqn_of(model.blocks["0"].fc.weight) == "blocks.0.fc.weight"
     assert index.canonical_key("_orig_mod.blocks.0._checkpoint_wrapped_module.fc.weight") == "blocks.0.fc.weight"
     # the checkpoint wrapper's state-dict hook already dropped its segment:
     assert index.canonical_key("_orig_mod.blocks.0.fc.weight") == "blocks.0.fc.weight"
@@ -135,8 +135,9 @@ def test_fqn_modifiers_hide_children():
 def test_tied_parameter_has_one_canonical_name_and_both_aliases():
     model = Net()
     index = ModelIndex(model)
-    assert index.fqn_of[model.head.weight] == "emb.weight"
-    assert index.aliases[model.head.weight] == ["emb.weight", "head.weight"]
+    assert index.fqn_of(model.head.weight) == "emb.weight"
+    assert index.param_of["emb.weight"] is index.param_of["head.weight"] is model.head.weight
+    assert [p for p in index.params if p is model.head.weight] == [model.head.weight]  # listed once
     assert index.canonical("head.weight") == "emb.weight"
     sd = hyperdsd.get_model_state_dict(model)
     assert "emb.weight" in sd and "head.weight" in sd and "cache" not in sd

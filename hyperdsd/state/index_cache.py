@@ -1,0 +1,131 @@
+"""The model index kept from one call to the next while the model is as it was.
+
+Building a :class:`~.fqn.ModelIndex` walks every module, parameter and buffer
+in Python: on a model of many small layers a quarter of a sharded set. What
+the walk reads is the modules' classes and their registries of children,
+parameters and buffers (names and objects) and the buffers' persistence;
+a call that finds all of them as the last call left them gets the last
+call's index, its tensors read from the registries as they are (a new
+object, so that nothing one call works out on it, hooks read or keys
+resolved, reaches the next).
+
+Nothing here keeps the model alive, and no tensor is referenced at all
+(``torch.utils.swap_tensors`` refuses a tensor that has a weak reference):
+the cache holds weak references to the modules and drops its entry when the
+model goes. Registries are compared by the ids of what they hold while every
+module recorded is alive: ids are unique among live objects, so the same ids
+mean the same children and the same parameters shared by the same names (a
+tensor freed and another made at its address is read as the new one). No
+index is kept of a model that FSDP2 holds unsharded or that FSDP1 wraps (the
+walk reads more than registries there): those are built every call.
+"""
+
+import functools
+import itertools
+import operator
+import weakref
+
+import torch.nn as nn
+
+from .. import _compat
+from .fqn import hidden_children
+
+_DEREF = weakref.ref.__call__
+
+
+class _Snapshot:
+    """One model's index, its objects held weakly, and what its walk read."""
+
+    def __init__(self, index, forget):
+        model = index.model
+        self.root = weakref.ref(model, forget)
+        self.modifiers_attr = index.modifiers_attr
+        modules = [m for m, _ in index.modules]
+        self.module_refs = list(map(weakref.ref, modules))
+        self.fingerprint, held = _compat.registries_fingerprint(modules)
+        slot = {id(t): i for i, t in enumerate(held)}
+        self.tensor_slots = [slot[id(t)] for t in index.tensors]  # where each of the index's tensors is held
+        # Modules whose class renames children (``_fqn_modifiers``): asked again.
+        self.modifiers = [
+            (i, hidden_children(m, self.modifiers_attr))
+            for i, m in enumerate(modules)
+            if callable(getattr(type(m), self.modifiers_attr, None))
+        ]
+        # FSDP2's units: asked again whether they hold a parameter unsharded (see the module docstring).
+        self.fsdp2_units = [i for i, m in enumerate(modules) if isinstance(m, _compat.fsdp2_class())]
+        self.canon_prefixes = [canon for _, canon in index.modules]
+        self.raw_prefixes = list(index.raw_prefixes)
+        self.tensor_keys, self.tensor_raw_keys = list(index.tensor_keys), list(index.tensor_raw_keys)
+        position = {id(t): i for i, t in enumerate(index.tensors)}
+        self.param_positions = [position[id(p)] for p in index.params]
+        self.first_fqns = list(map(index.fqn_by_id.__getitem__, map(id, index.params)))
+        self.param_names = list(index.param_of)
+        self.named_positions = [position[id(p)] for p in index.param_of.values()]
+        self.first_name = dict(index.first_name)
+        at = {id(m): i for i, m in enumerate(modules)}
+        self.paths = list(index._module_paths)
+        self.path_positions = [at[id(m)] for m, _ in index._module_paths.values()]
+        self.path_canons = [canon for _, canon in index._module_paths.values()]
+        self.renames = index.renames
+
+    def index_for(self, cls, model: nn.Module):
+        """The index of ``model`` as it is now, if the walk would read what it
+        read; None otherwise."""
+        modules = list(map(_DEREF, self.module_refs))
+        if not all(map(operator.is_not, modules, itertools.repeat(None))):
+            return None  # a module it recorded is gone: ids may have been reused
+        fingerprint, held = _compat.registries_fingerprint(modules)
+        if fingerprint != self.fingerprint:
+            return None
+        if any(map(_compat.fsdp2_sharded_params, map(modules.__getitem__, self.fsdp2_units))):
+            return None  # unsharded since (its parameter objects may have been freed, their ids reused)
+        tensors = list(map(held.__getitem__, self.tensor_slots))
+        if any(hidden_children(modules[i], self.modifiers_attr) != hidden for i, hidden in self.modifiers):
+            return None
+        index = cls.__new__(cls)
+        index.model, index.modifiers_attr = model, self.modifiers_attr
+        index.modules = list(zip(modules, self.canon_prefixes))
+        index.raw_prefixes = list(self.raw_prefixes)
+        index.tensors = tensors
+        index.tensor_keys, index.tensor_raw_keys = list(self.tensor_keys), list(self.tensor_raw_keys)
+        index.params = list(map(tensors.__getitem__, self.param_positions))
+        index.fqn_by_id = dict(zip(map(id, index.params), self.first_fqns))
+        index.param_of = dict(zip(self.param_names, map(tensors.__getitem__, self.named_positions)))
+        index.first_name = dict(self.first_name)
+        index._module_paths = dict(
+            zip(self.paths, zip(map(modules.__getitem__, self.path_positions), self.path_canons))
+        )
+        index._sharded, index.fsdp1_modules, index.renames = {}, [], self.renames
+        return index
+
+
+# By the id of the model; an entry goes with its model (see _forget).
+_SNAPSHOTS: dict[int, _Snapshot] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    snapshot = _SNAPSHOTS.get(key)
+    if snapshot is not None and snapshot.root is ref:
+        del _SNAPSHOTS[key]
+
+
+def index_of(cls, model: nn.Module, modifiers_attr: str):
+    """``cls(model, modifiers_attr)``, or the same index kept from the last call
+    (see the module docstring)."""
+    snapshot = _SNAPSHOTS.get(id(model))
+    if snapshot is not None and snapshot.root() is model and snapshot.modifiers_attr == modifiers_attr:
+        index = snapshot.index_for(cls, model)
+        if index is not None:
+            return index
+    index = cls(model, modifiers_attr)
+    if not index.unsharded and not index.fsdp1_modules:
+        try:
+            _SNAPSHOTS[id(model)] = _Snapshot(index, functools.partial(_forget, id(model)))
+        except TypeError:  # (a model that takes no weak reference is indexed every call)
+            _SNAPSHOTS.pop(id(model), None)
+    return index
+
+
+def cached_models() -> int:
+    """How many models have an index kept (for tests: the cache lets models go)."""
+    return len(_SNAPSHOTS)
