@@ -45,11 +45,11 @@ class _Snapshot:
         self.fingerprint, held = _compat.registries_fingerprint(modules)
         slot = {id(t): i for i, t in enumerate(held)}
         self.tensor_slots = [slot[id(t)] for t in index.tensors]  # where each of the index's tensors is held
-        # Modules whose class renames children (``_fqn_modifiers``): asked again.
+        # The classes that rename children (``_fqn_modifiers``, which a class may
+        # be given later), and what each of their modules hides: asked again.
+        self.renaming = self._renaming(self.fingerprint[0])
         self.modifiers = [
-            (i, hidden_children(m, self.modifiers_attr))
-            for i, m in enumerate(modules)
-            if callable(getattr(type(m), self.modifiers_attr, None))
+            (i, hidden_children(m, self.modifiers_attr)) for i, m in enumerate(modules) if type(m) in self.renaming
         ]
         # FSDP2's units: asked again whether they hold a parameter unsharded (see the module docstring).
         self.fsdp2_units = [i for i, m in enumerate(modules) if isinstance(m, _compat.fsdp2_class())]
@@ -68,6 +68,9 @@ class _Snapshot:
         self.path_canons = [canon for _, canon in index._module_paths.values()]
         self.renames = index.renames
 
+    def _renaming(self, classes: list[type]) -> set[type]:
+        return {c for c in set(classes) if callable(getattr(c, self.modifiers_attr, None))}
+
     def index_for(self, cls, model: nn.Module):
         """The index of ``model`` as it is now, if the walk would read what it
         read; None otherwise."""
@@ -80,7 +83,9 @@ class _Snapshot:
         if any(map(_compat.fsdp2_sharded_params, map(modules.__getitem__, self.fsdp2_units))):
             return None  # unsharded since (its parameter objects may have been freed, their ids reused)
         tensors = list(map(held.__getitem__, self.tensor_slots))
-        if any(hidden_children(modules[i], self.modifiers_attr) != hidden for i, hidden in self.modifiers):
+        if self._renaming(fingerprint[0]) != self.renaming or any(
+            hidden_children(modules[i], self.modifiers_attr) != hidden for i, hidden in self.modifiers
+        ):
             return None
         index = cls.__new__(cls)
         index.model, index.modifiers_attr = model, self.modifiers_attr
