@@ -106,6 +106,10 @@ def column_copies(
     return pairs
 
 
+def _any_none(items: Sequence[Any]) -> bool:
+    return not all(map(operator.is_not, items, itertools.repeat(None)))
+
+
 def column_receivers(
     values: Sequence[TensorMeta],
     existing: Sequence[Any],
@@ -116,12 +120,19 @@ def column_receivers(
     """A broadcast's stand-ins ``values``, each planned to be received into
     ``existing``'s tensor (its verdict by its signature, accepted in place):
     None where a local shape is not that tensor's (the caller plans anew)."""
-    layouts = [verdicts[s].layout for s in signatures]
-    wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
-    dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
+    # (a column shares a handful of signatures and layouts: each asked once, the rest in C)
+    layout_of = {signature: verdict.layout for signature, verdict in verdicts.items()}
+    layouts = list(map(layout_of.__getitem__, signatures))
+    if _any_none(layouts):
+        wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
+        dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
+    else:
+        local_shape = {id(layout): tuple(layout.local_shape) for layout in layout_of.values()}
+        wants = list(map(local_shape.__getitem__, map(id, layouts)))
+        dests = list(map(_compat.dtensor_local, existing))
     if any(map(_IS_META, dests)) or list(map(tuple, map(_SHAPE, dests))) != list(map(tuple, wants)):
         return None  # (a model built on the meta device is assigned its values)
-    return [
-        Prepared(layout, device, meta=meta, dest=target)
-        for layout, device, meta, target in zip(layouts, devices, values, existing)
-    ]
+    # positional (layout, device, local, meta, source_dtensor, dest), through map: a keyword
+    # call per receiver cost more than the rest of the plan
+    none = itertools.repeat(None)
+    return list(map(Prepared, layouts, devices, none, values, none, existing))

@@ -12,6 +12,7 @@ the end).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -161,6 +162,10 @@ class OptimizerLoadPlan:
 
     def tensors(self) -> list[Prepared]:
         """Every planned tensor, nested state (dicts and lists of tensors) included."""
+        entries = [load.entry for load in self.params if load.entry and (load.into is None or load.received)]
+        values = list(itertools.chain.from_iterable(map(dict.values, entries)))
+        if set(map(type, values)) <= {Prepared}:  # (no nested state: the entries' values as they are)
+            return values
         out = []
         for load in self.params:
             if load.into is not None and not load.received:  # copies of local tensors, no planned tensor

@@ -119,7 +119,8 @@ class EntryValues:
         broadcast's), each to be received into the tensor it replaces; None
         where one's local shape is not that tensor's (it is planned anew)."""
         planned_columns = []
-        devices = [_compat.local_tensor(p).device for p in params]
+        local = _compat.dtensor_local if set(map(type, params)) == {DTensor} else _compat.local_tensor
+        devices = list(map(_DEVICE, map(local, params)))
         for column in columns:
             on = itertools.repeat(_CPU) if column.key == "step" and not self.step_on_param else devices
             receivers = column_receivers(column.values, column.existing, column.signatures, column.verdicts, on)
@@ -182,6 +183,7 @@ def steps_nonzero(entries: list[dict]) -> bool:
 
 
 _CPU = torch.device("cpu")
+_DEVICE = operator.attrgetter("device")
 
 
 def _target_device(key: str, group: dict, value, param_device: torch.device) -> torch.device:

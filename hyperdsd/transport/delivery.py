@@ -11,10 +11,13 @@ holds its own state plus one bucket in flight.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from ..placement import DTensorLayout
@@ -41,6 +44,7 @@ class Receiver(Protocol):
     layout: DTensorLayout | None  # its DTensor layout, or None for a plain tensor
     dest: torch.Tensor | None  # an existing tensor a large piece can land in, if any
     landing: Landing | None  # where its piece goes instead, if elsewhere
+    local: torch.Tensor | None  # its data once delivered (``copied_into`` sets it)
 
     def receive(self, piece: torch.Tensor) -> None: ...
 
@@ -68,6 +72,8 @@ def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None]
     # the layout object first (a plan shares one per distinct layout), then by value.
     by_layout: dict[int, tuple[Need, bool]] = {}
     regions: dict[tuple, Need] = {}
+    if _each_once(prepared, needs, users, regions):
+        return needs, users, cut
     for p in prepared:
         i = p.meta.index
         if p.landing is not None:  # the one user of its root tensor (see Landing)
@@ -91,6 +97,36 @@ def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None]
     return needs, users, cut
 
 
+_META, _LAYOUT = operator.attrgetter("meta"), operator.attrgetter("layout")
+_LANDING, _DEST = operator.attrgetter("landing"), operator.attrgetter("dest")
+_INDEX, _SHAPE = operator.attrgetter("index"), operator.attrgetter("shape")
+
+
+def _each_once(prepared: list[Receiver], needs: list, users: Users, regions: dict[tuple, Need]) -> bool:
+    """:func:`needs_for`'s work a column at a time, where it is simple: each
+    of the root's tensors has one receiver, none lands elsewhere, and no
+    layout cuts its own region. Fills ``needs`` and ``users`` and returns True
+    then; else changes nothing and returns False."""
+    if any(map(_LANDING, prepared)):
+        return False
+    metas = list(map(_META, prepared))
+    indices = list(map(_INDEX, metas))
+    if len(set(indices)) != len(indices):
+        return False
+    layouts = list(map(_LAYOUT, prepared))
+    # each distinct (layout object, shape) once: tens of thousands of receivers share a handful
+    keys = list(zip(map(id, layouts), map(_SHAPE, metas)))
+    distinct = dict(zip(keys, zip(layouts, map(_SHAPE, metas))))
+    found = {key: _region(layout, shape, regions) for key, (layout, shape) in distinct.items()}
+    if any(cuts for _, cuts in found.values()):
+        return False
+    need_of = {key: need for key, (need, _) in found.items()}
+    for i, need, p in zip(indices, map(need_of.__getitem__, keys), prepared):
+        needs[i] = need
+        users[i] = p
+    return True
+
+
 def _region(layout: DTensorLayout | None, shape, regions: dict[tuple, Need]) -> tuple[Need, bool]:
     """What a receiver of ``layout`` (None: a plain tensor) needs of a root tensor
     of ``shape``, and whether it cuts its own region from the whole tensor."""
@@ -105,6 +141,23 @@ def _region(layout: DTensorLayout | None, shape, regions: dict[tuple, Need]) -> 
     if need is None:
         need = regions[key] = Need.whole(shape)
     return need, layout is not None
+
+
+def _copied_into_each(receivers: list) -> list[torch.Tensor] | None:
+    """``copied_into()`` of each of ``receivers`` where every one is a single
+    receiver that copies into an existing tensor: the tensors, in order, each
+    taken as its receiver's data as ``copied_into`` does; None otherwise
+    (nothing is changed)."""
+    if tuple in set(map(type, receivers)) or any(map(_LANDING, receivers)):
+        return None
+    dests = list(map(_DEST, receivers))
+    if not all(map(operator.is_not, dests, itertools.repeat(None))):
+        return None
+    kinds = set(map(type, dests))
+    targets = list(map(_compat.dtensor_local, dests)) if kinds == {DTensor} else list(map(_compat.local_tensor, dests))
+    for receiver, target in zip(receivers, targets):
+        receiver.local = target
+    return targets
 
 
 def deliver(
@@ -139,17 +192,21 @@ def deliver(
         """A run's pieces, stacked in ``members``' order: those whose one receiver
         copies its piece into an existing tensor copied in one call, the others
         handed over one by one."""
-        dests, pieces = [], []
-        for i, piece in zip(members, block.unbind(0)):
+        pieces = block.unbind(0)
+        found = _copied_into_each(list(map(users.__getitem__, members))) if not cut else None
+        if found is not None:  # (every piece copied into an existing tensor: a column at a time)
+            _compat.copy_each(found, pieces)
+            return
+        dests = []
+        for i, piece in zip(members, pieces):
             u = users[i]
             target = u.copied_into() if type(u) is not tuple and i not in cut else None
             if target is None:
                 receive(i, piece)
             else:
-                dests.append(target)
-                pieces.append(piece)
+                dests.append((target, piece))
         if dests:
-            _compat.copy_each(dests, pieces)
+            _compat.copy_each([d for d, _ in dests], [p for _, p in dests])
 
     def target_for(i: int) -> torch.Tensor | None:
         """Where a large piece can be received in place: its one user's destination."""

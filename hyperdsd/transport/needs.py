@@ -86,14 +86,12 @@ class PackedNeeds(Sequence):
         # Needs repeat as objects (a plan shares one per layout): each object's
         # place looked up by identity, the value hashed once per object.
         by_id: dict[int, int] = {id(None): -1}
-        index = array("i")
-        for need in needs:
-            j = by_id.get(id(need))
-            if j is None:
-                j = by_id[id(need)] = table.setdefault(need, len(table))
-            index.append(j)
+        ids = list(map(id, needs))
+        for key, need in dict(zip(ids, needs)).items():  # (each distinct object once)
+            if key not in by_id:
+                by_id[key] = table.setdefault(need, len(table))
         self.table = list(table)
-        self.index = index
+        self.index = array("i", map(by_id.__getitem__, ids))
 
     def __getitem__(self, i):  # type: ignore[override]
         j = self.index[i]

@@ -132,19 +132,25 @@ class Scatterer:
         per_rank = list(zip(*(e.index for e in self.everyone))) if packed else None
         # each distinct (shape, dtype) by a number: by value (never by object identity: the
         # root's own objects are other than the copies the other ranks received), asked once per object
-        codes: dict[int, int] = {}
         by_value: dict[tuple, int] = {}
         runs: dict[Any, list[int]] = {}
         sizes = self._sizes
-        for i in indices:
-            if sizes[i] > _STACKED_BYTES:
-                key: Any = ("alone", i)
-            else:
-                meta = self.metas[i]
-                code = codes.get(id(meta))
-                if code is None:
-                    code = codes[id(meta)] = by_value.setdefault(tuple(meta), len(by_value))
-                key = (code, per_rank[i] if packed else tuple([e[i] for e in self.everyone]))
+        whole = indices == range(len(self.metas))  # (every tensor, in order: the lists as they are)
+        metas = self.metas if whole else list(map(self.metas.__getitem__, indices))
+        objects = list(map(id, metas))
+        codes = {k: by_value.setdefault(tuple(m), len(by_value)) for k, m in dict(zip(objects, metas)).items()}
+        if packed and max(map(sizes.__getitem__, indices), default=0) <= _STACKED_BYTES:
+            # (every tensor small: each one's key made a column at a time, in C)
+            wanted = per_rank if whole else list(map(per_rank.__getitem__, indices))
+            keys: Any = zip(map(codes.__getitem__, objects), wanted)
+        else:
+            keys = (
+                ("alone", i)
+                if sizes[i] > _STACKED_BYTES
+                else (codes[id(self.metas[i])], per_rank[i] if packed else tuple([e[i] for e in self.everyone]))
+                for i in indices
+            )
+        for i, key in zip(indices, keys):
             members = runs.get(key)
             if members is None:
                 runs[key] = [i]
