@@ -17,10 +17,10 @@ from typing import Any
 from .fqn import ModelIndex
 from .load_plan import OptimizerLoadPlan, ParamLoad, TensorMeta
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .optimizer_values import EntryValues, steps_nonzero
+from .optimizer_values import EntryValues
 from .placeholder_state import Expectations
 from .placeholders import has_placeholders
-from .saved_placeholders import step_is_zero
+from .saved_placeholders import step_is_zero, steps_nonzero
 
 _STRUCTURAL = ("params", "param_names")
 

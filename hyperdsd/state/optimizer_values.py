@@ -162,26 +162,6 @@ class EntryValues:
         return prepared
 
 
-def steps_nonzero(entries: list[dict]) -> bool:
-    """Whether every entry's ``step`` is a one-element tensor that is not 0 (a stand-in without a fill)
-    (so that none is a saved placeholder state, see :func:`~.saved_placeholders.step_is_zero`),
-    told for all at once; False where not, or not told so."""
-    try:
-        steps = list(map(operator.itemgetter("step"), entries))
-    except KeyError:
-        return False
-    kinds = set(map(type, steps))
-    if kinds == {TensorMeta}:  # a broadcast's: the root worked out the value of the entries that may be 0
-        return set(map(operator.attrgetter("fill"), steps)) == {None}
-    if kinds != {torch.Tensor}:
-        return False
-    try:
-        values = list(map(torch.Tensor.item, steps))  # (one-element tensors only)
-    except (RuntimeError, ValueError):
-        return False
-    return 0 not in values
-
-
 _CPU = torch.device("cpu")
 _DEVICE = operator.attrgetter("device")
 

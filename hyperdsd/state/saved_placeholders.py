@@ -25,11 +25,13 @@ values in some of them, and then all load as state.
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import _compat
+from .load_plan import TensorMeta
 from .placeholders import state_tensors
 
 
@@ -186,6 +188,26 @@ def is_saved_placeholder(entry: dict, fills: dict | None) -> bool:
     return rest.keys() == fills.keys() and all(_matches(v, fills[k]) for k, v in rest.items())
 
 
+def steps_nonzero(entries: list[dict]) -> bool:
+    """Whether every entry's ``step`` is a one-element tensor that is not 0 (a stand-in without a fill)
+    (so that none is a saved placeholder state, see :func:`~.saved_placeholders.step_is_zero`),
+    told for all at once; False where not, or not told so."""
+    try:
+        steps = list(map(operator.itemgetter("step"), entries))
+    except KeyError:
+        return False
+    kinds = set(map(type, steps))
+    if kinds == {TensorMeta}:  # a broadcast's: the root worked out the value of the entries that may be 0
+        return set(map(operator.attrgetter("fill"), steps)) == {None}
+    if kinds != {torch.Tensor}:
+        return False
+    try:
+        values = list(map(torch.Tensor.item, steps))  # (one-element tensors only)
+    except (RuntimeError, ValueError):
+        return False
+    return 0 not in values
+
+
 def never_stepped_tensors(osd: Any) -> set[int]:
     """The ids of the tensors of every entry of ``osd`` (nested or flat)
     that may be a saved placeholder state (``step`` 0, or no ``step`` at all): what a
@@ -196,7 +218,10 @@ def never_stepped_tensors(osd: Any) -> set[int]:
     out: set[int] = set()
     state = osd.get("state")
     if isinstance(state, dict):
-        for entry in state.values():
+        entries = list(state.values())
+        if set(map(type, entries)) <= {dict} and steps_nonzero(entries):
+            return out  # a stepped optimizer's (told for all entries at once)
+        for entry in entries:
             if isinstance(entry, dict) and ("step" not in entry or step_is_zero(entry)):
                 out.update(id(t) for v in entry.values() for t in state_tensors(v))
         return out
