@@ -96,6 +96,23 @@ _INFO_PARAMETERS, _INFO_NAME = operator.attrgetter("module._parameters"), operat
 _INFO_SHARED = operator.attrgetter("shared_modules")
 
 
+def _fsdp2_groups(module: torch.nn.Module) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # a list in newer torch, one group before
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return groups
+
+
+def fsdp2_resharded(module: torch.nn.Module) -> bool:
+    """Whether every parameter group of FSDP2's unit ``module`` says it is
+    sharded (each of its modules holds the sharded parameters FSDP2 registered):
+    asked of the groups' state, without reading every parameter."""
+    # FSDPParamGroup.is_sharded is public on a private class.
+    return all(getattr(group, "is_sharded", False) for group in _fsdp2_groups(module))
+
+
 def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
     """(module, attribute name, sharded parameter) for each parameter that
     ``module``'s FSDP2 state manages and that is registered as something else
@@ -108,11 +125,7 @@ def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module,
     must not do)."""
     if not isinstance(module, fsdp2_class()):
         return []
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # a list in newer torch, one group before
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
+    groups = _fsdp2_groups(module)
     found = []
     for group in groups:
         fsdp_params = group.fsdp_params

@@ -80,7 +80,7 @@ class _Snapshot:
         fingerprint, held = _compat.registries_fingerprint(modules)
         if fingerprint != self.fingerprint:
             return None
-        if any(map(_compat.fsdp2_sharded_params, map(modules.__getitem__, self.fsdp2_units))):
+        if not all(map(_compat.fsdp2_resharded, map(modules.__getitem__, self.fsdp2_units))):
             return None  # unsharded since (its parameter objects may have been freed, their ids reused)
         tensors = list(map(held.__getitem__, self.tensor_slots))
         if self._renaming(fingerprint[0]) != self.renaming or any(
