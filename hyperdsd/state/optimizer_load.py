@@ -12,6 +12,8 @@ and the problems found; once every rank has agreed there are none,
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 from .fqn import ModelIndex
@@ -23,6 +25,7 @@ from .placeholders import has_placeholders
 from .saved_placeholders import step_is_zero, steps_nonzero
 
 _STRUCTURAL = ("params", "param_names")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def plan_load(
@@ -47,8 +50,8 @@ def plan_load(
     listed = source.listed
     plan.claimed = {f for f in listed if f in index.param_of}
     if strict:
-        required = [f for t in targets for p, f in zip(t.group["params"], t.fqns) if p.requires_grad]
-        absent = [f for f in required if f not in listed]
+        required = [f for t in targets for f in itertools.compress(t.fqns, map(_REQUIRES_GRAD, t.group["params"]))]
+        absent = [f for f in required if f not in listed] if not listed.issuperset(required) else []
         if absent:
             problems.append(f"missing from the checkpoint (strict=True): {absent}")
         if plan.foreign and not foreign_ok:
@@ -117,7 +120,7 @@ def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: Target
     params, fqns = target.group["params"], target.fqns
     entries = list(map(by_name.get, fqns))
     owns = list(map(target.opt.state.get, params))
-    chosen = [i for i, (entry, own) in enumerate(zip(entries, owns)) if entry and own]
+    chosen = list(itertools.compress(range(len(entries)), map(operator.and_, map(bool, entries), map(bool, owns))))
     if not chosen:
         return list(zip(params, fqns))
     mine, theirs = [entries[i] for i in chosen], [params[i] for i in chosen]
@@ -138,7 +141,14 @@ def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: Target
         if copies is None:
             return list(zip(params, fqns))
         plan.copies += copies
-        plan.params += [ParamLoad(target.opt, params[i], fqns[i], entries[i], owns[i]) for i in chosen]
+        plan.params += map(
+            ParamLoad,
+            itertools.repeat(target.opt),
+            map(params.__getitem__, chosen),
+            map(fqns.__getitem__, chosen),
+            map(entries.__getitem__, chosen),
+            map(owns.__getitem__, chosen),
+        )  # (positional, through map: a keyword call per parameter cost more than the check)
     if len(chosen) == len(params):
         return []
     taken = set(chosen)
