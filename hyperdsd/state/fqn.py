@@ -55,9 +55,7 @@ class ModelIndex:
     def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers", fsdp1: bool = False):
         self.model = model
         self.modifiers_attr = modifiers_attr
-        # first canonical name by the parameter's id (the index keeps the
-        # parameter alive): a lookup does not hash a tensor (Tensor.__hash__ is
-        # Python code)
+        # first canonical name by the parameter's id (kept alive by the index), not hashing a tensor
         self.fqn_by_id: dict[int, str] = {}
         self.params: list[nn.Parameter] = []  # each parameter once, in the order of its first name
         self.param_of: dict[str, nn.Parameter] = {}  # every canonical name

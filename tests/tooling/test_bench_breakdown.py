@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tests.helpers import ROOT
 from tools.benchmarks import bench_breakdown
 
@@ -29,3 +31,29 @@ def test_a_function_outside_hyperdsd_and_torch_is_other():
     assert bench_breakdown._category(str(Path("/x/tools/benchmarks/bench_tasks.py")), "_op") == OTHER
     assert bench_breakdown._category("/x/hyperdsd/state/in_place.py", "f") == "checks (validation)"
     assert bench_breakdown._category("/x/hyperdsd/transport/flat_shards.py", "f") == "FSDP1: twin, flat shards"
+
+
+def test_every_phase_names_a_function_that_exists():
+    """A phase whose function was renamed or moved would be timed nowhere."""
+    import importlib
+
+    for name, where in bench_breakdown.PHASES:
+        for module_name, path in where:
+            owner = importlib.import_module(module_name)
+            for part in path.split("."):
+                owner = getattr(owner, part, None)
+                assert owner is not None, (name, module_name, path)
+            assert callable(owner), (name, module_name, path)
+
+
+def test_phases_are_timed_and_put_back():
+    import hyperdsd.state.model as model_state
+    from hyperdsd.state.fqn import ModelIndex
+
+    before = model_state.plan_load, ModelIndex.__dict__["of"]
+    spent: dict[str, float] = {}
+    with bench_breakdown._timed_phases(spent):
+        assert model_state.plan_load is not before[0]
+        ModelIndex.of(torch.nn.Linear(2, 2))
+    assert (model_state.plan_load, ModelIndex.__dict__["of"]) == before
+    assert set(spent) == {"the index (kept from the last call)"} and spent["the index (kept from the last call)"] >= 0

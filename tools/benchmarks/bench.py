@@ -130,6 +130,9 @@ def main() -> None:
     parser.add_argument(
         "--breakdown-top", action="store_true", help="also list each mode's functions of most CPU time per key"
     )
+    parser.add_argument(
+        "--breakdown-phases", action="store_true", help="also give each mode's CPU by phase of the call (ms)"
+    )
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args()
@@ -217,6 +220,7 @@ def main() -> None:
                 [s for s in args.breakdown_sizes.split(",") if s],
                 [m for m in args.breakdown_modes.split(",") if m],
                 top=args.breakdown_top,
+                phases=args.breakdown_phases,
             )
     if not args.no_memory:
         memory_sizes = [s for s in (args.memory_sizes or args.sizes).split(",") if s]

@@ -4,6 +4,10 @@ shares, scaled to the unprofiled CPU time of the same op)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import inspect
 import time
 
 import torch.distributed as dist
@@ -17,7 +21,7 @@ from tools.benchmarks.bench_tasks import _build, _op, _prepare
 # counted as "other"), torch's by the folder a function lives in. Built-in
 # functions and torch's C methods count in their caller's category.
 CATEGORIES = (
-    ("FQN index", ("hyperdsd/state/fqn.py",)),
+    ("FQN index", ("hyperdsd/state/fqn.py", "hyperdsd/state/index_cache.py")),
     (
         "module/optimizer registries, state_dict() (torch)",
         (
@@ -104,6 +108,84 @@ def _category(path: str, fn: str) -> str:
     return "other (benchmark, Python)"
 
 
+# The phases of a call (``--breakdown-phases``), each timed directly (CPU, no
+# profiler: cProfile's cost per Python call would inflate the phases of many
+# small calls): the functions that run it, as (module, attribute path) where
+# the call looks them up; a phase a call does not run is left out. A phase
+# that runs inside another is taken out of its time (_WITHIN).
+PHASES = (
+    ("the index (kept from the last call)", (("hyperdsd.state.fqn", "ModelIndex.of"),)),
+    ("the manifest (described, sent, received)", (("hyperdsd.agreement", "BroadcastAgreement.manifests"),)),
+    ("planning the model's load", (("hyperdsd.state.model", "plan_load"),)),
+    ("planning the optimizer's", (("hyperdsd.state.optimizer_load", "plan_load"),)),
+    ("a broadcast's needs", (("hyperdsd.agreement", "needs_for"),)),
+    (
+        "agreement (waiting included)",
+        (("hyperdsd.agreement", "LocalAgreement.agree"), ("hyperdsd.agreement", "BroadcastAgreement.agree")),
+    ),
+    ("delivery (each piece into its tensor)", (("hyperdsd.agreement", "deliver"),)),
+    ("applying", (("hyperdsd.api", "_Load._apply"),)),
+    ("reading state", (("hyperdsd.state.model", "read_state"), ("hyperdsd.state.optimizer", "read_state"))),
+    (
+        "gathering to the root",
+        (("hyperdsd.transport.consolidate", "full_model"), ("hyperdsd.transport.consolidate", "full_optimizer")),
+    ),
+)
+_WITHIN = {"agreement (waiting included)": ("a broadcast's needs", "delivery (each piece into its tensor)")}
+
+
+@contextlib.contextmanager
+def _timed_phases(spent: dict[str, float]):
+    """Every phase's functions wrapped to add their CPU seconds to ``spent``, put back after."""
+    patched = []
+    for name, where in PHASES:
+        for module_name, path in where:
+            owner = importlib.import_module(module_name)
+            *parents, attr = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            original = inspect.getattr_static(owner, attr)
+            patched.append((owner, attr, original))
+            setattr(owner, attr, _timer(getattr(owner, attr), name, spent, original))
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(patched):
+            setattr(owner, attr, original)
+
+
+def _timer(fn, name: str, spent: dict[str, float], original):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.process_time() - start
+
+    if isinstance(original, classmethod):
+        return classmethod(lambda cls, *a, **k: timed(*a, **k))  # (fn is bound already)
+    return timed
+
+
+def phases(ctx, size: str, mode: str, mesh: str = "4"):
+    """hyperdsd's CPU time for one op on this rank, by phase (seconds), and in all."""
+    model, opt = _build(ctx, size, mesh)
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    _op(ctx, "hyperdsd", mode, model, opt, inputs)  # warm up
+    inputs = _prepare(ctx, "hyperdsd", mode, model, opt)
+    spent: dict[str, float] = {}
+    with _timed_phases(spent):
+        dist.barrier()
+        start = time.process_time()
+        _op(ctx, "hyperdsd", mode, model, opt, inputs)
+        cpu = time.process_time() - start
+    for outer, inner in _WITHIN.items():
+        if outer in spent:
+            spent[outer] -= sum(spent.get(name, 0.0) for name in inner)
+    return {"rank": ctx.rank, "cpu_s": cpu, "phases": spent}
+
+
 def breakdown(ctx, size: str, mode: str, mesh: str = "4"):
     """hyperdsd's CPU time for one op on this rank (unprofiled) and its
     profiled CPU time by category (seconds), built-ins counted in their
@@ -150,7 +232,7 @@ def _function_name(path: str, line: int, fn: str) -> str:
     return f"{path}:{line}({fn})"
 
 
-def table(pools, sizes: list[str], modes: list[str], top: bool = False) -> None:
+def table(pools, sizes: list[str], modes: list[str], top: bool = False, phases: bool = False) -> None:
     from hyperdsd.testing import Task
 
     print(
@@ -160,6 +242,7 @@ def table(pools, sizes: list[str], modes: list[str], top: bool = False) -> None:
     for size in sizes:
         keys = bench_tasks.keys_of(size)
         columns: dict[str, dict[str, float]] = {}
+        by_phase: dict[str, dict[str, float]] = {}
         for mode in modes:
             outcome = pools.run(4, Task(breakdown, {"size": size, "mode": mode}), 3600)
             if outcome.status != Status.PASSED:
@@ -170,15 +253,38 @@ def table(pools, sizes: list[str], modes: list[str], top: bool = False) -> None:
             scale = slowest["cpu_s"] / profiled
             columns[mode] = {cat: sec * scale / keys * 1e6 for cat, sec in slowest["profiled"].items()}
             columns[mode]["total"] = slowest["cpu_s"] / keys * 1e6
+            if phases:
+                by_phase[mode] = _phases_of(pools, size, mode)
             if top:
                 print(f"\n{size} {mode}: the {TOP_FUNCTIONS} functions of most CPU time per key (us), slowest rank")
                 for name, sec in slowest["top"]:
                     print(f"  {sec * scale / keys * 1e6:8.2f}  {name}")
         if not columns:
             continue
+        if phases and by_phase:
+            _print_phases(size, by_phase)
         cats = [name for name, _ in CATEGORIES] + ["other (benchmark, Python)"]
         print(f"\n  {f'{size} ({keys} keys)':<50}" + "".join(f"{m:>10}" for m in columns))
         for cat in cats + ["total"]:
             if cat != "total" and not any(col.get(cat, 0.0) >= 0.05 for col in columns.values()):
                 continue
             print(f"  {cat:<50}" + "".join(f"{col.get(cat, 0.0):10.1f}" for col in columns.values()), flush=True)
+
+
+def _phases_of(pools, size: str, mode: str) -> dict[str, float]:
+    """Each phase's CPU ms on the rank whose op took the most CPU."""
+    from hyperdsd.testing import Task
+
+    outcome = pools.run(4, Task(phases, {"size": size, "mode": mode}), 3600)
+    if outcome.status != Status.PASSED:
+        print(f"{size} {mode} phases: failed: {outcome.describe()[:300]}")
+        return {}
+    slowest = max(outcome.values, key=lambda v: v["cpu_s"])
+    return {**{name: sec * 1e3 for name, sec in slowest["phases"].items()}, "the call": slowest["cpu_s"] * 1e3}
+
+
+def _print_phases(size: str, by_phase: dict[str, dict[str, float]]) -> None:
+    print(f"\n  {f'{size}: phases, CPU ms, slowest rank':<50}" + "".join(f"{m:>10}" for m in by_phase))
+    for name in [n for n, _ in PHASES] + ["the call"]:
+        if any(name in col for col in by_phase.values()):
+            print(f"  {name:<50}" + "".join(f"{col.get(name, 0.0):10.1f}" for col in by_phase.values()), flush=True)

@@ -91,7 +91,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- keys -----------------------------------------------------------------
     Mutant(
         "prefix-left-compile",
-        "hyperdsd.state.fqn._hidden_children",
+        "hyperdsd.state.fqn.hidden_children",
         'hidden.add("_orig_mod")',
         "pass",
         "torch.compile's _orig_mod. segment is left in FQNs",
@@ -438,8 +438,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "group-slices-not-rooted",
         "hyperdsd.transport.group.of_params",
-        "root = _compat.root_mesh(p.device_mesh)",
-        "root = p.device_mesh",
+        "root = _compat.root_mesh(mesh)",
+        "root = mesh",
         "meshes are compared as they are, not by their root: "
         "a stage sliced from a pp x dp mesh is taken for a model of its own",
         ("OPT-RT-1[pp2xfsdp2-adamw-full_cpu]",),
