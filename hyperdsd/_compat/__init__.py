@@ -51,6 +51,7 @@ from .tensors import (
     dtensor_local,
     layout_token,
     local_tensor,
+    local_tensors,
     root_mesh,
     version_of,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "loads_by_copying",
     "loads_plainly",
     "local_tensor",
+    "local_tensors",
     "module_state_hooks",
     "optimizer_load_hooks",
     "own_buffers",

@@ -44,6 +44,13 @@ layout_token: Callable[[DTensor], object] = operator.attrgetter("_spec")
 dtensor_local: Callable[[DTensor], torch.Tensor] = operator.attrgetter("_local_tensor")
 
 
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`local_tensor` of each of ``tensors``: read in C where all are DTensors."""
+    if set(map(type, tensors)) == {DTensor}:
+        return list(map(dtensor_local, tensors))
+    return list(map(local_tensor, tensors))
+
+
 def copy_each(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``dest.copy_(source)`` for each pair, in one call."""
     # torch's foreach kernels are private; one call for thousands of small

@@ -119,8 +119,7 @@ class EntryValues:
         broadcast's), each to be received into the tensor it replaces; None
         where one's local shape is not that tensor's (it is planned anew)."""
         planned_columns = []
-        local = _compat.dtensor_local if set(map(type, params)) == {DTensor} else _compat.local_tensor
-        devices = list(map(_DEVICE, map(local, params)))
+        devices = list(map(_DEVICE, _compat.local_tensors(params)))
         for column in columns:
             on = itertools.repeat(_CPU) if column.key == "step" and not self.step_on_param else devices
             receivers = column_receivers(column.values, column.existing, column.signatures, column.verdicts, on)

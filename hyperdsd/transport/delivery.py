@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from ..placement import DTensorLayout
@@ -153,8 +152,7 @@ def _copied_into_each(receivers: list) -> list[torch.Tensor] | None:
     dests = list(map(_DEST, receivers))
     if not all(map(operator.is_not, dests, itertools.repeat(None))):
         return None
-    kinds = set(map(type, dests))
-    targets = list(map(_compat.dtensor_local, dests)) if kinds == {DTensor} else list(map(_compat.local_tensor, dests))
+    targets = _compat.local_tensors(dests)
     for receiver, target in zip(receivers, targets):
         receiver.local = target
     return targets
