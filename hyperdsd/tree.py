@@ -10,7 +10,9 @@ the walk stays a few lines of our own.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import itertools
+import operator
+from typing import Any, Callable, Iterator, Sequence
 
 
 def is_container(obj: Any) -> bool:
@@ -41,3 +43,9 @@ def rebuild(obj: Any, fn: Callable[[Any, tuple], Any], path: tuple = ()) -> Any:
 def where(path: tuple) -> str:
     """A leaf's path as it would be written to index into the dict."""
     return "".join(f"[{p!r}]" for p in path)
+
+
+def has_none(items: Sequence[Any]) -> bool:
+    """Whether any of ``items`` is None, asked by identity in C (``None in
+    items`` compares with ``==``, which a tensor answers elementwise)."""
+    return not all(map(operator.is_not, items, itertools.repeat(None)))

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
+from ..tree import has_none
 from .load_checks import Verdict, Verdicts
 from .load_plan import Prepared, TensorMeta
 
@@ -106,10 +107,6 @@ def column_copies(
     return pairs
 
 
-def _any_none(items: Sequence[Any]) -> bool:
-    return not all(map(operator.is_not, items, itertools.repeat(None)))
-
-
 def column_receivers(
     values: Sequence[TensorMeta],
     existing: Sequence[Any],
@@ -123,7 +120,7 @@ def column_receivers(
     # (a column shares a handful of signatures and layouts: each asked once, the rest in C)
     layout_of = {signature: verdict.layout for signature, verdict in verdicts.items()}
     layouts = list(map(layout_of.__getitem__, signatures))
-    if _any_none(layouts):
+    if has_none(layouts):
         wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
         dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
     else:

@@ -21,13 +21,12 @@ walk reads more than registries there): those are built every call.
 """
 
 import functools
-import itertools
-import operator
 import weakref
 
 import torch.nn as nn
 
 from .. import _compat
+from ..tree import has_none
 from .fqn import hidden_children
 
 _DEREF = weakref.ref.__call__
@@ -75,7 +74,7 @@ class _Snapshot:
         """The index of ``model`` as it is now, if the walk would read what it
         read; None otherwise."""
         modules = list(map(_DEREF, self.module_refs))
-        if not all(map(operator.is_not, modules, itertools.repeat(None))):
+        if has_none(modules):
             return None  # a module it recorded is gone: ids may have been reused
         fingerprint, held = _compat.registries_fingerprint(modules)
         if fingerprint != self.fingerprint:

@@ -11,7 +11,6 @@ holds its own state plus one bucket in flight.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
@@ -20,6 +19,7 @@ import torch
 
 from .. import _compat
 from ..placement import DTensorLayout
+from ..tree import has_none
 from .group import Group
 from .needs import Metas, Need
 from .scatter import scatter_from_root
@@ -150,7 +150,7 @@ def _copied_into_each(receivers: list) -> list[torch.Tensor] | None:
     if tuple in set(map(type, receivers)) or any(map(_LANDING, receivers)):
         return None
     dests = list(map(_DEST, receivers))
-    if not all(map(operator.is_not, dests, itertools.repeat(None))):
+    if has_none(dests):
         return None
     targets = _compat.local_tensors(dests)
     for receiver, target in zip(receivers, targets):
