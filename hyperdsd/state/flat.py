@@ -33,7 +33,9 @@ contain dots), scanning each key once: linear in the number of keys.
 
 from __future__ import annotations
 
+import operator
 import re
+from itertools import repeat
 from typing import Any
 
 STATE, GROUPS = "state", "param_groups"
@@ -79,48 +81,178 @@ def split_fqn(rest: str, fqns) -> tuple[str, str] | None:
     return None
 
 
-def unflatten(flat: dict, fqns) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
+def unflatten(flat: dict, fqns) -> tuple[dict[str, dict], dict[str, dict], list[str], list[str]]:
     """Split a flat dict by FQN.
 
     Returns (state by FQN, group fields by FQN, keys that match no FQN of
-    ``fqns``). Nested state keys are rebuilt as nested dicts and lists.
+    ``fqns``, problems). Nested state keys are rebuilt as nested dicts and
+    lists. A key whose state path runs through or onto a value another key
+    gave (``state.w.m`` and ``state.w.m.x``) is not read: the first key read
+    stays, the other is a problem.
     """
-    state: dict[str, dict] = {}
-    fields: dict[str, dict] = {}
-    unknown: list[str] = []
-    with_lists: set[str] = set()
-    # A parameter's keys come one after another, most of them ``{head}.{fqn}.{name}``:
-    # the last such prefix and the dict it fills take them without a search.
-    last_prefix, last_node = None, None
-    for key, value in flat.items():
-        if not isinstance(key, str):
-            unknown.append(repr(key))
-            continue
-        prefix, _, name = key.rpartition(".")
-        if prefix == last_prefix and not name.endswith("]"):
-            last_node[name] = value
-            continue
+    return _Unflattening(fqns).run(list(flat), list(flat.values()))
+
+
+class _Unflattening:
+    """One pass over a flat dict's keys, in order.
+
+    A parameter's keys come one after another, and the parameters of a group
+    (or of a uniform state) have the same names in the same order. Once one
+    such row of plain keys ``{head}.{fqn}.{name}`` is read key by key, the
+    rows after it are checked and taken a column at a time, whole, in C:
+    each key equal to the one the row's pattern predicts. Whatever does not
+    follow the pattern is read key by key.
+    """
+
+    def __init__(self, fqns) -> None:
+        self.fqns = fqns
+        self.state: dict[str, dict] = {}
+        self.fields: dict[str, dict] = {}
+        self.unknown: list[str] = []
+        self.clashes: list[str] = []
+        self.with_lists: set[str] = set()
+        self.shared: set[str] = set()  # FQNs whose group fields are a dict other rows share
+        # The current row: its prefix ``{head}.{fqn}``, the dict it fills, its
+        # head and the names read so far (None once a key of it is not plain).
+        self.prefix: str | None = None
+        self.node: dict | None = None
+        self.head = ""
+        self.names: list[str] | None = None
+
+    def run(self, keys: list, values: list) -> tuple[dict[str, dict], dict[str, dict], list[str], list[str]]:
+        i = 0
+        while i < len(keys):
+            key = keys[i]
+            if not isinstance(key, str):
+                self.unknown.append(repr(key))
+                self.prefix = self.names = None
+                i += 1
+                continue
+            prefix, _, name = key.rpartition(".")
+            if prefix == self.prefix and not name.endswith("]") and name not in self.node:
+                self.node[name] = values[i]
+                if self.names is not None:
+                    self.names.append(name)
+                i += 1
+                continue
+            if self.names and (taken := self._rows(keys, values, i)):
+                i += taken
+                continue
+            self._add(key, values[i])
+            i += 1
+        for fqn in self.with_lists:
+            self.state[fqn] = _lists(self.state[fqn])
+        return self.state, self.fields, self.unknown, self.clashes
+
+    def _add(self, key: str, value: Any) -> None:
+        """A key that starts a row, or belongs to none."""
+        self.prefix = self.names = None
         head, _, rest = key.partition(".")
-        split = split_fqn(rest, fqns) if head in (STATE, GROUPS) else None
+        split = split_fqn(rest, self.fqns) if head in (STATE, GROUPS) else None
         if split is None:
-            unknown.append(key)
-            continue
+            self.unknown.append(key)
+            return
         fqn, tail = split
-        node = (fields if head == GROUPS else state).setdefault(fqn, {})
-        plain = "." not in tail  # then ``prefix`` is ``{head}.{fqn}``
-        last_prefix, last_node = (prefix, node) if plain else (None, None)
-        if head == GROUPS or (plain and not tail.endswith("]")):  # a group field's name is kept whole
+        node = self._node(self.fields if head == GROUPS else self.state, fqn)
+        if "." not in tail:  # then the key is ``{head}.{fqn}.{tail}``: a row starts
+            self.prefix, self.node, self.head = f"{head}.{fqn}", node, head
+            self.names = [tail] if not tail.endswith("]") else None
+        if head == GROUPS:  # a group field's name is kept whole
             node[tail] = value
-            continue
+            return
         path = _path(tail) if tail.endswith("]") or "]." in tail else tail.split(".")
-        if len(path) > len(tail.split(".")):
-            with_lists.add(fqn)
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                return self._clash(key, fqn, path[: depth + 1])
+        if path[-1] in node:
+            return self._clash(key, fqn, path)
         node[path[-1]] = value
-    for fqn in with_lists:
-        state[fqn] = _lists(state[fqn])
-    return state, fields, unknown
+        if len(path) > len(tail.split(".")):
+            self.with_lists.add(fqn)
+
+    def _clash(self, key: str, fqn: str, path: list) -> None:
+        where = "".join(f"[{p}]" if type(p) is int else f".{p}" for p in path)[1:]
+        self.clashes.append(f"{key!r}: the state {where!r} of {fqn!r} is a value and nested state at once")
+
+    def _rows(self, keys: list, values: list, i: int) -> int:
+        """How many keys from ``i`` on make whole rows like the last one, taken.
+
+        The first guess is a row for every FQN the rows' head has not had
+        yet (as a get writes them); a chunk that does not match is halved,
+        one that does is followed by another of its size, so finding where
+        the rows stop costs at most four times the chunk they stop in.
+        """
+        names, head = self.names, self.head
+        self.prefix = self.names = None
+        m = len(names)
+        target = self.fields if head == GROUPS else self.state
+        limit, done, growing = (len(keys) - i) // m, 0, False
+        chunk = len(self.fqns) - len(target)
+        if chunk < 1:
+            chunk, growing = 1, True
+        while done < limit:
+            count = min(chunk, limit - done)
+            start = i + done * m
+            fqns = self._matching(keys[start : start + count * m], head, names, target)
+            if fqns is None:
+                if count == 1:
+                    break
+                chunk, growing = count // 2, False
+                continue
+            self._fill(head, names, fqns, values[start : start + count * m])
+            done += count
+            chunk = count * 2 if growing else count
+        return done * m
+
+    def _matching(self, block: list, head: str, names: list[str], target: dict) -> list[str] | None:
+        """The rows' FQNs if every key of ``block`` is ``{head}.{fqn}.{name}``
+        for each of ``names`` in turn, with ``fqn`` an FQN that ``target``
+        does not have yet, each once; else None.
+
+        Each column is compared at once: its keys joined by newlines against
+        the predicted keys joined the same way. The joined strings are equal,
+        and hold no newline but the separators, exactly when every key is the
+        one predicted.
+        """
+        lead = head + "."
+        try:
+            fqns = list(map(operator.getitem, block[:: len(names)], repeat(slice(len(lead), -len(names[0]) - 1))))
+            if not (all(map(self.fqns.__contains__, fqns)) and target.keys().isdisjoint(fqns)) or len(set(fqns)) < len(
+                fqns
+            ):
+                return None
+            prefixes = list(map(operator.add, repeat(lead), fqns))
+            for j, name in enumerate(names):
+                joined = "\n".join(block[j :: len(names)])
+                if joined.count("\n") != len(fqns) - 1 or joined != (f".{name}\n").join(prefixes) + f".{name}":
+                    return None
+        except TypeError:  # a key that is not a string
+            return None
+        return fqns
+
+    def _fill(self, head: str, names: list[str], fqns: list[str], values: list) -> None:
+        m = len(names)
+        if head == GROUPS and all(all(map(operator.is_, values[j::m], repeat(values[j]))) for j in range(m)):
+            # A get writes one group's own values under each of its parameters:
+            # the rows share one dict, copied before anything is added to one.
+            self.fields.update(zip(fqns, repeat(dict(zip(names, values[:m])))))
+            self.shared.update(fqns)
+            return
+        nodes = list(map(dict.copy, repeat(dict.fromkeys(names), len(fqns))))  # filled a column at a time
+        for j, name in enumerate(names):
+            list(map(operator.setitem, nodes, repeat(name), values[j::m]))
+        (self.fields if head == GROUPS else self.state).update(zip(fqns, nodes))
+
+    def _node(self, target: dict, fqn: str) -> dict:
+        """The dict ``fqn``'s keys go into: its own, never one rows share."""
+        node = target.get(fqn)
+        if node is None:
+            node = target[fqn] = {}
+        elif fqn in self.shared and target is self.fields:
+            node = target[fqn] = dict(node)
+            self.shared.discard(fqn)
+        return node
 
 
 _INDEX = re.compile(r"\[(\d+)\]$")

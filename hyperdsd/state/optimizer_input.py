@@ -9,6 +9,7 @@ Malformed input becomes problems (messages), never an exception.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -255,30 +256,22 @@ def _from_flat(
     unwritten: UnwrittenKeys,
 ) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
-    state, fields, unknown = unflatten(osd, set(index.param_of))
-    alive = any_placeholder_values()
-
-    def listed(f: str) -> bool:
-        if unwritten.none and not alive:  # (no placeholder state alive: anything there lists it)
-            return bool(state.get(f) or fields.get(f))
-        if unwritten.lists(f, state.get(f)):
-            return True
-        # Group fields count unless they are still the placeholder state's own objects
-        # (DCP replaces every value it loads; some it copies even when not).
-        if not alive:
-            return bool(fields.get(f))
-        values = list(fields.get(f, {}).values())
-        return bool(values) and not any(is_placeholder_value(v) for v in values)
-
+    state, fields, unknown, clashes = unflatten(osd, set(index.param_of))
+    problems += clashes
+    listed = _listed(state, fields, unwritten)
     aligned: list[SourceGroup | None] = []
     for t in targets:
-        present = [f for f in t.fqns if listed(f)]
+        present = listed(t.fqns)
         if not present:
             aligned.append(None)
             continue
-        chosen = next((fields[f] for f in present if f in fields), {})
-        for f in present:
-            other = fields.get(f)
+        # Parameters of one group often share one dict of fields (see unflatten):
+        # each distinct dict is compared once, under the first FQN that has it.
+        others = list(map(fields.get, present))
+        ids = list(map(id, others))
+        chosen = next((o for o in others if o is not None), {})
+        for at in map(ids.index, dict.fromkeys(ids)):
+            other, f = others[at], present[at]
             if other is None or other is chosen:
                 continue
             if other.keys() == chosen.keys() and all(map(operator.is_, other.values(), chosen.values())):
@@ -292,6 +285,30 @@ def _from_flat(
                 break
         aligned.append(SourceGroup(chosen, present))
     return Source([s for s in aligned if s is not None], aligned, state, unknown, nested=False)
+
+
+def _listed(state: dict, fields: dict, unwritten: UnwrittenKeys):
+    """The FQNs among those given that a flat checkpoint lists: with state or
+    group fields that somebody wrote (placeholder state lists nothing)."""
+    alive = any_placeholder_values()
+    if unwritten.none and not alive:  # (no placeholder state alive: anything there lists it)
+        return lambda fqns: list(
+            itertools.compress(
+                fqns, map(operator.or_, map(bool, map(state.get, fqns)), map(bool, map(fields.get, fqns)))
+            )
+        )
+
+    def lists(f: str) -> bool:
+        if unwritten.lists(f, state.get(f)):
+            return True
+        # Group fields count unless they are still the placeholder state's own objects
+        # (DCP replaces every value it loads; some it copies even when not).
+        if not alive:
+            return bool(fields.get(f))
+        values = list(fields.get(f, {}).values())
+        return bool(values) and not any(is_placeholder_value(v) for v in values)
+
+    return lambda fqns: list(filter(lists, fqns))
 
 
 def _differs(a, b) -> bool:

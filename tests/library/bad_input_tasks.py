@@ -119,6 +119,8 @@ def damage(sd: dict, spec: dict, other_mesh) -> None:
             sd[key.rsplit(".", 1)[0] + ".step"] = 7
         elif kind == "wrong_mesh":
             sd[key] = _like(sd[key], mesh=other_mesh)
+        elif kind == "nested_under_value":
+            sd[key + ".x"] = torch.zeros(2)
         elif kind == "missing_fqn":
             fqn = key[len("state.") :].rsplit(".", 1)[0]
             for k in [k for k in sd if k.startswith((f"state.{fqn}.", f"param_groups.{fqn}."))]:

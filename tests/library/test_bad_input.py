@@ -30,7 +30,16 @@ OPTIM_NESTED = [
     "non_tensor_step",
     "wrong_mesh",
 ]
-OPTIM_FLAT = ["unknown_key", "wrong_shape", "wrong_dtype", "non_tensor", "non_tensor_step", "wrong_mesh", "missing_fqn"]
+OPTIM_FLAT = [
+    "unknown_key",
+    "wrong_shape",
+    "wrong_dtype",
+    "non_tensor",
+    "non_tensor_step",
+    "wrong_mesh",
+    "missing_fqn",
+    "nested_under_value",
+]
 OPTIM_BCAST = [
     "wrong_shape",
     "wrong_dtype",

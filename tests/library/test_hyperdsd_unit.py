@@ -440,7 +440,7 @@ def test_flatten_and_unflatten_with_dotted_and_nested_keys():
         "param_groups.a.b.lr",
         "param_groups.a.bc.lr",
     }
-    state, fields, unknown = flat_format.unflatten({**flat, "state.zz.q": 1}, {"a.b", "a.bc"})
+    state, fields, unknown, _ = flat_format.unflatten({**flat, "state.zz.q": 1}, {"a.b", "a.bc"})
     assert state["a.b"]["m"]["x"] is flat["state.a.b.m.x"] and state["a.bc"]["v"] is flat["state.a.bc.v"]
     assert fields == {"a.b": {"lr": 0.1}, "a.bc": {"lr": 0.1}} and unknown == ["state.zz.q"]
 
@@ -458,7 +458,7 @@ def test_group_fields_are_kept_whole_whatever_their_names():
         "param_groups.w.betas": (0.9, 0.99),
         "param_groups.u.x[0]": 7,
     }
-    state, fields, unknown = flat_format.unflatten(flat, {"w", "u"})
+    state, fields, unknown, _ = flat_format.unflatten(flat, {"w", "u"})
     assert state == {"w": {"step": 1, "m": [2], "v": 3}} and unknown == []
     assert fields == {
         "w": {"lr": 0.1, "sched.warmup": 5, "x[0]": 6, "betas": (0.9, 0.99)},
@@ -474,7 +474,7 @@ def test_lists_in_nested_state_round_trip_through_the_flat_layout():
         flat
     )
     assert flat["state.a.b.pre.none"] == [] and flat["state.a.b.pair"] == (1, 2)
-    state, _, unknown = flat_format.unflatten(flat, {"a.b"})
+    state, _, unknown, _ = flat_format.unflatten(flat, {"a.b"})
     back = state["a.b"]
     assert (
         unknown == []

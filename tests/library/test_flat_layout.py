@@ -1,0 +1,121 @@
+"""Unflattening the flat optimizer layout: rows taken whole give what reading
+each key alone gives.
+
+``unflatten`` reads a parameter's keys one by one once, then checks the rows
+after it a column at a time and takes those that follow the same pattern.
+The property test builds flat dicts from rows that follow a pattern, break
+it, share values, repeat an FQN, or hold keys no row can hold, and compares
+the result with a plain key-by-key reading.
+"""
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyperdsd.state import flat as flat_format
+from hyperdsd.state.flat import GROUPS, STATE, split_fqn, unflatten
+
+FQNS = ["a", "a.b", "b", "a.b.c", "c.0", "w"]
+NAMES = ["step", "exp_avg", "lr", "b", "x[0]", "m.n", "", "0", "q\nr", "betas"]
+
+
+def read_key_by_key(flat: dict, fqns) -> tuple[dict, dict, list, list]:
+    """The layout's rule for each key on its own (flat.py's docstring); the
+    last list holds the keys that clash with a value read before them."""
+    state, fields, unknown, clashes, with_lists = {}, {}, [], [], set()
+    for key, value in flat.items():
+        if not isinstance(key, str):
+            unknown.append(repr(key))
+            continue
+        head, _, rest = key.partition(".")
+        split = split_fqn(rest, fqns) if head in (STATE, GROUPS) else None
+        if split is None:
+            unknown.append(key)
+            continue
+        fqn, tail = split
+        if head == GROUPS:
+            fields.setdefault(fqn, {})[tail] = value
+            continue
+        path = flat_format._path(tail)
+        node = state.setdefault(fqn, {})
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or path[-1] in node:
+            clashes.append(key)
+            continue
+        node[path[-1]] = value
+        if len(path) > len(tail.split(".")):
+            with_lists.add(fqn)
+    for fqn in with_lists:
+        state[fqn] = flat_format._lists(state[fqn])
+    return state, fields, unknown, clashes
+
+
+_values = itertools.count(1000)
+
+
+@st.composite
+def flat_dicts(draw) -> dict:
+    flat: dict = {}
+    for _ in range(draw(st.integers(0, 6))):
+        kind = draw(st.sampled_from(["rows", "rows", "key", "stranger"]))
+        if kind == "stranger":
+            flat[draw(st.sampled_from([7, ("state", "a"), "state", "other.a.x", "state.zz.q", "param_groups."]))] = 1
+            continue
+        head = draw(st.sampled_from([STATE, GROUPS]))
+        if kind == "key":
+            flat[f"{head}.{draw(st.sampled_from(FQNS))}.{draw(st.sampled_from(NAMES))}"] = next(_values)
+            continue
+        names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True))
+        shared = [next(_values) for _ in names] if draw(st.booleans()) else None  # one group's own values
+        for fqn in draw(st.lists(st.sampled_from(FQNS), max_size=8)):
+            for j, name in enumerate(names):
+                flat[f"{head}.{fqn}.{name}"] = shared[j] if shared else next(_values)
+            if draw(st.integers(0, 5)) == 0:  # a row that breaks the pattern
+                flat[f"{head}.{fqn}.{draw(st.sampled_from(NAMES))}"] = next(_values)
+    return flat
+
+
+@settings(max_examples=400, deadline=None)
+@given(flat_dicts(), st.sets(st.sampled_from(FQNS), min_size=1))
+def test_rows_taken_whole_read_as_each_key_alone(flat, fqns):
+    *read, problems = unflatten(flat, fqns)
+    *expected, clashes = read_key_by_key(flat, fqns)
+    assert read == expected
+    assert len(problems) == len(clashes) and all(p.startswith(f"{k!r}: ") for p, k in zip(problems, clashes))
+
+
+def test_a_key_under_another_keys_value_is_a_problem_not_a_crash():
+    state, _, _, problems = unflatten({"state.w.m": 1, "state.w.m.x": 2, "state.w.v.x": 3, "state.w.v": 4}, {"w"})
+    assert state == {"w": {"m": 1, "v": {"x": 3}}}
+    assert problems == [
+        "'state.w.m.x': the state 'm' of 'w' is a value and nested state at once",
+        "'state.w.v': the state 'v' of 'w' is a value and nested state at once",
+    ]
+
+
+def test_a_shared_dict_of_fields_is_copied_before_a_later_key_adds_to_it():
+    flat = {f"param_groups.{f}.{k}": v for f in ("a", "b", "c") for k, v in (("lr", 0.1), ("eps", 1e-8))}
+    flat["param_groups.b.extra"] = 5
+    _, fields, _, _ = unflatten(flat, {"a", "b", "c"})
+    assert fields == {
+        "a": {"lr": 0.1, "eps": 1e-8},
+        "b": {"lr": 0.1, "eps": 1e-8, "extra": 5},
+        "c": {"lr": 0.1, "eps": 1e-8},
+    }
+
+
+def test_the_rows_of_a_get_are_taken_whole_not_key_by_key(monkeypatch):
+    fqns = [f"layers.{i}.{w}" for i in range(500) for w in ("weight", "bias")]
+    flat = {f"state.{f}.{k}": object() for f in fqns for k in ("step", "exp_avg", "exp_avg_sq")}
+    lr = 0.1
+    flat.update({f"param_groups.{f}.{k}": lr for f in fqns for k in ("lr", "betas", "eps")})
+    read_alone = []
+    add = flat_format._Unflattening._add
+    monkeypatch.setattr(flat_format._Unflattening, "_add", lambda self, k, v: (read_alone.append(k), add(self, k, v)))
+    read = unflatten(flat, set(fqns))
+    assert read_alone == [f"state.{fqns[0]}.step", f"param_groups.{fqns[0]}.lr"]  # each block's first key
+    assert read == read_key_by_key(flat, set(fqns))
