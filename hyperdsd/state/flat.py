@@ -178,54 +178,49 @@ class _Unflattening:
     def _rows(self, keys: list, values: list, i: int) -> int:
         """How many keys from ``i`` on make whole rows like the last one, taken.
 
-        The first guess is a row for every FQN the rows' head has not had
-        yet (as a get writes them); a chunk that does not match is halved,
-        one that does is followed by another of its size, so finding where
-        the rows stop costs at most four times the chunk they stop in.
+        A row takes an FQN its head has not had, so there are at most as many
+        rows as such FQNs: the first guess (as a get writes them, exact). A
+        chunk that does not match is halved, one that does is followed by
+        another of its size, so finding where the rows stop costs at most
+        four times the chunk they stop in.
         """
         names, head = self.names, self.head
         self.prefix = self.names = None
         m = len(names)
         target = self.fields if head == GROUPS else self.state
-        limit, done, growing = (len(keys) - i) // m, 0, False
-        chunk = len(self.fqns) - len(target)
-        if chunk < 1:
-            chunk, growing = 1, True
-        while done < limit:
-            count = min(chunk, limit - done)
+        limit, done, chunk = (len(keys) - i) // m, 0, len(self.fqns)
+        while (count := min(chunk, limit - done, len(self.fqns) - len(target))) > 0:
             start = i + done * m
-            fqns = self._matching(keys[start : start + count * m], head, names, target)
+            fqns = self._matching(keys, start, count, head, names, target)
             if fqns is None:
                 if count == 1:
                     break
-                chunk, growing = count // 2, False
+                chunk = count // 2
                 continue
             self._fill(head, names, fqns, values[start : start + count * m])
             done += count
-            chunk = count * 2 if growing else count
         return done * m
 
-    def _matching(self, block: list, head: str, names: list[str], target: dict) -> list[str] | None:
-        """The rows' FQNs if every key of ``block`` is ``{head}.{fqn}.{name}``
-        for each of ``names`` in turn, with ``fqn`` an FQN that ``target``
-        does not have yet, each once; else None.
+    def _matching(self, keys: list, start: int, count: int, head: str, names: list[str], target: dict) -> list | None:
+        """The FQNs of the ``count`` rows from ``keys[start]`` if each of
+        their keys is ``{head}.{fqn}.{name}`` for each of ``names`` in turn,
+        with ``fqn`` an FQN that ``target`` does not have yet, each once;
+        else None.
 
         Each column is compared at once: its keys joined by newlines against
         the predicted keys joined the same way. The joined strings are equal,
         and hold no newline but the separators, exactly when every key is the
         one predicted.
         """
-        lead = head + "."
+        m, lead, stop = len(names), head + ".", start + count * len(names)
         try:
-            fqns = list(map(operator.getitem, block[:: len(names)], repeat(slice(len(lead), -len(names[0]) - 1))))
-            if not (all(map(self.fqns.__contains__, fqns)) and target.keys().isdisjoint(fqns)) or len(set(fqns)) < len(
-                fqns
-            ):
+            fqns = list(map(operator.getitem, keys[start:stop:m], repeat(slice(len(lead), -len(names[0]) - 1))))
+            known = all(map(self.fqns.__contains__, fqns))
+            if not known or not target.keys().isdisjoint(fqns) or len(set(fqns)) < count:
                 return None
-            prefixes = list(map(operator.add, repeat(lead), fqns))
             for j, name in enumerate(names):
-                joined = "\n".join(block[j :: len(names)])
-                if joined.count("\n") != len(fqns) - 1 or joined != (f".{name}\n").join(prefixes) + f".{name}":
+                joined = "\n".join(keys[start + j : stop : m])
+                if joined.count("\n") != count - 1 or joined != lead + f".{name}\n{lead}".join(fqns) + f".{name}":
                     return None
         except TypeError:  # a key that is not a string
             return None
