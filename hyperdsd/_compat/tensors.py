@@ -58,6 +58,16 @@ def copy_each(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dests, sources)
 
 
+def copy_each_of_run(dests: list[torch.Tensor], run: torch.Tensor) -> None:
+    """``dests[i].copy_(run[i])`` for each of ``run``'s pieces along dim 0."""
+    # Views made under inference mode skip autograd's view and version
+    # bookkeeping: half the cost of cutting thousands of small pieces. The
+    # pieces are dropped after the copy; the copies bump each dest's version
+    # as any in-place write does.
+    with torch.inference_mode():
+        torch._foreach_copy_(dests, run.unbind(0))
+
+
 def version_of(t: torch.Tensor) -> int:
     # The in-place version counter is how we know whether anyone (DCP) wrote
     # into a placeholder tensor; there is no public accessor.

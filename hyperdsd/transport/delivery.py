@@ -120,9 +120,8 @@ def _each_once(prepared: list[Receiver], needs: list, users: Users, regions: dic
     if any(cuts for _, cuts in found.values()):
         return False
     need_of = {key: need for key, (need, _) in found.items()}
-    for i, need, p in zip(indices, map(need_of.__getitem__, keys), prepared):
-        needs[i] = need
-        users[i] = p
+    list(map(needs.__setitem__, indices, map(need_of.__getitem__, keys)))
+    list(map(users.__setitem__, indices, prepared))
     return True
 
 
@@ -190,11 +189,11 @@ def deliver(
         """A run's pieces, stacked in ``members``' order: those whose one receiver
         copies its piece into an existing tensor copied in one call, the others
         handed over one by one."""
-        pieces = block.unbind(0)
         found = _copied_into_each(list(map(users.__getitem__, members))) if not cut else None
         if found is not None:  # (every piece copied into an existing tensor: a column at a time)
-            _compat.copy_each(found, pieces)
+            _compat.copy_each_of_run(found, block)
             return
+        pieces = block.unbind(0)
         dests = []
         for i, piece in zip(members, pieces):
             u = users[i]
