@@ -834,3 +834,19 @@ def test_a_partly_present_entry_for_a_stateless_parameter_of_a_warm_optimizer_is
     whole = copy.deepcopy(hyperdsd.get_optimizer_state_dict(a, oa))
     hyperdsd.set_optimizer_state_dict(b, ob, whole)
     assert same(ob.state[b.blocks["0"].fc.weight], oa.state[a.blocks["0"].fc.weight])
+
+
+def test_a_run_cut_under_inference_mode_lands_in_ordinary_tensors():
+    from hyperdsd import _compat
+
+    params = [torch.nn.Parameter(torch.zeros(1, 4)) for _ in range(3)]
+    state = [torch.zeros(1, 4) for _ in range(3)]
+    versions = [t._version for t in params + state]
+    run = torch.arange(24.0).view(6, 1, 4)
+    _compat.copy_each_of_run(params + state, run)
+    assert all(torch.equal(t, piece) for t, piece in zip(params + state, run.unbind(0)))
+    assert [t._version for t in params + state] == [v + 1 for v in versions]  # as any in-place write
+    assert not any(t.is_inference() for t in params + state)
+    (params[0] * 2).sum().backward()  # still a leaf autograd tracks
+    state[0].mul_(2)  # and state an optimizer can update in place outside inference mode
+    assert torch.equal(params[0].grad, torch.full((1, 4), 2.0)) and torch.equal(state[0], 2 * run[3])
