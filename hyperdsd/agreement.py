@@ -24,6 +24,8 @@ way:
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -38,6 +40,8 @@ from .transport.delivery import deliver, needs_for
 from .transport.group import Group
 from .transport.needs import PackedNeeds, ShapeDtype
 from .tree import rebuild, where
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 class LocalAgreement:
@@ -104,10 +108,44 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
             return None
         return stand_in(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
+    def stand_ins(leaves: list[torch.Tensor]) -> list[TensorMeta]:
+        """:func:`stand_in` of each of ``leaves`` (plain tensors), a column at a time."""
+        keys = list(zip(map(_SHAPE, leaves), map(_DTYPE, leaves)))
+        for shape, dtype in dict.fromkeys(keys):
+            if (shape, dtype) not in shared:
+                shared[(shape, dtype)] = ShapeDtype(tuple(shape), dtype)
+        pairs = list(map(shared.__getitem__, keys))
+        start = len(fulls)
+        fulls.extend(leaves)
+        metas.extend(pairs)
+        fills = map(fill_of, leaves) if summarise else itertools.repeat(None)
+        return TensorMeta.column(pairs, start, fills)
+
+    def fill_of(leaf: torch.Tensor) -> Any:
+        fill = tensor_fill(leaf) if id(leaf) in summarise else None
+        return None if fill in (UNKNOWN, VARIES) else fill
+
     def walk(obj: Any, path: tuple) -> Any:
-        # rebuild(obj, meta), a dict's plain tensors taken in place (most of a state dict's leaves)
+        # rebuild(obj, meta), a dict's plain tensors taken in place (most of a state dict's leaves):
+        # a model's dict of tensors, or an optimizer's dict of entries of tensors, a column at a time
         if type(obj) is dict:
+            values = list(obj.values())
+            kinds = set(map(type, values))
+            if kinds == {torch.Tensor}:
+                return dict(zip(obj, stand_ins(values)))
+            if kinds == {dict}:
+                leaves = list(itertools.chain.from_iterable(map(dict.values, values)))
+                if set(map(type, leaves)) <= {torch.Tensor}:
+                    column = iter(stand_ins(leaves))
+                    entries = map(
+                        dict, map(zip, values, map(itertools.islice, itertools.repeat(column), map(len, values)))
+                    )
+                    return dict(zip(obj, entries))
             return {k: stand_in(v) if type(v) is torch.Tensor else walk(v, path + (k,)) for k, v in obj.items()}
+        if type(obj) is list and set(map(type, obj)) == {str}:  # a group's FQNs
+            return list(obj)
+        if type(obj) is list:
+            return [walk(v, path + (i,)) for i, v in enumerate(obj)]
         return rebuild(obj, meta, path)
 
     return walk(state_dict, ()), fulls, metas, problems

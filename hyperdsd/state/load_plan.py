@@ -13,6 +13,7 @@ the end).
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -38,6 +39,18 @@ class TensorMeta:
     # The one value every element holds (:func:`~hyperdsd.state.saved_placeholders.tensor_fill`),
     # worked out on the root for the state of never-stepped entries only; None: not known.
     fill: Any = None
+
+    @classmethod
+    def column(cls, pairs: list, start: int, fills: Iterable[Any]) -> list["TensorMeta"]:
+        """One stand-in per ``(shape, dtype)`` of ``pairs``, indexed from
+        ``start``: made a field at a time in C, not by ``__init__`` per tensor
+        (the root builds tens of thousands while every other rank waits)."""
+        out = list(map(object.__new__, itertools.repeat(cls, len(pairs))))
+        list(map(setattr, out, itertools.repeat("shape"), map(operator.itemgetter(0), pairs)))
+        list(map(setattr, out, itertools.repeat("dtype"), map(operator.itemgetter(1), pairs)))
+        list(map(setattr, out, itertools.repeat("index"), range(start, start + len(pairs))))
+        list(map(setattr, out, itertools.repeat("fill"), fills))
+        return out
 
     def __reduce__(self):
         # The fields as arguments: pickle's generic path for a slots object

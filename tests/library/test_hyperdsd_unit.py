@@ -850,3 +850,31 @@ def test_a_run_cut_under_inference_mode_lands_in_ordinary_tensors():
     (params[0] * 2).sum().backward()  # still a leaf autograd tracks
     state[0].mul_(2)  # and state an optimizer can update in place outside inference mode
     assert torch.equal(params[0].grad, torch.full((1, 4), 2.0)) and torch.equal(state[0], 2 * run[3])
+
+
+def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
+    """describe() takes a dict of tensors, or of entries of tensors, a column
+    at a time; a dict holding anything else goes value by value. Both give
+    the same stand-ins, indices, fills and shared (shape, dtype) objects."""
+    from hyperdsd.agreement import describe
+    from hyperdsd.state.load_plan import TensorMeta
+    from hyperdsd.tree import leaves
+
+    def state_dicts(odd: bool) -> dict:
+        model = {f"w{i}": torch.full((2, i % 3 + 1), float(i)) for i in range(6)}
+        state = {f"w{i}": {"step": torch.tensor(float(i % 2)), "exp_avg": torch.zeros(2, i % 3 + 1)} for i in range(5)}
+        state["w5"] = {}
+        if odd:  # a value that is not a tensor: the value-by-value walk
+            model["n"] = 7
+            state["w6"] = {"count": 1}
+        return {"model": model, "optim": {"state": state, "param_groups": [{"params": sorted(state), "lr": 0.1}]}}
+
+    column, by_value = describe(state_dicts(False)), describe(state_dicts(True))
+    stand_ins = [v for _, v in leaves(column[0]) if type(v) is TensorMeta]
+    assert stand_ins == [v for _, v in leaves(by_value[0]) if type(v) is TensorMeta]
+    assert [m.index for m in stand_ins] == list(range(16))
+    # the state of never-stepped entries (w0, w2, w4) carries its one value
+    assert [m.fill for m in stand_ins[6:]] == [0.0, 0.0, None, None] * 2 + [0.0, 0.0]
+    assert column[2] == by_value[2] and len({id(p) for p in column[2]}) == len(set(column[2]))
+    assert len(column[1]) == 16 and all(map(torch.equal, column[1], by_value[1]))
+    assert column[3] == by_value[3] == []
