@@ -836,20 +836,36 @@ def test_a_partly_present_entry_for_a_stateless_parameter_of_a_warm_optimizer_is
     assert same(ob.state[b.blocks["0"].fc.weight], oa.state[a.blocks["0"].fc.weight])
 
 
-def test_a_run_cut_under_inference_mode_lands_in_ordinary_tensors():
+def test_a_run_is_not_cut_into_a_dest_of_another_shape():
+    """An out= op would resize it (and the parameter it belongs to)."""
     from hyperdsd import _compat
 
-    params = [torch.nn.Parameter(torch.zeros(1, 4)) for _ in range(3)]
-    state = [torch.zeros(1, 4) for _ in range(3)]
+    dests = [torch.zeros(1, 4) for _ in range(5)] + [torch.zeros(4)]
+    with pytest.raises(RuntimeError):
+        _compat.copy_each_of_run(dests, torch.arange(24.0).view(6, 1, 4))
+    assert [tuple(t.shape) for t in dests] == [(1, 4)] * 5 + [(4,)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["one-call", "dests-of-another-dtype"])
+def test_a_run_lands_in_ordinary_tensors(dtype):
+    """Each piece of a run lands in its dest (cut in one call where every
+    dest has the piece's shape, one by one otherwise): parameters stay
+    leaves autograd tracks, state stays updatable in place, and every dest's
+    version is bumped as by any in-place write (placeholder state is told by
+    it)."""
+    from hyperdsd import _compat
+
+    params = [torch.nn.Parameter(torch.zeros(1, 4, dtype=dtype)) for _ in range(3)]
+    state = [torch.zeros(1, 4, dtype=dtype) for _ in range(3)]
     versions = [t._version for t in params + state]
     run = torch.arange(24.0).view(6, 1, 4)
     _compat.copy_each_of_run(params + state, run)
-    assert all(torch.equal(t, piece) for t, piece in zip(params + state, run.unbind(0)))
-    assert [t._version for t in params + state] == [v + 1 for v in versions]  # as any in-place write
+    assert all(torch.equal(t, piece.to(dtype)) for t, piece in zip(params + state, run.unbind(0)))
+    assert all(t._version > v for t, v in zip(params + state, versions))
     assert not any(t.is_inference() for t in params + state)
     (params[0] * 2).sum().backward()  # still a leaf autograd tracks
-    state[0].mul_(2)  # and state an optimizer can update in place outside inference mode
-    assert torch.equal(params[0].grad, torch.full((1, 4), 2.0)) and torch.equal(state[0], 2 * run[3])
+    state[0].mul_(2)  # and state an optimizer can update in place
+    assert torch.equal(params[0].grad, torch.full((1, 4), 2.0, dtype=dtype))
 
 
 def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
