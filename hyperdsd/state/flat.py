@@ -178,27 +178,29 @@ class _Unflattening:
     def _rows(self, keys: list, values: list, i: int) -> int:
         """How many keys from ``i`` on make whole rows like the last one, taken.
 
-        A row takes an FQN its head has not had, so there are at most as many
-        rows as such FQNs: the first guess (as a get writes them, exact). A
-        chunk that does not match is halved, one that does is followed by
-        another of its size, so finding where the rows stop costs at most
-        four times the chunk they stop in.
+        Chunks of rows gallop: one row first, then twice as many after each
+        chunk that matches, never more than the FQNs the head has not had (a
+        row takes one; as a get writes them, the last chunk ends the block
+        exactly). A chunk that does not match is halved and growth stops. So
+        a pattern that breaks at once costs one row's check, and finding
+        where a longer one stops at most four times the rows it took.
         """
         names, head = self.names, self.head
         self.prefix = self.names = None
         m = len(names)
         target = self.fields if head == GROUPS else self.state
-        limit, done, chunk = (len(keys) - i) // m, 0, len(self.fqns)
+        limit, done, chunk, growing = (len(keys) - i) // m, 0, 1, True
         while (count := min(chunk, limit - done, len(self.fqns) - len(target))) > 0:
             start = i + done * m
             fqns = self._matching(keys, start, count, head, names, target)
             if fqns is None:
                 if count == 1:
                     break
-                chunk = count // 2
+                chunk, growing = count // 2, False
                 continue
             self._fill(head, names, fqns, values[start : start + count * m])
             done += count
+            chunk = 2 * count if growing else count
         return done * m
 
     def _matching(self, keys: list, start: int, count: int, head: str, names: list[str], target: dict) -> list | None:

@@ -270,7 +270,8 @@ def _from_flat(
         others = list(map(fields.get, present))
         ids = list(map(id, others))
         chosen = next((o for o in others if o is not None), {})
-        for at in map(ids.index, dict.fromkeys(ids)):
+        first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))  # where each distinct dict is first
+        for at in sorted(first.values()):
             other, f = others[at], present[at]
             if other is None or other is chosen:
                 continue

@@ -10,6 +10,7 @@ the result with a plain key-by-key reading.
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,3 +120,23 @@ def test_the_rows_of_a_get_are_taken_whole_not_key_by_key(monkeypatch):
     read = unflatten(flat, set(fqns))
     assert read_alone == [f"state.{fqns[0]}.step", f"param_groups.{fqns[0]}.lr"]  # each block's first key
     assert read == read_key_by_key(flat, set(fqns))
+
+
+@pytest.mark.parametrize("layout", ["nested-state", "names-alternate"])
+def test_rows_that_break_the_pattern_every_parameter_cost_a_row_each(monkeypatch, layout):
+    """The rows checked stay linear in the keys: a pattern that breaks at once
+    costs one row's check, not a pass over every FQN still to come."""
+    fqns = [f"layers.{i}.{w}" for i in range(1000) for w in ("weight", "bias")]
+    if layout == "nested-state":  # each parameter's nested key breaks its [step] row
+        flat = {f"state.{f}.{k}": object() for f in fqns for k in ("step", "m.x")}
+    else:  # weights and biases keep state under other names
+        flat = {f"state.{f}.{k}": object() for f in fqns for k in (("a", "b") if f.endswith("weight") else ("c",))}
+    checked = []
+    matching = flat_format._Unflattening._matching
+    monkeypatch.setattr(
+        flat_format._Unflattening,
+        "_matching",
+        lambda self, keys, start, count, *rest: (checked.append(count), matching(self, keys, start, count, *rest))[1],
+    )
+    assert unflatten(flat, set(fqns)) == read_key_by_key(flat, set(fqns))
+    assert sum(checked) <= 4 * len(fqns)
