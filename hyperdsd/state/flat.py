@@ -135,9 +135,20 @@ class _Unflattening:
                     self.names.append(name)
                 i += 1
                 continue
-            if self.names and (taken := self._rows(keys, values, i)):
+            if self.names and key.endswith(self.names[0]) and (taken := self._rows(keys, values, i)):
                 i += taken
                 continue
+            head, _, fqn = prefix.partition(".")
+            if (head == STATE or head == GROUPS) and fqn in self.fqns and not name.endswith("]"):
+                # a row starts (``_add``'s common case, inline: most keys where rows are short)
+                node = self._node(self.fields, fqn) if head == GROUPS else self.state.get(fqn)
+                if node is None:
+                    node = self.state[fqn] = {}
+                if name not in node:
+                    node[name] = values[i]
+                    self.prefix, self.node, self.head, self.names = prefix, node, head, [name]
+                    i += 1
+                    continue
             self._add(key, values[i])
             i += 1
         for fqn in self.with_lists:
