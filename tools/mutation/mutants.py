@@ -214,10 +214,10 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-unknown-keys-dropped",
-        "hyperdsd.state.flat.unflatten",
+        "hyperdsd.state.flat._Unflattening._add",
         """
         if split is None:
-            unknown.append(key)
+            self.unknown.append(key)
             ...
         """,
         """
