@@ -92,7 +92,7 @@ TEXT_MUTANTS = {
     ),
     "flat-unknown-keys-dropped": (
         "state/flat.py",
-        "        if split is None:\n            unknown.append(key)\n",
+        "        if split is None:\n            self.unknown.append(key)\n",
         "        if split is None:\n",
     ),
     "state-cast-to-param-dtype": (
