@@ -91,13 +91,7 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
     shared: dict[tuple, ShapeDtype] = {}
 
     def stand_in(leaf: torch.Tensor) -> TensorMeta:
-        pair = shared.get((leaf.shape, leaf.dtype))
-        if pair is None:
-            pair = shared[(leaf.shape, leaf.dtype)] = ShapeDtype(tuple(leaf.shape), leaf.dtype)
-        fulls.append(leaf)
-        metas.append(pair)
-        fill = tensor_fill(leaf) if summarise and id(leaf) in summarise else None
-        return TensorMeta(pair.shape, pair.dtype, len(fulls) - 1, None if fill in (UNKNOWN, VARIES) else fill)
+        return stand_ins([leaf])[0]
 
     def meta(leaf: Any, path: tuple) -> Any:
         if isinstance(leaf, DTensor):
@@ -109,7 +103,8 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
         return stand_in(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
     def stand_ins(leaves: list[torch.Tensor]) -> list[TensorMeta]:
-        """:func:`stand_in` of each of ``leaves`` (plain tensors), a column at a time."""
+        """A stand-in for each of ``leaves`` (tensors), a column at a time: the
+        index it will have in ``fulls``, its shared ``(shape, dtype)``, its fill."""
         keys = list(zip(map(_SHAPE, leaves), map(_DTYPE, leaves)))
         for shape, dtype in dict.fromkeys(keys):
             if (shape, dtype) not in shared:
