@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -42,6 +42,7 @@ from .transport.needs import PackedNeeds, ShapeDtype
 from .tree import rebuild, where
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class LocalAgreement:
@@ -72,9 +73,23 @@ class LocalAgreement:
         return collectives.agree(problems, f"{what}: nothing was loaded", questions, self.group, confirm)
 
 
-def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype], list[str]]:
-    """The root's dict with each tensor replaced by a :class:`TensorMeta`;
-    the tensors; their ``(shape, dtype)`` in index order; problems.
+class _Column(NamedTuple):
+    """A part of a manifest as the root sends it: a dict of the stand-ins from
+    ``start`` on, under ``keys``; with ``entries``, a dict of dicts of them,
+    each entry's keys in turn. Every rank makes the stand-ins themselves
+    (:func:`stand_ins_of`): a list of ``(shape, dtype)`` pairs pickles in a
+    fraction of the time tens of thousands of objects take, on the root,
+    while every other rank waits."""
+
+    keys: list
+    start: int
+    entries: list | None = None
+
+
+def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype], dict[int, Any], list[str]]:
+    """The root's dict as it is sent, each tensor to be replaced by a
+    :class:`TensorMeta` (:func:`stand_ins_of`); the tensors; their ``(shape,
+    dtype)`` in index order; the fills known, by index; problems.
 
     The tensors of optimizer entries whose ``step`` is 0 carry the one value
     they hold, if they do (``TensorMeta.fill``): every rank needs it to tell
@@ -84,14 +99,13 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
     summarise = never_stepped_tensors(state_dict.get("optim")) if isinstance(state_dict, dict) else set()
     fulls: list[torch.Tensor] = []
     metas: list[ShapeDtype] = []
+    fills: dict[int, Any] = {}
     problems: list[str] = []
     # One object per distinct shape and per distinct (shape, dtype): pickle
     # sends a shared object once, so every rank unpickles a handful instead
     # of one per tensor.
     shared: dict[tuple, ShapeDtype] = {}
-
-    def stand_in(leaf: torch.Tensor) -> TensorMeta:
-        return stand_ins([leaf])[0]
+    entry_keys: dict[tuple, tuple] = {}  # (each distinct tuple of an entry's keys, shared likewise)
 
     def meta(leaf: Any, path: tuple) -> Any:
         if isinstance(leaf, DTensor):
@@ -102,23 +116,26 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
             return None
         return stand_in(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
-    def stand_ins(leaves: list[torch.Tensor]) -> list[TensorMeta]:
-        """A stand-in for each of ``leaves`` (tensors), a column at a time: the
-        index it will have in ``fulls``, its shared ``(shape, dtype)``, its fill."""
+    def stand_in(leaf: torch.Tensor) -> TensorMeta:
+        i = column([leaf])
+        return TensorMeta(*metas[i], i, fills.get(i))
+
+    def column(leaves: list[torch.Tensor]) -> int:
+        """Index ``leaves`` (tensors), a column at a time: each one's shared
+        ``(shape, dtype)``, its fill; returns the first one's index."""
         keys = list(zip(map(_SHAPE, leaves), map(_DTYPE, leaves)))
         for shape, dtype in dict.fromkeys(keys):
             if (shape, dtype) not in shared:
                 shared[(shape, dtype)] = ShapeDtype(tuple(shape), dtype)
-        pairs = list(map(shared.__getitem__, keys))
         start = len(fulls)
         fulls.extend(leaves)
-        metas.extend(pairs)
-        fills = map(fill_of, leaves) if summarise else itertools.repeat(None)
-        return TensorMeta.column(pairs, start, fills)
-
-    def fill_of(leaf: torch.Tensor) -> Any:
-        fill = tensor_fill(leaf) if id(leaf) in summarise else None
-        return None if fill in (UNKNOWN, VARIES) else fill
+        metas.extend(map(shared.__getitem__, keys))
+        if summarise:
+            for i, leaf in enumerate(leaves, start):
+                fill = tensor_fill(leaf) if id(leaf) in summarise else None
+                if fill not in (None, UNKNOWN, VARIES):
+                    fills[i] = fill
+        return start
 
     def walk(obj: Any, path: tuple) -> Any:
         # rebuild(obj, meta), a dict's plain tensors taken in place (most of a state dict's leaves):
@@ -127,15 +144,12 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
             values = list(obj.values())
             kinds = set(map(type, values))
             if kinds == {torch.Tensor}:
-                return dict(zip(obj, stand_ins(values)))
+                return _Column(list(obj), column(values))
             if kinds == {dict}:
                 leaves = list(itertools.chain.from_iterable(map(dict.values, values)))
                 if set(map(type, leaves)) <= {torch.Tensor}:
-                    column = iter(stand_ins(leaves))
-                    entries = map(
-                        dict, map(zip, values, map(itertools.islice, itertools.repeat(column), map(len, values)))
-                    )
-                    return dict(zip(obj, entries))
+                    keys = list(map(tuple, values))
+                    return _Column(list(obj), column(leaves), list(map(entry_keys.setdefault, keys, keys)))
             return {k: stand_in(v) if type(v) is torch.Tensor else walk(v, path + (k,)) for k, v in obj.items()}
         if type(obj) is list and set(map(type, obj)) == {str}:  # a group's FQNs
             return list(obj)
@@ -143,7 +157,32 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
             return [walk(v, path + (i,)) for i, v in enumerate(obj)]
         return rebuild(obj, meta, path)
 
-    return walk(state_dict, ()), fulls, metas, problems
+    return walk(state_dict, ()), fulls, metas, fills, problems
+
+
+def stand_ins_of(sent: Any, metas: list[ShapeDtype], fills: dict[int, Any]) -> Any:
+    """The manifest :func:`describe` sent (``sent``), its columns made into
+    dicts of :class:`TensorMeta` stand-ins: alike on every rank."""
+    indices = range(len(metas))
+    fill_of = map(fills.get, indices) if fills else itertools.repeat(None)
+    stand = list(map(TensorMeta, map(_FIRST, metas), map(_SECOND, metas), indices, fill_of))
+
+    def walk(obj: Any) -> Any:
+        kind = type(obj)
+        if kind is _Column:
+            if obj.entries is None:
+                return dict(zip(obj.keys, stand[obj.start : obj.start + len(obj.keys)]))
+            sizes = list(map(len, obj.entries))
+            run = iter(stand[obj.start : obj.start + sum(sizes)])
+            entries = map(dict, map(zip, obj.entries, map(itertools.islice, itertools.repeat(run), sizes)))
+            return dict(zip(obj.keys, entries))
+        if kind is dict:
+            return {k: walk(v) for k, v in obj.items()}
+        if kind is list and not set(map(type, obj)) <= {str}:
+            return list(map(walk, obj))
+        return obj
+
+    return walk(sent)
 
 
 def optimizer_names(manifest: Any) -> list[str]:
@@ -178,14 +217,15 @@ class BroadcastAgreement:
         ``parts`` maps "model" and/or "optim" to the caller's dict; only the
         root's are read, but every rank of the group passes the same keys.
         """
-        manifest, problems, metas = None, [], None
+        sent, problems, metas, fills = None, [], None, None
         if self.group.is_root:
             # metas sent along: no rank walks the manifest for them
-            manifest, self.fulls, metas, problems = describe(parts)
-        manifest, problems, metas = collectives.broadcast_object((manifest, problems, metas), self.group)
+            sent, self.fulls, metas, fills, problems = describe(parts)
+        sent, problems, metas, fills = collectives.broadcast_object((sent, problems, metas, fills), self.group)
         if self.group.is_root:
             self.problems = problems
         self.metas = metas
+        manifest = stand_ins_of(sent, metas, fills)
         model, optim = manifest.get("model"), manifest.get("optim")
         self.model_names = [k for k in model if isinstance(k, str)] if isinstance(model, dict) else []
         self.optim_names = optimizer_names(optim)
@@ -206,10 +246,10 @@ class BroadcastAgreement:
         questions = optim_plan.questions if optim_plan is not None else {}
         mine_model = model_plan.claimed if model_plan is not None else set()
         mine_optim = set(self.optim_names) - set(optim_plan.foreign) if optim_plan is not None else set()
-        prepared = [
-            p for plan in (model_plan, optim_plan) if plan is not None for p in plan.tensors() if p.meta is not None
-        ]
-        needs, users, cut = needs_for(prepared, self.metas)
+        plans = [plan for plan in (model_plan, optim_plan) if plan is not None]
+        prepared = [p for plan in plans for p in plan.tensors() if p.meta is not None]
+        columns = [column for plan in plans for column in plan.columns]
+        needs, users, cut, dests = needs_for(prepared, self.metas, columns)
         everyone = collectives.exchange(
             {
                 "problems": problems,
@@ -236,6 +276,7 @@ class BroadcastAgreement:
             _compat.collective_device(),
             everyone_needs=[e["needs"] for e in everyone],
             group=self.group,
+            dests=dests,
         )
         return answers
 

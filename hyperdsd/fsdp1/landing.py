@@ -66,6 +66,9 @@ class TwinLoad:
         its shard. Called after planning, before the agreement; the pieces
         arrive only once every rank has agreed."""
         where = {id(t): (k, i) for k, twins in enumerate(self.params) for i, t in enumerate(twins)}
+        for plan in (model_plan, optim_plan):
+            if plan is not None:
+                plan.expand()  # (a receiver per tensor, each routed on its own)
         if model_plan is not None:
             targets = self.twin.model.state_dict(keep_vars=True)
             for raw, value in model_plan.values.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from .. import _compat
 from ..tree import has_none
 from .load_checks import Verdict, Verdicts
-from .load_plan import Prepared, TensorMeta
+from .load_plan import ReceiverColumn, TensorMeta
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
@@ -112,24 +112,27 @@ def column_receivers(
     existing: Sequence[Any],
     signatures: Sequence[tuple],
     verdicts: dict[tuple, Verdict],
-    devices: Iterable[torch.device],
-) -> list[Prepared] | None:
+    devices: list[torch.device] | None,
+    rows: list,
+    key: str | None = None,
+) -> ReceiverColumn | None:
     """A broadcast's stand-ins ``values``, each planned to be received into
-    ``existing``'s tensor (its verdict by its signature, accepted in place):
+    ``existing``'s tensor (its verdict by its signature, accepted in place),
+    as one column (``devices``, ``rows``, ``key``: as the column keeps them):
     None where a local shape is not that tensor's (the caller plans anew)."""
     # (a column shares a handful of signatures and layouts: each asked once, the rest in C)
     layout_of = {signature: verdict.layout for signature, verdict in verdicts.items()}
     layouts = list(map(layout_of.__getitem__, signatures))
-    if has_none(layouts):
+    if not any(layouts):  # plain tensors (a step, say)
+        wants, dests = list(map(_SHAPE, values)), list(existing)
+    elif has_none(layouts):
         wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
         dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
     else:
         local_shape = {id(layout): tuple(layout.local_shape) for layout in layout_of.values()}
         wants = list(map(local_shape.__getitem__, map(id, layouts)))
         dests = list(map(_compat.dtensor_local, existing))
-    if any(map(_IS_META, dests)) or list(map(tuple, map(_SHAPE, dests))) != list(map(tuple, wants)):
+    # (a torch.Size equals the tuple of its sizes: compared as they are, no tuple made per tensor)
+    if any(map(_IS_META, dests)) or list(map(_SHAPE, dests)) != list(map(tuple, wants)):
         return None  # (a model built on the meta device is assigned its values)
-    # positional (layout, device, local, meta, source_dtensor, dest), through map: a keyword
-    # call per receiver cost more than the rest of the plan
-    none = itertools.repeat(None)
-    return list(map(Prepared, layouts, devices, none, values, none, existing))
+    return ReceiverColumn(list(values), layouts, list(existing), dests, devices, rows, key)

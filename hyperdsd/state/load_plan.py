@@ -40,18 +40,6 @@ class TensorMeta:
     # worked out on the root for the state of never-stepped entries only; None: not known.
     fill: Any = None
 
-    @classmethod
-    def column(cls, pairs: list, start: int, fills: Iterable[Any]) -> list["TensorMeta"]:
-        """One stand-in per ``(shape, dtype)`` of ``pairs``, indexed from
-        ``start``: made a field at a time in C, not by ``__init__`` per tensor
-        (the root builds tens of thousands while every other rank waits)."""
-        out = list(map(object.__new__, itertools.repeat(cls, len(pairs))))
-        list(map(setattr, out, itertools.repeat("shape"), map(operator.itemgetter(0), pairs)))
-        list(map(setattr, out, itertools.repeat("dtype"), map(operator.itemgetter(1), pairs)))
-        list(map(setattr, out, itertools.repeat("index"), range(start, start + len(pairs))))
-        list(map(setattr, out, itertools.repeat("fill"), fills))
-        return out
-
     def __reduce__(self):
         # The fields as arguments: pickle's generic path for a slots object
         # (copyreg, a state per object) was three times the time and twice the
@@ -114,6 +102,38 @@ class Prepared:
             self.owned = True
 
 
+@dataclass(eq=False)
+class ReceiverColumn:
+    """A column of a broadcast's stand-ins, each received into the tensor it
+    replaces (same layout and local shape): one object for tens of thousands
+    of tensors, not a :class:`Prepared` each. Delivery lands each piece in
+    ``dests``; a plan that must go value by value (an FSDP1 twin's landing, a
+    model whose tensors changed since planning) makes the receivers from it
+    (:meth:`receivers`)."""
+
+    metas: list[TensorMeta]
+    layouts: list  # each one's DTensorLayout, or None for a plain tensor
+    existing: list  # the tensors replaced (DTensors or plain)
+    dests: list[torch.Tensor]  # their local tensors, where the pieces land
+    devices: list[torch.device] | None  # each receiver's device; None: its dest's
+    # where each receiver goes in its plan: the model's raw keys (``key`` None),
+    # or the optimizer's ParamLoads (their entries' ``key``)
+    rows: list
+    key: str | None = None
+
+    def receivers(self, delivered: bool = False) -> list[Prepared]:
+        """A :class:`Prepared` per tensor, as a value-by-value plan has them;
+        ``delivered``: the pieces have landed (each one's ``local`` its dest)."""
+        devices = self.devices if self.devices is not None else map(_DEVICE, self.dests)
+        none = itertools.repeat(None)
+        local = self.dests if delivered else none
+        # positional (layout, device, local, meta, source_dtensor, dest), through map
+        return list(map(Prepared, self.layouts, devices, local, self.metas, none, self.existing))
+
+
+_DEVICE = operator.attrgetter("device")
+
+
 @dataclass
 class ModelLoadPlan:
     values: dict[str, Any] = field(default_factory=dict)  # raw key -> Prepared or object
@@ -130,9 +150,17 @@ class ModelLoadPlan:
     # (the modules' parameter and buffer registries then, and what they held: applying checks them unchanged)
     registries: list[dict] = field(default_factory=list)
     registered: tuple[list, list] = ([], [])
+    # A broadcast's stand-ins received in place, by column; ``values`` holds the stand-ins then.
+    columns: list[ReceiverColumn] = field(default_factory=list)
 
     def tensors(self) -> list[Prepared]:
         return [v for v in self.values.values() if isinstance(v, Prepared)]
+
+    def expand(self, delivered: bool = False) -> None:
+        """Each column's receivers into ``values``, one per key (see :meth:`ReceiverColumn.receivers`)."""
+        for column in self.columns:
+            self.values.update(zip(column.rows, column.receivers(delivered)))
+        self.columns = []
 
 
 @dataclass(slots=True)
@@ -145,8 +173,9 @@ class ParamLoad:
     # changes it before the plan is applied), when every value of ``entry`` goes
     # into its tensor under the same key, no key added or dropped: applying
     # leaves the entry as it is. ``entry`` holds the values themselves then,
-    # copied by the plan's ``copies``; or, ``received``, a broadcast's
-    # receivers, each delivered into its tensor.
+    # copied by the plan's ``copies``, or a broadcast's stand-ins, received by
+    # the plan's ``columns``; or, ``received``, a broadcast's receivers, each
+    # delivered into its tensor.
     into: dict | None = None
     received: bool = False
 
@@ -168,6 +197,17 @@ class OptimizerLoadPlan:
     foreign: list[str] = field(default_factory=list)  # source FQNs this rank does not know
     # (destination, source) local tensors of the loads in place, the pairs that are not the same memory
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # A broadcast's stand-ins received in place, a column per state key of a group
+    columns: list[ReceiverColumn] = field(default_factory=list)
+
+    def expand(self) -> None:
+        """Each column's receivers into its loads' entries (``received``), one per value."""
+        for column in self.columns:
+            for load, receiver in zip(column.rows, column.receivers()):
+                if not load.received:
+                    load.entry, load.received = dict(load.entry), True  # (the manifest's entry stays as it is)
+                load.entry[column.key] = receiver
+        self.columns = []
 
     def settle(self, answers: dict[str, bool]) -> None:
         """Drop the entries other ranks say nobody loaded (they stay fresh)."""

@@ -30,7 +30,17 @@ from .load_checks import (
     planned,
     refused,
 )
-from .load_plan import ModelLoadPlan, Prepared, TensorMeta, copy_all, copy_into, materialize, redistribute, same_memory
+from .load_plan import (
+    ModelLoadPlan,
+    Prepared,
+    ReceiverColumn,
+    TensorMeta,
+    copy_all,
+    copy_into,
+    materialize,
+    redistribute,
+    same_memory,
+)
 
 _EXTRA_STATE = "_extra_state"  # the key suffix of a module's extra state, which is not detached
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -186,8 +196,8 @@ def plan_load(
     if plain and sd.keys() == targets.keys():
         found = _in_place(sd, targets, verdicts)
         if found is not None:
-            plan.copies, receivers = found
-            plan.values = dict(sd) if receivers is None else dict(zip(sd, receivers))
+            plan.copies, plan.columns = found
+            plan.values = dict(sd)
             plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
             plan.registries = _registries([module for module, _ in index.modules])
             plan.registered = _registered(plan.registries)
@@ -235,15 +245,15 @@ def plan_load(
     return plan, problems
 
 
-def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list | None] | None:
+def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list[ReceiverColumn]] | None:
     """A load of ``sd`` (the model's own keys, not renamed) that puts each value
     into the model's tensor under its key, checked a column at a time (of one
     kind of value and of tensor: DTensors apart from plain ones, buffers): the
     (destination, source) local tensors to copy, the pairs that are not the
-    same memory already; and, for a broadcast's stand-ins, their receivers in
-    ``sd``'s order (else None). None where any value does not land so (the
+    same memory already; and, for a broadcast's stand-ins, the columns that
+    receive them (else none). None where any value does not land so (the
     caller plans key by key, and words any problem)."""
-    values, dests = list(sd.values()), list(map(targets.__getitem__, sd))
+    keys, values, dests = list(sd), list(sd.values()), list(map(targets.__getitem__, sd))
     kinds = set(zip(map(type, values), map(type, dests)))
     if len(kinds) == 1:
         columns = [list(range(len(values)))]
@@ -254,7 +264,7 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
         columns = list(by_kind.values())
     stand_ins = {value_kind for value_kind, _ in kinds} == {TensorMeta}
     copies: Pairs = []
-    receivers: list = [None] * len(values)
+    receivers: list[ReceiverColumn] = []
     for rows in columns:
         column, existing = [values[i] for i in rows], [dests[i] for i in rows]
         mine, theirs = signature_keys(column), layout_keys(existing)
@@ -269,18 +279,16 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
         if found is None:
             return None
         if stand_ins:
-            devices = [_compat.local_tensor(target).device for target in existing]
-            got = column_receivers(column, existing, signatures, found, devices)
+            got = column_receivers(column, existing, signatures, found, None, list(map(keys.__getitem__, rows)))
             if got is None:
                 return None
-            for i, receiver in zip(rows, got):
-                receivers[i] = receiver
+            receivers.append(got)
             continue
         pairs = column_copies(column, mine[1], existing, found)
         if pairs is None:
             return None
         copies += pairs
-    return copies, receivers if stand_ins else None
+    return copies, receivers
 
 
 def _registries(modules: list[torch.nn.Module]) -> list[dict]:
@@ -311,6 +319,7 @@ def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -
             return
         # (a tensor of the model replaced since the plan was made: as any value, through load_state_dict)
         plan.in_place = {}
+        plan.expand(delivered=True)
     targets = _targets_now(model, index)
     for raw, value in plan.values.items():
         if raw in plan.on_meta:

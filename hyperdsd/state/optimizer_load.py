@@ -128,14 +128,22 @@ def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: Target
     if columns is None:
         return list(zip(params, fqns))
     kinds = {column.kind for column in columns}
-    if kinds == {TensorMeta}:  # a broadcast's: each value planned to be received in place
-        received = values.received(theirs, columns)
+    if kinds == {TensorMeta}:  # a broadcast's: each value planned to be received in place, by column
+        loads = list(
+            map(
+                ParamLoad,
+                itertools.repeat(target.opt),
+                theirs,
+                map(fqns.__getitem__, chosen),
+                mine,
+                map(owns.__getitem__, chosen),
+            )
+        )
+        received = values.received(theirs, columns, loads)
         if received is None:
             return list(zip(params, fqns))
-        plan.params += [
-            ParamLoad(target.opt, p, fqns[i], entry, owns[i], received=True)
-            for i, p, entry in zip(chosen, theirs, received)
-        ]
+        plan.params += loads
+        plan.columns += received
     else:
         copies = values.copies(columns) if TensorMeta not in kinds else None
         if copies is None:

@@ -32,7 +32,7 @@ from .load_checks import (
     planned,
     refused,
 )
-from .load_plan import TensorMeta
+from .load_plan import ReceiverColumn, TensorMeta
 from .optimizer_input import TargetGroup
 
 
@@ -114,20 +114,23 @@ class EntryValues:
             copies += pairs
         return copies
 
-    def received(self, params: list, columns: list[Column]) -> list[dict] | None:
-        """Each parameter's entry planned from the columns' stand-ins (a
-        broadcast's), each to be received into the tensor it replaces; None
-        where one's local shape is not that tensor's (it is planned anew)."""
-        planned_columns = []
+    def received(self, params: list, columns: list[Column], loads: list) -> list[ReceiverColumn] | None:
+        """The columns' stand-ins (a broadcast's), each to be received into the
+        tensor it replaces, as receiver columns of ``loads`` (one per parameter
+        of ``params``); None where one's local shape is not that tensor's (the
+        loads are planned anew)."""
+        received = []
         devices = list(map(_DEVICE, _compat.local_tensors(params)))
+        cpu = [_CPU] * len(params)
         for column in columns:
-            on = itertools.repeat(_CPU) if column.key == "step" and not self.step_on_param else devices
-            receivers = column_receivers(column.values, column.existing, column.signatures, column.verdicts, on)
-            if receivers is None:
+            on = cpu if column.key == "step" and not self.step_on_param else devices
+            found = column_receivers(
+                column.values, column.existing, column.signatures, column.verdicts, on, loads, column.key
+            )
+            if found is None:
                 return None
-            planned_columns.append(receivers)
-        keys = [column.key for column in columns]
-        return [dict(zip(keys, row)) for row in zip(*planned_columns)]
+            received.append(found)
+        return received
 
     def prepared(self, p, fqn: str, written: dict, expected: dict | None) -> dict:
         """Each of ``written``'s values as :func:`_prepare` plans it."""

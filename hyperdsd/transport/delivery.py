@@ -11,6 +11,7 @@ holds its own state plus one bucket in flight.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
@@ -50,6 +51,17 @@ class Receiver(Protocol):
     def copied_into(self) -> torch.Tensor | None: ...
 
 
+class Column(Protocol):
+    """Receivers by column (``hyperdsd.state.load_plan.ReceiverColumn`` is one):
+    each of ``metas``' pieces lands in the local tensor beside it in ``dests``."""
+
+    metas: list  # its root tensors' stand-ins (``.index``, ``.shape``)
+    layouts: list  # each one's DTensor layout, or None for a plain tensor
+    dests: list[torch.Tensor]  # where each one's piece lands
+
+    def receivers(self) -> list[Receiver]: ...
+
+
 # Who uses each of the root's tensors: mostly one receiver, kept as itself;
 # a tuple only for a tensor loaded into several places. A list per tensor
 # was the largest plan object a rank held in a load of many small tensors.
@@ -61,9 +73,18 @@ def users_of(users: Users, i: int) -> tuple[Receiver, ...]:
     return () if u is None else u if type(u) is tuple else (u,)
 
 
-def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None], Users, set[int]]:
-    """What this rank needs of each of the root's tensors, who uses each, and
-    which arrive whole for users that cut their own region from them."""
+def needs_for(
+    prepared: list[Receiver], metas: Metas, columns: Sequence[Column] = ()
+) -> tuple[list[Need | None], Users, set[int], list | None]:
+    """What this rank needs of each of the root's tensors, who uses each,
+    which arrive whole for users that cut their own region from them, and,
+    where every tensor is received by ``columns``, the local tensor each
+    piece lands in by the root's index (else None)."""
+    if columns and not prepared:
+        found = _columns_once(columns, len(metas))
+        if found is not None:
+            return found
+    prepared = [*prepared, *itertools.chain.from_iterable(column.receivers() for column in columns)]
     needs: list[Need | None] = [None] * len(metas)
     users: Users = [None] * len(metas)
     cut: set[int] = set()
@@ -72,7 +93,7 @@ def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None]
     by_layout: dict[int, tuple[Need, bool]] = {}
     regions: dict[tuple, Need] = {}
     if _each_once(prepared, needs, users, regions):
-        return needs, users, cut
+        return needs, users, cut, None
     for p in prepared:
         i = p.meta.index
         if p.landing is not None:  # the one user of its root tensor (see Landing)
@@ -93,7 +114,7 @@ def needs_for(prepared: list[Receiver], metas: Metas) -> tuple[list[Need | None]
             cut.add(i)
         needs[i] = need
         users[i] = p if users[i] is None else users_of(users, i) + (p,)
-    return needs, users, cut
+    return needs, users, cut, None
 
 
 _META, _LAYOUT = operator.attrgetter("meta"), operator.attrgetter("layout")
@@ -123,6 +144,42 @@ def _each_once(prepared: list[Receiver], needs: list, users: Users, regions: dic
     list(map(needs.__setitem__, indices, map(need_of.__getitem__, keys)))
     list(map(users.__setitem__, indices, prepared))
     return True
+
+
+def _columns_once(columns: Sequence[Column], n: int) -> tuple[list, Users, set[int], list] | None:
+    """:func:`needs_for` where every receiver is a column's: each of the root's
+    tensors lands in one tensor (the ``dests`` returned), no layout cuts its
+    own region; None otherwise."""
+    needs: list[Need | None] = [None] * n
+    dests: list = [None] * n
+    regions: dict[tuple, Need] = {}
+    taken: list[int] = []
+    for column in columns:
+        indices = list(map(_INDEX, column.metas))
+        # Each distinct layout object, or shape of a plain tensor, asked once: tens of thousands of
+        # receivers share a handful. A layout says the region alone (the shape is the layout's).
+        layouts = column.layouts
+        if not has_none(layouts):
+            keys = list(map(id, layouts))
+            distinct = dict(zip(keys, layouts))
+            if not all(layout.simple for layout in distinct.values()):
+                return None  # (a layout that cuts its own region)
+            need_of = {key: _region(layout, None, regions)[0] for key, layout in distinct.items()}
+        elif not any(layouts):
+            keys = list(map(_SHAPE, column.metas))
+            need_of = {shape: _region(None, shape, regions)[0] for shape in dict.fromkeys(keys)}
+        else:
+            keys = list(zip(map(id, layouts), map(_SHAPE, column.metas)))
+            found = {key: _region(key_layout, key[1], regions) for key, key_layout in dict(zip(keys, layouts)).items()}
+            if any(cuts for _, cuts in found.values()):
+                return None
+            need_of = {key: need for key, (need, _) in found.items()}
+        list(map(needs.__setitem__, indices, map(need_of.__getitem__, keys)))
+        list(map(dests.__setitem__, indices, column.dests))
+        taken += indices
+    if len(set(taken)) != len(taken):
+        return None  # (a root tensor received twice)
+    return needs, [None] * n, set(), dests
 
 
 def _region(layout: DTensorLayout | None, shape, regions: dict[tuple, Need]) -> tuple[Need, bool]:
@@ -166,6 +223,7 @@ def deliver(
     device: torch.device,
     everyone_needs: list | None = None,
     group: Group | None = None,
+    dests: list | None = None,
 ) -> None:
     """Give each receiver this rank's piece of the root's tensor, as it arrives.
 
@@ -174,8 +232,12 @@ def deliver(
     state plus one bucket in flight. ``metas``: the same on every rank, so
     is the bucket plan. ``needs``, ``users``, ``cut``: as :func:`needs_for`
     gives them. ``everyone_needs``: every rank's needs, when the caller has
-    exchanged them already.
+    exchanged them already. ``dests``: where each piece lands, by the root's
+    index, when :func:`needs_for` gives them (every receiver a column's).
     """
+    if dests is not None:
+        _deliver_into(dests, needs, fulls, metas, device, everyone_needs, group)
+        return
 
     def receive(i: int, piece: torch.Tensor) -> None:
         u = users[i]
@@ -221,6 +283,31 @@ def deliver(
         device,
         on_piece=receive,
         target_for=target_for,
+        everyone_needs=everyone_needs,
+        group=group,
+        on_run=receive_run,
+    )
+
+
+def _deliver_into(
+    dests: list, needs: list, fulls: list | None, metas: Metas, device: torch.device, everyone_needs, group
+) -> None:
+    """:func:`deliver` where each piece lands in the tensor ``dests`` names."""
+
+    def receive(i: int, piece: torch.Tensor) -> None:
+        if piece is not dests[i]:  # (a large piece may have been received in place)
+            dests[i].copy_(piece)
+
+    def receive_run(members: Sequence[int], block: torch.Tensor) -> None:
+        _compat.copy_each_of_run(list(map(dests.__getitem__, members)), block)
+
+    scatter_from_root(
+        metas,
+        fulls,
+        needs,
+        device,
+        on_piece=receive,
+        target_for=dests.__getitem__,
         everyone_needs=everyone_needs,
         group=group,
         on_run=receive_run,

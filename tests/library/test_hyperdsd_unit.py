@@ -3,6 +3,8 @@ validation and in-place loading."""
 
 import copy
 import io
+import operator
+import pickle
 import warnings
 
 import pytest
@@ -872,9 +874,14 @@ def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
     """describe() takes a dict of tensors, or of entries of tensors, a column
     at a time; a dict holding anything else goes value by value. Both give
     the same stand-ins, indices, fills and shared (shape, dtype) objects."""
-    from hyperdsd.agreement import describe
+    from hyperdsd.agreement import describe, stand_ins_of
     from hyperdsd.state.load_plan import TensorMeta
     from hyperdsd.tree import leaves
+
+    def manifest(state_dict: dict) -> tuple:
+        sent, fulls, metas, fills, problems = describe(state_dict)
+        sent = pickle.loads(pickle.dumps((sent, metas, fills)))  # as the other ranks receive it
+        return stand_ins_of(*sent), fulls, metas, problems
 
     def state_dicts(odd: bool) -> dict:
         model = {f"w{i}": torch.full((2, i % 3 + 1), float(i)) for i in range(6)}
@@ -885,7 +892,9 @@ def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
             state["w6"] = {"count": 1}
         return {"model": model, "optim": {"state": state, "param_groups": [{"params": sorted(state), "lr": 0.1}]}}
 
-    column, by_value = describe(state_dicts(False)), describe(state_dicts(True))
+    column, by_value = manifest(state_dicts(False)), manifest(state_dicts(True))
+    assert column[0]["model"].keys() == state_dicts(False)["model"].keys()
+    assert column[0]["optim"]["state"]["w5"] == {}
     stand_ins = [v for _, v in leaves(column[0]) if type(v) is TensorMeta]
     assert stand_ins == [v for _, v in leaves(by_value[0]) if type(v) is TensorMeta]
     assert [m.index for m in stand_ins] == list(range(16))
@@ -894,3 +903,57 @@ def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
     assert column[2] == by_value[2] and len({id(p) for p in column[2]}) == len(set(column[2]))
     assert len(column[1]) == 16 and all(map(torch.equal, column[1], by_value[1]))
     assert column[3] == by_value[3] == []
+
+
+def test_receiver_columns_need_whole_plain_tensors_and_land_in_their_dests():
+    """Where every receiver is a column's, each root tensor's need comes with
+    the tensor its piece lands in; a root tensor two columns receive, or a
+    receiver beside the columns, takes the receiver-by-receiver path, with
+    the same needs."""
+    from hyperdsd.state.load_plan import Prepared, ReceiverColumn, TensorMeta
+    from hyperdsd.transport.delivery import needs_for
+    from hyperdsd.transport.needs import Need
+
+    metas = [TensorMeta((2, 3), torch.float32, i) for i in range(4)]
+    dests = [torch.zeros(2, 3) for _ in range(4)]
+
+    def column(rows: list[int]) -> ReceiverColumn:
+        picked = [dests[i] for i in rows]
+        return ReceiverColumn([metas[i] for i in rows], [None] * len(rows), picked, picked, None, rows)
+
+    needs, users, cut, landing = needs_for([], metas, [column([0, 1]), column([2, 3])])
+    assert needs == [Need.whole((2, 3))] * 4 and not cut and users == [None] * 4
+    assert all(map(operator.is_, landing, dests))
+
+    _, users, _, landing = needs_for([], metas, [column([0, 1]), column([1, 2])])  # tensor 1 twice
+    assert landing is None and type(users[1]) is tuple and len(users[1]) == 2
+    extra = Prepared(None, torch.device("cpu"), meta=metas[3], dest=dests[3])
+    needs, users, _, landing = needs_for([extra], metas, [column([0, 1, 2])])
+    assert landing is None and needs == [Need.whole((2, 3))] * 4
+    assert users[3] is extra and all(type(u) is Prepared and u.dest is dests[i] for i, u in enumerate(users[:3]))
+
+
+def test_receiver_columns_expand_into_the_plans_they_stand_for():
+    """A plan that goes value by value (an FSDP1 twin's landing, a model whose
+    tensors changed) makes each column's receivers: the model's under their
+    keys, delivered or not; the optimizer's into copies of its loads' entries,
+    the manifest's entries left as they were."""
+    from hyperdsd.state.load_plan import ModelLoadPlan, OptimizerLoadPlan, ParamLoad, ReceiverColumn, TensorMeta
+
+    metas = [TensorMeta((2,), torch.float32, i) for i in range(2)]
+    dests = [torch.zeros(2), torch.ones(2)]
+    plan = ModelLoadPlan(values={"a": metas[0], "b": metas[1]})
+    plan.columns = [ReceiverColumn(metas, [None, None], dests, dests, None, ["a", "b"])]
+    plan.expand(delivered=True)
+    assert not plan.columns and [p.local for p in plan.tensors()] == dests
+    assert [p.meta for p in plan.tensors()] == metas and plan.tensors()[1].dest is dests[1]
+
+    entries = [{"exp_avg": metas[0]}, {"exp_avg": metas[1]}]
+    loads = [ParamLoad(None, torch.zeros(2), f"p{i}", entries[i], {"exp_avg": dests[i]}) for i in range(2)]
+    optim = OptimizerLoadPlan(params=loads)
+    assert optim.tensors() == []  # (in place, received by the columns)
+    optim.columns = [ReceiverColumn(metas, [None, None], dests, dests, [torch.device("cpu")] * 2, loads, "exp_avg")]
+    optim.expand()
+    assert entries == [{"exp_avg": metas[0]}, {"exp_avg": metas[1]}]
+    assert all(load.received and load.entry["exp_avg"].dest is d for load, d in zip(loads, dests))
+    assert [p.local for p in optim.tensors()] == [None, None]  # (not delivered yet)
