@@ -61,13 +61,14 @@ def copy_each(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dests, sources)
 
 
-def copy_each_of_run(dests: list[torch.Tensor], run: torch.Tensor) -> None:
-    """``dests[i].copy_(run[i])`` for each of ``run``'s pieces along dim 0."""
+def copy_each_of_run(dests: list[torch.Tensor], run: torch.Tensor, shaped: bool = False) -> None:
+    """``dests[i].copy_(run[i])`` for each of ``run``'s pieces along dim 0;
+    ``shaped``: every dest is known to have the pieces' shape (not asked again)."""
     piece = run.shape[1:]
     # One call that cuts and copies in C++, without a Python view per piece
     # (FSDP2 copies its all-gather out the same way), where every dest has the
     # piece's shape: an out= op resizes a dest of another shape.
-    if piece and all(map(operator.eq, map(_SHAPE, dests), itertools.repeat(piece))):
+    if piece and (shaped or all(map(operator.eq, map(_SHAPE, dests), itertools.repeat(piece)))):
         try:
             with torch.no_grad():
                 torch.split_with_sizes_copy(run.flatten(0, 1), [piece[0]] * len(dests), dim=0, out=dests)

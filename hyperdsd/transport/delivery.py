@@ -57,7 +57,7 @@ class Column(Protocol):
 
     metas: list  # its root tensors' stand-ins (``.index``, ``.shape``)
     layouts: list  # each one's DTensor layout, or None for a plain tensor
-    dests: list[torch.Tensor]  # where each one's piece lands
+    dests: list[torch.Tensor]  # where each one's piece lands: of its region's shape (as planned)
 
     def receivers(self) -> list[Receiver]: ...
 
@@ -299,7 +299,8 @@ def _deliver_into(
             dests[i].copy_(piece)
 
     def receive_run(members: Sequence[int], block: torch.Tensor) -> None:
-        _compat.copy_each_of_run(list(map(dests.__getitem__, members)), block)
+        # (a column's planning checked that each dest has its need's shape, as each piece has)
+        _compat.copy_each_of_run(list(map(dests.__getitem__, members)), block, shaped=True)
 
     scatter_from_root(
         metas,
