@@ -125,14 +125,20 @@ def column_receivers(
     layouts = list(map(layout_of.__getitem__, signatures))
     if not any(layouts):  # plain tensors (a step, say)
         wants, dests = list(map(_SHAPE, values)), list(existing)
+        asked = dests
     elif has_none(layouts):
         wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
         dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
+        asked = dests
     else:
         local_shape = {id(layout): tuple(layout.local_shape) for layout in layout_of.values()}
-        wants = list(map(local_shape.__getitem__, map(id, layouts)))
         dests = list(map(_compat.dtensor_local, existing))
+        # DTensors of one signature share their spec (``layout_key``), so their local tensors share
+        # one local shape: one of each asked
+        firsts = list(dict(zip(reversed(signatures), range(len(signatures) - 1, -1, -1))).values())
+        wants = [local_shape[id(layouts[i])] for i in firsts]
+        asked = [dests[i] for i in firsts]
     # (a torch.Size equals the tuple of its sizes: compared as they are, no tuple made per tensor)
-    if any(map(_IS_META, dests)) or list(map(_SHAPE, dests)) != list(map(tuple, wants)):
+    if any(map(_IS_META, dests)) or list(map(_SHAPE, asked)) != list(map(tuple, wants)):
         return None  # (a model built on the meta device is assigned its values)
     return ReceiverColumn(list(values), layouts, list(existing), dests, devices, rows, key)
