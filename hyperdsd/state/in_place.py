@@ -132,12 +132,10 @@ def column_receivers(
         asked = dests
     else:
         local_shape = {id(layout): tuple(layout.local_shape) for layout in layout_of.values()}
-        dests = list(map(_compat.dtensor_local, existing))
-        # DTensors of one signature share their spec (``layout_key``), so their local tensors share
-        # one local shape: one of each asked
-        firsts = list(dict(zip(reversed(signatures), range(len(signatures) - 1, -1, -1))).values())
-        wants = [local_shape[id(layouts[i])] for i in firsts]
-        asked = [dests[i] for i in firsts]
+        dests = asked = list(map(_compat.dtensor_local, existing))
+        # every local tensor asked, not one per signature: a DTensor made with ``run_check=False``
+        # may hold a local tensor of another shape than its spec's, and a copy out= would resize it
+        wants = list(map(local_shape.__getitem__, map(id, layouts)))
     # (a torch.Size equals the tuple of its sizes: compared as they are, no tuple made per tensor)
     if any(map(_IS_META, dests)) or list(map(_SHAPE, asked)) != list(map(tuple, wants)):
         return None  # (a model built on the meta device is assigned its values)

@@ -933,6 +933,31 @@ def test_receiver_columns_need_whole_plain_tensors_and_land_in_their_dests():
     assert users[3] is extra and all(type(u) is Prepared and u.dest is dests[i] for i, u in enumerate(users[:3]))
 
 
+def test_receiver_columns_ask_every_local_shape_of_dtensors():
+    """A column of DTensors lands only where every local tensor has its
+    layout's local shape, not the first of each signature only: a DTensor
+    made with ``run_check=False`` can hold another, and a piece copied out=
+    into it would resize it."""
+    from types import SimpleNamespace
+
+    from hyperdsd.state.in_place import column_receivers
+    from hyperdsd.state.load_checks import Verdict
+    from hyperdsd.state.load_plan import TensorMeta
+
+    layout = SimpleNamespace(local_shape=(2, 3))
+    verdicts = {"sig": Verdict("", layout, False, True)}
+    metas = [TensorMeta((4, 3), torch.float32, i) for i in range(3)]
+
+    def existing(*shapes):
+        return [SimpleNamespace(_local_tensor=torch.zeros(shape)) for shape in shapes]
+
+    fine = existing((2, 3), (2, 3), (2, 3))
+    column = column_receivers(metas, fine, ["sig"] * 3, verdicts, None, [0, 1, 2])
+    assert column is not None and all(d is e._local_tensor for d, e in zip(column.dests, fine))
+    odd = existing((2, 3), (1, 3), (2, 3))  # one signature, the second not its shape
+    assert column_receivers(metas, odd, ["sig"] * 3, verdicts, None, [0, 1, 2]) is None
+
+
 def test_receiver_columns_expand_into_the_plans_they_stand_for():
     """A plan that goes value by value (an FSDP1 twin's landing, a model whose
     tensors changed) makes each column's receivers: the model's under their
