@@ -36,17 +36,23 @@ _NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
 
 def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list]:
     """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.index_cache`):
-    their classes, each registry's names and the ids of what it holds, the
-    non-persistent buffers' names (equal lists, the same registries, where
-    everything they held is alive); and every parameter then every buffer
-    the registries hold, in order, None included."""
+    their classes, each registry's length, names and the ids of what it
+    holds, the non-persistent buffers' names (equal lists, the same
+    registries, where everything they held is alive); and every parameter
+    then every buffer the registries hold, in order, None included."""
     # The registries are nn.Module's private dicts (see child_modules), read a
     # column at a time in C: a Python loop over thousands of modules costs
-    # more than the walk the comparison saves.
+    # more than the walk the comparison saves. The lengths say where one
+    # module's entries end: a module's last parameter moved to the front of
+    # the next module's registry leaves the names and ids in the same order.
+    # Empty registries (most modules' children and buffers) add nothing to
+    # the names and ids, and are left out of those passes.
     parts: list = [list(map(type, modules))]
     held: list = []
     for registry in (_CHILDREN, _PARAMETERS, _BUFFERS):
         dicts = list(map(registry, modules))
+        parts.append(list(map(len, dicts)))
+        dicts = list(filter(None, dicts))
         values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
         parts.append(list(itertools.chain.from_iterable(dicts)))
         parts.append(list(map(id, values)))

@@ -227,6 +227,32 @@ def reorder_params(model, data):
         m._parameters[n] = m._parameters.pop(n)
 
 
+def move_across(model, data):
+    """A module's last parameter or buffer moved, its name and persistence
+    kept, to the front of the next module's registry: every name and object
+    in the same order as before."""
+    kind = data.draw(st.sampled_from(["_parameters", "_buffers"]))
+    modules = list(model.modules())
+    pairs = [
+        (a, b)
+        for a, b in zip(modules, modules[1:])
+        if getattr(a, kind) and next(reversed(getattr(a, kind))) not in getattr(b, kind)
+    ]
+    if hit := _pick(data, pairs):
+        _move_last_to_front(*hit, kind)
+
+
+def _move_last_to_front(a, b, kind):
+    name = next(reversed(getattr(a, kind)))
+    value = getattr(a, kind).pop(name)
+    rest = dict(getattr(b, kind))
+    getattr(b, kind).clear()
+    getattr(b, kind).update({name: value, **rest})
+    if name in a._non_persistent_buffers_set:
+        a._non_persistent_buffers_set.discard(name)
+        b._non_persistent_buffers_set.add(name)
+
+
 def hide_child(model, data):
     """The class changed to one whose ``_fqn_modifiers`` hides a child."""
     if module := _pick(data, [m for m in model.modules() if any(c is not None for c in m._modules.values())]):
@@ -274,6 +300,7 @@ MUTATIONS = [
     replace_buffer,
     buffer_to_none,
     reorder_params,
+    move_across,
     hide_child,
     rehide,
     unhide,
@@ -358,6 +385,37 @@ def test_a_changed_model_is_indexed_anew():
     index, built = of(model)
     assert built == 1 and not index.renames and "1.b.0.weight" in index.param_of
     assert_same_index(index, model)
+
+
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.x = nn.Parameter(torch.zeros(2))
+        self.register_buffer("kept", torch.zeros(2))
+
+
+def test_an_entry_moved_to_the_next_module_is_indexed_anew():
+    """One module's last parameter, buffer or child made the next module's
+    first, under the same name: the names and objects read in walk order are
+    as before, the FQNs are not."""
+    model = nn.Sequential(nn.Linear(2, 2), _Holder())
+    model[0].register_buffer("scale", torch.ones(2))
+    for kind, moved in (("_parameters", "1.bias"), ("_buffers", "1.scale")):
+        of(model)
+        _move_last_to_front(model[0], model[1], kind)
+        index, built = of(model)
+        assert built == 1 and moved in index.tensor_keys, kind
+        assert_same_index(index, model)
+
+    # root -> x -> y (a Linear) becomes root -> x, root -> y: the same modules in the same order
+    root, box, leaf = nn.Module(), nn.Module(), nn.Linear(2, 2)
+    root.x, box.y = box, leaf
+    assert of(root)[0].tensor_keys == ["x.y.weight", "x.y.bias"]
+    del box.y
+    root.y = leaf
+    index, built = of(root)
+    assert built == 1 and index.tensor_keys == ["y.weight", "y.bias"]
+    assert_same_index(index, root)
 
 
 def test_another_modifiers_attr_is_indexed_anew():
