@@ -151,31 +151,12 @@ def fsdp2_sharded_params(module: torch.nn.Module) -> list[tuple[torch.nn.Module,
     return found
 
 
-def module_state_hooks(module: torch.nn.Module) -> list[Callable] | None:
-    """The pre-hooks to run before reading ``module``'s own state straight
-    from its ``_parameters`` and ``_buffers``; None when ``state_dict()``
-    could give anything else (overridden, extra state, other hooks)."""
-    # ``model.state_dict()`` is a recursive call, a hook loop and a dict per
-    # module: a fifth of a sharded get on a model of small layers. Hook
-    # registries and the extra-state protocol are private to nn.Module; the
-    # only hook allowed is FSDP2's, which reshards the module's group.
-    cls = type(module)
-    if cls not in _PLAIN_MODULE_CLASSES:
-        _PLAIN_MODULE_CLASSES[cls] = (
-            cls.state_dict is torch.nn.Module.state_dict
-            and cls._save_to_state_dict is torch.nn.Module._save_to_state_dict
-            and cls.get_extra_state is torch.nn.Module.get_extra_state
-        )
-    if not _PLAIN_MODULE_CLASSES[cls] or module._state_dict_hooks:
-        return None
-    hooks = list(module._state_dict_pre_hooks.values())
-    for hook in hooks:
-        if getattr(hook, "__qualname__", None) != _FSDP_RESHARD_HOOK:
-            return None
-    return hooks
-
-
-_PLAIN_MODULE_CLASSES: dict[type, bool] = {}
+def _class_reads_plainly(cls: type) -> bool:
+    return (
+        cls.state_dict is torch.nn.Module.state_dict
+        and cls._save_to_state_dict is torch.nn.Module._save_to_state_dict
+        and cls.get_extra_state is torch.nn.Module.get_extra_state
+    )
 
 
 _STATE_DICT_HOOKS = operator.attrgetter("_state_dict_hooks")
@@ -183,22 +164,32 @@ _STATE_DICT_PRE_HOOKS = operator.attrgetter("_state_dict_pre_hooks")
 
 
 def all_read_plainly(modules: list[torch.nn.Module]) -> bool:
-    """Whether :func:`module_state_hooks` finds every one of ``modules`` plain:
-    asked of each class once, and of each module's hook registries in C; only
-    the modules with pre-hooks (FSDP2's units) one by one."""
-    for cls in set(map(type, modules)):
-        if cls not in _PLAIN_MODULE_CLASSES:
-            module_state_hooks(next(m for m in modules if type(m) is cls))  # (fills the class's entry)
-        if not _PLAIN_MODULE_CLASSES[cls]:
-            return False
+    """Whether each of ``modules``' own state dict is its parameters and
+    buffers as registered, so that it may be read from them straight: no
+    ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state`` of its
+    class's or its own (torch calls a method patched on the instance, and
+    ``get_extra_state`` only where the class overrides it), no state-dict
+    hook but FSDP2's, which reshards the module's group."""
+    # ``model.state_dict()`` is a recursive call, a hook loop and a dict per
+    # module: a fifth of a sharded get on a model of small layers. Hook
+    # registries and the extra-state protocol are private to nn.Module. Each
+    # class is asked on every call (a class may be patched between calls),
+    # each module's registries and attributes a column at a time, in C.
+    if not all(map(_class_reads_plainly, set(map(type, modules)))):
+        return False
     if any(map(len, map(_STATE_DICT_HOOKS, modules))):
         return False
+    own = list(map(vars, modules))
+    for name in ("state_dict", "_save_to_state_dict"):
+        if any(map(operator.contains, own, itertools.repeat(name))):
+            return False
     return _qualnames(map(_STATE_DICT_PRE_HOOKS, modules)) <= {_FSDP_RESHARD_HOOK}
 
 
 def _qualnames(registries) -> set:
-    """The ``__qualname__`` of every hook in ``registries`` (hook dicts), read in C."""
-    hooks = itertools.chain.from_iterable(map(dict.values, registries))
+    """The ``__qualname__`` of every hook in ``registries`` (hook dicts), read
+    in C; most registries are empty, and are passed over without a view of each."""
+    hooks = itertools.chain.from_iterable(map(dict.values, filter(None, registries)))
     return set(map(getattr, hooks, itertools.repeat("__qualname__"), itertools.repeat(None)))
 
 

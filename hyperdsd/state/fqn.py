@@ -155,7 +155,7 @@ class ModelIndex:
     @functools.cached_property
     def reads_plainly(self) -> bool:
         """Whether every module's state dict is its parameters and buffers
-        (:func:`hyperdsd._compat.module_state_hooks`): then it is read from
+        (:func:`hyperdsd._compat.all_read_plainly`): then it is read from
         the modules directly, not through ``model.state_dict()``."""
         return _compat.all_read_plainly([module for module, _ in self.modules])
 

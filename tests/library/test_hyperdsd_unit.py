@@ -5,6 +5,7 @@ import copy
 import io
 import operator
 import pickle
+import types
 import warnings
 
 import pytest
@@ -242,6 +243,32 @@ def test_get_reads_the_modules_directly_exactly_as_state_dict_gives_them(_, vari
             continue
         assert value.data_ptr() == expected[key].data_ptr() and not value.requires_grad, key
     assert seen == (["blocks.1."] if variant in ("pre", "post") else [])
+
+
+def test_a_save_patched_on_a_module_or_its_class_between_calls_is_what_get_reads():
+    """torch calls a ``_save_to_state_dict`` patched on the instance, and the
+    class's as it is now: a get reads through either, whatever it read the
+    call before (the model's index is kept from call to call)."""
+
+    class Box(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2))
+
+    def plus_one(self, destination, prefix, keep_vars):
+        for name, p in self._parameters.items():
+            destination[prefix + name] = p.detach() + 1
+
+    model = nn.Sequential(Box(), nn.Linear(2, 2))
+    assert torch.equal(hyperdsd.get_model_state_dict(model)["0.w"], torch.zeros(2))
+    model[1]._save_to_state_dict = types.MethodType(plus_one, model[1])
+    got = hyperdsd.get_model_state_dict(model)
+    assert torch.equal(got["1.weight"], model[1].weight.detach() + 1) and torch.equal(got["0.w"], torch.zeros(2))
+    del model[1]._save_to_state_dict
+    Box._save_to_state_dict = plus_one
+    got = hyperdsd.get_model_state_dict(model)
+    assert torch.equal(got["0.w"], torch.ones(2)) and torch.equal(got["1.weight"], model[1].weight.detach())
+    assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in model.state_dict().items()}
 
 
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
