@@ -39,6 +39,7 @@ from .modules import (
     own_parameters,
     plain_state_dict,
     registries_fingerprint,
+    tensor_registries,
     unhooked_step,
 )
 from .tensors import (
@@ -97,6 +98,7 @@ __all__ = [
     "own_parameters",
     "plain_state_dict",
     "registries_fingerprint",
+    "tensor_registries",
     "root_mesh",
     "save_records",
     "storage_dtypes",

@@ -34,6 +34,12 @@ _CHILDREN, _PARAMETERS, _BUFFERS = (operator.attrgetter(a) for a in ("_modules",
 _NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
 
 
+def tensor_registries(modules: list[torch.nn.Module]) -> list[dict]:
+    """Every one of ``modules``' parameter registries, then every buffer
+    registry (as own_parameters and own_buffers give them, read in C)."""
+    return [*map(_PARAMETERS, modules), *map(_BUFFERS, modules)]
+
+
 def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list]:
     """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.index_cache`):
     their classes, each registry's length, names and the ids of what it

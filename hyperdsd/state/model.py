@@ -199,7 +199,7 @@ def plan_load(
             plan.copies, plan.columns = found
             plan.values = dict(sd)
             plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
-            plan.registries = _registries([module for module, _ in index.modules])
+            plan.registries = _compat.tensor_registries([module for module, _ in index.modules])
             plan.registered = _registered(plan.registries)
             return plan, problems
     matched: set[str] = set()
@@ -291,16 +291,12 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
     return copies, receivers
 
 
-def _registries(modules: list[torch.nn.Module]) -> list[dict]:
-    """Every one of ``modules``' parameter registries, then every buffer registry."""
-    return [*map(_compat.own_parameters, modules), *(buffers for buffers, _ in map(_compat.own_buffers, modules))]
-
-
 def _registered(registries: list[dict]) -> tuple[list, list]:
-    """What ``registries`` (modules' parameters and buffers by name) hold now: the names, the tensors."""
-    return list(itertools.chain.from_iterable(registries)), list(
-        itertools.chain.from_iterable(map(dict.values, registries))
-    )
+    """What ``registries`` (modules' parameters and buffers by name) hold now:
+    the names, with each registry's length (where its names end), the tensors."""
+    full = list(filter(None, registries))  # (most buffer registries are empty)
+    names = [*map(len, registries), *itertools.chain.from_iterable(full)]
+    return names, list(itertools.chain.from_iterable(map(dict.values, full)))
 
 
 def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -> None:

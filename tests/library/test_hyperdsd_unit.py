@@ -271,6 +271,42 @@ def test_a_save_patched_on_a_module_or_its_class_between_calls_is_what_get_reads
     assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in model.state_dict().items()}
 
 
+class _WithX(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.x = nn.Parameter(torch.zeros(2))
+
+
+@parameterized.expand([("replaced",), ("moved",)])
+def test_a_model_changed_by_an_optimizer_load_hook_is_loaded_as_it_is_then(change):
+    """set_state_dict applies the optimizer's load, runs its load post-hooks,
+    then the model's load, planned before: where a hook replaced a parameter,
+    or moved one to the front of the next module's registry (names and objects
+    in the same order), each value goes where ``load_state_dict`` puts it in
+    the model as it is then."""
+
+    def alter(model):
+        if change == "replaced":
+            model[0].weight = nn.Parameter(torch.zeros(2, 2))
+        else:
+            bias, rest = model[0]._parameters.pop("bias"), dict(model[1]._parameters)
+            model[1]._parameters.clear()  # (the registry itself, as a plan keeps it)
+            model[1]._parameters.update({"bias": bias, **rest})
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), _WithX())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    msd = {k: torch.full_like(v, i + 1.0) for i, (k, v) in enumerate(model.state_dict().items())}
+    osd = hyperdsd.get_optimizer_state_dict(model, opt)
+    expected = copy.deepcopy(model)
+    alter(expected)
+    expected.load_state_dict(msd, strict=False)
+    opt.register_load_state_dict_post_hook(lambda optimizer: alter(model))
+    hyperdsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    got = {k: v.tolist() for k, v in model.state_dict().items()}
+    assert got == {k: v.tolist() for k, v in expected.state_dict().items()}
+
+
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
     model, opt = make()
     step(model, opt, 2)
