@@ -266,12 +266,14 @@ def loads_by_copying(model: torch.nn.Module) -> bool:
 
 def plain_state_dict(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt.state_dict()`` would only repackage ``opt.state`` and
-    ``opt.param_groups`` (not overridden, no state-dict hooks registered)."""
+    ``opt.param_groups`` (not overridden by its class or patched on it, no
+    state-dict hooks registered)."""
     # Then the state is read in place: state_dict()'s packing (a dict by
     # integer id, a copy of every group) is a tenth of a get on a model of
     # small tensors. Registration of the hooks is public, the registry not.
     return (
         getattr(type(opt), "state_dict", None) is torch.optim.Optimizer.state_dict
+        and "state_dict" not in vars(opt)
         and not getattr(opt, "_optimizer_state_dict_pre_hooks", None)
         and not getattr(opt, "_optimizer_state_dict_post_hooks", None)
     )

@@ -209,6 +209,24 @@ def test_get_reads_the_state_in_place_exactly_as_state_dict_gives_it():
     assert hyperdsd.get_optimizer_state_dict(model, opt)["param_groups"][0]["note"] == "from a hook"
 
 
+def test_a_get_reads_through_a_state_dict_patched_on_the_optimizer():
+    """torch calls an optimizer's ``state_dict`` patched on the instance; a
+    get reads the state through it too, not in place."""
+    model, opt = make()
+    step(model, opt, 1)
+    plain = opt.state_dict
+
+    def noted():
+        sd = plain()
+        sd["param_groups"][0]["note"] = "patched"
+        return sd
+
+    opt.state_dict = noted
+    assert hyperdsd.get_optimizer_state_dict(model, opt)["param_groups"][0]["note"] == "patched"
+    del opt.state_dict
+    assert "note" not in hyperdsd.get_optimizer_state_dict(model, opt)["param_groups"][0]
+
+
 class _Extra(nn.Linear):
     def get_extra_state(self):
         return {"note": 1}
