@@ -212,6 +212,18 @@ def plan_load(
         matched.add(canon)
         plan.claimed.add(key)
         target = targets[raw]
+        if isinstance(target, torch.nn.parameter.UninitializedTensorMixin):
+            # A lazy module's: load_state_dict materialises it in the value's shape (its load
+            # pre-hook), which is all a full tensor needs; it has no layout to check against.
+            if type(value) not in _PLAIN:
+                problems.append(
+                    f"model[{canon!r}]: the model's is uninitialized (a lazy module's), which only a full "
+                    f"tensor loaded without broadcast_from_rank0 initializes; got {type(value).__name__} "
+                    "(run a forward first to initialize it)"
+                )
+                continue
+            plan.values[raw] = value
+            continue
         if isinstance(target, torch.Tensor):
             prepared = _prepare(value, target, canon, problems, verdicts)
             if prepared is None:

@@ -325,6 +325,24 @@ def test_a_model_changed_by_an_optimizer_load_hook_is_loaded_as_it_is_then(chang
     assert got == {k: v.tolist() for k, v in expected.state_dict().items()}
 
 
+def test_a_lazy_module_is_initialized_by_a_set_as_load_state_dict_does():
+    """A lazy module's uninitialized parameters take the loaded tensors'
+    shapes and values, as ``load_state_dict`` gives them; a value that is not
+    a tensor is refused by name, and the module stays uninitialized."""
+    torch.manual_seed(0)
+    sd = nn.Sequential(nn.Linear(3, 4)).state_dict()
+    model, reference = nn.Sequential(nn.LazyLinear(4)), nn.Sequential(nn.LazyLinear(4))
+    assert hyperdsd.set_model_state_dict(model, dict(sd)) == reference.load_state_dict(dict(sd))
+    assert type(model[0].weight) is nn.Parameter and model[0].weight.shape == (4, 3)
+    assert all(torch.equal(model.state_dict()[k], sd[k]) for k in sd)
+    assert all(torch.equal(model.state_dict()[k], reference.state_dict()[k]) for k in sd)
+
+    model = nn.Sequential(nn.LazyLinear(4))
+    with pytest.raises(StateDictError, match=r"model\['0.bias'\]: the model's is uninitialized .* got int"):
+        hyperdsd.set_model_state_dict(model, {"0.weight": torch.ones(4, 3), "0.bias": 3})
+    assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
+
+
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
     model, opt = make()
     step(model, opt, 2)
