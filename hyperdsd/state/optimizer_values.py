@@ -242,6 +242,10 @@ def _prepare(value, p, key: str, group: dict, expected, where: str, problems: li
 
 
 def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
+    if key == "step" and type(value) in (int, float) and isinstance(expected, torch.Tensor) and expected.ndim == 0:
+        # A number: checkpoints of torch before 1.12 kept ``step`` so, and the optimizers'
+        # __setstate__ make it a tensor; this one's is of the optimizer's own dtype and device.
+        value = torch.tensor(float(value), dtype=expected.dtype, device=_compat.local_tensor(expected).device)
     if not is_tensorish(value):
         if isinstance(expected, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")

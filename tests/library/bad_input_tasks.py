@@ -116,7 +116,7 @@ def damage(sd: dict, spec: dict, other_mesh) -> None:
         elif kind == "non_tensor":
             sd[key] = spec["junk"]
         elif kind == "non_tensor_step":
-            sd[key.rsplit(".", 1)[0] + ".step"] = 7
+            sd[key.rsplit(".", 1)[0] + ".step"] = "7"  # (a number is a step torch's optimizers load)
         elif kind == "wrong_mesh":
             sd[key] = _like(sd[key], mesh=other_mesh)
         elif kind == "nested_under_value":
@@ -157,7 +157,7 @@ def damage(sd: dict, spec: dict, other_mesh) -> None:
     elif kind == "non_tensor":
         entry["exp_avg"] = spec["junk"]
     elif kind == "non_tensor_step":
-        entry["step"] = 3
+        entry["step"] = "3"  # (a number is a step torch's optimizers load)
     elif kind == "wrong_mesh":
         entry["exp_avg"] = _like(entry["exp_avg"], mesh=other_mesh)
     else:

@@ -343,6 +343,27 @@ def test_a_lazy_module_is_initialized_by_a_set_as_load_state_dict_does():
     assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
 
 
+@parameterized.expand([("warm", float), ("cold", float), ("warm_int", int)])
+def test_a_step_saved_as_a_number_loads_as_the_optimizers_tensor(target, number):
+    """Checkpoints of torch before 1.12 hold ``step`` as a Python number, which
+    the optimizers' own load makes a tensor: so does a set, of the dtype and
+    device the optimizer keeps, into a fresh optimizer or one that stepped."""
+    model, opt = make()
+    step(model, opt, 3)
+    osd = hyperdsd.get_optimizer_state_dict(model, opt)
+    for entry in osd["state"].values():
+        entry["step"] = number(entry["step"].item())
+    model2, opt2 = make(seed=1)
+    if target.startswith("warm"):
+        step(model2, opt2, 1)
+    hyperdsd.set_optimizer_state_dict(model2, opt2, osd)
+    for (p, entry), p2 in zip(opt.state.items(), opt2.state):
+        loaded = opt2.state[p2]["step"]
+        assert type(loaded) is torch.Tensor and loaded.dtype == entry["step"].dtype and loaded.item() == 3.0
+    step(model2, opt2, 1)  # (the optimizer steps with what was loaded)
+    assert all(s["step"].item() == 4.0 for s in opt2.state.values())
+
+
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
     model, opt = make()
     step(model, opt, 2)
@@ -419,7 +440,7 @@ BAD_INPUTS = [
         "blocks.0.fc.weight",
     ),
     ("non_tensor", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("exp_avg", "x"), "exp_avg"),
-    ("non_tensor_step", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("step", 3), "step"),
+    ("non_tensor_step", lambda o: o["state"]["blocks.0.fc.weight"].__setitem__("step", "3"), "step"),
     ("no_state", lambda o: o.pop("state"), "'state'"),
     ("group_without_params", lambda o: o["param_groups"][0].pop("params"), "params"),
     (
