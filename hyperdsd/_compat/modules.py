@@ -253,6 +253,20 @@ def each_loads_plainly(modules: list[torch.nn.Module]) -> list[bool]:
     return plain
 
 
+def fills_in_batch_count(module: torch.nn.Module, state_dict: dict, path: str) -> bool:
+    """Whether ``module``'s own loading fills in its ``num_batches_tracked``
+    where ``state_dict`` lacks it: a batch norm that tracks running stats does
+    when the dict carries no version for it (``path``), or one before 2 (saved
+    before the buffer existed), and loads its own value again."""
+    # _NormBase._load_from_state_dict does so; the class is private, as is the
+    # state dict's _metadata that load_state_dict reads the version from.
+    if not isinstance(module, torch.nn.modules.batchnorm._NormBase) or not module.track_running_stats:
+        return False
+    metadata = getattr(state_dict, "_metadata", None)
+    version = metadata.get(path, {}).get("version") if metadata is not None else None
+    return version is None or version < 2
+
+
 def loads_by_copying(model: torch.nn.Module) -> bool:
     """Whether ``model.load_state_dict`` itself, not overridden, copies values
     into the tensors (swapping tensors, when torch is told to, runs each

@@ -247,6 +247,8 @@ def plan_load(
             plan.values[raw] = value  # extra state: whatever the module accepts
     frozen = index.frozen_fqns() if ignore_frozen else set()
     plan.missing = [c for c in raw_of if c not in matched and c not in frozen]
+    if plan.missing:
+        plan.missing = [c for c in plan.missing if not _filled_in(sd, raw_of[c], index, targets)]
     if strict and (plan.missing or (plan.unexpected and not foreign_ok)):
         parts = []
         if plan.missing:
@@ -255,6 +257,19 @@ def plan_load(
             parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
         problems.append(f"Error(s) in loading state_dict for {type(model).__name__}: " + " ".join(parts))
     return plan, problems
+
+
+def _filled_in(sd: dict, raw: str, index: ModelIndex, targets: dict[str, Any]) -> bool:
+    """Whether ``load_state_dict`` would fill in ``raw``, absent from ``sd``, by
+    itself, so that it is not missing: a batch norm's ``num_batches_tracked``
+    (:func:`hyperdsd._compat.fills_in_batch_count`), left as it is. A model on
+    the meta device gets a 0 there, which is left to be reported missing."""
+    path, _, name = raw.rpartition(".")
+    target = targets.get(raw)
+    if name != "num_batches_tracked" or not isinstance(target, torch.Tensor) or target.is_meta:
+        return False
+    module = index.module_at(path)
+    return module is not None and _compat.fills_in_batch_count(module, sd, path)
 
 
 def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list[ReceiverColumn]] | None:

@@ -364,6 +364,34 @@ def test_a_step_saved_as_a_number_loads_as_the_optimizers_tensor(target, number)
     assert all(s["step"].item() == 4.0 for s in opt2.state.values())
 
 
+def test_a_batch_norm_dict_saved_before_num_batches_tracked_loads_as_load_state_dict_does():
+    """A batch norm's ``num_batches_tracked`` absent from a dict without version
+    metadata (saved before the buffer existed, or converted) is filled in by
+    the module's own load, not missing: it keeps its value, the rest loads. In
+    a dict whose metadata says version 2 it is missing, as torch says."""
+    import collections
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        model(torch.randn(4, 2))  # (running stats and num_batches_tracked move)
+        return model
+
+    sd = {k: v + 1 for k, v in build().state_dict().items() if not k.endswith("num_batches_tracked")}
+    model, reference = build(), build()
+    assert hyperdsd.set_model_state_dict(model, dict(sd)) == reference.load_state_dict(dict(sd))
+    got, want = model.state_dict(), reference.state_dict()
+    assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}
+    assert got["1.num_batches_tracked"].item() == 1 and torch.equal(got["1.running_mean"], sd["1.running_mean"])
+
+    versioned = collections.OrderedDict(sd)
+    versioned._metadata = {"1": {"version": 2}}
+    with pytest.raises(StateDictError, match="num_batches_tracked"):
+        hyperdsd.set_model_state_dict(build(), versioned)
+    with pytest.raises(RuntimeError, match="num_batches_tracked"):
+        build().load_state_dict(versioned)
+
+
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
     model, opt = make()
     step(model, opt, 2)
