@@ -770,7 +770,9 @@ class _Halving(nn.Linear):
 
 @pytest.mark.parametrize("how", ["override", "pre_hook", "parent_pre_hook", "post_hook"])
 def test_modules_that_extend_their_loading_are_loaded_through_it(how):
-    """Their own loading, or a module's above them (which sees the entries below it)."""
+    """Their own loading, or a module's above them (which sees the entries below
+    it); with a load post-hook anywhere, every module (a post-hook sees the keys
+    of the whole load)."""
     src = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     dst = nn.Sequential(_Halving(3, 3) if how == "override" else nn.Linear(3, 3), nn.Linear(3, 3))
     seen = []
@@ -782,10 +784,13 @@ def test_modules_that_extend_their_loading_are_loaded_through_it(how):
 
         (dst if how == "parent_pre_hook" else dst[0])._register_load_state_dict_pre_hook(pre_hook, with_module=True)
     elif how == "post_hook":
-        dst[0].register_load_state_dict_post_hook(lambda module, keys: seen.append(module))
+        # (handed the incompatible keys of the whole load: none missing, the modules without hooks' included)
+        dst[1].register_load_state_dict_post_hook(
+            lambda module, keys: seen.append((module, list(keys.missing_keys), list(keys.unexpected_keys)))
+        )
     hyperdsd.set_model_state_dict(dst, copy.deepcopy(hyperdsd.get_model_state_dict(src)))
     if how == "post_hook":
-        assert seen == [dst[0]]
+        assert seen == [(dst[1], [], [])]
         assert torch.equal(dst[0].weight, src[0].weight)
     else:
         assert torch.allclose(dst[0].weight, src[0].weight / 2)
