@@ -237,24 +237,24 @@ _LOAD_PRE_HOOKS = operator.attrgetter("_load_state_dict_pre_hooks")
 _LOAD_POST_HOOKS = operator.attrgetter("_load_state_dict_post_hooks")
 
 
+def load_post_hooked(modules: list[torch.nn.Module]) -> bool:
+    """Whether any of ``modules`` has a load post-hook but FSDP2's: each is
+    handed the missing and unexpected keys of the whole load, which a load of
+    part of the values through ``load_state_dict`` would get wrong."""
+    return not _qualnames(map(_LOAD_POST_HOOKS, modules)) <= set(_FSDP_LOAD_HOOKS)
+
+
 def each_loads_plainly(modules: list[torch.nn.Module]) -> list[bool]:
     """:func:`loads_plainly` of each of ``modules``: its class asked once, and
-    only a module with load hooks or a patched method one by one. None loads
-    plainly where any has a load post-hook but FSDP2's: each post-hook is
-    handed the missing and unexpected keys of the whole load, so every value
-    goes through ``load_state_dict`` for it to see what torch's load shows it
-    (a value copied in directly would be missing there)."""
-    post = list(map(_LOAD_POST_HOOKS, modules))
-    if not _qualnames(post) <= set(_FSDP_LOAD_HOOKS):
-        return [False] * len(modules)
+    only a module with load hooks or a patched method one by one."""
     plain_class = {
         cls: cls._load_from_state_dict is torch.nn.Module._load_from_state_dict for cls in set(map(type, modules))
     }
     plain = list(map(plain_class.__getitem__, map(type, modules)))
-    pre = list(map(_LOAD_PRE_HOOKS, modules))
+    pre, post = list(map(_LOAD_PRE_HOOKS, modules)), list(map(_LOAD_POST_HOOKS, modules))
     asked = list(map(operator.contains, map(vars, modules), itertools.repeat("_load_from_state_dict")))  # patched
-    if not _qualnames(pre) <= set(_FSDP_LOAD_HOOKS):  # hooks of others' somewhere
-        asked = list(map(operator.or_, asked, map(bool, pre)))
+    if not _qualnames(itertools.chain(pre, post)) <= set(_FSDP_LOAD_HOOKS):  # hooks of others' somewhere
+        asked = list(map(operator.or_, asked, map(operator.or_, map(bool, pre), map(bool, post))))
     for i in itertools.compress(range(len(modules)), asked):
         plain[i] = plain[i] and loads_plainly(modules[i])
     return plain

@@ -152,6 +152,9 @@ class ModelLoadPlan:
     registered: tuple[list, list] = ([], [])
     # A broadcast's stand-ins received in place, by column; ``values`` holds the stand-ins then.
     columns: list[ReceiverColumn] = field(default_factory=list)
+    # Every value goes through one load_state_dict, those already in their tensors too (a
+    # module's load post-hook is handed the whole load's missing and unexpected keys).
+    whole: bool = False
 
     def tensors(self) -> list[Prepared]:
         return [v for v in self.values.values() if isinstance(v, Prepared)]

@@ -154,12 +154,14 @@ class _PlainLoads:
     def __init__(self, model: torch.nn.Module, index: ModelIndex):
         self._plain: set[str] = set()
         self.everywhere = False  # every module loads plainly
-        if not _compat.loads_by_copying(model):
+        modules = [m for m, _ in index.modules]
+        # A load post-hook (but FSDP2's) is handed the missing and unexpected keys of the whole
+        # load: then every value goes through one load_state_dict, as in torch's load.
+        self.whole = _compat.load_post_hooked(modules)
+        if self.whole or not _compat.loads_by_copying(model):
             return
         own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
-        for prefix, plain in zip(
-            (prefix for _, prefix in index.modules), _compat.each_loads_plainly([m for m, _ in index.modules])
-        ):
+        for prefix, plain in zip((prefix for _, prefix in index.modules), _compat.each_loads_plainly(modules)):
             own[prefix] = own.get(prefix, True) and plain
         if all(own.values()):
             self._plain, self.everywhere = set(own), True
@@ -190,6 +192,7 @@ def plan_load(
     targets, raw_of = _targets(model, index)
     verdicts = Verdicts()
     loads_plainly = _PlainLoads(model, index)
+    plan.whole = loads_plainly.whole
     # Read from the modules directly (no extra state, see _targets), every key
     # the model's as it is named, every module loading by copying:
     plain = index.reads_plainly and not index.unsharded and not index.renames and loads_plainly.everywhere
@@ -212,19 +215,17 @@ def plan_load(
         matched.add(canon)
         plan.claimed.add(key)
         target = targets[raw]
-        if isinstance(target, torch.nn.parameter.UninitializedTensorMixin):
-            # A lazy module's: load_state_dict materialises it in the value's shape (its load
-            # pre-hook), which is all a full tensor needs; it has no layout to check against.
-            if type(value) not in _PLAIN:
-                problems.append(
-                    f"model[{canon!r}]: the model's is uninitialized (a lazy module's), which only a full "
-                    f"tensor loaded without broadcast_from_rank0 initializes; got {type(value).__name__} "
-                    "(run a forward first to initialize it)"
-                )
-                continue
-            plan.values[raw] = value
+        # A lazy module's tensor: load_state_dict materialises it in the value's shape (its load
+        # pre-hook), which is all a full tensor needs; it has no layout to check against.
+        lazy = isinstance(target, torch.nn.parameter.UninitializedTensorMixin)
+        if lazy and type(value) not in _PLAIN:
+            problems.append(
+                f"model[{canon!r}]: the model's is uninitialized (a lazy module's), which only a full "
+                f"tensor loaded without broadcast_from_rank0 initializes; got {type(value).__name__} "
+                "(run a forward first to initialize it)"
+            )
             continue
-        if isinstance(target, torch.Tensor):
+        if isinstance(target, torch.Tensor) and not lazy:
             prepared = _prepare(value, target, canon, problems, verdicts)
             if prepared is None:
                 continue
@@ -244,7 +245,7 @@ def plan_load(
                 prepared.dest = None
             plan.values[raw] = prepared
         else:
-            plan.values[raw] = value  # extra state: whatever the module accepts
+            plan.values[raw] = value  # extra state, a lazy module's tensor: whatever the module accepts
     frozen = index.frozen_fqns() if ignore_frozen else set()
     plan.missing = [c for c in raw_of if c not in matched and c not in frozen]
     if plan.missing:
@@ -353,13 +354,16 @@ def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -
             target = targets.get(raw)
             if value.dest is not None and target is value.dest:
                 copy_into(target, value)  # nothing to copy for a piece delivered into it
+            elif isinstance(target, torch.Tensor) and same_memory(_compat.local_tensor(target), value.local):
+                pass  # the model's own tensor (a DCP template filled in place): nothing to copy
+            else:
+                copy_in[raw] = value.layout.wrap(value.local) if value.layout is not None else value.local
                 continue
-            if isinstance(target, torch.Tensor) and same_memory(_compat.local_tensor(target), value.local):
-                continue  # the model's own tensor (a DCP template filled in place): nothing to copy
-            copy_in[raw] = value.layout.wrap(value.local) if value.layout is not None else value.local
+            if plan.whole:
+                copy_in[raw] = target  # (holding its value: loading copies it onto itself)
         else:
             copy_in[raw] = value
-    if copy_in:
+    if copy_in or plan.whole:
         model.load_state_dict(copy_in, strict=False)
     if assign:
         model.load_state_dict(assign, strict=False, assign=True)

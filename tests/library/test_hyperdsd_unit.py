@@ -797,6 +797,24 @@ def test_modules_that_extend_their_loading_are_loaded_through_it(how):
     assert torch.equal(dst[1].weight, src[1].weight)
 
 
+@pytest.mark.parametrize("fresh", [(), ("0.weight",), ("0.weight", "0.bias", "1.weight", "1.bias")])
+def test_a_load_post_hook_sees_the_whole_load_as_torch_shows_it(fresh):
+    """A module's load post-hook runs once and sees no key missing, whether
+    the values are the model's own tensors (a get's dict set back), some of
+    them, or none."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    seen = []
+    model[1].register_load_state_dict_post_hook(
+        lambda module, keys: seen.append((keys.missing_keys, keys.unexpected_keys))
+    )
+    sd = hyperdsd.get_model_state_dict(model)
+    sd.update({k: sd[k] + 1 for k in fresh})
+    expected = {k: v.clone() for k, v in sd.items()}
+    hyperdsd.set_model_state_dict(model, sd)
+    assert seen == [([], [])]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
 def test_meta_model_is_materialised_by_a_full_load():
     src = Net()
     with torch.device("meta"):
