@@ -22,6 +22,7 @@ from .fsdp1 import FSDP1_WRAPPED, Fsdp1Unit, fsdp1_class, fsdp1_reshard, fsdp1_u
 from .modules import (
     LoadHooks,
     all_read_plainly,
+    batch_count_owners,
     checkpoint_wrapper,
     child_modules,
     each_loads_plainly,
@@ -67,6 +68,7 @@ __all__ = [
     "LoadHooks",
     "all_gather_into",
     "all_read_plainly",
+    "batch_count_owners",
     "archive_writer",
     "checkpoint_wrapper",
     "child_modules",

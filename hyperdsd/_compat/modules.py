@@ -260,14 +260,28 @@ def each_loads_plainly(modules: list[torch.nn.Module]) -> list[bool]:
     return plain
 
 
+def batch_count_owners(modules: list[torch.nn.Module], prefixes: list[str]) -> dict[int, tuple]:
+    """By the id of each batch norm's ``num_batches_tracked`` among ``modules``,
+    the module and its path (its key prefix in ``prefixes``, without the dot)."""
+    # _NormBase is private; a wrapper (activation checkpointing's) may hide the
+    # module's own path from the keys, so the buffer finds its module.
+    owners = {}
+    for module, prefix in zip(modules, prefixes):
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+            count = module._buffers.get("num_batches_tracked")
+            if count is not None:
+                owners[id(count)] = (module, prefix[:-1])
+    return owners
+
+
 def fills_in_batch_count(module: torch.nn.Module, state_dict: dict, path: str) -> bool:
-    """Whether ``module``'s own loading fills in its ``num_batches_tracked``
-    where ``state_dict`` lacks it: a batch norm that tracks running stats does
-    when the dict carries no version for it (``path``), or one before 2 (saved
-    before the buffer existed), and loads its own value again."""
-    # _NormBase._load_from_state_dict does so; the class is private, as is the
-    # state dict's _metadata that load_state_dict reads the version from.
-    if not isinstance(module, torch.nn.modules.batchnorm._NormBase) or not module.track_running_stats:
+    """Whether batch norm ``module``'s own loading fills in its
+    ``num_batches_tracked`` where ``state_dict`` lacks it: it does when it
+    tracks running stats and the dict carries no version for it (under its
+    path), or one before 2 (saved before the buffer existed), and loads its
+    own value again."""
+    # (_NormBase._load_from_state_dict; the state dict's _metadata is private to load_state_dict)
+    if not module.track_running_stats:
         return False
     metadata = getattr(state_dict, "_metadata", None)
     version = metadata.get(path, {}).get("version") if metadata is not None else None

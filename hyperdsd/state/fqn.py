@@ -164,11 +164,6 @@ class ModelIndex:
         """Whether FSDP2 holds some module unsharded (the sharded parameters are elsewhere)."""
         return bool(self._sharded)
 
-    def module_at(self, path: str) -> nn.Module | None:
-        """The module under the raw module path ``path`` ("" for the model)."""
-        hit = self._module_paths.get(path)
-        return hit[0] if hit is not None else None
-
     def sharded_value(self, key: str, value):
         """``value``, the tensor ``model.state_dict()`` gives under ``key``, or
         the sharded parameter FSDP2 keeps for it where the module is unsharded."""

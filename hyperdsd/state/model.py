@@ -249,7 +249,7 @@ def plan_load(
     frozen = index.frozen_fqns() if ignore_frozen else set()
     plan.missing = [c for c in raw_of if c not in matched and c not in frozen]
     if plan.missing:
-        plan.missing = [c for c in plan.missing if not _filled_in(sd, raw_of[c], index, targets)]
+        plan.missing = _not_filled_in(plan.missing, sd, raw_of, index, targets)
     if strict and (plan.missing or (plan.unexpected and not foreign_ok)):
         parts = []
         if plan.missing:
@@ -260,17 +260,22 @@ def plan_load(
     return plan, problems
 
 
-def _filled_in(sd: dict, raw: str, index: ModelIndex, targets: dict[str, Any]) -> bool:
-    """Whether ``load_state_dict`` would fill in ``raw``, absent from ``sd``, by
-    itself, so that it is not missing: a batch norm's ``num_batches_tracked``
+def _not_filled_in(missing: list[str], sd: dict, raw_of: dict, index: ModelIndex, targets: dict) -> list[str]:
+    """``missing`` (canonical keys) without those ``load_state_dict`` fills in by
+    itself: a batch norm's ``num_batches_tracked``
     (:func:`hyperdsd._compat.fills_in_batch_count`), left as it is. A model on
     the meta device gets a 0 there, which is left to be reported missing."""
-    path, _, name = raw.rpartition(".")
-    target = targets.get(raw)
-    if name != "num_batches_tracked" or not isinstance(target, torch.Tensor) or target.is_meta:
-        return False
-    module = index.module_at(path)
-    return module is not None and _compat.fills_in_batch_count(module, sd, path)
+    counts = [c for c in missing if c.endswith("num_batches_tracked")]
+    if not counts:
+        return missing
+    owners = _compat.batch_count_owners([m for m, _ in index.modules], index.raw_prefixes)
+    filled = set()
+    for canon in counts:
+        target = targets.get(raw_of[canon])
+        owner = owners.get(id(target)) if isinstance(target, torch.Tensor) and not target.is_meta else None
+        if owner is not None and _compat.fills_in_batch_count(owner[0], sd, owner[1]):
+            filled.add(canon)
+    return [c for c in missing if c not in filled]
 
 
 def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list[ReceiverColumn]] | None:

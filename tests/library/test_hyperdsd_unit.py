@@ -16,6 +16,7 @@ from parameterized import parameterized
 
 import hyperdsd
 from hyperdsd import StateDictError, StateDictOptions
+from hyperdsd._compat import checkpoint_wrapper
 from hyperdsd.state import flat as flat_format
 from hyperdsd.state.fqn import ModelIndex
 from hyperdsd.state.placeholders import is_unwritten_placeholder
@@ -390,6 +391,11 @@ def test_a_batch_norm_dict_saved_before_num_batches_tracked_loads_as_load_state_
         hyperdsd.set_model_state_dict(build(), versioned)
     with pytest.raises(RuntimeError, match="num_batches_tracked"):
         build().load_state_dict(versioned)
+
+    # Under activation checkpointing's wrapper, whose keys leave its child's name out.
+    wrapped = nn.Sequential(nn.Linear(2, 2), checkpoint_wrapper(nn.BatchNorm1d(2)))
+    assert hyperdsd.set_model_state_dict(wrapped, dict(sd)) == ([], [])
+    assert torch.equal(wrapped.state_dict()["1.running_var"], sd["1.running_var"])
 
 
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
