@@ -9,6 +9,7 @@ through them parameter by parameter.
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 from typing import NamedTuple
 
@@ -241,10 +242,15 @@ def _prepare(value, p, key: str, group: dict, expected, where: str, problems: li
     return _prepare_leaf(value, p, key, group, expected, where, problems, verdicts)
 
 
+def _scalar_tensor(t) -> bool:
+    return type(t) is torch.Tensor and t.ndim == 0
+
+
 def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problems: list[str], verdicts: Verdicts):
-    if key == "step" and type(value) in (int, float) and isinstance(expected, torch.Tensor) and expected.ndim == 0:
-        # A number: checkpoints of torch before 1.12 kept ``step`` so, and the optimizers'
-        # __setstate__ make it a tensor; this one's is of the optimizer's own dtype and device.
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and _scalar_tensor(expected):
+        # A number where the optimizer keeps a 0-d tensor: checkpoints of torch before 1.12
+        # kept ``step`` (and ASGD's ``eta`` and ``mu``) so, and the optimizers' __setstate__
+        # make it a tensor; this one is of the optimizer's own dtype and device.
         value = torch.tensor(float(value), dtype=expected.dtype, device=_compat.local_tensor(expected).device)
     if not is_tensorish(value):
         if isinstance(expected, torch.Tensor):

@@ -8,6 +8,7 @@ import pickle
 import types
 import warnings
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -344,7 +345,7 @@ def test_a_lazy_module_is_initialized_by_a_set_as_load_state_dict_does():
     assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
 
 
-@parameterized.expand([("warm", float), ("cold", float), ("warm_int", int)])
+@parameterized.expand([("warm", float), ("cold", float), ("warm_int", int), ("warm_numpy", numpy.float32)])
 def test_a_step_saved_as_a_number_loads_as_the_optimizers_tensor(target, number):
     """Checkpoints of torch before 1.12 hold ``step`` as a Python number, which
     the optimizers' own load makes a tensor: so does a set, of the dtype and
@@ -396,6 +397,26 @@ def test_a_batch_norm_dict_saved_before_num_batches_tracked_loads_as_load_state_
     wrapped = nn.Sequential(nn.Linear(2, 2), checkpoint_wrapper(nn.BatchNorm1d(2)))
     assert hyperdsd.set_model_state_dict(wrapped, dict(sd)) == ([], [])
     assert torch.equal(wrapped.state_dict()["1.running_var"], sd["1.running_var"])
+
+
+def test_asgd_state_saved_as_numbers_loads_as_its_tensors():
+    """ASGD keeps ``step``, ``eta`` and ``mu`` as 0-d tensors, which torch
+    before 1.12 saved as numbers: each loads as the optimizer's own tensor."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.ASGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    osd = hyperdsd.get_optimizer_state_dict(model, opt)
+    for entry in osd["state"].values():
+        entry.update({k: entry[k].item() for k in ("step", "eta", "mu")})
+    model2 = nn.Linear(3, 2)
+    opt2 = torch.optim.ASGD(model2.parameters(), lr=0.1)
+    hyperdsd.set_optimizer_state_dict(model2, opt2, osd)
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        for key in ("step", "eta", "mu"):
+            want, got = opt.state[p][key], opt2.state[p2][key]
+            assert type(got) is torch.Tensor and got.dtype == want.dtype and torch.equal(got, want), key
 
 
 def test_changing_what_get_returned_does_not_reach_the_optimizer():
