@@ -34,10 +34,11 @@ _CHILDREN, _PARAMETERS, _BUFFERS = (operator.attrgetter(a) for a in ("_modules",
 _NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
 
 
-def tensor_registries(modules: list[torch.nn.Module]) -> list[dict]:
-    """Every one of ``modules``' parameter registries, then every buffer
-    registry (as own_parameters and own_buffers give them, read in C)."""
-    return [*map(_PARAMETERS, modules), *map(_BUFFERS, modules)]
+def module_registries(modules: list[torch.nn.Module]) -> list[dict]:
+    """Every one of ``modules``' registry of children, then of parameters,
+    then of buffers (as child_modules, own_parameters and own_buffers give
+    them, read in C)."""
+    return [*map(_CHILDREN, modules), *map(_PARAMETERS, modules), *map(_BUFFERS, modules)]
 
 
 def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list]:

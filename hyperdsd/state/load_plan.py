@@ -147,7 +147,8 @@ class ModelLoadPlan:
     # or a broadcast's receivers, each delivered into its tensor.
     in_place: dict[str, torch.Tensor] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # (the modules' parameter and buffer registries then, and what they held: applying checks them unchanged)
+    # (the modules' registries of children, parameters and buffers then, and what they held: applying
+    # checks them unchanged)
     registries: list[dict] = field(default_factory=list)
     registered: tuple[list, list] = ([], [])
     # A broadcast's stand-ins received in place, by column; ``values`` holds the stand-ins then.

@@ -202,7 +202,7 @@ def plan_load(
             plan.copies, plan.columns = found
             plan.values = dict(sd)
             plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
-            plan.registries = _compat.tensor_registries([module for module, _ in index.modules])
+            plan.registries = _compat.module_registries([module for module, _ in index.modules])
             plan.registered = _registered(plan.registries)
             return plan, problems
     matched: set[str] = set()
@@ -325,8 +325,9 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
 
 
 def _registered(registries: list[dict]) -> tuple[list, list]:
-    """What ``registries`` (modules' parameters and buffers by name) hold now:
-    the names, with each registry's length (where its names end), the tensors."""
+    """What ``registries`` (modules' children, parameters and buffers by name)
+    hold now: the names, with each registry's length (where its names end),
+    the objects."""
     full = list(filter(None, registries))  # (most buffer registries are empty)
     names = [*map(len, registries), *itertools.chain.from_iterable(full)]
     return names, list(itertools.chain.from_iterable(map(dict.values, full)))
@@ -336,20 +337,18 @@ def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -
     redistribute(plan.tensors())
     copy_in: dict[str, Any] = {}
     assign: dict[str, Any] = {}
+    changed = False
     if plan.in_place:
-        names, tensors = _registered(plan.registries)
-        planned_names, planned_tensors = plan.registered
-        if (
-            names == planned_names
-            and len(tensors) == len(planned_tensors)
-            and all(map(operator.is_, tensors, planned_tensors))
-        ):
+        names, held = _registered(plan.registries)
+        planned_names, planned_held = plan.registered
+        if names == planned_names and len(held) == len(planned_held) and all(map(operator.is_, held, planned_held)):
             copy_all(plan.copies)  # every module holds what the plan was made against
             return
-        # (a tensor of the model replaced since the plan was made: as any value, through load_state_dict)
-        plan.in_place = {}
+        # A module or tensor of the model replaced since the plan was made (by an optimizer's load
+        # post-hook): every value as any value, through load_state_dict, into the model as it is now.
+        changed, plan.in_place = True, {}
         plan.expand(delivered=True)
-    targets = _targets_now(model, index)
+    targets = model.state_dict(keep_vars=True) if changed else _targets_now(model, index)
     for raw, value in plan.values.items():
         if raw in plan.on_meta:
             assign[raw] = materialize(value)

@@ -297,17 +297,19 @@ class _WithX(nn.Module):
         self.x = nn.Parameter(torch.zeros(2))
 
 
-@parameterized.expand([("replaced",), ("moved",)])
+@parameterized.expand([("replaced",), ("moved",), ("module_replaced",)])
 def test_a_model_changed_by_an_optimizer_load_hook_is_loaded_as_it_is_then(change):
     """set_state_dict applies the optimizer's load, runs its load post-hooks,
-    then the model's load, planned before: where a hook replaced a parameter,
-    or moved one to the front of the next module's registry (names and objects
-    in the same order), each value goes where ``load_state_dict`` puts it in
-    the model as it is then."""
+    then the model's load, planned before: where a hook replaced a parameter
+    or a whole module, or moved a parameter to the front of the next module's
+    registry (names and objects in the same order), each value goes where
+    ``load_state_dict`` puts it in the model as it is then."""
 
     def alter(model):
         if change == "replaced":
             model[0].weight = nn.Parameter(torch.zeros(2, 2))
+        elif change == "module_replaced":
+            model[0] = nn.Linear(2, 2)
         else:
             bias, rest = model[0]._parameters.pop("bias"), dict(model[1]._parameters)
             model[1]._parameters.clear()  # (the registry itself, as a plan keeps it)
