@@ -290,6 +290,19 @@ def test_a_save_patched_on_a_module_or_its_class_between_calls_is_what_get_reads
     assert torch.equal(got["0.w"], torch.ones(2)) and torch.equal(got["1.weight"], model[1].weight.detach())
     assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in model.state_dict().items()}
 
+    # A module's state_dict patched on it, which its parent's state_dict calls.
+    del Box._save_to_state_dict
+    plain = model[1].state_dict
+
+    def doubled(*args, destination=None, prefix="", keep_vars=False):
+        out = plain(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        out[prefix + "weight"] = out[prefix + "weight"] * 2
+        return out
+
+    model[1].state_dict = doubled
+    got = hyperdsd.get_model_state_dict(model)
+    assert torch.equal(got["1.weight"], model[1].weight.detach() * 2) and torch.equal(got["0.w"], torch.zeros(2))
+
 
 class _WithX(nn.Module):
     def __init__(self):
