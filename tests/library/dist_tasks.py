@@ -588,3 +588,31 @@ def other_placements(ctx, warm: bool):
     diffs = diff_snapshots(snapshot(a), snapshot(b))
     assert not diffs, "\n".join(diffs[:10])
     return True
+
+
+def post_hook_load(ctx, broadcast: bool):
+    """A set into an FSDP2 model with a load post-hook of the user's on one
+    module: the whole load goes through one load_state_dict, so the hook runs
+    once and sees no key missing; the model ends with the values set (a get's
+    own dict set back, or a broadcast from rank 0's full dict)."""
+    model, _ = _loop_model(ctx, seed=0, reshard_after_forward=True)
+    seen = []
+    model[1][0].register_load_state_dict_post_hook(
+        lambda module, keys: seen.append((list(keys.missing_keys), list(keys.unexpected_keys)))
+    )
+    if broadcast:
+        source, _ = _loop_model(ctx, seed=1, reshard_after_forward=True)
+        opts = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = hyperdsd.get_model_state_dict(source, options=opts)
+        expected = [v.full_tensor() for v in source.state_dict().values()]
+        opts = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        hyperdsd.set_model_state_dict(model, full if dist.get_rank() == 0 else {}, options=opts)
+    else:
+        sd = hyperdsd.get_model_state_dict(model)
+        sd["0.0.weight"] = sd["0.0.weight"] + 1  # (one fresh value, the rest the model's own tensors)
+        expected = [v.full_tensor() for v in sd.values()]
+        hyperdsd.set_model_state_dict(model, sd)
+    assert seen == [([], [])], seen
+    got = [v.full_tensor() for v in model.state_dict().values()]
+    assert len(got) == len(expected) and all(map(torch.equal, got, expected))
+    return True

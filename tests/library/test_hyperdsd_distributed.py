@@ -57,6 +57,11 @@ def test_a_get_after_an_eval_forward_resumes_exactly(pools, mode, reshard_after_
     assert run(pools, 2, "loop_resume", mode=mode, reshard_after_forward=reshard_after_forward) == [True, True]
 
 
+@pytest.mark.parametrize("broadcast", [False, True], ids=["sharded", "broadcast"])
+def test_a_users_load_post_hook_sees_the_whole_load_on_fsdp2(pools, broadcast):
+    assert run(pools, 2, "post_hook_load", broadcast=broadcast) == [True, True]
+
+
 def test_a_model_on_part_of_the_world_keeps_its_collectives_there(pools):
     values = run(pools, 4, "group_rule")
     assert values == [[0, 1], None, [2, 3], None]
