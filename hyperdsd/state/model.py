@@ -149,7 +149,8 @@ class _PlainLoads:
     """Whether a canonical key is loaded plainly (see
     :func:`hyperdsd._compat.loads_plainly`): by its module and by every module
     above it, whose loading sees (and may change) the entries of the modules
-    below. Every module asked once, up front."""
+    below. Every module asked once, up front; none where a load post-hook
+    sees the ``whole`` load."""
 
     def __init__(self, model: torch.nn.Module, index: ModelIndex):
         self._plain: set[str] = set()

@@ -251,7 +251,7 @@ def _prepare_leaf(value, p, key: str, group: dict, expected, where: str, problem
         # A number where the optimizer keeps a 0-d tensor: checkpoints of torch before 1.12
         # kept ``step`` (and ASGD's ``eta`` and ``mu``) so, and the optimizers' __setstate__
         # make it a tensor; this one is of the optimizer's own dtype and device.
-        value = torch.tensor(float(value), dtype=expected.dtype, device=_compat.local_tensor(expected).device)
+        value = torch.tensor(float(value), dtype=expected.dtype, device=expected.device)
     if not is_tensorish(value):
         if isinstance(expected, torch.Tensor):
             problems.append(f"{where}: a {type(value).__name__} ({value!r}), expected a tensor like the optimizer's")
