@@ -41,6 +41,18 @@ def module_registries(modules: list[torch.nn.Module]) -> list[dict]:
     return [*map(_CHILDREN, modules), *map(_PARAMETERS, modules), *map(_BUFFERS, modules)]
 
 
+def registry_contents(registries: list[dict]) -> tuple[list, list, list]:
+    """What ``registries`` (modules' dicts of children, parameters or buffers)
+    hold, read in C: each one's length, then every name and every value in
+    order. The lengths say where one registry's entries end: a module's last
+    entry moved to the front of the next module's registry leaves the names
+    and values in the same order. Empty registries add nothing to the names
+    and values, and are left out of those passes."""
+    full = list(filter(None, registries))
+    names = list(itertools.chain.from_iterable(full))
+    return list(map(len, registries)), names, list(itertools.chain.from_iterable(map(dict.values, full)))
+
+
 def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list]:
     """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.index_cache`):
     their classes, each registry's length, names and the ids of what it
@@ -48,21 +60,13 @@ def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list]:
     registries, where everything they held is alive); and every parameter
     then every buffer the registries hold, in order, None included."""
     # The registries are nn.Module's private dicts (see child_modules), read a
-    # column at a time in C: a Python loop over thousands of modules costs
-    # more than the walk the comparison saves. The lengths say where one
-    # module's entries end: a module's last parameter moved to the front of
-    # the next module's registry leaves the names and ids in the same order.
-    # Empty registries (most modules' children and buffers) add nothing to
-    # the names and ids, and are left out of those passes.
+    # column at a time in C (registry_contents): a Python loop over thousands
+    # of modules costs more than the walk the comparison saves.
     parts: list = [list(map(type, modules))]
     held: list = []
     for registry in (_CHILDREN, _PARAMETERS, _BUFFERS):
-        dicts = list(map(registry, modules))
-        parts.append(list(map(len, dicts)))
-        dicts = list(filter(None, dicts))
-        values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
-        parts.append(list(itertools.chain.from_iterable(dicts)))
-        parts.append(list(map(id, values)))
+        lengths, names, values = registry_contents(list(map(registry, modules)))
+        parts += [lengths, names, list(map(id, values))]
         if registry is not _CHILDREN:
             held += values
     non_persistent = list(map(_NON_PERSISTENT, modules))
@@ -261,32 +265,24 @@ def each_loads_plainly(modules: list[torch.nn.Module]) -> list[bool]:
     return plain
 
 
-def batch_count_owners(modules: list[torch.nn.Module], prefixes: list[str]) -> dict[int, tuple]:
-    """By the id of each batch norm's ``num_batches_tracked`` among ``modules``,
-    the module and its path (its key prefix in ``prefixes``, without the dot)."""
-    # _NormBase is private; a wrapper (activation checkpointing's) may hide the
-    # module's own path from the keys, so the buffer finds its module.
-    owners = {}
-    for module, prefix in zip(modules, prefixes):
-        if isinstance(module, torch.nn.modules.batchnorm._NormBase):
-            count = module._buffers.get("num_batches_tracked")
-            if count is not None:
-                owners[id(count)] = (module, prefix[:-1])
-    return owners
-
-
-def fills_in_batch_count(module: torch.nn.Module, state_dict: dict, path: str) -> bool:
-    """Whether batch norm ``module``'s own loading fills in its
-    ``num_batches_tracked`` where ``state_dict`` lacks it: it does when it
-    tracks running stats and the dict carries no version for it (under its
-    path), or one before 2 (saved before the buffer existed), and loads its
-    own value again."""
-    # (_NormBase._load_from_state_dict; the state dict's _metadata is private to load_state_dict)
-    if not module.track_running_stats:
-        return False
+def filled_in_batch_counts(modules: list[torch.nn.Module], prefixes: list[str], state_dict: dict) -> set[int]:
+    """The ids of the ``num_batches_tracked`` buffers of ``modules`` (their
+    key prefixes ``prefixes``) that their own loading fills in where
+    ``state_dict`` lacks them: a batch norm's that tracks running stats does
+    when the dict carries no version under the module's own path, or one
+    before 2 (saved before the buffer existed), and loads its value again."""
+    # _NormBase._load_from_state_dict; the class and the state dict's _metadata
+    # are private. The buffer finds its module: a wrapper (activation
+    # checkpointing's) may leave the module's own path out of the keys.
     metadata = getattr(state_dict, "_metadata", None)
-    version = metadata.get(path, {}).get("version") if metadata is not None else None
-    return version is None or version < 2
+    filled = set()
+    for module, prefix in zip(modules, prefixes):
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats:
+            count = module._buffers.get("num_batches_tracked")
+            version = metadata.get(prefix[:-1], {}).get("version") if metadata is not None else None
+            if count is not None and (version is None or version < 2):
+                filled.add(id(count))
+    return filled
 
 
 def loads_by_copying(model: torch.nn.Module) -> bool:

@@ -7,7 +7,6 @@ parameters under each of their names, as PyTorch's own state dict has them.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any
 
@@ -264,19 +263,17 @@ def plan_load(
 def _not_filled_in(missing: list[str], sd: dict, raw_of: dict, index: ModelIndex, targets: dict) -> list[str]:
     """``missing`` (canonical keys) without those ``load_state_dict`` fills in by
     itself: a batch norm's ``num_batches_tracked``
-    (:func:`hyperdsd._compat.fills_in_batch_count`), left as it is. A model on
+    (:func:`hyperdsd._compat.filled_in_batch_counts`), left as it is. A model on
     the meta device gets a 0 there, which is left to be reported missing."""
-    counts = [c for c in missing if c.endswith("num_batches_tracked")]
-    if not counts:
+    if not any(c.endswith("num_batches_tracked") for c in missing):
         return missing
-    owners = _compat.batch_count_owners([m for m, _ in index.modules], index.raw_prefixes)
-    filled = set()
-    for canon in counts:
+    filled = _compat.filled_in_batch_counts([m for m, _ in index.modules], index.raw_prefixes, sd)
+
+    def fills(canon: str) -> bool:
         target = targets.get(raw_of[canon])
-        owner = owners.get(id(target)) if isinstance(target, torch.Tensor) and not target.is_meta else None
-        if owner is not None and _compat.fills_in_batch_count(owner[0], sd, owner[1]):
-            filled.add(canon)
-    return [c for c in missing if c not in filled]
+        return isinstance(target, torch.Tensor) and not target.is_meta and id(target) in filled
+
+    return [c for c in missing if not fills(c)]
 
 
 def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list[ReceiverColumn]] | None:
@@ -329,9 +326,8 @@ def _registered(registries: list[dict]) -> tuple[list, list]:
     """What ``registries`` (modules' children, parameters and buffers by name)
     hold now: the names, with each registry's length (where its names end),
     the objects."""
-    full = list(filter(None, registries))  # (most buffer registries are empty)
-    names = [*map(len, registries), *itertools.chain.from_iterable(full)]
-    return names, list(itertools.chain.from_iterable(map(dict.values, full)))
+    lengths, names, held = _compat.registry_contents(registries)
+    return [*lengths, *names], held
 
 
 def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -> None:
