@@ -95,69 +95,81 @@ def describe(state_dict: Any) -> tuple[Any, list[torch.Tensor], list[ShapeDtype]
     they hold, if they do (``TensorMeta.fill``): every rank needs it to tell
     a saved never-stepped placeholder state from real state.
     """
-    # By id(): the tensors live in ``state_dict`` for the call, and compare elementwise.
-    summarise = never_stepped_tensors(state_dict.get("optim")) if isinstance(state_dict, dict) else set()
-    fulls: list[torch.Tensor] = []
-    metas: list[ShapeDtype] = []
-    fills: dict[int, Any] = {}
-    problems: list[str] = []
-    # One object per distinct shape and per distinct (shape, dtype): pickle
-    # sends a shared object once, so every rank unpickles a handful instead
-    # of one per tensor.
-    shared: dict[tuple, ShapeDtype] = {}
-    entry_keys: dict[tuple, tuple] = {}  # (each distinct tuple of an entry's keys, shared likewise)
+    found = _Description(state_dict)
+    return found.walk(state_dict, ()), found.fulls, found.metas, found.fills, found.problems
 
-    def meta(leaf: Any, path: tuple) -> Any:
+
+class _Description:
+    """:func:`describe`'s walk and what it finds (an object, not closures: a
+    recursive closure is a cycle, and would keep the root's tensors until the
+    collector runs)."""
+
+    def __init__(self, state_dict: Any):
+        # By id(): the tensors live in ``state_dict`` for the call, and compare elementwise.
+        self.summarise = never_stepped_tensors(state_dict.get("optim")) if isinstance(state_dict, dict) else set()
+        self.fulls: list[torch.Tensor] = []
+        self.metas: list[ShapeDtype] = []
+        self.fills: dict[int, Any] = {}
+        self.problems: list[str] = []
+        # One object per distinct shape and per distinct (shape, dtype): pickle
+        # sends a shared object once, so every rank unpickles a handful instead
+        # of one per tensor.
+        self.shared: dict[tuple, ShapeDtype] = {}
+        self.entry_keys: dict[tuple, tuple] = {}  # (each distinct tuple of an entry's keys, shared likewise)
+
+    def meta(self, leaf: Any, path: tuple) -> Any:
         if isinstance(leaf, DTensor):
-            problems.append(
+            self.problems.append(
                 f"state_dict{where(path)}: a DTensor; broadcast_from_rank0 loads full tensors "
                 "(get them with full_state_dict=True)"
             )
             return None
-        return stand_in(leaf) if isinstance(leaf, torch.Tensor) else leaf
+        return self.stand_in(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
-    def stand_in(leaf: torch.Tensor) -> TensorMeta:
-        i = column([leaf])
-        return TensorMeta(*metas[i], i, fills.get(i))
+    def stand_in(self, leaf: torch.Tensor) -> TensorMeta:
+        i = self.column([leaf])
+        return TensorMeta(*self.metas[i], i, self.fills.get(i))
 
-    def column(leaves: list[torch.Tensor]) -> int:
+    def column(self, leaves: list[torch.Tensor]) -> int:
         """Index ``leaves`` (tensors), a column at a time: each one's shared
         ``(shape, dtype)``, its fill; returns the first one's index."""
+        shared = self.shared
         keys = list(zip(map(_SHAPE, leaves), map(_DTYPE, leaves)))
         for shape, dtype in dict.fromkeys(keys):
             if (shape, dtype) not in shared:
                 shared[(shape, dtype)] = ShapeDtype(tuple(shape), dtype)
-        start = len(fulls)
-        fulls.extend(leaves)
-        metas.extend(map(shared.__getitem__, keys))
-        if summarise:
+        start = len(self.fulls)
+        self.fulls.extend(leaves)
+        self.metas.extend(map(shared.__getitem__, keys))
+        if self.summarise:
             for i, leaf in enumerate(leaves, start):
-                fill = tensor_fill(leaf) if id(leaf) in summarise else None
+                fill = tensor_fill(leaf) if id(leaf) in self.summarise else None
                 if fill not in (None, UNKNOWN, VARIES):
-                    fills[i] = fill
+                    self.fills[i] = fill
         return start
 
-    def walk(obj: Any, path: tuple) -> Any:
+    def walk(self, obj: Any, path: tuple) -> Any:
         # rebuild(obj, meta), a dict's plain tensors taken in place (most of a state dict's leaves):
         # a model's dict of tensors, or an optimizer's dict of entries of tensors, a column at a time
         if type(obj) is dict:
             values = list(obj.values())
             kinds = set(map(type, values))
             if kinds == {torch.Tensor}:
-                return _Column(list(obj), column(values))
+                return _Column(list(obj), self.column(values))
             if kinds == {dict}:
                 leaves = list(itertools.chain.from_iterable(map(dict.values, values)))
                 if set(map(type, leaves)) <= {torch.Tensor}:
                     keys = list(map(tuple, values))
-                    return _Column(list(obj), column(leaves), list(map(entry_keys.setdefault, keys, keys)))
-            return {k: stand_in(v) if type(v) is torch.Tensor else walk(v, path + (k,)) for k, v in obj.items()}
+                    entries = list(map(self.entry_keys.setdefault, keys, keys))
+                    return _Column(list(obj), self.column(leaves), entries)
+            return {
+                k: self.stand_in(v) if type(v) is torch.Tensor else self.walk(v, path + (k,)) for k, v in obj.items()
+            }
         if type(obj) is list and set(map(type, obj)) == {str}:  # a group's FQNs
             return list(obj)
         if type(obj) is list:
-            return [walk(v, path + (i,)) for i, v in enumerate(obj)]
-        return rebuild(obj, meta, path)
-
-    return walk(state_dict, ()), fulls, metas, fills, problems
+            return [self.walk(v, path + (i,)) for i, v in enumerate(obj)]
+        return rebuild(obj, self.meta, path)
 
 
 def stand_ins_of(sent: Any, metas: list[ShapeDtype], fills: dict[int, Any]) -> Any:
@@ -166,23 +178,25 @@ def stand_ins_of(sent: Any, metas: list[ShapeDtype], fills: dict[int, Any]) -> A
     indices = range(len(metas))
     fill_of = map(fills.get, indices) if fills else itertools.repeat(None)
     stand = list(map(TensorMeta, map(_FIRST, metas), map(_SECOND, metas), indices, fill_of))
+    return _with_stand_ins(sent, stand)
 
-    def walk(obj: Any) -> Any:
-        kind = type(obj)
-        if kind is _Column:
-            if obj.entries is None:
-                return dict(zip(obj.keys, stand[obj.start : obj.start + len(obj.keys)]))
-            sizes = list(map(len, obj.entries))
-            run = iter(stand[obj.start : obj.start + sum(sizes)])
-            entries = map(dict, map(zip, obj.entries, map(itertools.islice, itertools.repeat(run), sizes)))
-            return dict(zip(obj.keys, entries))
-        if kind is dict:
-            return {k: walk(v) for k, v in obj.items()}
-        if kind is list and not set(map(type, obj)) <= {str}:
-            return list(map(walk, obj))
-        return obj
 
-    return walk(sent)
+def _with_stand_ins(obj: Any, stand: list[TensorMeta]) -> Any:
+    """:func:`stand_ins_of`'s walk (a function of its own: a recursive closure
+    is a cycle, and would keep every stand-in until the collector runs)."""
+    kind = type(obj)
+    if kind is _Column:
+        if obj.entries is None:
+            return dict(zip(obj.keys, stand[obj.start : obj.start + len(obj.keys)]))
+        sizes = list(map(len, obj.entries))
+        run = iter(stand[obj.start : obj.start + sum(sizes)])
+        entries = map(dict, map(zip, obj.entries, map(itertools.islice, itertools.repeat(run), sizes)))
+        return dict(zip(obj.keys, entries))
+    if kind is dict:
+        return {k: _with_stand_ins(v, stand) for k, v in obj.items()}
+    if kind is list and not set(map(type, obj)) <= {str}:
+        return [_with_stand_ins(v, stand) for v in obj]
+    return obj
 
 
 def optimizer_names(manifest: Any) -> list[str]:

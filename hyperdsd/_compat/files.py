@@ -54,25 +54,31 @@ def save_records(tensor: torch.Tensor) -> list[tuple[str, Any]] | None:
 
     from torch import serialization
 
-    records: list[tuple[str, Any]] = []
-    storage = tensor.untyped_storage()
-
-    class Recorder:
-        def write_record(self, name, data, size):
-            if isinstance(data, torch.UntypedStorage):
-                if data.data_ptr() != storage.data_ptr() or size != storage.nbytes():
-                    raise ValueError("another storage")
-                records.append((name, None))
-            else:
-                records.append((name, bytes(data, "ascii") if isinstance(data, str) else bytes(data)))
-
+    recorder = _Recorder(tensor.untyped_storage())
     try:
-        serialization._save(tensor, Recorder(), pickle, serialization.DEFAULT_PROTOCOL, False)
+        serialization._save(tensor, recorder, pickle, serialization.DEFAULT_PROTOCOL, False)
     except Exception:  # noqa: BLE001 - another torch's _save, or a tensor it saves otherwise
         return None
-    if [data for _, data in records].count(None) != 1:
+    if [data for _, data in recorder.records].count(None) != 1:
         return None
-    return records
+    return recorder.records
+
+
+class _Recorder:
+    """An archive writer for :func:`save_records` that keeps the records it is
+    given (a class made per call would be a cycle for the collector)."""
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.storage = storage
+        self.records: list[tuple[str, Any]] = []
+
+    def write_record(self, name, data, size):
+        if isinstance(data, torch.UntypedStorage):
+            if data.data_ptr() != self.storage.data_ptr() or size != self.storage.nbytes():
+                raise ValueError("another storage")
+            self.records.append((name, None))
+        else:
+            self.records.append((name, bytes(data, "ascii") if isinstance(data, str) else bytes(data)))
 
 
 def archive_writer(stream):

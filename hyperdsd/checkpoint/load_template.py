@@ -63,22 +63,23 @@ def _is_flat_optimizer(value: Mapping) -> bool:
 def optimizer_roots(state_dict: Any) -> dict[Path, tuple[str, Mapping]]:
     """The optimizer state dicts in ``state_dict`` by path: ("nested" or "flat", the dict)."""
     roots: dict[Path, tuple[str, Mapping]] = {}
-
-    def visit(path: Path, value: Any) -> None:
-        if isinstance(value, Mapping):
-            if STATE in value and GROUPS in value:
-                roots[path] = ("nested", value)
-            elif _is_flat_optimizer(value):
-                roots[path] = ("flat", value)
-            else:
-                for k, v in value.items():
-                    visit(path + (str(k),), v)
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                visit(path + (i,), v)
-
-    visit((), state_dict)
+    _find_roots(roots, (), state_dict)
     return roots
+
+
+def _find_roots(roots: dict[Path, tuple[str, Mapping]], path: Path, value: Any) -> None:
+    """:func:`optimizer_roots`' walk (not a closure: a recursive one is a cycle)."""
+    if isinstance(value, Mapping):
+        if STATE in value and GROUPS in value:
+            roots[path] = ("nested", value)
+        elif _is_flat_optimizer(value):
+            roots[path] = ("flat", value)
+        else:
+            for k, v in value.items():
+                _find_roots(roots, path + (str(k),), v)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _find_roots(roots, path + (i,), v)
 
 
 def _flat_fqns(flat: Mapping) -> set[str]:

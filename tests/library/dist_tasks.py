@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import shutil
+import types
 
 import torch
 import torch.distributed as dist
@@ -616,3 +618,88 @@ def post_hook_load(ctx, broadcast: bool):
     got = [v.full_tensor() for v in model.state_dict().values()]
     assert len(got) == len(expected) and all(map(torch.equal, got, expected))
     return True
+
+
+def garbage_left(ctx, fsdp: int = 2):
+    """What each call leaves for the cyclic collector: by call, the kinds of
+    objects it finds unreachable after the call, and those of them hyperdsd
+    made (none expected; where torch.save or pickle runs, a checkpoint's
+    files or FSDP1's objects sent, only the latter: torch makes a pickler
+    class per call). A call that leaves cycles holds what
+    they reach (a broadcast root's full tensors, every rank's stand-ins)
+    until the collector's next pass, and that pass walks every object the
+    call made."""
+    import gc
+    import tempfile
+
+    import hyperdsd.checkpoint
+
+    def made_here(o) -> bool:
+        owner = o if isinstance(o, (type, types.FunctionType)) else type(o)
+        return getattr(owner, "__module__", "").startswith("hyperdsd")
+
+    box = [tempfile.mkdtemp(prefix="hyperdsd-garbage-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = f"{box[0]}/checkpoint"
+    if fsdp == 1:
+        import fsdp1_tasks
+
+        model, optimizer = fsdp1_tasks._fsdp1(ctx, 0, uop=True)
+        fsdp1_tasks._steps(model, optimizer, 0, 1)
+    else:
+        model, optimizer = _loop_model(ctx, seed=0, reshard_after_forward=True)
+        _loop_steps(model, optimizer, 0, 1)
+    full = hyperdsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    broadcast = hyperdsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    flat = hyperdsd.StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = hyperdsd.get_state_dict(model, optimizer, options=full)
+    if dist.get_rank() != 0:
+        msd, osd = {}, {}
+
+    def set_own():
+        own_msd, own_osd = hyperdsd.get_state_dict(model, optimizer)
+        hyperdsd.set_state_dict(model, optimizer, model_state_dict=own_msd, optim_state_dict=own_osd)
+
+    calls = {
+        "get": lambda: hyperdsd.get_state_dict(model, optimizer),
+        "full get": lambda: hyperdsd.get_state_dict(model, optimizer, options=full),
+        "flat get": lambda: hyperdsd.get_state_dict(model, optimizer, options=flat),
+        "set": set_own,
+        "broadcast set": lambda: hyperdsd.set_state_dict(
+            model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=broadcast
+        ),
+        "broadcast model set": lambda: hyperdsd.set_model_state_dict(model, msd, options=broadcast),
+        "broadcast optimizer set": lambda: hyperdsd.set_optimizer_state_dict(model, optimizer, osd, options=broadcast),
+        "checkpoint save": lambda: hyperdsd.checkpoint.save(path, model, optimizer),
+        "checkpoint load": lambda: hyperdsd.checkpoint.load(path, model, optimizer),
+    }
+    left = {}
+    gc.collect()
+    for name, call in calls.items():
+        gc.disable()
+        try:
+            call()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            mine = {
+                f"{o.__module__}.{o.__qualname__}" if isinstance(o, type) else type(o).__qualname__
+                for o in gc.garbage
+                if made_here(o)
+            }
+            left[name] = (
+                sorted(
+                    {
+                        type(o).__qualname__ if type(o) is not type else f"{o.__module__}.{o.__qualname__}"
+                        for o in gc.garbage
+                    }
+                ),
+                sorted(mine),
+            )
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+    return left
