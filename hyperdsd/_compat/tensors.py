@@ -75,6 +75,12 @@ def copy_each_of_run(dests: list[torch.Tensor], run: torch.Tensor, shaped: bool 
             return
         except RuntimeError:  # a dest of another dtype or device: copied as below (a copy twice is harmless)
             pass
+    if not piece and len(dests) > 1 and bool((run == run[0]).all()):
+        # 0-d values (an optimizer's steps), mostly all alike: the one value copied
+        # into each, half the time of a view made per value
+        with torch.no_grad():
+            torch._foreach_copy_(dests, [run[0]] * len(dests))
+        return
     # Views made under inference mode skip autograd's view bookkeeping; the
     # pieces are dropped after the copy.
     with torch.inference_mode():

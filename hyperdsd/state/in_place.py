@@ -129,12 +129,13 @@ def column_receivers(
         wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
         dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
     else:
-        local_shape = {id(layout): tuple(layout.local_shape) for layout in layout_of.values()}
+        local_shape = {id(layout): layout.local_shape for layout in layout_of.values()}
         dests = list(map(_compat.dtensor_local, existing))
         # every local tensor asked, not one per signature: a DTensor made with ``run_check=False``
         # may hold a local tensor of another shape than its spec's, and a copy out= would resize it
         wants = list(map(local_shape.__getitem__, map(id, layouts)))
-    # (a torch.Size equals the tuple of its sizes: compared as they are, no tuple made per tensor)
-    if any(map(_IS_META, dests)) or list(map(_SHAPE, dests)) != list(map(tuple, wants)):
+    # (a torch.Size equals the tuple of its sizes, and every shape wanted is a tuple: stand-ins'
+    # and layouts' shapes are; compared as they are, no tuple made per tensor)
+    if any(map(_IS_META, dests)) or list(map(_SHAPE, dests)) != wants:
         return None  # (a model built on the meta device is assigned its values)
     return ReceiverColumn(list(values), layouts, list(existing), dests, devices, rows, key)

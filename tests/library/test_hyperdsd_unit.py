@@ -1195,3 +1195,28 @@ def test_receiver_columns_expand_into_the_plans_they_stand_for():
     assert entries == [{"exp_avg": metas[0]}, {"exp_avg": metas[1]}]
     assert all(load.received and load.entry["exp_avg"].dest is d for load, d in zip(loads, dests))
     assert [p.local for p in optim.tensors()] == [None, None]  # (not delivered yet)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[3.0] * 5, [3.0, 3.0, 4.0, 3.0, 3.0], [float("nan")] * 5, [7.0]],
+    ids=["alike", "one-differs", "nan", "one"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["same-dtype", "another-dtype"])
+def test_a_run_of_0d_values_lands_in_each(values, dtype):
+    """0-d values (an optimizer's steps): each dest takes its own, converted to
+    its dtype, and stays an ordinary tensor with its version bumped (the
+    values all alike go as one value copied into each)."""
+    from hyperdsd import _compat
+
+    dests = [torch.zeros((), dtype=torch.float32) for _ in values]
+    versions = [t._version for t in dests]
+    run = torch.tensor(values, dtype=dtype)
+    _compat.copy_each_of_run(dests, run)
+    expected = run.to(torch.float32)
+    assert all(torch.equal(t, v) or (t.isnan() and v.isnan()) for t, v in zip(dests, expected))
+    assert all(t.shape == () and t._version > v for t, v in zip(dests, versions))
+    assert not any(t.is_inference() for t in dests)
+    dests[0].add_(1)  # each its own tensor, not a view of the run or of another dest
+    assert torch.equal(dests[-1], expected[-1]) or len(dests) == 1 or dests[-1].isnan()
+    torch.testing.assert_close(run, torch.tensor(values, dtype=dtype), rtol=0, atol=0, equal_nan=True)
