@@ -75,16 +75,28 @@ def copy_each_of_run(dests: list[torch.Tensor], run: torch.Tensor, shaped: bool 
             return
         except RuntimeError:  # a dest of another dtype or device: copied as below (a copy twice is harmless)
             pass
-    if not piece and len(dests) > 1 and bool((run == run[0]).all()):
-        # 0-d values (an optimizer's steps), mostly all alike: the one value copied
-        # into each, half the time of a view made per value
-        with torch.no_grad():
-            torch._foreach_copy_(dests, [run[0]] * len(dests))
-        return
     # Views made under inference mode skip autograd's view bookkeeping; the
     # pieces are dropped after the copy.
     with torch.inference_mode():
-        torch._foreach_copy_(dests, run.unbind(0))
+        if not piece and len(dests) == len(run) > 1 and _alike(run):
+            # 0-d values (an optimizer's steps), mostly all alike: the one value
+            # copied into each, half the time of a view made per value
+            torch._foreach_copy_(dests, [run[0]] * len(dests))
+        else:
+            torch._foreach_copy_(dests, run.unbind(0))
+
+
+def _alike(run: torch.Tensor) -> bool:
+    """Whether every element of the 1-D CPU tensor ``run`` is the first one bit
+    for bit (-0.0 is not 0.0); False on another device (the answer would wait
+    for it) or where its bytes cannot be viewed."""
+    if run.device.type != "cpu" or not run.is_contiguous():
+        return False
+    try:
+        bits = run.view(torch.uint8).view(len(run), -1)
+    except (RuntimeError, TypeError):
+        return False
+    return bool((bits == bits[0]).all())
 
 
 def version_of(t: torch.Tensor) -> int:

@@ -1199,14 +1199,14 @@ def test_receiver_columns_expand_into_the_plans_they_stand_for():
 
 @pytest.mark.parametrize(
     "values",
-    [[3.0] * 5, [3.0, 3.0, 4.0, 3.0, 3.0], [float("nan")] * 5, [7.0]],
-    ids=["alike", "one-differs", "nan", "one"],
+    [[3.0] * 5, [3.0, 3.0, 4.0, 3.0, 3.0], [float("nan")] * 5, [0.0, -0.0, 0.0], [7.0]],
+    ids=["alike", "one-differs", "nan", "signed-zeros", "one"],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["same-dtype", "another-dtype"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["run-of-their-dtype", "run-of-another-dtype"])
 def test_a_run_of_0d_values_lands_in_each(values, dtype):
-    """0-d values (an optimizer's steps): each dest takes its own, converted to
-    its dtype, and stays an ordinary tensor with its version bumped (the
-    values all alike go as one value copied into each)."""
+    """0-d values (an optimizer's steps): each dest takes its own bit for bit
+    (-0.0 too), converted to its dtype, and stays an ordinary tensor with its
+    version bumped (values all alike go as one value copied into each)."""
     from hyperdsd import _compat
 
     dests = [torch.zeros((), dtype=torch.float32) for _ in values]
@@ -1214,9 +1214,10 @@ def test_a_run_of_0d_values_lands_in_each(values, dtype):
     run = torch.tensor(values, dtype=dtype)
     _compat.copy_each_of_run(dests, run)
     expected = run.to(torch.float32)
-    assert all(torch.equal(t, v) or (t.isnan() and v.isnan()) for t, v in zip(dests, expected))
+    assert [t.view(torch.int32).item() for t in dests] == [v.view(torch.int32).item() for v in expected]
     assert all(t.shape == () and t._version > v for t, v in zip(dests, versions))
-    assert not any(t.is_inference() for t in dests)
     dests[0].add_(1)  # each its own tensor, not a view of the run or of another dest
-    assert torch.equal(dests[-1], expected[-1]) or len(dests) == 1 or dests[-1].isnan()
+    assert len(dests) == 1 or dests[-1].view(torch.int32).item() == expected[-1].view(torch.int32).item()
     torch.testing.assert_close(run, torch.tensor(values, dtype=dtype), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError):  # (a run of another length than its dests is refused, as it was)
+        _compat.copy_each_of_run(dests + [torch.zeros(())], run)
