@@ -24,6 +24,7 @@ from .. import _compat
 from ..errors import StateDictError
 from ..state import flat_shards as layout_of
 from ..state.flat_shards import (
+    HeldValue,
     RowsAt,
     UnitLayout,
     at_path,
@@ -212,6 +213,8 @@ def _twin_entry(summary: dict, own: dict, rows_at) -> dict:
         if isinstance(leaf, RowsAt):
             return rows_at(path)
         leaf = at_path(own, path, leaf)
+        if isinstance(leaf, HeldValue):
+            return leaf.tensor()
         return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
 
     return {key: rebuild(detail, value, (key,)) for key, (kind, detail) in summary.items() if kind != "shape"}

@@ -623,9 +623,8 @@ def post_hook_load(ctx, broadcast: bool):
 def garbage_left(ctx, fsdp: int = 2):
     """What each call leaves for the cyclic collector: by call, the kinds of
     objects it finds unreachable after the call, and those of them hyperdsd
-    made (none expected; where torch.save or pickle runs, a checkpoint's
-    files or FSDP1's objects sent, only the latter: torch makes a pickler
-    class per call). A call that leaves cycles holds what
+    made (none expected; where torch.save runs, a checkpoint's calls, only
+    the latter: torch makes a pickler class per call). A call that leaves cycles holds what
     they reach (a broadcast root's full tensors, every rank's stand-ins)
     until the collector's next pass, and that pass walks every object the
     call made."""

@@ -1221,3 +1221,36 @@ def test_a_run_of_0d_values_lands_in_each(values, dtype):
     torch.testing.assert_close(run, torch.tensor(values, dtype=dtype), rtol=0, atol=0, equal_nan=True)
     with pytest.raises(RuntimeError):  # (a run of another length than its dests is refused, as it was)
         _compat.copy_each_of_run(dests + [torch.zeros(())], run)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.tensor(3.0),
+        torch.tensor(-0.0),
+        torch.tensor(1e-3, dtype=torch.bfloat16),
+        torch.tensor(0.1, dtype=torch.float64),
+        torch.tensor(2**62 + 1),
+        torch.tensor(True),
+        torch.tensor(1 + 2j, dtype=torch.complex64),
+    ],
+    ids=["float", "minus-zero", "bf16", "double", "int64", "bool", "complex"],
+)
+def test_a_summary_sends_0d_state_as_its_value(value):
+    """An FSDP1 unit's summary of a parameter's state (sent to every rank)
+    holds a 0-d tensor as its value, dtype and device, which give the tensor
+    back bit for bit; it pickles without a tensor (torch pickles each through
+    a storage archive of its own)."""
+    import pickle
+
+    from hyperdsd.state.flat_shards import HeldValue, summarize
+
+    summary = summarize({"step": value, "exp_avg": torch.zeros(4), "nested": {"count": value}}, per_element=4)
+    sent = pickle.loads(pickle.dumps(summary))
+    assert b"torch._utils" not in pickle.dumps(summary)
+    for held in (sent["step"][1], sent["nested"][1]["count"]):
+        assert isinstance(held, HeldValue)
+        back = held.tensor()
+        assert back.dtype == value.dtype and back.shape == () and back.device == value.device
+        assert torch.equal(back.reshape(1).view(torch.uint8), value.reshape(1).view(torch.uint8))
+    assert sent["exp_avg"][0] == "rows"
