@@ -33,6 +33,14 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def dtensor_spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torch.dtype):
+    """The spec a DTensor of this mesh, placements, global shape, stride and
+    dtype carries (what ``DTensor.from_local`` builds; its module is private)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype))
+
+
 # An object that stands for a DTensor's mesh, placements, global shape, stride
 # and dtype, shared by DTensors laid out alike: its spec. Planning a load checks
 # each value's layout against its parameter's; tens of thousands of small

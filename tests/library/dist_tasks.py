@@ -703,3 +703,38 @@ def garbage_left(ctx, fsdp: int = 2):
     if dist.get_rank() == 0:
         shutil.rmtree(box[0], ignore_errors=True)
     return left
+
+
+def wrap_as_from_local(ctx):
+    """DTensorLayout.wrap makes what DTensor.from_local makes (run_check off,
+    global shape and stride given), on uneven shards, replicated, of several
+    dtypes, requiring grad or not: type, mesh, placements, shape, stride,
+    dtype, requires_grad, the local's memory, its full tensor, and ops on it."""
+    mesh = ctx.mesh(str(ctx.world_size))
+    checked = 0
+    for full in (
+        torch.arange(15.0).view(5, 3),
+        torch.arange(6, dtype=torch.int64),
+        torch.ones(3, 2, dtype=torch.bfloat16),
+    ):
+        for placements in ((Shard(0),), (Replicate(),)):
+            reference = distribute_tensor(full, mesh, placements)
+            layout = DTensorLayout.of(reference)
+            for grad in (False, True) if full.is_floating_point() else (False,):
+                local = reference.to_local().clone().requires_grad_(grad)
+                made, expected = (
+                    layout.wrap(local),
+                    DTensor.from_local(
+                        local, mesh, placements, run_check=False, shape=layout.shape, stride=layout.stride
+                    ),
+                )
+                assert type(made) is DTensor and made.device_mesh == expected.device_mesh
+                assert made.placements == expected.placements and made.shape == expected.shape
+                assert made.stride() == expected.stride() and made.dtype == expected.dtype == full.dtype
+                assert made.requires_grad == expected.requires_grad == grad
+                assert made.to_local().data_ptr() == local.data_ptr()
+                assert torch.equal(made.full_tensor().detach(), full)
+                assert torch.equal((made.detach() * 2).full_tensor(), full * 2)
+                assert made._spec == expected._spec
+                checked += 1
+    return checked

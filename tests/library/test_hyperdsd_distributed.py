@@ -111,3 +111,8 @@ def test_calls_leave_nothing_for_the_cyclic_collector(pools, fsdp):
             assert not made_here, (call, made_here)
             if not call.startswith("checkpoint"):  # (torch.save's pickler classes aside)
                 assert not kinds, (call, kinds)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_layout_wraps_a_local_tensor_as_from_local_does(pools, world_size):
+    assert run(pools, world_size, "wrap_as_from_local") == [10] * world_size
