@@ -91,11 +91,10 @@ def _move(layout, outgoing: list[list[torch.Tensor]], incoming: list[list[torch.
     recv = torch.empty(sum(in_sizes), dtype=torch.uint8, device=send.device)
     out_sizes = [sum(p.numel() for p in q) for q in small_out]
     dist.all_to_all_single(recv, send, output_split_sizes=in_sizes, input_split_sizes=out_sizes, group=pg)
-    at = 0
-    for dst in (t for q in small_in for t in q):
-        n = _nbytes(dst)
-        dst.view(torch.uint8).copy_(recv[at : at + n])
-        at += n
+    dsts = [t for q in small_in for t in q]
+    if dsts:  # (each piece cut from the bytes received and copied into its place in one call)
+        sizes = list(map(_nbytes, dsts))
+        torch.split_with_sizes_copy(recv, sizes, out=[d.view(torch.uint8) for d in dsts])
     for work in works:
         work.wait()
 
