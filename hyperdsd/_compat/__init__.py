@@ -47,6 +47,7 @@ from .modules import (
 )
 from .tensors import (
     all_gather_into,
+    as_parameter,
     collective_device,
     copy_each,
     copy_each_of_run,
@@ -79,6 +80,7 @@ __all__ = [
     "distribute_locally",
     "each_loads_plainly",
     "filled_in_batch_counts",
+    "as_parameter",
     "dtensor_local",
     "dtensor_spec",
     "file_window",

@@ -33,6 +33,17 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def as_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """``nn.Parameter(t, requires_grad)``. For a DTensor, what nn.Parameter makes
+    of a tensor subclass (``t`` detached, ``requires_grad_``, flagged
+    ``_is_param``), detached without DTensor's op dispatcher (:func:`detached`)."""
+    if type(t) is not DTensor:
+        return torch.nn.Parameter(t, requires_grad)
+    out = detached(t).requires_grad_(requires_grad)
+    out._is_param = True
+    return out
+
+
 def dtensor_spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torch.dtype):
     """The spec a DTensor of this mesh, placements, global shape, stride and
     dtype carries (what ``DTensor.from_local`` builds; its module is private)."""

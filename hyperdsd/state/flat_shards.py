@@ -167,7 +167,7 @@ def twin_module(index, units: list[UnitLayout], rows: list[list[torch.Tensor]]) 
         twins = []
         for i, (fqn, piece) in enumerate(zip(layout.fqns, local)):
             grad = grads[i] if grads is not None else unit.flat.requires_grad
-            twin = nn.Parameter(layout.layouts[i].wrap(piece), requires_grad=grad)
+            twin = _compat.as_parameter(layout.layouts[i].wrap(piece), grad)
             twins.append(twin)
             if unit.params is not None:
                 managed[id(unit.params[i])] = twin

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import hyperdsd
+from hyperdsd import _compat
 from hyperdsd.placement import DTensorLayout
 from hyperdsd.transport import collectives
 from hyperdsd.transport.gather import Gatherer
@@ -736,5 +737,14 @@ def wrap_as_from_local(ctx):
                 assert torch.equal(made.full_tensor().detach(), full)
                 assert torch.equal((made.detach() * 2).full_tensor(), full * 2)
                 assert made._spec == expected._spec
+                # and a parameter of it, as nn.Parameter makes one
+                for wanted in (False, True) if full.is_floating_point() else (False,):
+                    param, reference_param = _compat.as_parameter(made, wanted), torch.nn.Parameter(made, wanted)
+                    assert isinstance(param, torch.nn.Parameter) and type(param) is type(reference_param) is DTensor
+                    assert param.requires_grad == reference_param.requires_grad == wanted
+                    assert param.is_leaf and param.grad_fn is None and param._spec == made._spec
+                    assert param.to_local().data_ptr() == local.data_ptr()
                 checked += 1
+    plain = _compat.as_parameter(torch.ones(2), True)
+    assert type(plain) is torch.nn.Parameter and plain.requires_grad
     return checked
