@@ -91,9 +91,11 @@ class DTensorLayout:
         """A DTensor of this layout around ``local`` (its data, not a copy), as
         ``DTensor.from_local(..., run_check=False, shape=, stride=)`` makes it,
         moved to the mesh's device type as that moves it, and requiring grad
-        where ``local`` does; but built directly, with no autograd edge back to
-        ``local``: from_local's autograd function cost about 30 us a tensor,
-        most of an FSDP1 get of many parameters."""
+        where ``local`` does with grad mode on; but built directly, a leaf with
+        no autograd edge back to ``local`` and ``local`` itself inside, not a
+        view of it: from_local's autograd function cost about 30 us a tensor,
+        most of an FSDP1 get of many parameters. (No caller hands it a tensor
+        that requires grad but a twin's pieces, which it detaches.)"""
         if not self._member:  # (a rank outside the mesh: from_local's empty local)
             return DTensor.from_local(
                 local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
@@ -106,7 +108,7 @@ class DTensorLayout:
             spec = self._specs[local.dtype] = _compat.dtensor_spec(
                 self.mesh, self.placements, self.shape, self.stride, local.dtype
             )
-        return DTensor.__new__(DTensor, local, spec, requires_grad=local.requires_grad)
+        return DTensor.__new__(DTensor, local, spec, requires_grad=local.requires_grad and torch.is_grad_enabled())
 
     # One spec per dtype, shared by the DTensors a layout wraps (as FSDP2's parameters share theirs).
     @functools.cached_property

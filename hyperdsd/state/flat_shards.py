@@ -253,7 +253,7 @@ class HeldValue:
     through a storage archive of its own: about 100 us a tensor sent and
     received, most of an FSDP1 get of many parameters."""
 
-    value: Any  # the tensor's ``item()``: exact for every dtype a 0-d tensor holds
+    value: Any  # the tensor's ``item()``: exact for every value (a NaN's payload aside)
     dtype: torch.dtype
     device: torch.device
 
@@ -274,7 +274,7 @@ def summarize(entry: dict, per_element: int) -> Summary:
     def as_sent(v, _path):
         if per_element_tensor(v):
             return RowsAt(v.dtype)
-        return HeldValue.of(v) if type(v) is torch.Tensor and v.dim() == 0 else v
+        return HeldValue.of(v) if type(v) is torch.Tensor and v.dim() == 0 and not v.is_meta else v
 
     out = {}
     for key, value in entry.items():

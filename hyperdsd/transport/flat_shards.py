@@ -94,7 +94,11 @@ def _move(layout, outgoing: list[list[torch.Tensor]], incoming: list[list[torch.
     dsts = [t for q in small_in for t in q]
     if dsts:  # (each piece cut from the bytes received and copied into its place in one call)
         sizes = list(map(_nbytes, dsts))
-        torch.split_with_sizes_copy(recv, sizes, out=[d.view(torch.uint8) for d in dsts])
+        try:
+            torch.split_with_sizes_copy(recv, sizes, out=[d.view(torch.uint8) for d in dsts])
+        except RuntimeError:  # a piece on another device than the bytes: copied one by one
+            for dst, piece in zip(dsts, recv.split(sizes)):
+                dst.view(torch.uint8).copy_(piece)
     for work in works:
         work.wait()
 

@@ -737,6 +737,11 @@ def wrap_as_from_local(ctx):
                 assert torch.equal(made.full_tensor().detach(), full)
                 assert torch.equal((made.detach() * 2).full_tensor(), full * 2)
                 assert made._spec == expected._spec
+                with torch.no_grad():  # (as every call runs: nothing made then requires grad)
+                    assert not layout.wrap(local).requires_grad
+                    assert not DTensor.from_local(
+                        local, mesh, placements, run_check=False, shape=layout.shape, stride=layout.stride
+                    ).requires_grad
                 # and a parameter of it, as nn.Parameter makes one
                 for wanted in (False, True) if full.is_floating_point() else (False,):
                     param, reference_param = _compat.as_parameter(made, wanted), torch.nn.Parameter(made, wanted)

@@ -1239,7 +1239,7 @@ def test_a_run_of_0d_values_lands_in_each(values, dtype):
 def test_a_summary_sends_0d_state_as_its_value(value):
     """An FSDP1 unit's summary of a parameter's state (sent to every rank)
     holds a 0-d tensor as its value, dtype and device, which give the tensor
-    back bit for bit; it pickles without a tensor (torch pickles each through
+    back bit for bit (a NaN's payload aside); it pickles without a tensor (torch pickles each through
     a storage archive of its own)."""
     import pickle
 
