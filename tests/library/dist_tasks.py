@@ -625,10 +625,10 @@ def garbage_left(ctx, fsdp: int = 2):
     """What each call leaves for the cyclic collector: by call, the kinds of
     objects it finds unreachable after the call, and those of them hyperdsd
     made (none expected; where torch.save runs, a checkpoint's calls, only
-    the latter: torch makes a pickler class per call). A call that leaves cycles holds what
-    they reach (a broadcast root's full tensors, every rank's stand-ins)
-    until the collector's next pass, and that pass walks every object the
-    call made."""
+    the latter: torch makes a pickler class per call). A call that leaves
+    cycles holds what they reach (a broadcast root's full tensors, every
+    rank's stand-ins) until the collector's next pass, and that pass walks
+    every object the call made."""
     import gc
     import tempfile
 
@@ -637,6 +637,9 @@ def garbage_left(ctx, fsdp: int = 2):
     def made_here(o) -> bool:
         owner = o if isinstance(o, (type, types.FunctionType)) else type(o)
         return getattr(owner, "__module__", "").startswith("hyperdsd")
+
+    def kind(o) -> str:  # (a class by its module and name: torch's pickler classes say where they come from)
+        return f"{o.__module__}.{o.__qualname__}" if type(o) is type else type(o).__qualname__
 
     box = [tempfile.mkdtemp(prefix="hyperdsd-garbage-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -681,20 +684,7 @@ def garbage_left(ctx, fsdp: int = 2):
             call()
             gc.set_debug(gc.DEBUG_SAVEALL)
             gc.collect()
-            mine = {
-                f"{o.__module__}.{o.__qualname__}" if isinstance(o, type) else type(o).__qualname__
-                for o in gc.garbage
-                if made_here(o)
-            }
-            left[name] = (
-                sorted(
-                    {
-                        type(o).__qualname__ if type(o) is not type else f"{o.__module__}.{o.__qualname__}"
-                        for o in gc.garbage
-                    }
-                ),
-                sorted(mine),
-            )
+            left[name] = (sorted(set(map(kind, gc.garbage))), sorted({kind(o) for o in gc.garbage if made_here(o)}))
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
