@@ -53,11 +53,18 @@ class UnitLayout:
 
     def __post_init__(self):
         shard = Shard(0)
+        # One layout per distinct shape: parameters of a shape share it, and the specs it keeps
+        made: dict[tuple, DTensorLayout] = {}
         for shape in self.unit.shapes:
-            placements = [Replicate()] * self.mesh.ndim
-            if len(shape):
-                placements[-1] = shard
-            self.layouts.append(DTensorLayout(self.mesh, tuple(placements), shape, _contiguous_stride(shape)))
+            layout = made.get(tuple(shape))
+            if layout is None:
+                placements = [Replicate()] * self.mesh.ndim
+                if len(shape):
+                    placements[-1] = shard
+                layout = made[tuple(shape)] = DTensorLayout(
+                    self.mesh, tuple(placements), shape, _contiguous_stride(shape)
+                )
+            self.layouts.append(layout)
 
     @property
     def shard(self) -> int:
