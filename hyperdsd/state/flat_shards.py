@@ -61,9 +61,8 @@ class UnitLayout:
                 placements = [Replicate()] * self.mesh.ndim
                 if len(shape):
                     placements[-1] = shard
-                layout = made[tuple(shape)] = DTensorLayout(
-                    self.mesh, tuple(placements), shape, _contiguous_stride(shape)
-                )
+                layout = DTensorLayout(self.mesh, tuple(placements), shape, _contiguous_stride(shape))
+                made[tuple(shape)] = layout
             self.layouts.append(layout)
 
     @property
