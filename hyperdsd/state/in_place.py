@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -61,34 +61,40 @@ def signature_keys(values: Sequence[Any]) -> tuple[list, type] | None:
     return [(cls, *key) for cls, key in zip(map(type, values), found[0])], torch.Tensor
 
 
-def verdicts_of(
-    signatures: list[tuple], verdicts: Verdicts, judge: Callable[[int], Verdict]
-) -> dict[tuple, Verdict] | None:
+class ColumnVerdicts(NamedTuple):
+    """A column's verdicts (:func:`verdicts_of`)."""
+
+    by_first: dict[int, Verdict]  # each distinct signature's, by the index of its first value
+    firsts: list[int]  # each value's signature, as the index of the first value with it
+
+
+def verdicts_of(signatures: list[tuple], verdicts: Verdicts, judge: Callable[[int], Verdict]) -> ColumnVerdicts | None:
     """The verdict of each distinct signature, each judged once (``judge(i)``:
     of the ``i``-th value, the first with that signature) or taken from
     ``verdicts``; None where one is not a value loaded in place, as is."""
-    found = {}
-    # each distinct signature with the index of its first value
-    for signature, first in dict(zip(reversed(signatures), range(len(signatures) - 1, -1, -1))).items():
+    # Each signature hashed once (the tuples are made per value, and hash their
+    # parts every time): later passes look values up by their first's index.
+    first_of: dict[tuple, int] = {}
+    firsts = list(map(first_of.setdefault, signatures, itertools.count()))
+    by_first = {}
+    for signature, first in first_of.items():
         verdict = verdicts.get(signature)
         if verdict is None:
             verdict = verdicts[signature] = judge(first)
         if verdict.problem or verdict.moves or not verdict.fits:
             return None
-        found[signature] = verdict
-    return found
+        by_first[first] = verdict
+    return ColumnVerdicts(by_first, firsts)
 
 
-def column_copies(
-    values: Sequence[Any], cls: type, existing: Sequence[Any], verdicts: dict[tuple, Verdict]
-) -> Pairs | None:
+def column_copies(values: Sequence[Any], cls: type, existing: Sequence[Any], verdicts: ColumnVerdicts) -> Pairs | None:
     """(destination, source) local tensors for ``values`` (all of kind
     ``cls``) landing in ``existing``'s tensors, one to one, their verdicts
     ``verdicts`` (accepted, in place): the pairs that are not the same memory
     already. None where a value would not land as it is: a full tensor cut
     for a DTensor first, or local shapes that differ."""
     wrapped = cls is DTensor
-    if any((verdict.layout is not None) != wrapped for verdict in verdicts.values()):
+    if any((verdict.layout is not None) != wrapped for verdict in verdicts.by_first.values()):
         return None  # (a full tensor planned into a DTensor is cut first)
     sources = list(map(_compat.dtensor_local, values)) if wrapped else list(values)
     dests = list(map(_compat.dtensor_local, existing)) if wrapped else list(existing)
@@ -110,19 +116,18 @@ def column_copies(
 def column_receivers(
     values: Sequence[TensorMeta],
     existing: Sequence[Any],
-    signatures: Sequence[tuple],
-    verdicts: dict[tuple, Verdict],
+    verdicts: ColumnVerdicts,
     devices: list[torch.device] | None,
     rows: list,
     key: str | None = None,
 ) -> ReceiverColumn | None:
     """A broadcast's stand-ins ``values``, each planned to be received into
-    ``existing``'s tensor (its verdict by its signature, accepted in place),
+    ``existing``'s tensor (their verdicts ``verdicts``, accepted in place),
     as one column (``devices``, ``rows``, ``key``: as the column keeps them):
     None where a local shape is not that tensor's (the caller plans anew)."""
     # (a column shares a handful of signatures and layouts: each asked once, the rest in C)
-    layout_of = {signature: verdict.layout for signature, verdict in verdicts.items()}
-    layouts = list(map(layout_of.__getitem__, signatures))
+    layout_of = {first: verdict.layout for first, verdict in verdicts.by_first.items()}
+    layouts = list(map(layout_of.__getitem__, verdicts.firsts))
     if not any(layouts):  # plain tensors (a step, say)
         wants, dests = list(map(_SHAPE, values)), list(existing)
     elif has_none(layouts):

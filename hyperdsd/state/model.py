@@ -310,7 +310,7 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
         if found is None:
             return None
         if stand_ins:
-            got = column_receivers(column, existing, signatures, found, None, list(map(keys.__getitem__, rows)))
+            got = column_receivers(column, existing, found, None, list(map(keys.__getitem__, rows)))
             if got is None:
                 return None
             receivers.append(got)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from .. import _compat
 from ..placement import LayoutCache
 from ..tree import is_container
-from .in_place import Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
+from .in_place import ColumnVerdicts, Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
 from .load_checks import (
     Verdict,
     Verdicts,
@@ -44,8 +44,7 @@ class Column(NamedTuple):
     kind: type  # DTensor, torch.Tensor or TensorMeta
     values: list
     existing: list  # the optimizer's own tensors under the key
-    signatures: list[tuple]
-    verdicts: dict[tuple, Verdict]  # by signature
+    verdicts: ColumnVerdicts
 
 
 class EntryValues:
@@ -99,7 +98,7 @@ class EntryValues:
             verdicts = verdicts_of(signatures, self.verdicts, judge)
             if verdicts is None:
                 return None
-            columns.append(Column(key, mine[1], values, existing, signatures, verdicts))
+            columns.append(Column(key, mine[1], values, existing, verdicts))
         return columns
 
     @staticmethod
@@ -125,9 +124,7 @@ class EntryValues:
         cpu = [_CPU] * len(params)
         for column in columns:
             on = cpu if column.key == "step" and not self.step_on_param else devices
-            found = column_receivers(
-                column.values, column.existing, column.signatures, column.verdicts, on, loads, column.key
-            )
+            found = column_receivers(column.values, column.existing, column.verdicts, on, loads, column.key)
             if found is None:
                 return None
             received.append(found)

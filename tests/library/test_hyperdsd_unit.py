@@ -1153,22 +1153,22 @@ def test_receiver_columns_ask_every_local_shape_of_dtensors():
     into it would resize it."""
     from types import SimpleNamespace
 
-    from hyperdsd.state.in_place import column_receivers
+    from hyperdsd.state.in_place import ColumnVerdicts, column_receivers
     from hyperdsd.state.load_checks import Verdict
     from hyperdsd.state.load_plan import TensorMeta
 
     layout = SimpleNamespace(local_shape=(2, 3))
-    verdicts = {"sig": Verdict("", layout, False, True)}
+    verdicts = ColumnVerdicts({0: Verdict("", layout, False, True)}, [0, 0, 0])  # one signature
     metas = [TensorMeta((4, 3), torch.float32, i) for i in range(3)]
 
     def existing(*shapes):
         return [SimpleNamespace(_local_tensor=torch.zeros(shape)) for shape in shapes]
 
     fine = existing((2, 3), (2, 3), (2, 3))
-    column = column_receivers(metas, fine, ["sig"] * 3, verdicts, None, [0, 1, 2])
+    column = column_receivers(metas, fine, verdicts, None, [0, 1, 2])
     assert column is not None and all(d is e._local_tensor for d, e in zip(column.dests, fine))
     odd = existing((2, 3), (1, 3), (2, 3))  # one signature, the second not its shape
-    assert column_receivers(metas, odd, ["sig"] * 3, verdicts, None, [0, 1, 2]) is None
+    assert column_receivers(metas, odd, verdicts, None, [0, 1, 2]) is None
 
 
 def test_receiver_columns_expand_into_the_plans_they_stand_for():
