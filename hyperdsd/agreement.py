@@ -268,8 +268,8 @@ class BroadcastAgreement:
             {
                 "problems": problems,
                 "known": {k: v for k, v in questions.items() if v is not None},
-                "model": [i for i, k in enumerate(self.model_names) if k in mine_model],
-                "optim": [i for i, k in enumerate(self.optim_names) if k in mine_optim],
+                "model": _positions(self.model_names, mine_model),
+                "optim": _positions(self.optim_names, mine_optim),
                 "needs": PackedNeeds(needs),
             },
             self.group,
@@ -296,13 +296,27 @@ class BroadcastAgreement:
 
     def _unowned(self, everyone: list[dict]) -> list[str]:
         """Names in the root's dicts that no rank loads (problems under ``strict``)."""
-        owned_model = {i for e in everyone for i in e["model"]}
-        owned_optim = {i for e in everyone for i in e["optim"]}
-        nobody = [k for i, k in enumerate(self.model_names) if i not in owned_model]
-        nobody_optim = [k for i, k in enumerate(self.optim_names) if i not in owned_optim]
+        nobody = _unclaimed(self.model_names, [e["model"] for e in everyone])
+        nobody_optim = _unclaimed(self.optim_names, [e["optim"] for e in everyone])
         extra = []
         if nobody:
             extra.append(f"model keys that no rank has (strict=True): {nobody}")
         if nobody_optim:
             extra.append(f"not parameters of any rank's model (strict=True): {nobody_optim}")
         return extra
+
+
+def _positions(names: list[str], mine: set[str]) -> range | list[int]:
+    """The positions in ``names`` of those in ``mine``, as every rank sends
+    them: a range where it is all of them (each rank of a sharded model loads
+    every name), not a list of tens of thousands of numbers."""
+    found = list(map(mine.__contains__, names))
+    return range(len(names)) if all(found) else list(itertools.compress(range(len(names)), found))
+
+
+def _unclaimed(names: list[str], claimed: list[range | list[int]]) -> list[str]:
+    """Those of ``names`` at no position any rank claimed (:func:`_positions`)."""
+    if any(type(c) is range and len(c) == len(names) for c in claimed):
+        return []
+    owned = set().union(*claimed)
+    return [k for i, k in enumerate(names) if i not in owned]

@@ -19,6 +19,8 @@ rank knows, so no rank waits on a collective another does not issue.
 from __future__ import annotations
 
 import math
+import operator
+from array import array
 from typing import Any, Callable, Sequence
 
 import torch
@@ -76,6 +78,8 @@ class Scatterer:
         self.me = self.group.index
         self.out: list[torch.Tensor | None] = [None] * len(metas)
         self._sizes: list[int] = []  # bytes of each tensor, see run
+        self._objects: list[int] = []  # id() of each tensor's meta, see run
+        self._distinct: dict[int, Any] = {}  # each distinct meta object by its id
 
     def _nbytes(self, i: int) -> int:
         """Bytes of the root's tensor ``i``."""
@@ -83,11 +87,13 @@ class Scatterer:
 
     def run(self) -> list[torch.Tensor | None]:
         # Bytes of each tensor: worked out once per distinct (shape, dtype) object (the manifest shares them).
-        objects = list(map(id, self.metas))
-        of_object = {k: math.prod(m.shape) * m.dtype.itemsize for k, m in dict(zip(objects, self.metas)).items()}
+        self._objects = objects = list(map(id, self.metas))
+        self._distinct = dict(zip(objects, self.metas))
+        of_object = {k: math.prod(m.shape) * m.dtype.itemsize for k, m in self._distinct.items()}
         self._sizes = list(map(of_object.__getitem__, objects))
         # Only a large tensor can move on its own: most of a model of many small tensors are not.
-        large = [i for i, n in enumerate(self._sizes) if n >= DIRECT_BYTES] if self.world > 1 else []
+        big = self.world > 1 and max(of_object.values(), default=0) >= DIRECT_BYTES
+        large = [i for i, n in enumerate(self._sizes) if n >= DIRECT_BYTES] if big else []
         direct = [i for i in large if self._direct(i)]
         for i in direct:
             self._scatter_one(i)
@@ -128,22 +134,26 @@ class Scatterer:
         metas and needs, by value, in index order.
         """
         packed = all(isinstance(e, PackedNeeds) for e in self.everyone)
-        # each tensor's needs, rank by rank: what every rank packed (a region's number), or the regions
-        per_rank = list(zip(*(e.index for e in self.everyone))) if packed else None
         # each distinct (shape, dtype) by a number: by value (never by object identity: the
         # root's own objects are other than the copies the other ranks received), asked once per object
         by_value: dict[tuple, int] = {}
         runs: dict[Any, list[int]] = {}
         sizes = self._sizes
         whole = indices == range(len(self.metas))  # (every tensor, in order: the lists as they are)
-        metas = self.metas if whole else list(map(self.metas.__getitem__, indices))
-        objects = list(map(id, metas))
-        codes = {k: by_value.setdefault(tuple(m), len(by_value)) for k, m in dict(zip(objects, metas)).items()}
-        if packed and max(map(sizes.__getitem__, indices), default=0) <= _STACKED_BYTES:
-            # (every tensor small: each one's key made a column at a time, in C)
-            wanted = per_rank if whole else list(map(per_rank.__getitem__, indices))
-            keys: Any = zip(map(codes.__getitem__, objects), wanted)
+        if whole:  # (as run() found them)
+            objects, distinct = self._objects, self._distinct
         else:
+            metas = list(map(self.metas.__getitem__, indices))
+            objects = list(map(id, metas))
+            distinct = dict(zip(objects, metas))
+        codes = {k: by_value.setdefault(tuple(m), len(by_value)) for k, m in distinct.items()}
+        if packed and max(sizes if whole else map(sizes.__getitem__, indices), default=0) <= _STACKED_BYTES:
+            # (every tensor small: the tensors of each key found a column at a time, in torch)
+            groups = alike_groups(map(codes.__getitem__, objects), [e.index for e in self.everyone], indices)
+            return [self._run(members) for members in groups]
+        else:
+            # each tensor's needs, rank by rank: what every rank packed (a region's number), or the regions
+            per_rank = list(zip(*(e.index for e in self.everyone))) if packed else None
             keys = (
                 ("alone", i)
                 if sizes[i] > _STACKED_BYTES
@@ -156,13 +166,13 @@ class Scatterer:
                 runs[key] = [i]
             else:
                 members.append(i)
-        result = []
-        for members in runs.values():
-            first = members[0]
-            itemsize = self.metas[first].dtype.itemsize
-            sizes = tuple(-1 if (need := e[first]) is None else need.numel() * itemsize for e in self.everyone)
-            result.append((members, sizes))
-        return result
+        return [self._run(members) for members in runs.values()]
+
+    def _run(self, members: list[int]) -> Run:
+        """``members`` (tensors every rank needs alike) with the bytes of each rank's piece of each."""
+        first = members[0]
+        itemsize = self.metas[first].dtype.itemsize
+        return members, tuple(-1 if (need := e[first]) is None else need.numel() * itemsize for e in self.everyone)
 
     def _direct(self, i: int) -> bool:
         """Every rank needs an equal run of whole rows of tensor ``i``, and it is large."""
@@ -334,6 +344,47 @@ class Scatterer:
                         stacked = _stack([self.fulls[i] for i in members])
                     dest.copy_(as_bytes(need.cut_each(stacked)).view(k, n))
         return out
+
+
+def alike_groups(codes: Sequence[int], columns: Sequence[array], positions: Sequence[int]) -> list[list[int]]:
+    """``positions`` grouped by key, the ``j``-th one's key ``codes[j]`` and
+    ``column[positions[j]]`` for each of ``columns``: each group's positions in
+    order, the groups in the order of their first. ``columns``: arrays of
+    ints, at least -1 (every rank's packed needs, by tensor index).
+
+    A key per tensor tuple made and hashed in a Python loop was a tenth of a
+    broadcast load of tens of thousands of small tensors; here each column
+    folds into one integer key per tensor, and a stable sort groups them. The
+    same inputs give the same groups on every rank."""
+    if not positions:
+        return []
+    key = _ints(array("q", codes), torch.int64)
+    bound = int(key.max()) + 1
+    whole = positions == range(len(positions))
+    at = None if whole else torch.tensor(list(positions), dtype=torch.int64)
+    for column in columns:
+        values = _ints(column, torch.int32) if column.itemsize == 4 else torch.tensor(column.tolist())
+        values = (values if at is None else values[at]).to(torch.int64) + 1
+        width = int(values.max()) + 1
+        if bound * width >= 1 << 62:  # keys renumbered densely first, so that none overflows
+            key = torch.unique(key, return_inverse=True)[1]
+            bound = int(key.max()) + 1
+        key = key * width + values
+        bound *= width
+    order = torch.argsort(key, stable=True)
+    counts = torch.unique_consecutive(key[order], return_counts=True)[1].tolist()
+    flat = order.tolist()
+    groups, start = [], 0
+    for count in counts:
+        groups.append(flat[start : start + count])
+        start += count
+    groups.sort(key=operator.itemgetter(0))
+    return groups if whole else [list(map(positions.__getitem__, group)) for group in groups]
+
+
+def _ints(values: array, dtype: torch.dtype) -> torch.Tensor:
+    # A view of the array's bytes (which it keeps alive), read only.
+    return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
 
 
 def _align(offset: int, itemsize: int) -> int:

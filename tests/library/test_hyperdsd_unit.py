@@ -8,6 +8,7 @@ import pickle
 import types
 import warnings
 
+import hypothesis
 import numpy
 import pytest
 import torch
@@ -1254,3 +1255,46 @@ def test_a_summary_sends_0d_state_as_its_value(value):
         assert back.dtype == value.dtype and back.shape == () and back.device == value.device
         assert torch.equal(back.reshape(1).view(torch.uint8), value.reshape(1).view(torch.uint8))
     assert sent["exp_avg"][0] == "rows"
+
+
+def _grouped_one_by_one(codes, columns, positions):
+    """The scatter's grouping as a dict of tuples builds it: the oracle."""
+    runs: dict = {}
+    for code, i in zip(codes, positions):
+        runs.setdefault((code, tuple(column[i] for column in columns)), []).append(i)
+    return list(runs.values())
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(data=hypothesis.strategies.data())
+def test_tensors_needed_alike_group_as_a_key_per_tensor_groups_them(data):
+    """The scatter's runs (tensors of one shape every rank needs alike) are
+    grouped a column at a time; the groups, their order and each one's order
+    are those of a key per tensor, on every positions and widths of needs,
+    including keys wider than 64 bits folded together."""
+    from array import array
+
+    from hyperdsd.transport.scatter import alike_groups
+
+    st = hypothesis.strategies
+    total = data.draw(st.integers(0, 60))
+    width = data.draw(st.sampled_from([2, 5, 3000]))
+    columns = data.draw(st.lists(st.lists(st.integers(-1, width), min_size=total, max_size=total), max_size=9))
+    columns = [array("i", column) for column in columns]
+    if data.draw(st.booleans()):
+        positions = range(total)
+    else:
+        positions = data.draw(st.lists(st.integers(0, max(total - 1, 0)), unique=True)) if total else []
+    codes = data.draw(st.lists(st.integers(0, 4), min_size=len(positions), max_size=len(positions)))
+    assert alike_groups(codes, columns, positions) == _grouped_one_by_one(codes, columns, positions)
+
+
+def test_a_broadcasts_claimed_names_go_as_a_range_where_a_rank_loads_all():
+    from hyperdsd.agreement import _positions, _unclaimed
+
+    names = ["a", "b", "c"]
+    assert _positions(names, {"a", "b", "c", "x"}) == range(3)
+    assert _positions(names, {"c", "a"}) == [0, 2]
+    assert _unclaimed(names, [[0, 2], range(3)]) == []
+    assert _unclaimed(names, [[0], [2], []]) == ["b"]
+    assert _unclaimed(names, [range(2), [0]]) == ["c"]  # (a range of fewer names claims those)
