@@ -133,6 +133,35 @@ class ModelIndex:
                 self._module_paths[child_raw] = (child, child_canon)
                 stack.append((child, f"{child_raw}.", f"{child_canon}." if child_canon else ""))
 
+    # An index kept from the last call (:mod:`.index_cache`) makes these from
+    # what it kept when first read: most calls read one or two of them, each a
+    # dict or list over every module or parameter.
+    @functools.cached_property
+    def modules(self) -> list[tuple[nn.Module, str]]:
+        return self._kept.modules_of(self.module_objects)
+
+    @functools.cached_property
+    def module_objects(self) -> list[nn.Module]:
+        """The modules of :attr:`modules`, without their prefixes."""
+        return [module for module, _ in self.modules]
+
+    @functools.cached_property
+    def module_prefixes(self) -> list[str]:
+        """The canonical key prefixes of :attr:`modules`."""
+        return [prefix for _, prefix in self.modules]
+
+    @functools.cached_property
+    def _module_paths(self) -> dict[str, tuple[nn.Module, str]]:
+        return self._kept.module_paths(self.module_objects)
+
+    @functools.cached_property
+    def fqn_by_id(self) -> dict[int, str]:
+        return self._kept.fqn_by_id(self.params)
+
+    @functools.cached_property
+    def param_of(self) -> dict[str, nn.Parameter]:
+        return self._kept.param_of(self.tensors)
+
     @classmethod
     def of(cls, model: nn.Module, modifiers_attr: str = "_fqn_modifiers") -> ModelIndex:
         """The index of ``model``: the one the last call built where the model
@@ -157,7 +186,7 @@ class ModelIndex:
         """Whether every module's state dict is its parameters and buffers
         (:func:`hyperdsd._compat.all_read_plainly`): then it is read from
         the modules directly, not through ``model.state_dict()``."""
-        return _compat.all_read_plainly([module for module, _ in self.modules])
+        return _compat.all_read_plainly(self.module_objects)
 
     @property
     def unsharded(self) -> bool:

@@ -88,19 +88,29 @@ class _Snapshot:
             return None
         index = cls.__new__(cls)
         index.model, index.modifiers_attr = model, self.modifiers_attr
-        index.modules = list(zip(modules, self.canon_prefixes))
+        # (``modules``, ``fqn_by_id``, ``param_of`` and the module paths made when first read, see ModelIndex)
+        index._kept, index.module_objects, index.module_prefixes = self, modules, list(self.canon_prefixes)
         index.raw_prefixes = list(self.raw_prefixes)
         index.tensors = tensors
         index.tensor_keys, index.tensor_raw_keys = list(self.tensor_keys), list(self.tensor_raw_keys)
         index.params = list(map(tensors.__getitem__, self.param_positions))
-        index.fqn_by_id = dict(zip(map(id, index.params), self.first_fqns))
-        index.param_of = dict(zip(self.param_names, map(tensors.__getitem__, self.named_positions)))
         index.first_name = dict(self.first_name)
-        index._module_paths = dict(
-            zip(self.paths, zip(map(modules.__getitem__, self.path_positions), self.path_canons))
-        )
         index._sharded, index.fsdp1_modules, index.renames = {}, [], self.renames
         return index
+
+    # What an index this snapshot made reads when it first needs it (new objects each time).
+
+    def modules_of(self, modules: list) -> list:
+        return list(zip(modules, self.canon_prefixes))
+
+    def module_paths(self, modules: list) -> dict:
+        return dict(zip(self.paths, zip(map(modules.__getitem__, self.path_positions), self.path_canons)))
+
+    def fqn_by_id(self, params: list) -> dict:
+        return dict(zip(map(id, params), self.first_fqns))
+
+    def param_of(self, tensors: list) -> dict:
+        return dict(zip(self.param_names, map(tensors.__getitem__, self.named_positions)))
 
 
 # By the id of the model; an entry goes with its model (see _forget).

@@ -96,7 +96,7 @@ def _targets_now(model: torch.nn.Module, index: ModelIndex) -> dict[str, Any]:
     if not index.reads_plainly or index.unsharded:
         return model.state_dict(keep_vars=True)
     targets = {}
-    for module, raw in zip((module for module, _ in index.modules), index.raw_prefixes):
+    for module, raw in zip(index.module_objects, index.raw_prefixes):
         params, (buffers, skip) = _compat.own_parameters(module), _compat.own_buffers(module)
         targets.update((raw + name, param) for name, param in params.items() if param is not None)
         targets.update((raw + name, buf) for name, buf in buffers.items() if buf is not None and name not in skip)
@@ -154,18 +154,19 @@ class _PlainLoads:
     def __init__(self, model: torch.nn.Module, index: ModelIndex):
         self._plain: set[str] = set()
         self.everywhere = False  # every module loads plainly
-        modules = [m for m, _ in index.modules]
+        modules = index.module_objects
         # A load post-hook (but FSDP2's) is handed the missing and unexpected keys of the whole
         # load: then every value goes through one load_state_dict, as in torch's load.
         self.whole = _compat.load_post_hooked(modules)
         if self.whole or not _compat.loads_by_copying(model):
             return
-        own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
-        for prefix, plain in zip((prefix for _, prefix in index.modules), _compat.each_loads_plainly(modules)):
-            own[prefix] = own.get(prefix, True) and plain
-        if all(own.values()):
-            self._plain, self.everywhere = set(own), True
+        each = _compat.each_loads_plainly(modules)
+        if all(each):
+            self._plain, self.everywhere = set(index.module_prefixes), True
             return
+        own: dict[str, bool] = {}  # by prefix: a wrapper and what it wraps share one
+        for prefix, plain in zip(index.module_prefixes, each):
+            own[prefix] = own.get(prefix, True) and plain
         self._plain = {prefix for prefix in own if own[prefix] and self._above_plain(prefix, own)}
 
     @staticmethod
@@ -202,7 +203,7 @@ def plan_load(
             plan.copies, plan.columns = found
             plan.values = dict(sd)
             plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
-            plan.registries = _compat.module_registries([module for module, _ in index.modules])
+            plan.registries = _compat.module_registries(index.module_objects)
             plan.registered = _registered(plan.registries)
             return plan, problems
     matched: set[str] = set()
@@ -267,7 +268,7 @@ def _not_filled_in(missing: list[str], sd: dict, raw_of: dict, index: ModelIndex
     the meta device gets a 0 there, which is left to be reported missing."""
     if not any(c.endswith("num_batches_tracked") for c in missing):
         return missing
-    filled = _compat.filled_in_batch_counts([m for m, _ in index.modules], index.raw_prefixes, sd)
+    filled = _compat.filled_in_batch_counts(index.module_objects, index.raw_prefixes, sd)
 
     def fills(canon: str) -> bool:
         target = targets.get(raw_of[canon])

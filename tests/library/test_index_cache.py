@@ -67,6 +67,8 @@ def fields(index):
     """Everything an index holds, objects by id."""
     return {
         "modules": [(id(m), canon) for m, canon in index.modules],
+        "module_objects": list(map(id, index.module_objects)),
+        "module_prefixes": list(index.module_prefixes),
         "raw_prefixes": list(index.raw_prefixes),
         "tensors": [id(t) for t in index.tensors],
         "tensor_keys": list(index.tensor_keys),
