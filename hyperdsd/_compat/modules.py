@@ -53,26 +53,39 @@ def registry_contents(registries: list[dict]) -> tuple[list, list, list]:
     return list(map(len, registries)), names, list(itertools.chain.from_iterable(map(dict.values, full)))
 
 
-def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list]:
+def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list, tuple[list, list]]:
     """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.index_cache`):
     their classes, each registry's length, names and the ids of what it
     holds, the non-persistent buffers' names (equal lists, the same
-    registries, where everything they held is alive); and every parameter
-    then every buffer the registries hold, in order, None included."""
+    registries, where everything they held is alive); every parameter then
+    every buffer the registries hold, in order, None included; and
+    :func:`registered`'s answer, from the same reads."""
     # The registries are nn.Module's private dicts (see child_modules), read a
     # column at a time in C (registry_contents): a Python loop over thousands
     # of modules costs more than the walk the comparison saves.
     parts: list = [list(map(type, modules))]
-    held: list = []
-    for registry in (_CHILDREN, _PARAMETERS, _BUFFERS):
-        lengths, names, values = registry_contents(list(map(registry, modules)))
+    read = [registry_contents(list(map(registry, modules))) for registry in (_CHILDREN, _PARAMETERS, _BUFFERS)]
+    for lengths, names, values in read:
         parts += [lengths, names, list(map(id, values))]
-        if registry is not _CHILDREN:
-            held += values
     non_persistent = list(map(_NON_PERSISTENT, modules))
     parts.append(list(map(len, non_persistent)))
     parts.append([set(names) for names in non_persistent if names])
-    return parts, held
+    (child_lengths, child_names, children), (param_lengths, param_names, params), (buf_lengths, buf_names, bufs) = read
+    contents = [*child_lengths, *param_lengths, *buf_lengths, *child_names, *param_names, *buf_names]
+    return parts, [*params, *bufs], (contents, [*children, *params, *bufs])
+
+
+def registered(modules: list[torch.nn.Module]) -> tuple[list, list]:
+    """:func:`registered_in` ``modules``' registries (:func:`module_registries`)."""
+    return registered_in(module_registries(modules))
+
+
+def registered_in(registries: list[dict]) -> tuple[list, list]:
+    """What ``registries`` (modules' children, parameters and buffers by name)
+    hold now: each one's length (where its names end) then every name, as one
+    list; and every object they hold, in order."""
+    lengths, names, held = registry_contents(registries)
+    return [*lengths, *names], held
 
 
 _FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"

@@ -151,6 +151,13 @@ class ModelIndex:
         return [prefix for _, prefix in self.modules]
 
     @functools.cached_property
+    def registered(self) -> tuple[list, list]:
+        """What the modules' registries hold (:func:`hyperdsd._compat.registered`):
+        as the index read them, or when first asked. A load planned in place
+        compares it with what they hold when it is applied."""
+        return _compat.registered(self.module_objects)
+
+    @functools.cached_property
     def _module_paths(self) -> dict[str, tuple[nn.Module, str]]:
         return self._kept.module_paths(self.module_objects)
 

@@ -41,7 +41,7 @@ class _Snapshot:
         self.modifiers_attr = index.modifiers_attr
         modules = [m for m, _ in index.modules]
         self.module_refs = list(map(weakref.ref, modules))
-        self.fingerprint, held = _compat.registries_fingerprint(modules)
+        self.fingerprint, held, _ = _compat.registries_fingerprint(modules)
         slot = {id(t): i for i, t in enumerate(held)}
         self.tensor_slots = [slot[id(t)] for t in index.tensors]  # where each of the index's tensors is held
         # The classes that rename children (``_fqn_modifiers``, which a class may
@@ -76,7 +76,7 @@ class _Snapshot:
         modules = list(map(_DEREF, self.module_refs))
         if has_none(modules):
             return None  # a module it recorded is gone: ids may have been reused
-        fingerprint, held = _compat.registries_fingerprint(modules)
+        fingerprint, held, registered = _compat.registries_fingerprint(modules)
         if fingerprint != self.fingerprint:
             return None
         if not all(map(_compat.fsdp2_resharded, map(modules.__getitem__, self.fsdp2_units))):
@@ -90,6 +90,7 @@ class _Snapshot:
         index.model, index.modifiers_attr = model, self.modifiers_attr
         # (``modules``, ``fqn_by_id``, ``param_of`` and the module paths made when first read, see ModelIndex)
         index._kept, index.module_objects, index.module_prefixes = self, modules, list(self.canon_prefixes)
+        index.registered = registered  # (read as the fingerprint was)
         index.raw_prefixes = list(self.raw_prefixes)
         index.tensors = tensors
         index.tensor_keys, index.tensor_raw_keys = list(self.tensor_keys), list(self.tensor_raw_keys)

@@ -141,11 +141,11 @@ class ModelLoadPlan:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     claimed: set[str] = field(default_factory=set)
-    # Every value in place: the model's tensor it goes into, by raw key (as planned
+    # Every value in place, into the model's tensor under its raw key (as planned
     # against); ``values`` holds the values themselves then, copied by ``copies``:
     # (destination, source) local tensors, the pairs that are not the same memory;
     # or a broadcast's receivers, each delivered into its tensor.
-    in_place: dict[str, torch.Tensor] = field(default_factory=dict)
+    in_place: bool = False
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # (the modules' registries of children, parameters and buffers then, and what they held: applying
     # checks them unchanged)

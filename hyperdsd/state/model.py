@@ -190,22 +190,28 @@ def plan_load(
     if not isinstance(sd, dict):
         problems.append(f"the model state dict is a {type(sd).__name__}, expected a dict")
         return plan, problems
-    targets, raw_of = _targets(model, index)
     verdicts = Verdicts()
     loads_plainly = _PlainLoads(model, index)
     plan.whole = loads_plainly.whole
     # Read from the modules directly (no extra state, see _targets), every key
     # the model's as it is named, every module loading by copying:
     plain = index.reads_plainly and not index.unsharded and not index.renames and loads_plainly.everywhere
-    if plain and sd.keys() == targets.keys():
-        found = _in_place(sd, targets, verdicts)
+    if plain:
+        keys = list(sd)
+        if keys == index.tensor_raw_keys:  # (in the model's order: its tensors as the index holds them)
+            found = _in_place(keys, list(sd.values()), list(index.tensors), verdicts)
+        else:
+            own, _ = _targets(model, index)
+            same = sd.keys() == own.keys()
+            found = _in_place(keys, list(sd.values()), list(map(own.__getitem__, keys)), verdicts) if same else None
         if found is not None:
             plan.copies, plan.columns = found
             plan.values = dict(sd)
-            plan.claimed, plan.in_place = set(sd), {key: targets[key] for key in sd}
+            plan.claimed, plan.in_place = set(sd), True
             plan.registries = _compat.module_registries(index.module_objects)
-            plan.registered = _registered(plan.registries)
+            plan.registered = index.registered
             return plan, problems
+    targets, raw_of = _targets(model, index)
     matched: set[str] = set()
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
@@ -277,15 +283,17 @@ def _not_filled_in(missing: list[str], sd: dict, raw_of: dict, index: ModelIndex
     return [c for c in missing if not fills(c)]
 
 
-def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pairs, list[ReceiverColumn]] | None:
-    """A load of ``sd`` (the model's own keys, not renamed) that puts each value
-    into the model's tensor under its key, checked a column at a time (of one
-    kind of value and of tensor: DTensors apart from plain ones, buffers): the
-    (destination, source) local tensors to copy, the pairs that are not the
-    same memory already; and, for a broadcast's stand-ins, the columns that
-    receive them (else none). None where any value does not land so (the
-    caller plans key by key, and words any problem)."""
-    keys, values, dests = list(sd), list(sd.values()), list(map(targets.__getitem__, sd))
+def _in_place(
+    keys: list[str], values: list, dests: list, verdicts: Verdicts
+) -> tuple[Pairs, list[ReceiverColumn]] | None:
+    """A load of ``values`` under ``keys`` (the model's own keys, not renamed)
+    that puts each into ``dests``' tensor beside it (the model's under its
+    key), checked a column at a time (of one kind of value and of tensor:
+    DTensors apart from plain ones, buffers): the (destination, source) local
+    tensors to copy, the pairs that are not the same memory already; and, for
+    a broadcast's stand-ins, the columns that receive them (else none). None
+    where any value does not land so (the caller plans key by key, and words
+    any problem)."""
     kinds = set(zip(map(type, values), map(type, dests)))
     if len(kinds) == 1:
         columns = [list(range(len(values)))]
@@ -323,28 +331,20 @@ def _in_place(sd: dict, targets: dict[str, Any], verdicts: Verdicts) -> tuple[Pa
     return copies, receivers
 
 
-def _registered(registries: list[dict]) -> tuple[list, list]:
-    """What ``registries`` (modules' children, parameters and buffers by name)
-    hold now: the names, with each registry's length (where its names end),
-    the objects."""
-    lengths, names, held = _compat.registry_contents(registries)
-    return [*lengths, *names], held
-
-
 def apply_load(model: torch.nn.Module, plan: ModelLoadPlan, index: ModelIndex) -> None:
     redistribute(plan.tensors())
     copy_in: dict[str, Any] = {}
     assign: dict[str, Any] = {}
     changed = False
     if plan.in_place:
-        names, held = _registered(plan.registries)
+        names, held = _compat.registered_in(plan.registries)
         planned_names, planned_held = plan.registered
         if names == planned_names and len(held) == len(planned_held) and all(map(operator.is_, held, planned_held)):
             copy_all(plan.copies)  # every module holds what the plan was made against
             return
         # A module or tensor of the model replaced since the plan was made (by an optimizer's load
         # post-hook): every value as any value, through load_state_dict, into the model as it is now.
-        changed, plan.in_place = True, {}
+        changed, plan.in_place = True, False
         plan.expand(delivered=True)
     targets = model.state_dict(keep_vars=True) if changed else _targets_now(model, index)
     for raw, value in plan.values.items():

@@ -69,6 +69,7 @@ def fields(index):
         "modules": [(id(m), canon) for m, canon in index.modules],
         "module_objects": list(map(id, index.module_objects)),
         "module_prefixes": list(index.module_prefixes),
+        "registered": (index.registered[0], list(map(id, index.registered[1]))),
         "raw_prefixes": list(index.raw_prefixes),
         "tensors": [id(t) for t in index.tensors],
         "tensor_keys": list(index.tensor_keys),
