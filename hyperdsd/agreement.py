@@ -134,13 +134,16 @@ class _Description:
         """Index ``leaves`` (tensors), a column at a time: each one's shared
         ``(shape, dtype)``, its fill; returns the first one's index."""
         shared = self.shared
-        keys = list(zip(map(_SHAPE, leaves), map(_DTYPE, leaves)))
-        for shape, dtype in dict.fromkeys(keys):
+        # each leaf's (shape, dtype) hashed once: by the index of the first leaf with it after
+        first_of: dict[tuple, int] = {}
+        firsts = list(map(first_of.setdefault, zip(map(_SHAPE, leaves), map(_DTYPE, leaves)), itertools.count()))
+        for shape, dtype in first_of:
             if (shape, dtype) not in shared:
                 shared[(shape, dtype)] = ShapeDtype(tuple(shape), dtype)
+        of_first = {first: shared[key] for key, first in first_of.items()}
         start = len(self.fulls)
         self.fulls.extend(leaves)
-        self.metas.extend(map(shared.__getitem__, keys))
+        self.metas.extend(map(of_first.__getitem__, firsts))
         if self.summarise:
             for i, leaf in enumerate(leaves, start):
                 fill = tensor_fill(leaf) if id(leaf) in self.summarise else None

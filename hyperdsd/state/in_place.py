@@ -143,4 +143,4 @@ def column_receivers(
     # and layouts' shapes are; compared as they are, no tuple made per tensor)
     if any(map(_IS_META, dests)) or list(map(_SHAPE, dests)) != wants:
         return None  # (a model built on the meta device is assigned its values)
-    return ReceiverColumn(list(values), layouts, list(existing), dests, devices, rows, key)
+    return ReceiverColumn(list(values), layouts, list(existing), dests, devices, rows, key, verdicts.firsts, layout_of)

@@ -120,6 +120,10 @@ class ReceiverColumn:
     # or the optimizer's ParamLoads (their entries' ``key``)
     rows: list
     key: str | None = None
+    # each one's layout as a number (``layout_by_code``: the handful of layouts by number), where
+    # the planner numbered them: delivery works out each layout's region once, then looks numbers up
+    layout_codes: list[int] | None = None
+    layout_by_code: dict[int, Any] | None = None
 
     def receivers(self, delivered: bool = False) -> list[Prepared]:
         """A :class:`Prepared` per tensor, as a value-by-value plan has them;

@@ -58,6 +58,9 @@ class Column(Protocol):
     metas: list  # its root tensors' stand-ins (``.index``, ``.shape``)
     layouts: list  # each one's DTensor layout, or None for a plain tensor
     dests: list[torch.Tensor]  # where each one's piece lands: of its region's shape (as planned)
+    # optionally, ``layouts`` as numbers into a handful (the same layout object for one number)
+    layout_codes: list[int] | None
+    layout_by_code: dict[int, Any] | None
 
     def receivers(self) -> list[Receiver]: ...
 
@@ -153,15 +156,20 @@ def _columns_once(columns: Sequence[Column], n: int) -> tuple[list, Users, set[i
     needs: list[Need | None] = [None] * n
     dests: list = [None] * n
     regions: dict[tuple, Need] = {}
-    taken: list[int] = []
+    taken = 0
     for column in columns:
         indices = list(map(_INDEX, column.metas))
         # Each distinct layout object, or shape of a plain tensor, asked once: tens of thousands of
         # receivers share a handful. A layout says the region alone (the shape is the layout's).
         layouts = column.layouts
-        if not has_none(layouts):
+        codes = getattr(column, "layout_codes", None)
+        distinct = None
+        if codes is not None and not has_none(list(column.layout_by_code.values())):
+            keys, distinct = codes, column.layout_by_code  # (numbered by the planner, one layout per number)
+        elif not has_none(layouts):
             keys = list(map(id, layouts))
             distinct = dict(zip(keys, layouts))
+        if distinct is not None:
             if not all(layout.simple for layout in distinct.values()):
                 return None  # (a layout that cuts its own region)
             need_of = {key: _region(layout, None, regions)[0] for key, layout in distinct.items()}
@@ -176,9 +184,9 @@ def _columns_once(columns: Sequence[Column], n: int) -> tuple[list, Users, set[i
             need_of = {key: need for key, (need, _) in found.items()}
         list(map(needs.__setitem__, indices, map(need_of.__getitem__, keys)))
         list(map(dests.__setitem__, indices, column.dests))
-        taken += indices
-    if len(set(taken)) != len(taken):
-        return None  # (a root tensor received twice)
+        taken += len(indices)
+    if len(dests) - sum(map(operator.is_, dests, itertools.repeat(None))) != taken:
+        return None  # (a root tensor received twice: fewer filled than taken)
     return needs, [None] * n, set(), dests
 
 

@@ -341,7 +341,7 @@ class Scatterer:
                     dest.copy_(as_bytes(need.cut(self.fulls[first])).view(1, n))
                 else:
                     if stacked is None:
-                        stacked = _stack([self.fulls[i] for i in members])
+                        stacked = _stack(list(map(self.fulls.__getitem__, members)))
                     dest.copy_(as_bytes(need.cut_each(stacked)).view(k, n))
         return out
 

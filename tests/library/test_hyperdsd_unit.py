@@ -1298,3 +1298,37 @@ def test_a_broadcasts_claimed_names_go_as_a_range_where_a_rank_loads_all():
     assert _unclaimed(names, [[0, 2], range(3)]) == []
     assert _unclaimed(names, [[0], [2], []]) == ["b"]
     assert _unclaimed(names, [range(2), [0]]) == ["c"]  # (a range of fewer names claims those)
+
+
+def test_receiver_columns_numbered_by_layout_need_what_their_layouts_say():
+    """A column whose planner numbered its layouts (a handful, each number one
+    layout) gets the needs and landings of the same column without numbers;
+    a root tensor received twice still takes the receiver-by-receiver path."""
+    from types import SimpleNamespace
+
+    from hyperdsd.state.load_plan import ReceiverColumn, TensorMeta
+    from hyperdsd.transport.delivery import needs_for
+    from hyperdsd.transport.needs import Need
+
+    def layout(start, stop):
+        return SimpleNamespace(
+            simple=True, mesh="mesh", placements=(start,), shape=(4, 3), local_slices=lambda: (slice(start, stop),)
+        )
+
+    top, bottom = layout(0, 2), layout(2, 4)
+    metas = [TensorMeta((4, 3), torch.float32, i) for i in range(4)]
+    dests = [torch.zeros(2, 3) for _ in range(4)]
+
+    def column(rows, numbered):
+        layouts = [top if i % 2 == 0 else bottom for i in rows]
+        codes = [i % 2 for i in rows] if numbered else None
+        by_code = {0: top, 1: bottom} if numbered else None
+        picked = [dests[i] for i in rows]
+        return ReceiverColumn([metas[i] for i in rows], layouts, picked, picked, None, rows, None, codes, by_code)
+
+    numbered = needs_for([], metas, [column([0, 1], True), column([2, 3], True)])
+    plain = needs_for([], metas, [column([0, 1], False), column([2, 3], False)])
+    assert numbered[0] == plain[0] == [Need(((0, 2),)), Need(((2, 4),))] * 2
+    assert all(map(operator.is_, numbered[3], dests)) and all(map(operator.is_, plain[3], dests))
+    _, users, _, landing = needs_for([], metas, [column([0, 1], True), column([1, 2], True)])  # tensor 1 twice
+    assert landing is None and type(users[1]) is tuple and len(users[1]) == 2
