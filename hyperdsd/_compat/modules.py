@@ -255,23 +255,40 @@ _LOAD_PRE_HOOKS = operator.attrgetter("_load_state_dict_pre_hooks")
 _LOAD_POST_HOOKS = operator.attrgetter("_load_state_dict_post_hooks")
 
 
-def load_post_hooked(modules: list[torch.nn.Module]) -> bool:
-    """Whether any of ``modules`` has a load post-hook but FSDP2's: each is
-    handed the missing and unexpected keys of the whole load, which a load of
-    part of the values through ``load_state_dict`` would get wrong."""
-    return not _qualnames(map(_LOAD_POST_HOOKS, modules)) <= set(_FSDP_LOAD_HOOKS)
+class LoadHookNames(NamedTuple):
+    """``modules``' load-hook registries, read once for both questions below."""
+
+    pre: list[dict]  # each module's load pre-hooks
+    post: list[dict]  # and post-hooks
+    names: set  # the ``__qualname__`` of every pre-hook and of every post-hook
+    post_names: set  # of every post-hook
 
 
-def each_loads_plainly(modules: list[torch.nn.Module]) -> list[bool]:
-    """:func:`loads_plainly` of each of ``modules``: its class asked once, and
-    only a module with load hooks or a patched method one by one."""
+def load_hook_names(modules: list[torch.nn.Module]) -> LoadHookNames:
+    pre, post = list(map(_LOAD_PRE_HOOKS, modules)), list(map(_LOAD_POST_HOOKS, modules))
+    post_names = _qualnames(post)
+    return LoadHookNames(pre, post, _qualnames(pre) | post_names, post_names)
+
+
+def load_post_hooked(hooks: LoadHookNames) -> bool:
+    """Whether any of the modules ``hooks`` were read from has a load post-hook
+    but FSDP2's: each is handed the missing and unexpected keys of the whole
+    load, which a load of part of the values through ``load_state_dict`` would
+    get wrong."""
+    return not hooks.post_names <= set(_FSDP_LOAD_HOOKS)
+
+
+def each_loads_plainly(modules: list[torch.nn.Module], hooks: LoadHookNames) -> list[bool]:
+    """:func:`loads_plainly` of each of ``modules`` (their hooks ``hooks``): its
+    class asked once, and only a module with load hooks or a patched method
+    one by one."""
     plain_class = {
         cls: cls._load_from_state_dict is torch.nn.Module._load_from_state_dict for cls in set(map(type, modules))
     }
     plain = list(map(plain_class.__getitem__, map(type, modules)))
-    pre, post = list(map(_LOAD_PRE_HOOKS, modules)), list(map(_LOAD_POST_HOOKS, modules))
+    pre, post = hooks.pre, hooks.post
     asked = list(map(operator.contains, map(vars, modules), itertools.repeat("_load_from_state_dict")))  # patched
-    if not _qualnames(itertools.chain(pre, post)) <= set(_FSDP_LOAD_HOOKS):  # hooks of others' somewhere
+    if not hooks.names <= set(_FSDP_LOAD_HOOKS):  # hooks of others' somewhere
         asked = list(map(operator.or_, asked, map(operator.or_, map(bool, pre), map(bool, post))))
     for i in itertools.compress(range(len(modules)), asked):
         plain[i] = plain[i] and loads_plainly(modules[i])

@@ -157,10 +157,11 @@ class _PlainLoads:
         modules = index.module_objects
         # A load post-hook (but FSDP2's) is handed the missing and unexpected keys of the whole
         # load: then every value goes through one load_state_dict, as in torch's load.
-        self.whole = _compat.load_post_hooked(modules)
+        hooks = _compat.load_hook_names(modules)
+        self.whole = _compat.load_post_hooked(hooks)
         if self.whole or not _compat.loads_by_copying(model):
             return
-        each = _compat.each_loads_plainly(modules)
+        each = _compat.each_loads_plainly(modules, hooks)
         if all(each):
             self._plain, self.everywhere = set(index.module_prefixes), True
             return

@@ -110,7 +110,7 @@ def parse(osd: Any, index: ModelIndex, targets: list[TargetGroup], strict: bool,
 
 def _index_state(source: Source, index: ModelIndex) -> None:
     """The checkpoint's state by canonical name, and the canonical names of everything it lists."""
-    source.listed = {f for s in source.groups for f in s.fqns}  # canonical as parsed
+    source.listed = set().union(*(s.fqns for s in source.groups))  # canonical as parsed
     state = source.state
     if set(map(type, state.values())) <= {dict} and list(map(index.first_name.get, state)) == list(state):
         source.by_name = dict(state)  # (every key a parameter's canonical name, every entry a dict)
@@ -146,19 +146,29 @@ def _from_nested(osd: Any, index: ModelIndex, targets: list[TargetGroup], proble
         if not isinstance(g, dict) or "params" not in g:
             problems.append(f"param_groups[{gi}] has no 'params'")
             continue
-        if not isinstance(g["params"], (list, tuple)) or not all(isinstance(f, str) for f in g["params"]):
-            problems.append(f"param_groups[{gi}]['params'] must be a list of FQNs (strings), got {g['params']!r:.80}")
+        params = g["params"]
+        if not isinstance(params, (list, tuple)) or not all(map(isinstance, params, itertools.repeat(str))):
+            problems.append(f"param_groups[{gi}]['params'] must be a list of FQNs (strings), got {params!r:.80}")
             continue
-        sources.append(SourceGroup(g, [index.canonical(f) or f for f in g["params"]]))
-    for fqn, entry in state.items():
-        if not isinstance(fqn, str):
-            problems.append(f"state key {fqn!r} is not an FQN; optimizer state must be keyed by parameter names")
-        elif not isinstance(entry, dict):
-            problems.append(f"state[{fqn!r}] is a {type(entry).__name__}, expected a dict of state values")
-    foreign = [f for s in sources for f in s.fqns if f not in index.param_of]
-    foreign += [f for f in state if isinstance(f, str) and f not in index.param_of]
+        # each name's canonical one, or itself (asked in C: tens of thousands of names)
+        canonical = list(map(index.first_name.get, params))
+        sources.append(SourceGroup(g, canonical if all(canonical) else [c or f for c, f in zip(canonical, params)]))
+    keyed = all(map(isinstance, state, itertools.repeat(str)))
+    if not keyed or not all(map(isinstance, state.values(), itertools.repeat(dict))):
+        for fqn, entry in state.items():
+            if not isinstance(fqn, str):
+                problems.append(f"state key {fqn!r} is not an FQN; optimizer state must be keyed by parameter names")
+            elif not isinstance(entry, dict):
+                problems.append(f"state[{fqn!r}] is a {type(entry).__name__}, expected a dict of state values")
+    known = index.param_of.__contains__
+    foreign = list(itertools.chain.from_iterable(itertools.filterfalse(known, s.fqns) for s in sources))
+    foreign += itertools.filterfalse(known, state if keyed else filter(_is_str, state))
     matched = [sources[j] if j is not None else None for j in _match_groups(targets, sources)]
     return Source(sources, matched, state, foreign)
+
+
+def _is_str(obj: Any) -> bool:
+    return isinstance(obj, str)
 
 
 def _match_groups(targets: list[TargetGroup], sources: list[SourceGroup]) -> list[int | None]:

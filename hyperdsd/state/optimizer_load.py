@@ -48,7 +48,7 @@ def plan_load(
         return plan, problems
     plan.foreign = source.foreign
     listed = source.listed
-    plan.claimed = {f for f in listed if f in index.param_of}
+    plan.claimed = set(filter(index.param_of.__contains__, listed))
     if strict:
         required = [f for t in targets for f in itertools.compress(t.fqns, map(_REQUIRES_GRAD, t.group["params"]))]
         absent = [f for f in required if f not in listed] if not listed.issuperset(required) else []
