@@ -191,9 +191,14 @@ def _with_stand_ins(obj: Any, stand: list[TensorMeta]) -> Any:
     if kind is _Column:
         if obj.entries is None:
             return dict(zip(obj.keys, stand[obj.start : obj.start + len(obj.keys)]))
-        sizes = list(map(len, obj.entries))
-        run = iter(stand[obj.start : obj.start + sum(sizes)])
-        entries = map(dict, map(zip, obj.entries, map(itertools.islice, itertools.repeat(run), sizes)))
+        first = obj.entries[0] if obj.entries else ()
+        if first and obj.entries.count(first) == len(obj.entries):  # (every entry of the same keys: AdamW's)
+            run = iter(stand[obj.start : obj.start + len(first) * len(obj.entries)])
+            entries = map(dict, map(zip, itertools.repeat(first), zip(*[run] * len(first))))
+        else:
+            sizes = list(map(len, obj.entries))
+            run = iter(stand[obj.start : obj.start + sum(sizes)])
+            entries = map(dict, map(zip, obj.entries, map(itertools.islice, itertools.repeat(run), sizes)))
         return dict(zip(obj.keys, entries))
     if kind is dict:
         return {k: _with_stand_ins(v, stand) for k, v in obj.items()}

@@ -1084,10 +1084,12 @@ def test_a_run_lands_in_ordinary_tensors(dtype):
     assert torch.equal(params[0].grad, torch.full((1, 4), 2.0, dtype=dtype))
 
 
-def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
+@pytest.mark.parametrize("uniform", [False, True], ids=["entries-of-other-keys", "entries-all-of-one-keys"])
+def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor(uniform):
     """describe() takes a dict of tensors, or of entries of tensors, a column
     at a time; a dict holding anything else goes value by value. Both give
-    the same stand-ins, indices, fills and shared (shape, dtype) objects."""
+    the same stand-ins, indices, fills and shared (shape, dtype) objects,
+    whether every entry holds the same keys or not."""
     from hyperdsd.agreement import describe, stand_ins_of
     from hyperdsd.state.load_plan import TensorMeta
     from hyperdsd.tree import leaves
@@ -1100,7 +1102,8 @@ def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
     def state_dicts(odd: bool) -> dict:
         model = {f"w{i}": torch.full((2, i % 3 + 1), float(i)) for i in range(6)}
         state = {f"w{i}": {"step": torch.tensor(float(i % 2)), "exp_avg": torch.zeros(2, i % 3 + 1)} for i in range(5)}
-        state["w5"] = {}
+        if not uniform:
+            state["w5"] = {}
         if odd:  # a value that is not a tensor: the value-by-value walk
             model["n"] = 7
             state["w6"] = {"count": 1}
@@ -1108,7 +1111,9 @@ def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor():
 
     column, by_value = manifest(state_dicts(False)), manifest(state_dicts(True))
     assert column[0]["model"].keys() == state_dicts(False)["model"].keys()
-    assert column[0]["optim"]["state"]["w5"] == {}
+    assert column[0]["optim"]["state"].get("w5") == (None if uniform else {})
+    entries = list(column[0]["optim"]["state"].items())
+    assert entries == list(by_value[0]["optim"]["state"].items())[: len(entries)] and len(entries) == 5 + (not uniform)
     stand_ins = [v for _, v in leaves(column[0]) if type(v) is TensorMeta]
     assert stand_ins == [v for _, v in leaves(by_value[0]) if type(v) is TensorMeta]
     assert [m.index for m in stand_ins] == list(range(16))
