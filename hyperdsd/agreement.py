@@ -278,7 +278,7 @@ class BroadcastAgreement:
                 "known": {k: v for k, v in questions.items() if v is not None},
                 "model": _positions(self.model_names, mine_model),
                 "optim": _positions(self.optim_names, mine_optim),
-                "needs": PackedNeeds(needs),
+                "needs": needs if isinstance(needs, PackedNeeds) else PackedNeeds(needs),
             },
             self.group,
         )

@@ -125,22 +125,25 @@ def column_receivers(
     ``existing``'s tensor (their verdicts ``verdicts``, accepted in place),
     as one column (``devices``, ``rows``, ``key``: as the column keeps them):
     None where a local shape is not that tensor's (the caller plans anew)."""
-    # (a column shares a handful of signatures and layouts: each asked once, the rest in C)
+    # (a column shares a handful of signatures and layouts: each asked once, of each signature's first
+    # value, and looked up for the rest by its number, in C)
+    firsts = verdicts.firsts
     layout_of = {first: verdict.layout for first, verdict in verdicts.by_first.items()}
-    layouts = list(map(layout_of.__getitem__, verdicts.firsts))
-    if not any(layouts):  # plain tensors (a step, say)
+    layouts = list(map(layout_of.__getitem__, firsts))
+    distinct = list(layout_of.values())  # (each value's layout is one of them, and each is some value's)
+    if not any(distinct):  # plain tensors (a step, say)
         wants, dests = list(map(_SHAPE, values)), list(existing)
-    elif has_none(layouts):
+    elif has_none(distinct):
         wants = [m.shape if layout is None else layout.local_shape for m, layout in zip(values, layouts)]
         dests = [e if layout is None else _compat.dtensor_local(e) for e, layout in zip(existing, layouts)]
     else:
-        local_shape = {id(layout): layout.local_shape for layout in layout_of.values()}
+        local_shape = {first: layout.local_shape for first, layout in layout_of.items()}
         dests = list(map(_compat.dtensor_local, existing))
         # every local tensor asked, not one per signature: a DTensor made with ``run_check=False``
         # may hold a local tensor of another shape than its spec's, and a copy out= would resize it
-        wants = list(map(local_shape.__getitem__, map(id, layouts)))
+        wants = list(map(local_shape.__getitem__, firsts))
     # (a torch.Size equals the tuple of its sizes, and every shape wanted is a tuple: stand-ins'
     # and layouts' shapes are; compared as they are, no tuple made per tensor)
     if any(map(_IS_META, dests)) or list(map(_SHAPE, dests)) != wants:
         return None  # (a model built on the meta device is assigned its values)
-    return ReceiverColumn(list(values), layouts, list(existing), dests, devices, rows, key, verdicts.firsts, layout_of)
+    return ReceiverColumn(list(values), layouts, list(existing), dests, devices, rows, key, firsts, layout_of)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from array import array
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -22,7 +23,7 @@ from .. import _compat
 from ..placement import DTensorLayout
 from ..tree import has_none
 from .group import Group
-from .needs import Metas, Need
+from .needs import Metas, Need, PackedNeeds
 from .scatter import scatter_from_root
 
 
@@ -78,11 +79,12 @@ def users_of(users: Users, i: int) -> tuple[Receiver, ...]:
 
 def needs_for(
     prepared: list[Receiver], metas: Metas, columns: Sequence[Column] = ()
-) -> tuple[list[Need | None], Users, set[int], list | None]:
-    """What this rank needs of each of the root's tensors, who uses each,
-    which arrive whole for users that cut their own region from them, and,
-    where every tensor is received by ``columns``, the local tensor each
-    piece lands in by the root's index (else None)."""
+) -> tuple[Sequence[Need | None], Users, set[int], list | None]:
+    """What this rank needs of each of the root's tensors (a list, or packed
+    already: :class:`~.needs.PackedNeeds`), who uses each, which arrive whole
+    for users that cut their own region from them, and, where every tensor is
+    received by ``columns``, the local tensor each piece lands in by the
+    root's index (else None)."""
     if columns and not prepared:
         found = _columns_once(columns, len(metas))
         if found is not None:
@@ -149,11 +151,13 @@ def _each_once(prepared: list[Receiver], needs: list, users: Users, regions: dic
     return True
 
 
-def _columns_once(columns: Sequence[Column], n: int) -> tuple[list, Users, set[int], list] | None:
+def _columns_once(columns: Sequence[Column], n: int) -> tuple[PackedNeeds, Users, set[int], list] | None:
     """:func:`needs_for` where every receiver is a column's: each of the root's
     tensors lands in one tensor (the ``dests`` returned), no layout cuts its
-    own region; None otherwise."""
-    needs: list[Need | None] = [None] * n
+    own region; None otherwise. The needs come packed, as the ranks send them."""
+    # the needs packed as they are found (each distinct one numbered once), as the ranks exchange them
+    table: dict[Need, int] = {}
+    places = array("i", [-1]) * n
     dests: list = [None] * n
     regions: dict[tuple, Need] = {}
     taken = 0
@@ -182,12 +186,13 @@ def _columns_once(columns: Sequence[Column], n: int) -> tuple[list, Users, set[i
             if any(cuts for _, cuts in found.values()):
                 return None
             need_of = {key: need for key, (need, _) in found.items()}
-        list(map(needs.__setitem__, indices, map(need_of.__getitem__, keys)))
+        code_of = {key: table.setdefault(need, len(table)) for key, need in need_of.items()}
+        list(map(places.__setitem__, indices, map(code_of.__getitem__, keys)))
         list(map(dests.__setitem__, indices, column.dests))
         taken += len(indices)
     if len(dests) - sum(map(operator.is_, dests, itertools.repeat(None))) != taken:
         return None  # (a root tensor received twice: fewer filled than taken)
-    return needs, [None] * n, set(), dests
+    return PackedNeeds.of(list(table), places), [None] * n, set(), dests
 
 
 def _region(layout: DTensorLayout | None, shape, regions: dict[tuple, Need]) -> tuple[Need, bool]:

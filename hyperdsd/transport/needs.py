@@ -93,6 +93,14 @@ class PackedNeeds(Sequence):
         self.table = list(table)
         self.index = array("i", map(by_id.__getitem__, ids))
 
+    @classmethod
+    def of(cls, table: list[Need], index: array) -> "PackedNeeds":
+        """Needs already packed: each distinct one once (``table``), and each
+        tensor's place in it (-1: none)."""
+        packed = cls.__new__(cls)
+        packed.table, packed.index = table, index
+        return packed
+
     def __getitem__(self, i):  # type: ignore[override]
         j = self.index[i]
         return None if j < 0 else self.table[j]

@@ -1131,7 +1131,7 @@ def test_receiver_columns_need_whole_plain_tensors_and_land_in_their_dests():
     the same needs."""
     from hyperdsd.state.load_plan import Prepared, ReceiverColumn, TensorMeta
     from hyperdsd.transport.delivery import needs_for
-    from hyperdsd.transport.needs import Need
+    from hyperdsd.transport.needs import Need, PackedNeeds
 
     metas = [TensorMeta((2, 3), torch.float32, i) for i in range(4)]
     dests = [torch.zeros(2, 3) for _ in range(4)]
@@ -1141,7 +1141,8 @@ def test_receiver_columns_need_whole_plain_tensors_and_land_in_their_dests():
         return ReceiverColumn([metas[i] for i in rows], [None] * len(rows), picked, picked, None, rows)
 
     needs, users, cut, landing = needs_for([], metas, [column([0, 1]), column([2, 3])])
-    assert needs == [Need.whole((2, 3))] * 4 and not cut and users == [None] * 4
+    assert list(needs) == [Need.whole((2, 3))] * 4 and not cut and users == [None] * 4
+    assert type(needs) is PackedNeeds and list(pickle.loads(pickle.dumps(needs))) == list(needs)  # (as sent)
     assert all(map(operator.is_, landing, dests))
 
     _, users, _, landing = needs_for([], metas, [column([0, 1]), column([1, 2])])  # tensor 1 twice
@@ -1333,7 +1334,7 @@ def test_receiver_columns_numbered_by_layout_need_what_their_layouts_say():
 
     numbered = needs_for([], metas, [column([0, 1], True), column([2, 3], True)])
     plain = needs_for([], metas, [column([0, 1], False), column([2, 3], False)])
-    assert numbered[0] == plain[0] == [Need(((0, 2),)), Need(((2, 4),))] * 2
+    assert list(numbered[0]) == list(plain[0]) == [Need(((0, 2),)), Need(((2, 4),))] * 2
     assert all(map(operator.is_, numbered[3], dests)) and all(map(operator.is_, plain[3], dests))
     _, users, _, landing = needs_for([], metas, [column([0, 1], True), column([1, 2], True)])  # tensor 1 twice
     assert landing is None and type(users[1]) is tuple and len(users[1]) == 2
