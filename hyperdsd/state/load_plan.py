@@ -222,9 +222,11 @@ class OptimizerLoadPlan:
         for fqns in self.together:
             if any(answers.get(f, True) for f in fqns):
                 answers = {**answers, **dict.fromkeys(fqns, True)}
+        dropped = {fqn for fqn, answer in answers.items() if not answer}
+        if not dropped:
+            return  # (a load of stepped state asks nothing: no pass over its tens of thousands of loads)
         for load in self.params:
-            asked = self.questions.get(load.fqn, True) is None or load.fqn in self.confirm
-            if asked and not answers.get(load.fqn, True):
+            if load.fqn in dropped and (self.questions.get(load.fqn, True) is None or load.fqn in self.confirm):
                 load.entry = None
 
     def tensors(self) -> list[Prepared]:

@@ -50,7 +50,8 @@ def plan_load(
     listed = source.listed
     plan.claimed = set(filter(index.param_of.__contains__, listed))
     if strict:
-        required = [f for t in targets for f in itertools.compress(t.fqns, map(_REQUIRES_GRAD, t.group["params"]))]
+        trained = (itertools.compress(t.fqns, map(_REQUIRES_GRAD, t.group["params"])) for t in targets)
+        required = list(itertools.chain.from_iterable(trained))
         absent = [f for f in required if f not in listed] if not listed.issuperset(required) else []
         if absent:
             problems.append(f"missing from the checkpoint (strict=True): {absent}")

@@ -79,6 +79,10 @@ def world() -> Group:
     return Group(None, tuple(range(dist.get_world_size() if initialized() else 1)))
 
 
+def _is_dtensor(obj: Any) -> bool:
+    return isinstance(obj, DTensor)
+
+
 def of_params(params: Iterable[Any]) -> Group:
     """The group of a model with ``params`` (see the module docstring)."""
     everyone = world()
@@ -86,7 +90,8 @@ def of_params(params: Iterable[Any]) -> Group:
         return everyone
     # Tens of thousands of parameters share a handful of layouts: each mesh is
     # read off a distinct one (``device_mesh`` is a property, a call per tensor).
-    layouts = {id(s): s for s in map(_compat.layout_token, [p for p in params if isinstance(p, DTensor)])}
+    specs = list(map(_compat.layout_token, filter(_is_dtensor, params)))
+    layouts = dict(zip(map(id, specs), specs))
     roots: dict[int, Any] = {}
     for mesh in {id(s.mesh): s.mesh for s in layouts.values()}.values():
         root = _compat.root_mesh(mesh)
