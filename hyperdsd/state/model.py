@@ -197,21 +197,8 @@ def plan_load(
     # Read from the modules directly (no extra state, see _targets), every key
     # the model's as it is named, every module loading by copying:
     plain = index.reads_plainly and not index.unsharded and not index.renames and loads_plainly.everywhere
-    if plain:
-        keys = list(sd)
-        if keys == index.tensor_raw_keys:  # (in the model's order: its tensors as the index holds them)
-            found = _in_place(keys, list(sd.values()), list(index.tensors), verdicts)
-        else:
-            own, _ = _targets(model, index)
-            same = sd.keys() == own.keys()
-            found = _in_place(keys, list(sd.values()), list(map(own.__getitem__, keys)), verdicts) if same else None
-        if found is not None:
-            plan.copies, plan.columns = found
-            plan.values = dict(sd)
-            plan.claimed, plan.in_place = set(sd), True
-            plan.registries = _compat.module_registries(index.module_objects)
-            plan.registered = index.registered
-            return plan, problems
+    if plain and _planned_in_place(plan, model, index, sd, verdicts):
+        return plan, problems
     targets, raw_of = _targets(model, index)
     matched: set[str] = set()
     for key, value in sd.items():
@@ -266,6 +253,27 @@ def plan_load(
             parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
         problems.append(f"Error(s) in loading state_dict for {type(model).__name__}: " + " ".join(parts))
     return plan, problems
+
+
+def _planned_in_place(plan: ModelLoadPlan, model: torch.nn.Module, index: ModelIndex, sd: dict, verdicts) -> bool:
+    """Plan ``sd`` into ``plan`` as a load in place (:func:`_in_place`), where
+    every key is the model's and every value lands so; False, ``plan`` as it
+    was, otherwise."""
+    keys = list(sd)
+    if keys == index.tensor_raw_keys:  # (in the model's order: its tensors as the index holds them)
+        found = _in_place(keys, list(sd.values()), list(index.tensors), verdicts)
+    else:
+        own, _ = _targets(model, index)
+        same = sd.keys() == own.keys()
+        found = _in_place(keys, list(sd.values()), list(map(own.__getitem__, keys)), verdicts) if same else None
+    if found is None:
+        return False
+    plan.copies, plan.columns = found
+    plan.values = dict(sd)
+    plan.claimed, plan.in_place = set(sd), True
+    plan.registries = _compat.module_registries(index.module_objects)
+    plan.registered = index.registered
+    return True
 
 
 def _not_filled_in(missing: list[str], sd: dict, raw_of: dict, index: ModelIndex, targets: dict) -> list[str]:

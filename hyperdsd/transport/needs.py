@@ -3,14 +3,16 @@
 Every rank knows each of the root's tensors by shape and dtype
 (:class:`ShapeDtype`, in manifest order) and tells the others the region it
 needs of each (:class:`Need`), packed so that thousands of same-shaped
-tensors cost a few bytes each (:class:`PackedNeeds`). :mod:`.scatter` moves
-the pieces.
+tensors cost a few bytes each (:class:`PackedNeeds`); the tensors every rank
+needs alike are grouped into runs from them (:func:`alike_groups`).
+:mod:`.scatter` moves the pieces.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
 from array import array
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -107,3 +109,44 @@ class PackedNeeds(Sequence):
 
     def __len__(self) -> int:
         return len(self.index)
+
+
+def alike_groups(codes: Sequence[int], columns: Sequence[array], positions: Sequence[int]) -> list[list[int]]:
+    """``positions`` grouped by key, the ``j``-th one's key ``codes[j]`` and
+    ``column[positions[j]]`` for each of ``columns``: each group's positions in
+    order, the groups in the order of their first. ``columns``: arrays of
+    ints, at least -1 (every rank's packed needs, by tensor index).
+
+    A key per tensor tuple made and hashed in a Python loop was a tenth of a
+    broadcast load of tens of thousands of small tensors; here each column
+    folds into one integer key per tensor, and a stable sort groups them. The
+    same inputs give the same groups on every rank."""
+    if not positions:
+        return []
+    key = _ints(array("q", codes), torch.int64)
+    bound = int(key.max()) + 1
+    whole = positions == range(len(positions))
+    at = None if whole else torch.tensor(list(positions), dtype=torch.int64)
+    for column in columns:
+        values = _ints(column, torch.int32) if column.itemsize == 4 else torch.tensor(column.tolist())
+        values = (values if at is None else values[at]).to(torch.int64) + 1
+        width = int(values.max()) + 1
+        if bound * width >= 1 << 62:  # keys renumbered densely first, so that none overflows
+            key = torch.unique(key, return_inverse=True)[1]
+            bound = int(key.max()) + 1
+        key = key * width + values
+        bound *= width
+    order = torch.argsort(key, stable=True)
+    counts = torch.unique_consecutive(key[order], return_counts=True)[1].tolist()
+    flat = order.tolist()
+    groups, start = [], 0
+    for count in counts:
+        groups.append(flat[start : start + count])
+        start += count
+    groups.sort(key=operator.itemgetter(0))
+    return groups if whole else [list(map(positions.__getitem__, group)) for group in groups]
+
+
+def _ints(values: array, dtype: torch.dtype) -> torch.Tensor:
+    # A view of the array's bytes (which it keeps alive), read only.
+    return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)

@@ -19,8 +19,6 @@ rank knows, so no rank waits on a collective another does not issue.
 from __future__ import annotations
 
 import math
-import operator
-from array import array
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,7 +26,7 @@ import torch.distributed as dist
 
 from .collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes, exchange, from_bytes
 from .group import Group, world
-from .needs import Metas, Need, PackedNeeds
+from .needs import Metas, Need, PackedNeeds, alike_groups
 
 # Tensors up to this size are packed in runs with the others of their shape
 # (stacked: a copy of the run on the root while it packs).
@@ -344,47 +342,6 @@ class Scatterer:
                         stacked = _stack(list(map(self.fulls.__getitem__, members)))
                     dest.copy_(as_bytes(need.cut_each(stacked)).view(k, n))
         return out
-
-
-def alike_groups(codes: Sequence[int], columns: Sequence[array], positions: Sequence[int]) -> list[list[int]]:
-    """``positions`` grouped by key, the ``j``-th one's key ``codes[j]`` and
-    ``column[positions[j]]`` for each of ``columns``: each group's positions in
-    order, the groups in the order of their first. ``columns``: arrays of
-    ints, at least -1 (every rank's packed needs, by tensor index).
-
-    A key per tensor tuple made and hashed in a Python loop was a tenth of a
-    broadcast load of tens of thousands of small tensors; here each column
-    folds into one integer key per tensor, and a stable sort groups them. The
-    same inputs give the same groups on every rank."""
-    if not positions:
-        return []
-    key = _ints(array("q", codes), torch.int64)
-    bound = int(key.max()) + 1
-    whole = positions == range(len(positions))
-    at = None if whole else torch.tensor(list(positions), dtype=torch.int64)
-    for column in columns:
-        values = _ints(column, torch.int32) if column.itemsize == 4 else torch.tensor(column.tolist())
-        values = (values if at is None else values[at]).to(torch.int64) + 1
-        width = int(values.max()) + 1
-        if bound * width >= 1 << 62:  # keys renumbered densely first, so that none overflows
-            key = torch.unique(key, return_inverse=True)[1]
-            bound = int(key.max()) + 1
-        key = key * width + values
-        bound *= width
-    order = torch.argsort(key, stable=True)
-    counts = torch.unique_consecutive(key[order], return_counts=True)[1].tolist()
-    flat = order.tolist()
-    groups, start = [], 0
-    for count in counts:
-        groups.append(flat[start : start + count])
-        start += count
-    groups.sort(key=operator.itemgetter(0))
-    return groups if whole else [list(map(positions.__getitem__, group)) for group in groups]
-
-
-def _ints(values: array, dtype: torch.dtype) -> torch.Tensor:
-    # A view of the array's bytes (which it keeps alive), read only.
-    return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
 
 
 def _align(offset: int, itemsize: int) -> int:

@@ -1280,7 +1280,7 @@ def test_tensors_needed_alike_group_as_a_key_per_tensor_groups_them(data):
     including keys wider than 64 bits folded together."""
     from array import array
 
-    from hyperdsd.transport.scatter import alike_groups
+    from hyperdsd.transport.needs import alike_groups
 
     st = hypothesis.strategies
     total = data.draw(st.integers(0, 60))
