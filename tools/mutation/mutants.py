@@ -298,8 +298,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "empty-shard-decides-alone",
         "hyperdsd.state.load_plan.OptimizerLoadPlan.settle",
-        "asked = self.questions.get(load.fqn, True) is None or load.fqn in self.confirm",
-        "asked = load.fqn in self.confirm",
+        "self.questions.get(load.fqn, True) is None or load.fqn in self.confirm",
+        "load.fqn in self.confirm",
         "a rank holding an empty shard of a placeholder entry ignores what the other ranks say about it",
         ("OPT-RESHARD-2[fsdp2_to_fsdp4-sgd-dcp-aux]",),
     ),
