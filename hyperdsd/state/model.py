@@ -255,7 +255,9 @@ def plan_load(
     return plan, problems
 
 
-def _planned_in_place(plan: ModelLoadPlan, model: torch.nn.Module, index: ModelIndex, sd: dict, verdicts) -> bool:
+def _planned_in_place(
+    plan: ModelLoadPlan, model: torch.nn.Module, index: ModelIndex, sd: dict, verdicts: Verdicts
+) -> bool:
     """Plan ``sd`` into ``plan`` as a load in place (:func:`_in_place`), where
     every key is the model's and every value lands so; False, ``plan`` as it
     was, otherwise."""

@@ -166,10 +166,9 @@ def _columns_once(columns: Sequence[Column], n: int) -> tuple[PackedNeeds, Users
         # Each distinct layout object, or shape of a plain tensor, asked once: tens of thousands of
         # receivers share a handful. A layout says the region alone (the shape is the layout's).
         layouts = column.layouts
-        codes = getattr(column, "layout_codes", None)
         distinct = None
-        if codes is not None and not has_none(list(column.layout_by_code.values())):
-            keys, distinct = codes, column.layout_by_code  # (numbered by the planner, one layout per number)
+        if column.layout_codes is not None and not has_none(list(column.layout_by_code.values())):
+            keys, distinct = column.layout_codes, column.layout_by_code  # (numbered by the planner)
         elif not has_none(layouts):
             keys = list(map(id, layouts))
             distinct = dict(zip(keys, layouts))

@@ -135,7 +135,6 @@ class Scatterer:
         # each distinct (shape, dtype) by a number: by value (never by object identity: the
         # root's own objects are other than the copies the other ranks received), asked once per object
         by_value: dict[tuple, int] = {}
-        runs: dict[Any, list[int]] = {}
         sizes = self._sizes
         whole = indices == range(len(self.metas))  # (every tensor, in order: the lists as they are)
         if whole:  # (as run() found them)
@@ -149,15 +148,15 @@ class Scatterer:
             # (every tensor small: the tensors of each key found a column at a time, in torch)
             groups = alike_groups(map(codes.__getitem__, objects), [e.index for e in self.everyone], indices)
             return [self._run(members) for members in groups]
-        else:
-            # each tensor's needs, rank by rank: what every rank packed (a region's number), or the regions
-            per_rank = list(zip(*(e.index for e in self.everyone))) if packed else None
-            keys = (
-                ("alone", i)
-                if sizes[i] > _STACKED_BYTES
-                else (codes[id(self.metas[i])], per_rank[i] if packed else tuple([e[i] for e in self.everyone]))
-                for i in indices
-            )
+        # each tensor's needs, rank by rank: what every rank packed (a region's number), or the regions
+        per_rank = list(zip(*(e.index for e in self.everyone))) if packed else None
+        keys = (
+            ("alone", i)
+            if sizes[i] > _STACKED_BYTES
+            else (codes[id(self.metas[i])], per_rank[i] if packed else tuple([e[i] for e in self.everyone]))
+            for i in indices
+        )
+        runs: dict[Any, list[int]] = {}
         for i, key in zip(indices, keys):
             members = runs.get(key)
             if members is None:
