@@ -9,6 +9,9 @@ copying into existing state tensors in place where their layout allows.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from itertools import chain, compress
+from operator import methodcaller
 from typing import Any
 
 import torch
@@ -36,11 +39,17 @@ def _own(value: Any) -> Any:
 _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, DTensor})
 
 
+def _entry_copies(entries: list[dict]) -> Iterable[dict]:
+    """A new state entry for each of ``entries``, as :func:`_entry_copy` makes
+    it; one copy in C each where every value is a tensor (AdamW's, SGD's)."""
+    if _TENSORS.issuperset(map(type, chain.from_iterable(map(methodcaller("values"), entries)))):
+        return map(dict, entries)
+    return map(_entry_copy, entries)
+
+
 def _entry_copy(entry: dict) -> dict:
     """A new state entry whose containers (nested dicts and lists) are new too;
     tensors and other leaves are the optimizer's own."""
-    if _TENSORS.issuperset(map(type, entry.values())):
-        return dict(entry)  # tensors only (AdamW's, SGD's): one copy in C
     return {k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same) for k, v in entry.items()}
 
 
@@ -48,14 +57,16 @@ def _same(leaf: Any, _path: tuple) -> Any:
     return leaf
 
 
-def _param_fqn(index: ModelIndex, p, gi: int, pi: int) -> str:
-    fqn = index.fqn_by_id.get(id(p))
-    if fqn is None:
+def _param_fqns(index: ModelIndex, params: list, gi: int) -> list[str]:
+    """The FQN of each of a group's parameters, looked up in C."""
+    fqns = list(map(index.fqn_by_id.get, map(id, params)))
+    if not all(fqns):  # None: not the model's (a parameter's FQN is never empty)
+        pi = fqns.index(None)
         raise StateDictError(
-            f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "
+            f"param_groups[{gi}]['params'][{pi}] (shape {tuple(params[pi].shape)}) "
             "of the optimizer is not a parameter of the model"
         )
-    return fqn
+    return fqns
 
 
 def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
@@ -71,7 +82,6 @@ def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
     """
     state: dict[str, dict] = {}
     groups: list[dict] = []
-    gi = 0
     for opt in optimizers:
         placeholders = placeholder_state_of(opt) if not opt.state else (stateless_placeholders(opt) if to_load else {})
         if _compat.plain_state_dict(opt):
@@ -80,15 +90,13 @@ def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
             sd = opt.state_dict()  # runs the optimizer's own state-dict hooks
             sd_groups, stored = sd[GROUPS], sd[STATE]  # keyed by packed ids: ints, cheap to hash
         for g_sd, group in zip(sd_groups, opt.param_groups):
-            fqns = []
-            for pi, (key, p) in enumerate(zip(g_sd["params"], group["params"])):
-                fqn = _param_fqn(index, p, gi, pi)
-                fqns.append(fqn)
-                entry = stored.get(key) or (placeholders.get(p) if placeholders else None)
-                if entry:
-                    state[fqn] = _entry_copy(entry)
+            params = group["params"]
+            fqns = _param_fqns(index, params, len(groups))
+            entries = list(map(stored.get, g_sd["params"]))
+            if placeholders and not all(entries):
+                entries = [entry or placeholders.get(p) for entry, p in zip(entries, params)]
+            state.update(zip(compress(fqns, entries), _entry_copies(list(filter(None, entries)))))
             groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns})
-            gi += 1
     return {STATE: state, GROUPS: groups}
 
 

@@ -66,9 +66,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-aliases-state-entries",
-        "hyperdsd.state.optimizer.read_state",
-        "state[fqn] = _entry_copy(entry)",
-        "state[fqn] = entry",
+        "hyperdsd.state.optimizer._entry_copies",
+        "return map(dict, entries)",
+        "return iter(entries)",
         "get returns the optimizer's own per-parameter state dicts (changing the result changes the optimizer)",
         ("OPT-PURE-2[single-adamw-sharded]",),
     ),
@@ -83,8 +83,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "get-drops-frozen-state",
         "hyperdsd.state.optimizer.read_state",
-        "entry = stored.get(key) or (placeholders.get(p) if placeholders else None)",
-        "entry = (stored.get(key) or (placeholders.get(p) if placeholders else None)) if p.requires_grad else None",
+        'entries = list(map(stored.get, g_sd["params"]))',
+        'entries = [stored.get(k) if p.requires_grad else None for k, p in zip(g_sd["params"], params)]',
         "get leaves out the optimizer state of parameters frozen after training",
         ("OPT-PART-3[single-sharded]",),
     ),
@@ -482,13 +482,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "nested-containers-shared",
         "hyperdsd.state.optimizer._entry_copy",
-        """
-        return {
-            k: v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same)
-            for k, v in entry.items()
-        }
-        """,
-        "return dict(entry)",
+        "v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same)",
+        "v",
         "get copies state entries but not the dicts and lists nested in them (changing those changes the optimizer)",
         ("OPT-PURE-2[single-custom-sharded]",),
     ),
