@@ -3,7 +3,8 @@
 Four CPU ranks on gloo, an FSDP2 model (fully_shard per block of layers)
 with AdamW state. For every mode both implementations run alternately in
 the same processes, several times; the table shows the medians (slowest
-rank) and the ratio hyperdsd / torch. Beside them, a floor measured in the
+rank) and the ratio hyperdsd / torch. A call's time ends when it returns:
+what a get returned is released after it, untimed. Beside them, a floor measured in the
 same run: the least any implementation with hyperdsd's guarantees must do.
 For set and flat_set, torch's own op followed by one all-reduce of two flags
 (every hyperdsd set agrees across ranks so that bad input on one rank raises
@@ -16,8 +17,12 @@ hyperdsd's time per 1,000 keys (parameters; each also has three AdamW state
 values), per key, and as a multiple of the per-tensor floor: one ``clone()``
 of every local tensor (a parameter's shard and its optimizer state values,
 the tensors DTensors wrap, not reached through ``to_local()``) in a Python
-loop, slowest rank, measured in the same run; and, for the modes
-whose target is relative to it, the ratio to hyperdsd's own sharded get.
+loop, slowest rank, measured in the same run; the same clones kept until
+the last is made (``kept ms``: a state dict holds its tensors, and that
+many live tensors cost the allocator more per tensor as they grow); and,
+for the modes whose target is relative to it, the ratio to hyperdsd's own
+sharded get. Where both 10k and 50k ran, each mode's time per key on 50k
+over its time per key on 10k follows the table, the floors' beside it.
 ``resume`` is a save and a load of the model and optimizer:
 ``hyperdsd.checkpoint.save`` then ``load``, against torch's
 ``get_state_dict``, plain ``dcp.save``, ``get_state_dict``, ``dcp.load`` and
@@ -159,9 +164,10 @@ def main() -> None:
     print(
         f"{'size':>5} {'mesh':>10} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10}"
         f" {'hyperdsd/floor':>15} {'reps':>5}"
-        f" {'us/key':>8} {'clone ms':>9} {'x clone':>8} {'x own get':>10}"
+        f" {'us/key':>8} {'clone ms':>9} {'x clone':>8} {'kept ms':>9} {'x own get':>10}"
     )
     own_get: dict[str, float] = {}
+    per_key: dict[tuple[str, str], float] = {}  # (size, mode or floor): ms per key, for the growth from 10k to 50k
     with PoolSet(gloo_timeout_s=900) as pools:
         for size, mode, mesh in runs:
             torch_too = (size, mode) not in torch_skip
@@ -200,9 +206,12 @@ def main() -> None:
                 if mode == "get":
                     own_get[size] = b
                 relative = f"{b / own_get[size]:10.1f}" if mode in RELATIVE_TO_GET and size in own_get else f"{'':>10}"
-                per_key = b / bench_tasks.keys_of(size) * 1000
+                keys = bench_tasks.keys_of(size)
                 clone = statistics.median(t["clone"])  # the per-tensor floor, alternating in the same run
-                extra = f" {per_key:8.1f} {clone:9.1f} {b / clone:8.2f} {relative}"
+                kept = statistics.median(t["kept"])
+                per_key.update({(size, mode): b / keys, (size, f"clone ({mode})"): clone / keys})
+                per_key[(size, f"kept ({mode})")] = kept / keys
+                extra = f" {b / keys * 1000:8.1f} {clone:9.1f} {b / clone:8.2f} {kept:9.1f} {relative}"
             print(f"{size:>5} {mesh:>10} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
             if crashed:
                 print(f"{'':>5} {mesh:>10} {mode:>10}  {crashed}", flush=True)
@@ -214,6 +223,7 @@ def main() -> None:
                     f"DCP's floor {floor / 1000:.1f} s, x floor {b / floor:.2f}",
                     flush=True,
                 )
+        _growth(per_key)
         if not args.no_breakdown:
             bench_breakdown.table(
                 pools,
@@ -225,6 +235,18 @@ def main() -> None:
     if not args.no_memory:
         memory_sizes = [s for s in (args.memory_sizes or args.sizes).split(",") if s]
         _memory(memory_sizes, args.hsdp_sizes.split(","), torch_skip | _pairs(args.memory_torch_skip), fsdp1_sizes)
+
+
+def _growth(per_key: dict[tuple[str, str], float], small: str = "10k", large: str = "50k") -> None:
+    """Each call's time per key on the ``large`` model over its time per key on
+    the ``small`` one, where both ran; beside it, the two per-tensor floors'
+    (measured in the same rows)."""
+    rows = [what for size, what in per_key if size == small and (large, what) in per_key]
+    if not rows:
+        return
+    print(f"\ntime per key, {large} over {small} (the floors' measured beside each mode)")
+    for what in rows:
+        print(f"{what:>24} {per_key[(large, what)] / per_key[(small, what)]:6.2f}")
 
 
 def _memory(

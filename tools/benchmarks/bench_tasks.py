@@ -120,14 +120,16 @@ def _prepare(ctx, impl_name, mode, model, opt):
 
 
 def _op(ctx, impl_name, mode, model, opt, inputs):
+    """One call of ``mode``; a get returns what it got (the caller times the
+    call, then releases it)."""
     impl = _impl(impl_name)
     if mode == "get":
-        impl.get_state_dict(model, opt)
-    elif mode == "flat_get":
-        impl.get_state_dict(model, opt, options=_options(impl, flatten_optimizer_state_dict=True))
-    elif mode == "full_get":
-        impl.get_state_dict(model, opt, options=_options(impl, full_state_dict=True, cpu_offload=True))
-    elif mode in ("set", "flat_set"):
+        return impl.get_state_dict(model, opt)
+    if mode == "flat_get":
+        return impl.get_state_dict(model, opt, options=_options(impl, flatten_optimizer_state_dict=True))
+    if mode == "full_get":
+        return impl.get_state_dict(model, opt, options=_options(impl, full_state_dict=True, cpu_offload=True))
+    if mode in ("set", "flat_set"):
         msd, osd = inputs
         opts = _options(impl, flatten_optimizer_state_dict=(mode == "flat_set"))
         impl.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=opts)
@@ -209,6 +211,20 @@ def _clone_all(model, opt) -> None:
         for v in opt.state.get(p, {}).values():
             if isinstance(v, torch.Tensor):
                 local_tensor(v).clone()
+
+
+def _clone_kept(model, opt) -> list[torch.Tensor]:
+    """:func:`_clone_all`'s clones, kept until every one is made (as a state
+    dict holds its tensors): the per-tensor floor of a call that returns or
+    holds a new tensor per tensor, with the allocator's cost of that many live
+    tensors in it."""
+    from hyperdsd._compat import local_tensor
+
+    kept = []
+    for p in model.parameters():
+        kept.append(local_tensor(p).clone())
+        kept += [local_tensor(v).clone() for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return kept
 
 
 def profile_resume(
@@ -320,20 +336,20 @@ def _dcp_floor(ctx, state: dict) -> None:
 
 def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0, torch_too: bool = True):
     """Alternate the two implementations and the floor (on the models of many
-    keys, the per-tensor floor too: ``clone``), ``reps`` times each, in a
+    keys, the per-tensor floors too: ``clone`` and ``kept``), ``reps`` times each, in a
     rotating order, or fewer once ``budget_s`` is spent (one each at least);
     slowest rank's ms. Without ``torch_too`` torch's op is not run (the floor
     still is, where it is not torch's op)."""
     model, opt = _build(ctx, size, mesh)
     ctx.cache["mesh"] = mesh
     buf = _local_state(model, opt) if mode in ("full_get", "bcast_set", "bcast_both") else None
-    contenders = ["torch", "hyperdsd", "floor"] + (["clone"] if size in MANY_KEYS and mesh == "4" else [])
+    contenders = ["torch", "hyperdsd", "floor"] + (["clone", "kept"] if size in MANY_KEYS and mesh == "4" else [])
     if not torch_too:
         contenders.remove("torch")
         if mode in ("set", "flat_set"):
             contenders.remove("floor")  # torch's own op
     began = time.perf_counter()
-    times: dict[str, list[float]] = {name: [] for name in ("torch", "hyperdsd", "floor", "clone")}
+    times: dict[str, list[float]] = {name: [] for name in ("torch", "hyperdsd", "floor", "clone", "kept")}
     for r in range(reps):
         spent = torch.tensor([time.perf_counter() - began])
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops at the same repetition
@@ -345,13 +361,17 @@ def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float =
             dist.barrier()
             with ctx.under_test(name):  # a rank that dies here names who killed it (bench.py reruns without torch)
                 start = time.perf_counter()
+                got = None
                 if name == "floor":
                     _floor(ctx, mode, model, opt, buf)
                 elif name == "clone":
                     _clone_all(model, opt)
+                elif name == "kept":
+                    got = _clone_kept(model, opt)
                 else:
-                    _op(ctx, name, mode, model, opt, inputs)
+                    got = _op(ctx, name, mode, model, opt, inputs)
                 elapsed = torch.tensor([time.perf_counter() - start])
+                del got  # released untimed: what a get returned is its caller's to drop, later
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(elapsed.item() * 1000)
             del inputs
