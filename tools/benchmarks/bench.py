@@ -17,12 +17,10 @@ hyperdsd's time per 1,000 keys (parameters; each also has three AdamW state
 values), per key, and as a multiple of the per-tensor floor: one ``clone()``
 of every local tensor (a parameter's shard and its optimizer state values,
 the tensors DTensors wrap, not reached through ``to_local()``) in a Python
-loop, slowest rank, measured in the same run; the same clones kept until
-the last is made (``kept ms``: a state dict holds its tensors, and that
-many live tensors cost the allocator more per tensor as they grow); and,
-for the modes whose target is relative to it, the ratio to hyperdsd's own
-sharded get. Where both 10k and 50k ran, each mode's time per key on 50k
-over its time per key on 10k follows the table, the floors' beside it.
+loop, slowest rank, measured in the same run; and, for the modes whose
+target is relative to it, the ratio to hyperdsd's own sharded get. Where
+both 10k and 50k ran, each mode's time per key on 50k over its time per key
+on 10k follows the table, the per-tensor floor's beside it.
 ``resume`` is a save and a load of the model and optimizer:
 ``hyperdsd.checkpoint.save`` then ``load``, against torch's
 ``get_state_dict``, plain ``dcp.save``, ``get_state_dict``, ``dcp.load`` and
@@ -164,7 +162,7 @@ def main() -> None:
     print(
         f"{'size':>5} {'mesh':>10} {'mode':>10} {'torch ms':>10} {'hyperdsd ms':>12} {'ratio':>7} {'floor ms':>10}"
         f" {'hyperdsd/floor':>15} {'reps':>5}"
-        f" {'us/key':>8} {'clone ms':>9} {'x clone':>8} {'kept ms':>9} {'x own get':>10}"
+        f" {'us/key':>8} {'clone ms':>9} {'x clone':>8} {'x own get':>10}"
     )
     own_get: dict[str, float] = {}
     per_key: dict[tuple[str, str], float] = {}  # (size, mode or floor): ms per key, for the growth from 10k to 50k
@@ -208,10 +206,8 @@ def main() -> None:
                 relative = f"{b / own_get[size]:10.1f}" if mode in RELATIVE_TO_GET and size in own_get else f"{'':>10}"
                 keys = bench_tasks.keys_of(size)
                 clone = statistics.median(t["clone"])  # the per-tensor floor, alternating in the same run
-                kept = statistics.median(t["kept"])
                 per_key.update({(size, mode): b / keys, (size, f"clone ({mode})"): clone / keys})
-                per_key[(size, f"kept ({mode})")] = kept / keys
-                extra = f" {b / keys * 1000:8.1f} {clone:9.1f} {b / clone:8.2f} {kept:9.1f} {relative}"
+                extra = f" {b / keys * 1000:8.1f} {clone:9.1f} {b / clone:8.2f} {relative}"
             print(f"{size:>5} {mesh:>10} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
             if crashed:
                 print(f"{'':>5} {mesh:>10} {mode:>10}  {crashed}", flush=True)
@@ -239,12 +235,12 @@ def main() -> None:
 
 def _growth(per_key: dict[tuple[str, str], float], small: str = "10k", large: str = "50k") -> None:
     """Each call's time per key on the ``large`` model over its time per key on
-    the ``small`` one, where both ran; beside it, the two per-tensor floors'
+    the ``small`` one, where both ran; beside it, the per-tensor floor's
     (measured in the same rows)."""
     rows = [what for size, what in per_key if size == small and (large, what) in per_key]
     if not rows:
         return
-    print(f"\ntime per key, {large} over {small} (the floors' measured beside each mode)")
+    print(f"\ntime per key, {large} over {small} (the per-tensor floor's measured beside each mode)")
     for what in rows:
         print(f"{what:>24} {per_key[(large, what)] / per_key[(small, what)]:6.2f}")
 

@@ -213,20 +213,6 @@ def _clone_all(model, opt) -> None:
                 local_tensor(v).clone()
 
 
-def _clone_kept(model, opt) -> list[torch.Tensor]:
-    """:func:`_clone_all`'s clones, kept until every one is made (as a state
-    dict holds its tensors): the per-tensor floor of a call that returns or
-    holds a new tensor per tensor, with the allocator's cost of that many live
-    tensors in it."""
-    from hyperdsd._compat import local_tensor
-
-    kept = []
-    for p in model.parameters():
-        kept.append(local_tensor(p).clone())
-        kept += [local_tensor(v).clone() for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    return kept
-
-
 def profile_resume(
     ctx, size: str, impl: str = "hyperdsd", mesh: str = "4", top: int = 40, dump: str = "", timed: bool = True
 ):
@@ -336,20 +322,20 @@ def _dcp_floor(ctx, state: dict) -> None:
 
 def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float = 90.0, torch_too: bool = True):
     """Alternate the two implementations and the floor (on the models of many
-    keys, the per-tensor floors too: ``clone`` and ``kept``), ``reps`` times each, in a
+    keys, the per-tensor floor too: ``clone``), ``reps`` times each, in a
     rotating order, or fewer once ``budget_s`` is spent (one each at least);
     slowest rank's ms. Without ``torch_too`` torch's op is not run (the floor
     still is, where it is not torch's op)."""
     model, opt = _build(ctx, size, mesh)
     ctx.cache["mesh"] = mesh
     buf = _local_state(model, opt) if mode in ("full_get", "bcast_set", "bcast_both") else None
-    contenders = ["torch", "hyperdsd", "floor"] + (["clone", "kept"] if size in MANY_KEYS and mesh == "4" else [])
+    contenders = ["torch", "hyperdsd", "floor"] + (["clone"] if size in MANY_KEYS and mesh == "4" else [])
     if not torch_too:
         contenders.remove("torch")
         if mode in ("set", "flat_set"):
             contenders.remove("floor")  # torch's own op
     began = time.perf_counter()
-    times: dict[str, list[float]] = {name: [] for name in ("torch", "hyperdsd", "floor", "clone", "kept")}
+    times: dict[str, list[float]] = {name: [] for name in ("torch", "hyperdsd", "floor", "clone")}
     for r in range(reps):
         spent = torch.tensor([time.perf_counter() - began])
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops at the same repetition
@@ -366,8 +352,6 @@ def time_mode(ctx, size: str, mode: str, mesh: str, reps: int, budget_s: float =
                     _floor(ctx, mode, model, opt, buf)
                 elif name == "clone":
                     _clone_all(model, opt)
-                elif name == "kept":
-                    got = _clone_kept(model, opt)
                 else:
                     got = _op(ctx, name, mode, model, opt, inputs)
                 elapsed = torch.tensor([time.perf_counter() - start])
