@@ -20,7 +20,7 @@ the tensors DTensors wrap, not reached through ``to_local()``) in a Python
 loop, slowest rank, measured in the same run; and, for the modes whose
 target is relative to it, the ratio to hyperdsd's own sharded get. Where
 both 10k and 50k ran, each mode's time per key on 50k over its time per key
-on 10k follows the table, the per-tensor floor's beside it.
+on 10k follows the table, the per-tensor floor's and torch's beside it.
 ``resume`` is a save and a load of the model and optimizer:
 ``hyperdsd.checkpoint.save`` then ``load``, against torch's
 ``get_state_dict``, plain ``dcp.save``, ``get_state_dict``, ``dcp.load`` and
@@ -207,6 +207,8 @@ def main() -> None:
                 keys = bench_tasks.keys_of(size)
                 clone = statistics.median(t["clone"])  # the per-tensor floor, alternating in the same run
                 per_key.update({(size, mode): b / keys, (size, f"clone ({mode})"): clone / keys})
+                if torch_too:
+                    per_key[(size, f"torch ({mode})")] = a / keys
                 extra = f" {b / keys * 1000:8.1f} {clone:9.1f} {b / clone:8.2f} {relative}"
             print(f"{size:>5} {mesh:>10} {mode:>10} {theirs} {floors} {len(t['hyperdsd']):5d}{extra}", flush=True)
             if crashed:
@@ -235,12 +237,12 @@ def main() -> None:
 
 def _growth(per_key: dict[tuple[str, str], float], small: str = "10k", large: str = "50k") -> None:
     """Each call's time per key on the ``large`` model over its time per key on
-    the ``small`` one, where both ran; beside it, the per-tensor floor's
-    (measured in the same rows)."""
+    the ``small`` one, where both ran; beside it, the per-tensor floor's and
+    torch's where it ran (measured in the same rows)."""
     rows = [what for size, what in per_key if size == small and (large, what) in per_key]
     if not rows:
         return
-    print(f"\ntime per key, {large} over {small} (the per-tensor floor's measured beside each mode)")
+    print(f"\ntime per key, {large} over {small}: hyperdsd's, and beside it the clone floor's and torch's")
     for what in rows:
         print(f"{what:>24} {per_key[(large, what)] / per_key[(small, what)]:6.2f}")
 
