@@ -5,6 +5,7 @@ import copy
 import io
 import operator
 import pickle
+import re
 import types
 import warnings
 
@@ -885,6 +886,9 @@ def test_an_optimizer_over_parameters_the_model_lacks_is_refused_clearly():
     stray = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     with pytest.raises(StateDictError, match="not a parameter of the model"):
         hyperdsd.get_optimizer_state_dict(model, stray)
+    mixed = torch.optim.SGD([next(model.parameters()), nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(StateDictError, match=re.escape("param_groups[0]['params'][1] (shape (2,))")):
+        hyperdsd.get_optimizer_state_dict(model, mixed)
     with pytest.raises(StateDictError, match="not the model's"):
         hyperdsd.set_optimizer_state_dict(
             model, stray, {"state": {}, "param_groups": []}, options=StateDictOptions(strict=False)

@@ -4,8 +4,9 @@ Four CPU ranks on gloo, an FSDP2 model (fully_shard per block of layers)
 with AdamW state. For every mode both implementations run alternately in
 the same processes, several times; the table shows the medians (slowest
 rank) and the ratio hyperdsd / torch. A call's time ends when it returns:
-what a get returned is released after it, untimed. Beside them, a floor measured in the
-same run: the least any implementation with hyperdsd's guarantees must do.
+what a get returned is released after it, untimed. Beside them, a floor
+measured in the same run: the least any implementation with hyperdsd's
+guarantees must do.
 For set and flat_set, torch's own op followed by one all-reduce of two flags
 (every hyperdsd set agrees across ranks so that bad input on one rank raises
 on all; torch's sharded set performs no collective and gives no such
