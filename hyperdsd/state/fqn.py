@@ -181,6 +181,10 @@ class ModelIndex:
         """The first canonical name of ``param``; None if it is not the model's."""
         return self.fqn_by_id.get(id(param))
 
+    def fqns_of(self, params: list[torch.Tensor]) -> list[str | None]:
+        """:meth:`fqn_of` each of ``params``, looked up in C (an optimizer holds tens of thousands)."""
+        return list(map(self.fqn_by_id.get, map(id, params)))
+
     def own_parameters(self, module: nn.Module) -> dict[str, nn.Parameter | None]:
         """``module``'s own parameters by name, each as the optimizer steps it
         (the sharded one where FSDP2 has the module unsharded)."""

@@ -58,9 +58,9 @@ def _same(leaf: Any, _path: tuple) -> Any:
 
 
 def _param_fqns(index: ModelIndex, params: list, gi: int) -> list[str]:
-    """The FQN of each of a group's parameters, looked up in C."""
-    fqns = list(map(index.fqn_by_id.get, map(id, params)))
-    if not all(fqns):  # None: not the model's (a parameter's FQN is never empty)
+    """The FQN of each of a group's parameters."""
+    fqns = index.fqns_of(params)
+    if None in fqns:  # not the model's
         pi = fqns.index(None)
         raise StateDictError(
             f"param_groups[{gi}]['params'][{pi}] (shape {tuple(params[pi].shape)}) "

@@ -83,7 +83,7 @@ def target_groups(index: ModelIndex, optimizers, problems: list[str]) -> list[Ta
     for opt in optimizers:
         position = next(i for i, o in enumerate(optimizers) if o is opt)
         for gi, g in enumerate(opt.param_groups):
-            fqns = list(map(index.fqn_by_id.get, map(id, g["params"])))
+            fqns = index.fqns_of(g["params"])
             if None in fqns:
                 unknown = [i for i, fqn in enumerate(fqns) if fqn is None]
                 problems.append(
