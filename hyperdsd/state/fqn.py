@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .. import _compat
 from ..errors import StateDictError
+from .flat import FlatTemplate
 
 _CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
 
@@ -79,6 +80,7 @@ class ModelIndex:
         self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self.fsdp1_modules: list[tuple[nn.Module, str]] = []
         self.renames = False  # a child hidden somewhere: canonical keys are not all ``state_dict()``'s
+        self.flat_template: FlatTemplate | None = None  # a kept index's (see index_cache): a flat get's keys
         fqn_by_id, params, param_of, first_name = self.fqn_by_id, self.params, self.param_of, self.first_name
         tensors, keys, raw_keys = self.tensors, self.tensor_keys, self.tensor_raw_keys
         # Depth first, parents before children, children in registration

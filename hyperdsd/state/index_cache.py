@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from .. import _compat
 from ..tree import has_none
+from .flat import FlatTemplate
 from .fqn import hidden_children
 
 _DEREF = weakref.ref.__call__
@@ -66,6 +67,7 @@ class _Snapshot:
         self.path_positions = [at[id(m)] for m, _ in index._module_paths.values()]
         self.path_canons = [canon for _, canon in index._module_paths.values()]
         self.renames = index.renames
+        self.flat_template = FlatTemplate()  # a flat get's keys (see FlatTemplate): the model's while it is as it was
 
     def _renaming(self, classes: list[type]) -> set[type]:
         return {c for c in set(classes) if callable(getattr(c, self.modifiers_attr, None))}
@@ -97,6 +99,7 @@ class _Snapshot:
         index.params = list(map(tensors.__getitem__, self.param_positions))
         index.first_name = dict(self.first_name)
         index._sharded, index.fsdp1_modules, index.renames = {}, [], self.renames
+        index.flat_template = self.flat_template
         return index
 
     # What an index this snapshot made reads when it first needs it (new objects each time).
@@ -135,7 +138,8 @@ def index_of(cls, model: nn.Module, modifiers_attr: str):
     index = cls(model, modifiers_attr)
     if not index.unsharded and not index.fsdp1_modules:
         try:
-            _SNAPSHOTS[id(model)] = _Snapshot(index, functools.partial(_forget, id(model)))
+            snapshot = _SNAPSHOTS[id(model)] = _Snapshot(index, functools.partial(_forget, id(model)))
+            index.flat_template = snapshot.flat_template
         except TypeError:  # (a model that takes no weak reference is indexed every call)
             _SNAPSHOTS.pop(id(model), None)
     return index

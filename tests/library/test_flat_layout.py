@@ -1,5 +1,6 @@
-"""Unflattening the flat optimizer layout: rows taken whole give what reading
-each key alone gives.
+"""Flattening and unflattening the flat optimizer layout: keys made a column
+at a time, or copied from the last call's, and rows taken whole give what
+writing or reading each key alone gives.
 
 ``unflatten`` reads a parameter's keys one by one once, then checks the rows
 after it a column at a time and takes those that follow the same pattern.
@@ -145,3 +146,101 @@ def test_rows_that_break_the_pattern_every_parameter_cost_a_row_each(monkeypatch
     )
     assert unflatten(flat, set(fqns)) == read_key_by_key(flat, set(fqns))
     assert sum(checked) <= 4 * len(fqns)
+
+
+def flatten_key_by_key(nested: dict) -> dict:
+    """The layout's rule for each leaf on its own (flat.py's docstring)."""
+    out: dict = {}
+
+    def put(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                put(f"{prefix}.{k}", v)
+        elif type(value) is list and value:
+            for i, v in enumerate(value):
+                put(f"{prefix}[{i}]", v)
+        else:
+            out[prefix] = value
+
+    for fqn, entry in nested[STATE].items():
+        put(f"{STATE}.{fqn}", entry)
+    for group in nested[GROUPS]:
+        for fqn in group["params"]:
+            for k, v in group.items():
+                if k != "params":
+                    out[f"{GROUPS}.{fqn}.{k}"] = v
+    return out
+
+
+def same_items(got: dict, expected: dict) -> bool:
+    """The same keys in the same order, each with the very same value."""
+    return [(k, id(v)) for k, v in got.items()] == [(k, id(v)) for k, v in expected.items()]
+
+
+FLAT_FQNS = ["a", "a.b", "a.m", "b", "c.0", "x\ny"]  # "a" + "m.n" and "a.m" + "n" make one key
+FLAT_NAMES = ["step", "exp_avg", "m.n", "n", "", "q\nr", "lr"]
+
+
+@st.composite
+def nested_dicts(draw) -> dict:
+    fqns = draw(st.lists(st.sampled_from(FLAT_FQNS), unique=True, max_size=5))
+    names = draw(st.lists(st.sampled_from(FLAT_NAMES), min_size=1, max_size=3, unique=True))
+    state = {}
+    for fqn in fqns:
+        kind = draw(st.sampled_from(["row", "row", "row", "other-names", "nested", "empty", "not-a-dict"]))
+        if kind == "row":
+            state[fqn] = {name: object() for name in names}
+        elif kind == "other-names":
+            state[fqn] = {name: object() for name in reversed(names)} if len(names) > 1 else {"other": object()}
+        elif kind == "nested":
+            state[fqn] = {names[0]: draw(st.sampled_from([{"x": object()}, [object(), object()], {}, []]))}
+        else:
+            state[fqn] = {} if kind == "empty" else object()
+    groups = []
+    for _ in range(draw(st.integers(0, 2))):
+        fields = draw(st.lists(st.sampled_from(FLAT_NAMES + [3]), max_size=3, unique=True))
+        params = draw(st.lists(st.sampled_from(FLAT_FQNS), max_size=4))
+        groups.append({**{k: object() for k in fields}, "params": params})
+    return {STATE: state, GROUPS: groups}
+
+
+def next_call(nested: dict, change: str) -> dict:
+    """What a later get reads: new state values (as every get has), and maybe a group field's new value."""
+    state = {fqn: {k: object() for k in e} if type(e) is dict else e for fqn, e in nested[STATE].items()}
+    groups = [dict(g) for g in nested[GROUPS]]
+    fields = [(g, k) for g in groups for k in g if k != "params"]
+    if change == "field" and fields:
+        group, key = fields[0]
+        group[key] = object()
+    return {STATE: state, GROUPS: groups}
+
+
+@settings(max_examples=400, deadline=None)
+@given(nested_dicts(), st.lists(st.sampled_from(["values", "field", "anew"]), max_size=4), st.data())
+def test_flattening_by_columns_and_by_template_writes_each_leaf_as_alone(nested, changes, data):
+    template = flat_format.FlatTemplate()
+    assert same_items(flat_format.flatten(nested), flatten_key_by_key(nested))
+    assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
+    for change in changes:
+        nested = data.draw(nested_dicts()) if change == "anew" else next_call(nested, change)
+        assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
+
+
+def test_a_later_get_copies_the_template_and_puts_in_only_what_changed(monkeypatch):
+    fqns = [f"layers.{i}.{w}" for i in range(200) for w in ("weight", "bias")]
+    nested = {
+        STATE: {f: {"step": object(), "exp_avg": object()} for f in fqns},
+        GROUPS: [{"lr": 0.1, "betas": (0.9, 0.99), "params": fqns[:300]}, {"lr": 0.2, "params": fqns[300:]}],
+    }
+    template = flat_format.FlatTemplate()
+    assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
+    made = []
+    row_keys = flat_format._row_keys
+    monkeypatch.setattr(flat_format, "_row_keys", lambda *args: (made.append(args[0]), row_keys(*args))[1])
+    later = next_call(nested, "field")  # new state values, and the first group's lr a scheduler's new one
+    assert later[GROUPS][0]["lr"] is not nested[GROUPS][0]["lr"]
+    assert same_items(flat_format.flatten(later, template), flatten_key_by_key(later))
+    assert made == []  # no key made again
+    later[STATE]["layers.0.weight"]["exp_avg_sq"] = object()  # a name more: keys made anew
+    assert same_items(flat_format.flatten(later, template), flatten_key_by_key(later))
+    assert made
