@@ -115,6 +115,53 @@ def sets_after_changes(ctx, mode: str) -> bool:
     return True
 
 
+def _flat_by_rule(osd: dict) -> dict:
+    """A nested optimizer state dict (of plain entries) in the flat layout, key by key."""
+    out = {f"state.{fqn}.{k}": v for fqn, entry in osd["state"].items() for k, v in entry.items()}
+    for group in osd["param_groups"]:
+        out.update({f"param_groups.{f}.{k}": v for f in group["params"] for k, v in group.items() if k != "params"})
+    return out
+
+
+def _same_flat(got: dict, expected: dict, what: str) -> None:
+    assert list(got) == list(expected), f"{what}: keys differ: {sorted(set(got) ^ set(expected))[:5]}"
+    for k, v in expected.items():
+        same = torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+        assert same, f"{what}: {k} is {got[k]!r}, expected {v!r}"
+
+
+def flat_gets_after_changes(ctx) -> bool:
+    """Flat gets between which the optimizer changes (a scheduler's new lr, a
+    step, a state key added, parameters regrouped, the model sharded again):
+    each gives exactly what the nested get of the same moment gives, laid
+    out flat key by key, whatever the get before it kept."""
+    model, opt = _trained(ctx, 0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def check(model, opt, what: str) -> None:
+        _, nested = hyperdsd.get_state_dict(model, opt)
+        _, flat = hyperdsd.get_state_dict(model, opt, options=FLAT)
+        _same_flat(flat, _flat_by_rule(nested), what)
+
+    check(model, opt, "a first flat get")
+    check(model, opt, "the same again")
+    scheduler.step()
+    check(model, opt, "after a scheduler's step (a new lr)")
+    _step(model, opt, 1)
+    check(model, opt, "after a step")
+    params = list(model.parameters())
+    regrouped = torch.optim.AdamW([{"params": params[:4]}, {"params": params[4:], "lr": 0.5}], lr=1e-2)
+    _step(model, regrouped, 2)
+    check(model, regrouped, "parameters regrouped")
+    for entry in regrouped.state.values():
+        entry["extra"] = torch.ones(1)
+    check(model, regrouped, "with a state key added")
+    other, other_opt = _trained(ctx, 1)
+    check(other, other_opt, "a model sharded again")
+    check(model, regrouped, "the first model again")
+    return True
+
+
 def broadcasts_after_changes(ctx) -> bool:
     """A broadcast load of full state into the model it came from, into one
     sharded again, into state of another dtype, after a full get: each

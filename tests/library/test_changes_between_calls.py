@@ -1,7 +1,7 @@
 """What a call works out (verdicts, layouts, plans, runs) holds for that call
 alone: a model or optimizer changed between calls (sharded again, a state
-dtype changed, parameters regrouped or replaced, a model cast) loads and
-reads exactly as a first call would."""
+dtype changed, parameters regrouped or replaced, a model cast, a scheduler's
+new lr) loads and reads exactly as a first call would."""
 
 import change_tasks
 import pytest
@@ -11,6 +11,10 @@ from helpers import run_task
 @pytest.mark.parametrize("mode", ["nested", "flat"])
 def test_sets_after_the_model_and_optimizer_change(pools, mode):
     assert run_task(pools, 2, change_tasks.sets_after_changes, mode=mode) == [True, True]
+
+
+def test_flat_gets_after_the_optimizer_changes(pools):
+    assert run_task(pools, 2, change_tasks.flat_gets_after_changes) == [True, True]
 
 
 def test_broadcast_sets_after_the_model_and_optimizer_change(pools):
