@@ -59,7 +59,7 @@ def flatten(nested: dict, template: FlatTemplate | None = None) -> dict:
         for fqn, entry in nested[STATE].items():
             _flatten_into(out, f"{STATE}.{fqn}", entry)
     for group in nested[GROUPS]:
-        fields = [(k, v) for k, v in group.items() if k != "params"]
+        fields = group_fields(group)
         keys = _row_keys(GROUPS, group["params"], [k for k, _ in fields])
         if keys is not None:
             out.update(zip(keys, [v for _, v in fields] * len(group["params"])))
@@ -68,6 +68,11 @@ def flatten(nested: dict, template: FlatTemplate | None = None) -> dict:
             for k, v in fields:
                 out[f"{GROUPS}.{fqn}.{k}"] = v
     return out
+
+
+def group_fields(group: dict) -> list[tuple[Any, Any]]:
+    """The fields a group's parameters each carry: all but its list of parameters."""
+    return [(k, v) for k, v in group.items() if k != "params"]
 
 
 def _state_rows(state: dict) -> tuple[list, list, list] | None:
@@ -131,19 +136,19 @@ class FlatTemplate:
         if rows is None:
             return None
         fqns, names, values = rows
-        groups = [([k for k in g if k != "params"], g["params"]) for g in nested[GROUPS]]
+        fields = list(map(group_fields, nested[GROUPS]))
+        groups = [([k for k, _ in f], g["params"]) for f, g in zip(fields, nested[GROUPS])]
         kept = self._kept
         if kept is None or not kept.fits(fqns, names, groups):
-            kept = self._kept = _Template.of(fqns, names, groups, nested[GROUPS])
+            kept = self._kept = _Template.of(fqns, names, groups, fields)
         if kept.flat is None:
             return None
         out = kept.flat.copy()
         out.update(zip(kept.state_keys, values))
-        for group, keys, old in zip(nested[GROUPS], kept.group_keys, kept.group_values):
-            new = [v for k, v in group.items() if k != "params"]
-            for j, value in enumerate(new):
+        for row, keys, old in zip(fields, kept.group_keys, kept.group_values):
+            for j, (_, value) in enumerate(row):
                 if value is not old[j]:
-                    out.update(zip(keys[j :: len(new)], repeat(value)))
+                    out.update(zip(keys[j :: len(row)], repeat(value)))
         return out
 
 
@@ -156,14 +161,14 @@ class _Template:
         self.state_keys, self.group_keys, self.group_values, self.flat = state_keys, group_keys, group_values, flat
 
     @classmethod
-    def of(cls, fqns: list, names: list, groups: list, nested_groups: list) -> _Template:
+    def of(cls, fqns: list, names: list, groups: list, fields: list) -> _Template:
         """Its ``flat`` None where the keys cannot be made in C or two of them
         are the same (the later value is kept: a changed field could not be
         put in where it belongs): then, while the keys are these, every call
         flattens plainly."""
         state_keys = _row_keys(STATE, fqns, names)
-        group_keys = [_row_keys(GROUPS, params, fields) for fields, params in groups]
-        group_values = [[v for k, v in g.items() if k != "params"] for g in nested_groups]
+        group_keys = [_row_keys(GROUPS, params, field_names) for field_names, params in groups]
+        group_values = [[v for _, v in row] for row in fields]
         flat = None
         if state_keys is not None and None not in group_keys:
             flat = dict.fromkeys(state_keys)
