@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .. import _compat
 from ..errors import StateDictError
-from .flat import FlatTemplate
+from .flat_keys import FlatTemplate
 
 _CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
 
@@ -53,6 +53,8 @@ class ModelIndex:
     prefix), their wrapped child hidden, and flat parameters left out (the
     original parameters they hold are the units' to name)."""
 
+    flat_template: FlatTemplate | None = None  # a kept index's (see index_cache): a flat get's keys
+
     def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers", fsdp1: bool = False):
         self.model = model
         self.modifiers_attr = modifiers_attr
@@ -80,7 +82,6 @@ class ModelIndex:
         self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self.fsdp1_modules: list[tuple[nn.Module, str]] = []
         self.renames = False  # a child hidden somewhere: canonical keys are not all ``state_dict()``'s
-        self.flat_template: FlatTemplate | None = None  # a kept index's (see index_cache): a flat get's keys
         fqn_by_id, params, param_of, first_name = self.fqn_by_id, self.params, self.param_of, self.first_name
         tensors, keys, raw_keys = self.tensors, self.tensor_keys, self.tensor_raw_keys
         # Depth first, parents before children, children in registration

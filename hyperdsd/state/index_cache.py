@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .. import _compat
 from ..tree import has_none
-from .flat import FlatTemplate
+from .flat_keys import FlatTemplate
 from .fqn import hidden_children
 
 _DEREF = weakref.ref.__call__

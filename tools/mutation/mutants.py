@@ -246,7 +246,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-drops-initial-lr",
-        "hyperdsd.state.flat.group_fields",
+        "hyperdsd.state.flat_keys.group_fields",
         '[(k, v) for k, v in group.items() if k != "params"]',
         '[(k, v) for k, v in group.items() if k not in ("params", "initial_lr")]',
         "the flat layout drops one group field (initial_lr)",
@@ -649,7 +649,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-without-group-fields",
-        "hyperdsd.state.flat.group_fields",
+        "hyperdsd.state.flat_keys.group_fields",
         'return [(k, v) for k, v in group.items() if k != "params"]',
         "return []",
         "the flat layout writes no param_groups keys at all: a load keeps the target's own hyperparameters",
