@@ -67,7 +67,7 @@ CATEGORIES = (
         ),
     ),
     ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
-    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py")),
+    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py", "hyperdsd/state/flat_keys.py")),
     (
         "FSDP1: twin, flat shards",
         (
