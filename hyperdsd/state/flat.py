@@ -38,7 +38,7 @@ import re
 from itertools import repeat
 from typing import Any
 
-from .flat_keys import GROUPS, STATE, FlatTemplate, group_fields, row_keys, state_rows
+from .flat_keys import GROUPS, STATE, FlatTemplate, group_fields, row_keys, rows_of, state_rows
 
 
 def is_flat(osd: Any) -> bool:
@@ -253,16 +253,11 @@ class _Unflattening:
         return fqns
 
     def _fill(self, head: str, names: list[str], fqns: list[str], values: list) -> None:
-        m = len(names)
-        if head == GROUPS and all(all(map(operator.is_, values[j::m], repeat(values[j]))) for j in range(m)):
-            # A get writes one group's own values under each of its parameters:
-            # the rows share one dict, copied before anything is added to one.
-            self.fields.update(zip(fqns, repeat(dict(zip(names, values[:m])))))
+        # A get writes one group's own values under each of its parameters: then
+        # the rows share one dict, copied before anything is added to one (_node).
+        nodes, shared = rows_of(names, values, head == GROUPS)
+        if shared:
             self.shared.update(fqns)
-            return
-        nodes = list(map(dict.copy, repeat(dict.fromkeys(names), len(fqns))))  # filled a column at a time
-        for j, name in enumerate(names):
-            list(map(operator.setitem, nodes, repeat(name), values[j::m]))
         (self.fields if head == GROUPS else self.state).update(zip(fqns, nodes))
 
     def _node(self, target: dict, fqn: str) -> dict:

@@ -9,6 +9,7 @@ of them (one name across a run of FQNs) is made in C, and
 
 from __future__ import annotations
 
+import operator
 from itertools import chain, repeat
 from typing import Any
 
@@ -57,6 +58,22 @@ def row_keys(head: str, fqns: list, names: list) -> list[str] | None:
     return list(chain.from_iterable(zip(*columns)))
 
 
+def rows_of(names: list, values: list, share: bool) -> tuple[list[dict], bool]:
+    """``values``, rows of ``names`` one after another, as one dict a row,
+    filled a column at a time; with ``share``, where every row holds the
+    same values (one group's own, as a get writes them under each of its
+    parameters), one dict all rows share. Returns the dicts and whether
+    they are shared."""
+    m = len(names)
+    count = len(values) // m
+    if share and all(all(map(operator.is_, values[j::m], repeat(values[j]))) for j in range(m)):
+        return [dict(zip(names, values[:m]))] * count, True
+    nodes = list(map(dict.copy, repeat(dict.fromkeys(names), count)))
+    for j, name in enumerate(names):
+        list(map(operator.setitem, nodes, repeat(name), values[j::m]))
+    return nodes, False
+
+
 class FlatTemplate:
     """The keys of the last flat dict made for one model's optimizers, for the
     next get to copy.
@@ -96,6 +113,24 @@ class FlatTemplate:
                     out.update(zip(keys[j :: len(row)], repeat(value)))
         return out
 
+    def read(self, flat: dict) -> tuple[dict[str, dict], dict[str, dict]] | None:
+        """What ``unflatten`` reads of ``flat``, the state and the group
+        fields by FQN (no key unknown, none clashing), where ``flat``'s keys
+        are the last dict's made here, in the same order, and no name could
+        be read as nested (a dot, a trailing bracket); None otherwise."""
+        kept = self._kept
+        if kept is None or not kept.readable or len(flat) != len(kept.keys) or list(flat) != kept.keys:
+            return None
+        values = list(flat.values())
+        at = len(kept.state_keys)
+        state = dict(zip(kept.fqns, rows_of(kept.names, values[:at], False)[0])) if at else {}
+        fields: dict[str, dict] = {}
+        for keys, (names, params) in zip(kept.group_keys, kept.groups):
+            if keys:
+                fields.update(zip(params, rows_of(names, values[at : at + len(keys)], True)[0]))
+                at += len(keys)
+        return state, fields
+
 
 class _Template:
     """A flat dict's keys in order (state values None, group fields as first
@@ -104,6 +139,16 @@ class _Template:
     def __init__(self, fqns, names, groups, state_keys, group_keys, group_values, flat) -> None:
         self.fqns, self.names, self.groups = fqns, names, groups
         self.state_keys, self.group_keys, self.group_values, self.flat = state_keys, group_keys, group_values, flat
+        self.keys = list(flat) if flat is not None else []
+        # Read back only where unflatten would read each key as the row it was
+        # made in: no name it would read as nested, no parameter in two groups.
+        every = chain(names, chain.from_iterable(field_names for field_names, _ in groups))
+        params = list(chain.from_iterable(params for field_names, params in groups if field_names))
+        self.readable = (
+            flat is not None
+            and all(type(n) is str and "." not in n and n[-1:] != "]" for n in every)
+            and len(set(params)) == len(params)
+        )
 
     @classmethod
     def of(cls, fqns: list, names: list, groups: list, fields: list) -> _Template:

@@ -266,7 +266,8 @@ def _from_flat(
     unwritten: UnwrittenKeys,
 ) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
-    state, fields, unknown, clashes = unflatten(osd, set(index.param_of))
+    read = index.flat_template.read(osd) if index.flat_template is not None else None
+    state, fields, unknown, clashes = (*read, [], []) if read is not None else unflatten(osd, set(index.param_of))
     problems += clashes
     listed = _listed(state, fields, unwritten)
     aligned: list[SourceGroup | None] = []

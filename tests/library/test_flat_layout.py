@@ -222,9 +222,25 @@ def test_flattening_by_columns_and_by_template_writes_each_leaf_as_alone(nested,
     template = flat_keys.FlatTemplate()
     assert same_items(flat_format.flatten(nested), flatten_key_by_key(nested))
     assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
+    reads_back(template, flatten_key_by_key(nested))
     for change in changes:
         nested = data.draw(nested_dicts()) if change == "anew" else next_call(nested, change)
         assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
+        reads_back(template, flatten_key_by_key(nested))
+
+
+def reads_back(template, flat: dict, fqns=FLAT_FQNS) -> bool:
+    """The template reads ``flat``, and the same keys with other values, as
+    unflatten does, or not at all (None); a dict of other keys it does not read."""
+    read = False
+    for values in (flat, {k: object() for k in flat}, dict(list(flat.items())[1:])):
+        got = template.read(values)
+        if got is not None:
+            state, fields, unknown, clashes = unflatten(values, set(fqns))
+            assert got == (state, fields) and unknown == clashes == []
+            read = read or values is flat
+    assert template.read({**flat, "state.other.step": 1}) is None  # ("other": no FQN a template was made with)
+    return read
 
 
 def test_a_later_get_copies_the_template_and_puts_in_only_what_changed(monkeypatch):
@@ -240,9 +256,21 @@ def test_a_later_get_copies_the_template_and_puts_in_only_what_changed(monkeypat
     monkeypatch.setattr(flat_keys, "row_keys", lambda *args: (made.append(args[0]), row_keys(*args))[1])
     later = next_call(nested, "field")  # new state values, and the first group's lr a scheduler's new one
     assert later[GROUPS][0]["lr"] is not nested[GROUPS][0]["lr"]
-    assert same_items(flat_format.flatten(later, template), flatten_key_by_key(later))
+    flat = flat_format.flatten(later, template)
+    assert same_items(flat, flatten_key_by_key(later))
     assert made == []  # no key made again
+    assert reads_back(template, flat, fqns)  # (read by the template, as unflatten reads it)
     for entry in later[STATE].values():
         entry["exp_avg_sq"] = object()  # a state name more: keys made anew
     assert same_items(flat_format.flatten(later, template), flatten_key_by_key(later))
     assert made
+
+
+def test_a_parameter_in_two_groups_is_read_back_as_unflatten_reads_it():
+    """(Optimizers refuse it, but a flat dict may hold it:) unflatten merges the two groups' fields."""
+    nested = {STATE: {}, GROUPS: [{"lr": object(), "params": ["a"]}, {"eps": object(), "params": ["a", "b"]}]}
+    template = flat_keys.FlatTemplate()
+    flat = flat_format.flatten(nested, template)
+    assert same_items(flat, flatten_key_by_key(nested))
+    reads_back(template, flat)
+    assert unflatten(flat, {"a", "b"})[1]["a"].keys() == {"lr", "eps"}
