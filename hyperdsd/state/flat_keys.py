@@ -119,7 +119,7 @@ class FlatTemplate:
         are the last dict's made here, in the same order, and no name could
         be read as nested (a dot, a trailing bracket); None otherwise."""
         kept = self._kept
-        if kept is None or not kept.readable or len(flat) != len(kept.keys) or list(flat) != kept.keys:
+        if kept is None or not kept.readable or len(flat) != len(kept.flat) or list(flat) != list(kept.flat):
             return None
         values = list(flat.values())
         at = len(kept.state_keys)
@@ -139,7 +139,6 @@ class _Template:
     def __init__(self, fqns, names, groups, state_keys, group_keys, group_values, flat) -> None:
         self.fqns, self.names, self.groups = fqns, names, groups
         self.state_keys, self.group_keys, self.group_values, self.flat = state_keys, group_keys, group_values, flat
-        self.keys = list(flat) if flat is not None else []
         # Read back only where unflatten would read each key as the row it was
         # made in: no name it would read as nested, no parameter in two groups.
         every = chain(names, chain.from_iterable(field_names for field_names, _ in groups))

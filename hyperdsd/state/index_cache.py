@@ -18,6 +18,10 @@ mean the same children and the same parameters shared by the same names (a
 tensor freed and another made at its address is read as the new one). No
 index is kept of a model that FSDP2 holds unsharded or that FSDP1 wraps (the
 walk reads more than registries there): those are built every call.
+
+A kept index carries the keys of the last flat get made with it
+(:class:`~.flat_keys.FlatTemplate`, no tensor of the model among them), which
+go with it.
 """
 
 import functools
