@@ -48,11 +48,11 @@ def is_flat(osd: Any) -> bool:
 def flatten(nested: dict, template: FlatTemplate | None = None) -> dict:
     """``nested`` in the flat layout; through ``template`` (the keys of the
     last one made for the same optimizers) where it is given and fits."""
-    out = template.flatten(nested) if template is not None else None
+    rows = state_rows(nested[STATE])
+    out = template.flatten(nested, rows) if template is not None and rows is not None else None
     if out is not None:
         return out
     out = {}
-    rows = state_rows(nested[STATE])
     if rows is not None and (keys := row_keys(STATE, rows[0], rows[1])) is not None:
         out.update(zip(keys, rows[2]))
     else:

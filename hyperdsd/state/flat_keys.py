@@ -92,11 +92,9 @@ class FlatTemplate:
     def __init__(self) -> None:
         self._kept: _Template | None = None
 
-    def flatten(self, nested: dict) -> dict | None:
-        """``flatten(nested)``; None where ``nested`` is not made of rows (see ``state_rows``)."""
-        rows = state_rows(nested[STATE])
-        if rows is None:
-            return None
+    def flatten(self, nested: dict, rows: tuple[list, list, list]) -> dict | None:
+        """``flatten(nested)``, its state's ``rows`` read (``state_rows``); None
+        where the keys cannot be made so (see ``_Template.of``)."""
         fqns, names, values = rows
         fields = list(map(group_fields, nested[GROUPS]))
         groups = [([k for k, _ in f], g["params"]) for f, g in zip(fields, nested[GROUPS])]
