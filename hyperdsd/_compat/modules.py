@@ -10,6 +10,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..blocks import blocks
+
 
 def child_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     # ``named_children()`` yields a module registered under two names once;
@@ -30,7 +32,9 @@ def own_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor | None]
     return module._buffers, module._non_persistent_buffers_set
 
 
-_CHILDREN, _PARAMETERS, _BUFFERS = (operator.attrgetter(a) for a in ("_modules", "_parameters", "_buffers"))
+_CHILDREN, _PARAMETERS, _BUFFERS = _REGISTRIES = tuple(
+    operator.attrgetter(a) for a in ("_modules", "_parameters", "_buffers")
+)
 _NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
 
 
@@ -62,14 +66,25 @@ def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list, 
     :func:`registered`'s answer, from the same reads."""
     # The registries are nn.Module's private dicts (see child_modules), read a
     # column at a time in C (registry_contents): a Python loop over thousands
-    # of modules costs more than the walk the comparison saves.
-    parts: list = [list(map(type, modules))]
-    read = [registry_contents(list(map(registry, modules))) for registry in (_CHILDREN, _PARAMETERS, _BUFFERS)]
+    # of modules costs more than the walk the comparison saves. Each column
+    # is read in blocks of modules, joined after (see hyperdsd.blocks): the
+    # four reads of a module's __dict__ then find it in cache.
+    classes: list = []
+    read: list[tuple[list, list, list]] = [([], [], []) for _ in _REGISTRIES]  # lengths, names, values
+    persistence: tuple[list, list] = ([], [])  # non-persistent buffers: how many, and the names where any
+    for block in blocks(len(modules)):
+        some = modules[block]
+        classes += map(type, some)
+        for registry, whole in zip(_REGISTRIES, read):
+            for column, part in zip(whole, registry_contents(list(map(registry, some)))):
+                column += part
+        non_persistent = list(map(_NON_PERSISTENT, some))
+        persistence[0].extend(map(len, non_persistent))
+        persistence[1].extend(set(names) for names in non_persistent if names)
+    parts: list = [classes]
     for lengths, names, values in read:
         parts += [lengths, names, list(map(id, values))]
-    non_persistent = list(map(_NON_PERSISTENT, modules))
-    parts.append(list(map(len, non_persistent)))
-    parts.append([set(names) for names in non_persistent if names])
+    parts += persistence
     (child_lengths, child_names, children), (param_lengths, param_names, params), (buf_lengths, buf_names, bufs) = read
     contents = [*child_lengths, *param_lengths, *buf_lengths, *child_names, *param_names, *buf_names]
     return parts, [*params, *bufs], (contents, [*children, *params, *bufs])

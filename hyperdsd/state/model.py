@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
+from ..blocks import blocks
 from .fqn import ModelIndex
 from .in_place import Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
 from .load_checks import (
@@ -300,19 +301,20 @@ def _in_place(
     """A load of ``values`` under ``keys`` (the model's own keys, not renamed)
     that puts each into ``dests``' tensor beside it (the model's under its
     key), checked a column at a time (of one kind of value and of tensor:
-    DTensors apart from plain ones, buffers): the (destination, source) local
+    DTensors apart from plain ones, buffers; each in blocks): the (destination, source) local
     tensors to copy, the pairs that are not the same memory already; and, for
     a broadcast's stand-ins, the columns that receive them (else none). None
     where any value does not land so (the caller plans key by key, and words
     any problem)."""
     kinds = set(zip(map(type, values), map(type, dests)))
     if len(kinds) == 1:
-        columns = [list(range(len(values)))]
+        by_kind = [range(len(values))]
     else:
-        by_kind: dict[tuple, list[int]] = {}
+        rows_of: dict[tuple, list[int]] = {}
         for i, kind in enumerate(zip(map(type, values), map(type, dests))):
-            by_kind.setdefault(kind, []).append(i)
-        columns = list(by_kind.values())
+            rows_of.setdefault(kind, []).append(i)
+        by_kind = list(rows_of.values())
+    columns = [rows[block] for rows in by_kind for block in blocks(len(rows))]  # (see hyperdsd.blocks)
     stand_ins = {value_kind for value_kind, _ in kinds} == {TensorMeta}
     copies: Pairs = []
     receivers: list[ReceiverColumn] = []

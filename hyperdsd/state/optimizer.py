@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
+from ..blocks import blocks
 from ..errors import StateDictError
 from ..tree import is_container, rebuild
 from .flat import GROUPS, STATE
@@ -90,12 +91,13 @@ def read_state(index: ModelIndex, optimizers, *, to_load: bool = False) -> dict:
             sd = opt.state_dict()  # runs the optimizer's own state-dict hooks
             sd_groups, stored = sd[GROUPS], sd[STATE]  # keyed by packed ids: ints, cheap to hash
         for g_sd, group in zip(sd_groups, opt.param_groups):
-            params = group["params"]
+            params, keys = group["params"], g_sd["params"]
             fqns = _param_fqns(index, params, len(groups))
-            entries = list(map(stored.get, g_sd["params"]))
-            if placeholders and not all(entries):
-                entries = [entry or placeholders.get(p) for entry, p in zip(entries, params)]
-            state.update(zip(compress(fqns, entries), _entry_copies(list(filter(None, entries)))))
+            for block in blocks(len(params)):  # (each entry read three times: see hyperdsd.blocks)
+                entries = list(map(stored.get, keys[block]))
+                if placeholders and not all(entries):
+                    entries = [entry or placeholders.get(p) for entry, p in zip(entries, params[block])]
+                state.update(zip(compress(fqns[block], entries), _entry_copies(list(filter(None, entries)))))
             groups.append({**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns})
     return {STATE: state, GROUPS: groups}
 

@@ -16,6 +16,9 @@ import itertools
 import operator
 from typing import Any
 
+import torch
+
+from ..blocks import blocks
 from .fqn import ModelIndex
 from .load_plan import OptimizerLoadPlan, ParamLoad, TensorMeta
 from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
@@ -78,7 +81,10 @@ def _prepare_all(
         values.start_group(target)
         rest = zip(target.group["params"], target.fqns)
         if not expectation.fresh and unwritten.none:
-            rest = _group_in_place(plan, values, target, by_name)
+            params, fqns = target.group["params"], target.fqns
+            rest = []
+            for block in blocks(len(fqns)):
+                rest += _in_place(plan, values, target.opt, params[block], fqns[block], by_name)
         for p, fqn in rest:
             if fqn not in listed:
                 continue  # not in the checkpoint: left as it is
@@ -112,15 +118,17 @@ def _prepare_all(
             _ask_stepless(plan, expectations[position], found, f"\0optimizer {position}")
 
 
-def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: TargetGroup, by_name: dict) -> list:
-    """Plan, a column at a time, the loads of the group's parameters that the
-    checkpoint holds an entry for and the optimizer has one of its own, each
-    value into its own tensor (:meth:`EntryValues.in_place`): with ``step``
-    and none 0, they ask nothing of the other ranks (:meth:`OptimizerLoadPlan.settle`
-    keeps them). Returns the (parameter, FQN) pairs left to plan one by one."""
-    params, fqns = target.group["params"], target.fqns
+def _in_place(
+    plan: OptimizerLoadPlan, values: EntryValues, opt: torch.optim.Optimizer, params: list, fqns: list, by_name: dict
+) -> list:
+    """Plan, a column at a time, the loads of ``params`` (some of one group of
+    ``opt``, their FQNs ``fqns``) that the checkpoint holds an entry for and
+    the optimizer has one of its own, each value into its own tensor
+    (:meth:`EntryValues.in_place`): with ``step`` and none 0, they ask nothing
+    of the other ranks (:meth:`OptimizerLoadPlan.settle` keeps them). Returns
+    the (parameter, FQN) pairs left to plan one by one."""
     entries = list(map(by_name.get, fqns))
-    owns = list(map(target.opt.state.get, params))
+    owns = list(map(opt.state.get, params))
     chosen = list(itertools.compress(range(len(entries)), map(operator.and_, map(bool, entries), map(bool, owns))))
     if not chosen:
         return list(zip(params, fqns))
@@ -133,7 +141,7 @@ def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: Target
         loads = list(
             map(
                 ParamLoad,
-                itertools.repeat(target.opt),
+                itertools.repeat(opt),
                 theirs,
                 map(fqns.__getitem__, chosen),
                 mine,
@@ -152,7 +160,7 @@ def _group_in_place(plan: OptimizerLoadPlan, values: EntryValues, target: Target
         plan.copies += copies
         plan.params += map(
             ParamLoad,
-            itertools.repeat(target.opt),
+            itertools.repeat(opt),
             map(params.__getitem__, chosen),
             map(fqns.__getitem__, chosen),
             map(entries.__getitem__, chosen),

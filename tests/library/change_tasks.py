@@ -4,11 +4,16 @@ the next, whatever changed in between."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import hyperdsd
+import hyperdsd.blocks
+import hyperdsd.tree
 
 WIDTH = 4
 FULL = hyperdsd.StateDictOptions(full_state_dict=True)
@@ -216,4 +221,84 @@ def plain_model_changes(ctx) -> bool:
         pass
     else:
         raise AssertionError("loaded into an optimizer holding a parameter the model does not")
+    return True
+
+
+@contextlib.contextmanager
+def blocks_of(size: int):
+    """Every column worked in blocks of ``size`` (hyperdsd.blocks.BLOCK) meanwhile."""
+    was = hyperdsd.blocks.BLOCK
+    hyperdsd.blocks.BLOCK = size
+    try:
+        yield
+    finally:
+        hyperdsd.blocks.BLOCK = was
+
+
+def in_blocks_of(ctx, size: int, task, **kwargs) -> bool:
+    """``task`` (a function of this module) run in blocks of ``size``: each of
+    its checks holds there as in one block."""
+    with blocks_of(size):
+        return task(ctx, **kwargs)
+
+
+def sets_across_blocks(ctx) -> bool:
+    """Loads of an optimizer group that spans four blocks (of 3 of its 12
+    parameters), the blocks taking different paths: one entry of another
+    dtype and one parameter without state (their blocks planned value by
+    value, the others in place) load exactly the checkpoint's values; a value
+    of the wrong shape in the last block is refused on every rank, naming
+    its FQN, and changes nothing."""
+    model, opt = _trained(ctx, 0)
+    msd, osd = _plus(*hyperdsd.get_state_dict(model, opt), 1.0)
+    expected = {k: _shifted(v, 1.0) for k, v in _full(model, opt).items()}
+    fqns = list(osd["state"])
+    other, other_opt = _trained(ctx, 1)
+    params = other_opt.param_groups[0]["params"]
+    assert len(params) == len(fqns) == 12, fqns
+    other_opt.state[params[4]]["exp_avg"] = other_opt.state[params[4]]["exp_avg"].to(torch.float64)
+    del other_opt.state[params[7]]
+    with blocks_of(3):
+        assert len(hyperdsd.blocks.blocks(len(params))) == 4
+        hyperdsd.set_state_dict(other, other_opt, model_state_dict=msd, optim_state_dict=osd)
+    _same(_full(other, other_opt), expected, "blocks planned in place and value by value")
+
+    before = {k: v.clone() for k, v in _full(other, other_opt).items()}
+    last = fqns[10]
+    wrong = {**osd, "state": {**osd["state"], last: {**osd["state"][last], "exp_avg": torch.zeros(WIDTH + 1)}}}
+    try:
+        with blocks_of(3):
+            hyperdsd.set_optimizer_state_dict(other, other_opt, wrong)
+    except hyperdsd.StateDictError as exc:
+        assert last in str(exc), str(exc)
+    else:
+        raise AssertionError(f"a value of the wrong shape for {last!r} loaded")
+    _same(_full(other, other_opt), before, "a refused load")
+    return True
+
+
+def _leaves(*dicts) -> dict:
+    """Every leaf of ``dicts`` by its path; a DTensor as its local tensor."""
+    out = {}
+    for i, d in enumerate(dicts):
+        for path, leaf in hyperdsd.tree.leaves(d):
+            out[(i, *path)] = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+    return out
+
+
+def gets_across_blocks(ctx) -> bool:
+    """Gets (sharded, flat, full) with every column in blocks of 3 give what
+    they give in one block, every parameter's state entry included."""
+    model, opt = _trained(ctx, 0)
+    for opts in (None, FLAT, FULL):
+        whole = _leaves(*hyperdsd.get_state_dict(model, opt, options=opts))
+        with blocks_of(3):
+            parts = _leaves(*hyperdsd.get_state_dict(model, opt, options=opts))
+        assert list(parts) == list(whole), f"{opts}: {sorted(set(parts) ^ set(whole), key=str)[:5]}"
+        for path, leaf in whole.items():
+            other = parts[path]
+            same = torch.equal(leaf, other) if isinstance(leaf, torch.Tensor) else leaf == other
+            assert same, f"{opts}: {path} is {other!r}, expected {leaf!r}"
+    _, osd = hyperdsd.get_state_dict(model, opt)
+    assert len(osd["state"]) == len(opt.state) == 12, list(osd["state"])
     return True

@@ -1342,3 +1342,14 @@ def test_receiver_columns_numbered_by_layout_need_what_their_layouts_say():
     assert all(map(operator.is_, numbered[3], dests)) and all(map(operator.is_, plain[3], dests))
     _, users, _, landing = needs_for([], metas, [column([0, 1], True), column([1, 2], True)])  # tensor 1 twice
     assert landing is None and type(users[1]) is tuple and len(users[1]) == 2
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8])
+def test_blocks_cover_a_column_once_in_order(n, monkeypatch):
+    import hyperdsd.blocks
+
+    monkeypatch.setattr(hyperdsd.blocks, "BLOCK", 3)
+    column = list(range(n))
+    parts = [column[block] for block in hyperdsd.blocks.blocks(n)]
+    assert sum(parts, []) == column
+    assert all(1 <= len(part) <= 3 for part in parts)

@@ -67,7 +67,10 @@ CATEGORIES = (
         ),
     ),
     ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
-    ("tree walks, flat layout", ("hyperdsd/tree.py", "hyperdsd/state/flat.py", "hyperdsd/state/flat_keys.py")),
+    (
+        "tree walks, flat layout, column blocks",
+        ("hyperdsd/tree.py", "hyperdsd/blocks.py", "hyperdsd/state/flat.py", "hyperdsd/state/flat_keys.py"),
+    ),
     (
         "FSDP1: twin, flat shards",
         (

@@ -83,8 +83,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "get-drops-frozen-state",
         "hyperdsd.state.optimizer.read_state",
-        'entries = list(map(stored.get, g_sd["params"]))',
-        'entries = [stored.get(k) if p.requires_grad else None for k, p in zip(g_sd["params"], params)]',
+        "entries = list(map(stored.get, keys[block]))",
+        "entries = [stored.get(k) if p.requires_grad else None for k, p in zip(keys[block], params[block])]",
         "get leaves out the optimizer state of parameters frozen after training",
         ("OPT-PART-3[single-sharded]",),
     ),
