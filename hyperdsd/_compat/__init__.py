@@ -3,9 +3,9 @@
 When a torch upgrade moves one of these, this package is the one to fix.
 Each entry says why no public API does the job. A module per kind of torch
 object: tensors, meshes and collectives (:mod:`.tensors`), modules and
-optimizers (:mod:`.modules`), FSDP1 (:mod:`.fsdp1`), checkpoint files
-(:mod:`.files`). The library names them through the package
-(``_compat.local_tensor``).
+optimizers (:mod:`.modules`; modules' registries, :mod:`.registries`), FSDP1
+(:mod:`.fsdp1`), checkpoint files (:mod:`.files`). The library names them
+through the package (``_compat.local_tensor``).
 """
 
 from .files import (
@@ -37,17 +37,13 @@ from .modules import (
     load_post_hooked,
     loads_by_copying,
     loads_plainly,
-    module_registries,
     optimizer_load_hooks,
     own_buffers,
     own_parameters,
     plain_state_dict,
-    registered,
-    registered_in,
-    registries_fingerprint,
-    registry_contents,
     unhooked_step,
 )
+from .registries import module_registries, registered, registered_in, registries_fingerprint, registry_contents
 from .tensors import (
     all_gather_into,
     as_parameter,

@@ -32,77 +32,6 @@ def own_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor | None]
     return module._buffers, module._non_persistent_buffers_set
 
 
-_CHILDREN, _PARAMETERS, _BUFFERS = _REGISTRIES = tuple(
-    operator.attrgetter(a) for a in ("_modules", "_parameters", "_buffers")
-)
-_NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
-
-
-def module_registries(modules: list[torch.nn.Module]) -> list[dict]:
-    """Every one of ``modules``' registry of children, then of parameters,
-    then of buffers (as child_modules, own_parameters and own_buffers give
-    them, read in C)."""
-    return [*map(_CHILDREN, modules), *map(_PARAMETERS, modules), *map(_BUFFERS, modules)]
-
-
-def registry_contents(registries: list[dict]) -> tuple[list, list, list]:
-    """What ``registries`` (modules' dicts of children, parameters or buffers)
-    hold, read in C: each one's length, then every name and every value in
-    order. The lengths say where one registry's entries end: a module's last
-    entry moved to the front of the next module's registry leaves the names
-    and values in the same order. Empty registries add nothing to the names
-    and values, and are left out of those passes."""
-    full = list(filter(None, registries))
-    names = list(itertools.chain.from_iterable(full))
-    return list(map(len, registries)), names, list(itertools.chain.from_iterable(map(dict.values, full)))
-
-
-def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list, tuple[list, list]]:
-    """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.index_cache`):
-    their classes, each registry's length, names and the ids of what it
-    holds, the non-persistent buffers' names (equal lists, the same
-    registries, where everything they held is alive); every parameter then
-    every buffer the registries hold, in order, None included; and
-    :func:`registered`'s answer, from the same reads."""
-    # The registries are nn.Module's private dicts (see child_modules), read a
-    # column at a time in C (registry_contents): a Python loop over thousands
-    # of modules costs more than the walk the comparison saves. Each column
-    # is read in blocks of modules, joined after (see hyperdsd.blocks): the
-    # four reads of a module's __dict__ then find it in cache.
-    classes: list = []
-    read: list[tuple[list, list, list]] = [([], [], []) for _ in _REGISTRIES]  # lengths, names, values
-    persistence: tuple[list, list] = ([], [])  # non-persistent buffers: how many, and the names where any
-    for block in blocks(len(modules)):
-        some = modules[block]
-        classes += map(type, some)
-        for registry, whole in zip(_REGISTRIES, read):
-            for column, part in zip(whole, registry_contents(list(map(registry, some)))):
-                column += part
-        non_persistent = list(map(_NON_PERSISTENT, some))
-        persistence[0].extend(map(len, non_persistent))
-        persistence[1].extend(set(names) for names in non_persistent if names)
-    parts: list = [classes]
-    for lengths, names, values in read:
-        parts += [lengths, names, list(map(id, values))]
-    parts += persistence
-    (child_lengths, child_names, children), (param_lengths, param_names, params), (buf_lengths, buf_names, bufs) = read
-    contents = [*child_lengths, *param_lengths, *buf_lengths, *child_names, *param_names, *buf_names]
-    return parts, [*params, *bufs], (contents, [*children, *params, *bufs])
-
-
-def registered(modules: list[torch.nn.Module]) -> tuple[list, list]:
-    """:func:`registered_in` ``modules``' registries (:func:`module_registries`)."""
-    return registered_in(module_registries(modules))
-
-
-def registered_in(registries: list[dict]) -> tuple[list, list]:
-    """What ``registries`` (modules' children, parameters and buffers by name)
-    hold now: each one's length (where its names end) then every name, as one
-    list; and every object they hold, in order."""
-    lengths, names, held = registry_contents(registries)
-    return [*lengths, *names], held
-
-
 _FSDP_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
 
 
@@ -213,16 +142,19 @@ def all_read_plainly(modules: list[torch.nn.Module]) -> bool:
     # module: a fifth of a sharded get on a model of small layers. Hook
     # registries and the extra-state protocol are private to nn.Module. Each
     # class is asked on every call (a class may be patched between calls),
-    # each module's registries and attributes a column at a time, in C.
-    if not all(map(_class_reads_plainly, set(map(type, modules)))):
-        return False
-    if any(map(len, map(_STATE_DICT_HOOKS, modules))):
-        return False
-    own = list(map(vars, modules))
-    for name in ("state_dict", "_save_to_state_dict"):
-        if any(map(operator.contains, own, itertools.repeat(name))):
+    # each module's registries and attributes a column at a time, in C (in blocks: see hyperdsd.blocks).
+    qualnames: set = set()
+    for some in map(modules.__getitem__, blocks(len(modules))):
+        own = list(map(vars, some))  # (a state_dict or _save_to_state_dict patched on the module itself)
+        if (
+            not all(map(_class_reads_plainly, set(map(type, some))))
+            or any(map(len, map(_STATE_DICT_HOOKS, some)))
+            or any(map(operator.contains, own, itertools.repeat("state_dict")))
+            or any(map(operator.contains, own, itertools.repeat("_save_to_state_dict")))
+        ):
             return False
-    return _qualnames(map(_STATE_DICT_PRE_HOOKS, modules)) <= {_FSDP_RESHARD_HOOK}
+        qualnames |= _qualnames(map(_STATE_DICT_PRE_HOOKS, some))
+    return qualnames <= {_FSDP_RESHARD_HOOK}
 
 
 def _qualnames(registries) -> set:

@@ -63,6 +63,7 @@ class _Snapshot:
         position = {id(t): i for i, t in enumerate(index.tensors)}
         self.param_positions = [position[id(p)] for p in index.params]
         self.first_fqns = list(map(index.fqn_by_id.__getitem__, map(id, index.params)))
+        self._fqn_by_id: dict | None = None  # (made when a kept index is first asked for it)
         self.param_names = list(index.param_of)
         self.named_positions = [position[id(p)] for p in index.param_of.values()]
         self.first_name = dict(index.first_name)
@@ -115,7 +116,12 @@ class _Snapshot:
         return dict(zip(self.paths, zip(map(modules.__getitem__, self.path_positions), self.path_canons)))
 
     def fqn_by_id(self, params: list) -> dict:
-        return dict(zip(map(id, params), self.first_fqns))
+        # ``params`` are the objects the registries held when the first was made
+        # (the fingerprint compares their ids): the same dict, copied (a copy of
+        # its table, where making it inserts each id anew).
+        if self._fqn_by_id is None:
+            self._fqn_by_id = dict(zip(map(id, params), self.first_fqns))
+        return self._fqn_by_id.copy()
 
     def param_of(self, tensors: list) -> dict:
         return dict(zip(self.param_names, map(tensors.__getitem__, self.named_positions)))

@@ -24,6 +24,7 @@ world, so pipeline stages of one ``pp x dp`` mesh stay one model.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -79,10 +80,6 @@ def world() -> Group:
     return Group(None, tuple(range(dist.get_world_size() if initialized() else 1)))
 
 
-def _is_dtensor(obj: Any) -> bool:
-    return isinstance(obj, DTensor)
-
-
 def of_params(params: Iterable[Any]) -> Group:
     """The group of a model with ``params`` (see the module docstring)."""
     everyone = world()
@@ -90,7 +87,9 @@ def of_params(params: Iterable[Any]) -> Group:
         return everyone
     # Tens of thousands of parameters share a handful of layouts: each mesh is
     # read off a distinct one (``device_mesh`` is a property, a call per tensor).
-    specs = list(map(_compat.layout_token, filter(_is_dtensor, params)))
+    params = list(params)
+    dtensors = itertools.compress(params, map(isinstance, params, itertools.repeat(DTensor)))  # (asked in C)
+    specs = list(map(_compat.layout_token, dtensors))
     layouts = dict(zip(map(id, specs), specs))
     roots: dict[int, Any] = {}
     for mesh in {id(s.mesh): s.mesh for s in layouts.values()}.values():

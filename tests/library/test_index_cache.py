@@ -9,6 +9,7 @@ import itertools
 import weakref
 from unittest import mock
 
+import pytest
 import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 import hyperdsd
 import hyperdsd.blocks
+from hyperdsd import _compat
 from hyperdsd._compat import checkpoint_wrapper
 from hyperdsd.state.fqn import ModelIndex
 from hyperdsd.state.index_cache import cached_models
@@ -501,10 +503,12 @@ def test_an_index_is_a_new_object_each_call():
     second.param_of.pop("0.weight")
     second.first_name.pop("0.weight")
     second._module_paths.pop("0")
+    second.fqn_by_id.pop(id(model[0].weight))
     assert "0.weight" in first.param_of and "0.weight" in first.first_name and "0" in first._module_paths
     third, built = of(model)
     assert built == 0
     assert "0.weight" in third.param_of and "0.weight" in third.first_name and "0" in third._module_paths
+    assert third.fqn_of(model[0].weight) == "0.weight"
 
     # A hook on a submodule is no registry change, but the state dict is read through it.
     assert third.reads_plainly
@@ -515,3 +519,35 @@ def test_an_index_is_a_new_object_each_call():
     handle.remove()
     fifth, built = of(model)
     assert built == 0 and fifth.reads_plainly
+
+
+def _post_hook(module):
+    module.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
+
+
+def _pre_hook(module):
+    module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+
+
+def _own_state_dict(module):
+    module.state_dict = lambda *args, **kwargs: {}
+
+
+def _own_save(module):
+    module._save_to_state_dict = lambda destination, prefix, keep_vars: None
+
+
+def _extra_state(module):
+    module.__class__ = type("Extra", (type(module),), {"get_extra_state": lambda self: 1})
+
+
+@pytest.mark.parametrize("change", [_post_hook, _pre_hook, _own_state_dict, _own_save, _extra_state])
+@pytest.mark.parametrize("block", [1, 2, 3, 512])
+def test_a_module_read_otherwise_is_seen_in_any_block(change, block):
+    # (the modules are asked a block at a time, see hyperdsd.blocks: the last module, in the last block)
+    with mock.patch.object(hyperdsd.blocks, "BLOCK", block):
+        model = build()
+        modules = list(model.modules())
+        assert _compat.all_read_plainly(modules)
+        change(modules[-1])
+        assert not _compat.all_read_plainly(modules), change.__name__

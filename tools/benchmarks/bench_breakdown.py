@@ -26,6 +26,7 @@ CATEGORIES = (
         "module/optimizer registries, state_dict() (torch)",
         (
             "hyperdsd/_compat/modules.py",
+            "hyperdsd/_compat/registries.py",
             "torch/nn/modules/module.py",
             "torch/optim/",
             "torch/distributed/fsdp/",
