@@ -13,6 +13,8 @@ import operator
 from itertools import chain, repeat
 from typing import Any
 
+from ..blocks import blocks
+
 STATE, GROUPS = "state", "param_groups"  # the flat layout's two heads (see flat.py)
 
 
@@ -32,11 +34,15 @@ def state_rows(state: dict) -> tuple[list, list, list] | None:
     if set(map(type, entries)) != {dict}:
         return None
     names = list(entries[0])
-    # Consecutive entries of distinct names each: the keys all together repeat
-    # ``names`` exactly when every entry holds them in that order.
-    if not names or list(chain.from_iterable(entries)) != names * len(entries):
+    if not names:
         return None
-    values = list(chain.from_iterable(map(dict.values, entries)))
+    values: list = []
+    for some in map(entries.__getitem__, blocks(len(entries))):  # (each entry read twice: see hyperdsd.blocks)
+        # Consecutive entries of distinct names each: the keys all together repeat
+        # ``names`` exactly when every entry holds them in that order.
+        if list(chain.from_iterable(some)) != names * len(some):
+            return None
+        values += chain.from_iterable(map(dict.values, some))
     if any(issubclass(t, dict) or t is list for t in set(map(type, values))):
         return None  # nested state (an empty container is a leaf, but rare): a key per leaf
     return list(state), names, values
@@ -68,9 +74,13 @@ def rows_of(names: list, values: list, share: bool) -> tuple[list[dict], bool]:
     count = len(values) // m
     if share and all(all(map(operator.is_, values[j::m], repeat(values[j]))) for j in range(m)):
         return [dict(zip(names, values[:m]))] * count, True
-    nodes = list(map(dict.copy, repeat(dict.fromkeys(names), count)))
-    for j, name in enumerate(names):
-        list(map(operator.setitem, nodes, repeat(name), values[j::m]))
+    empty, nodes = dict.fromkeys(names), []
+    for block in blocks(count):  # (each row made, then filled a name at a time: see hyperdsd.blocks)
+        rows = list(map(dict.copy, repeat(empty, len(range(count)[block]))))
+        start, stop = block.start * m, block.stop * m
+        for j, name in enumerate(names):
+            list(map(operator.setitem, rows, repeat(name), values[start + j : stop : m]))
+        nodes += rows
     return nodes, False
 
 

@@ -10,11 +10,13 @@ the result with a plain key-by-key reading.
 """
 
 import itertools
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hyperdsd.blocks
 from hyperdsd.state import flat as flat_format
 from hyperdsd.state import flat_keys
 from hyperdsd.state.flat import GROUPS, STATE, split_fqn, unflatten
@@ -219,6 +221,12 @@ def next_call(nested: dict, change: str) -> dict:
 @settings(max_examples=400, deadline=None)
 @given(nested_dicts(), st.lists(st.sampled_from(["values", "field", "anew"]), max_size=4), st.data())
 def test_flattening_by_columns_and_by_template_writes_each_leaf_as_alone(nested, changes, data):
+    # (rows read and made in blocks of 1, 2 or 512 entries: see hyperdsd.blocks)
+    with mock.patch.object(hyperdsd.blocks, "BLOCK", data.draw(st.sampled_from([1, 2, 512]), label="block")):
+        _flattened_as_alone(nested, changes, data)
+
+
+def _flattened_as_alone(nested, changes, data):
     template = flat_keys.FlatTemplate()
     assert same_items(flat_format.flatten(nested), flatten_key_by_key(nested))
     assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
