@@ -301,11 +301,11 @@ def _in_place(
     """A load of ``values`` under ``keys`` (the model's own keys, not renamed)
     that puts each into ``dests``' tensor beside it (the model's under its
     key), checked a column at a time (of one kind of value and of tensor:
-    DTensors apart from plain ones, buffers; each in blocks): the (destination, source) local
-    tensors to copy, the pairs that are not the same memory already; and, for
-    a broadcast's stand-ins, the columns that receive them (else none). None
-    where any value does not land so (the caller plans key by key, and words
-    any problem)."""
+    DTensors apart from plain ones, buffers; each in blocks): the
+    (destination, source) local tensors to copy, the pairs that are not the
+    same memory already; and, for a broadcast's stand-ins, the columns that
+    receive them (else none). None where any value does not land so (the
+    caller plans key by key, and words any problem)."""
     kinds = set(zip(map(type, values), map(type, dests)))
     if len(kinds) == 1:
         by_kind = [range(len(values))]
