@@ -4,7 +4,7 @@ the next, whatever changed in between."""
 
 from __future__ import annotations
 
-import contextlib
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -129,7 +129,7 @@ def _flat_by_rule(osd: dict) -> dict:
 
 
 def _same_flat(got: dict, expected: dict, what: str) -> None:
-    assert list(got) == list(expected), f"{what}: keys differ: {sorted(set(got) ^ set(expected))[:5]}"
+    assert list(got) == list(expected), f"{what}: keys differ: {sorted(set(got) ^ set(expected), key=str)[:5]}"
     for k, v in expected.items():
         same = torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
         assert same, f"{what}: {k} is {got[k]!r}, expected {v!r}"
@@ -224,15 +224,9 @@ def plain_model_changes(ctx) -> bool:
     return True
 
 
-@contextlib.contextmanager
 def blocks_of(size: int):
     """Every column worked in blocks of ``size`` (hyperdsd.blocks.BLOCK) meanwhile."""
-    was = hyperdsd.blocks.BLOCK
-    hyperdsd.blocks.BLOCK = size
-    try:
-        yield
-    finally:
-        hyperdsd.blocks.BLOCK = was
+    return mock.patch.object(hyperdsd.blocks, "BLOCK", size)
 
 
 def in_blocks_of(ctx, size: int, task, **kwargs) -> bool:
@@ -294,11 +288,7 @@ def gets_across_blocks(ctx) -> bool:
         whole = _leaves(*hyperdsd.get_state_dict(model, opt, options=opts))
         with blocks_of(3):
             parts = _leaves(*hyperdsd.get_state_dict(model, opt, options=opts))
-        assert list(parts) == list(whole), f"{opts}: {sorted(set(parts) ^ set(whole), key=str)[:5]}"
-        for path, leaf in whole.items():
-            other = parts[path]
-            same = torch.equal(leaf, other) if isinstance(leaf, torch.Tensor) else leaf == other
-            assert same, f"{opts}: {path} is {other!r}, expected {leaf!r}"
+        _same_flat(parts, whole, f"in blocks of 3, {opts}")
     _, osd = hyperdsd.get_state_dict(model, opt)
     assert len(osd["state"]) == len(opt.state) == 12, list(osd["state"])
     return True
