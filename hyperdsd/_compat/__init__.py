@@ -47,6 +47,7 @@ from .registries import module_registries, registered, registered_in, registries
 from .tensors import (
     all_gather_into,
     as_parameter,
+    cloned,
     collective_device,
     copy_each,
     copy_each_of_run,
@@ -73,6 +74,7 @@ __all__ = [
     "as_parameter",
     "checkpoint_wrapper",
     "child_modules",
+    "cloned",
     "collective_device",
     "copy_each",
     "copy_each_of_run",

@@ -33,6 +33,14 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def cloned(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach().clone()``; a DTensor's made around its local tensor's clone
+    with the same spec, without the op dispatcher (see :func:`detached`)."""
+    if type(t) is DTensor:
+        return DTensor.__new__(DTensor, t._local_tensor.detach().clone(), t._spec, requires_grad=False)
+    return t.detach().clone()
+
+
 def as_parameter(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """``nn.Parameter(t, requires_grad)``. For a DTensor, what nn.Parameter makes
     of a tensor subclass (``t`` detached, ``requires_grad_``, flagged

@@ -21,8 +21,10 @@ import inspect
 import warnings
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import _compat
+from ..tree import rebuild
 from .placeholders import mark_placeholder, state_tensors
 from .saved_placeholders import (
     is_saved_placeholder,
@@ -82,14 +84,24 @@ def scratch_step(opt: torch.optim.Optimizer, warn: bool, only: set | None = None
     """The state of a scratch copy of ``opt`` after one zero-gradient step, by
     parameter, and the parameters whose state its constructor already made
     (state a never-stepped optimizer really has, as Adagrad's). ``only``:
-    the copy holds these of its parameters alone (each group keeps its fields)."""
+    the copy holds these of its parameters alone (each group keeps its fields).
+
+    For torch's own optimizers of per-parameter state (:data:`_PER_PARAMETER`)
+    the copy holds one stand-in per kind of parameter in each group
+    (:func:`_kind`), and each parameter gets a copy of its kind's state: a step
+    over thousands of stand-ins, each a DTensor, would take seconds."""
     stand_ins: dict[torch.Tensor, torch.Tensor] = {}
+    shared = type(opt) in _PER_PARAMETER
     groups = []
     for group in opt.param_groups:
-        mine = [p for p in group["params"] if only is None or p in only]
-        for p in mine:
-            stand_ins[p] = _zero_grad_stand_in(p)
-        groups.append({**group, "params": [stand_ins[p] for p in mine]})
+        kinds: dict = {}
+        for p in group["params"]:
+            if only is None or p in only:
+                key = _kind(p) if shared else p
+                if key not in kinds:
+                    kinds[key] = _zero_grad_stand_in(p)
+                stand_ins[p] = kinds[key]
+        groups.append({**group, "params": list(kinds.values())})
     if not stand_ins:
         return {}, set()
     try:
@@ -105,12 +117,32 @@ def scratch_step(opt: torch.optim.Optimizer, warn: bool, only: set | None = None
                 stacklevel=4,
             )
         return None
-    out = {}
+    out, taken = {}, set()
     for p, stand_in in stand_ins.items():
         entry = scratch.state.get(stand_in)
         if entry:
-            out[p] = entry
+            out[p] = entry if id(stand_in) not in taken else _copied(entry)
+            taken.add(id(stand_in))
     return out, eager
+
+
+# torch's optimizers whose step makes each parameter's state from that
+# parameter alone (its shape, layout, dtype, device) and its group's fields.
+_PER_PARAMETER = frozenset(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+
+
+def _kind(p: torch.Tensor) -> tuple:
+    """What a per-parameter optimizer's state for ``p`` depends on, of ``p``."""
+    layout = (p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None
+    return type(p), p.dtype, p.device, tuple(p.shape), p.stride(), layout
+
+
+def _copied(entry: dict) -> dict:
+    return rebuild(entry, lambda leaf, _path: _compat.cloned(leaf) if isinstance(leaf, torch.Tensor) else leaf)
 
 
 # -- placeholder states ---------------------------------------------------------------

@@ -1353,3 +1353,64 @@ def test_blocks_cover_a_column_once_in_order(n, monkeypatch):
     parts = [column[block] for block in hyperdsd.blocks.blocks(n)]
     assert sum(parts, []) == column
     assert all(1 <= len(part) <= 3 for part in parts)
+
+
+class IndexedSGD(torch.optim.SGD):
+    """State that depends on a parameter's place in its group, not on the parameter alone."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                self.state[p]["index"] = torch.tensor(float(i))
+
+
+# Kinds in one group that differ in dtype alone, and in shape alone.
+PARAMS = (
+    [((3, 4), torch.float32)] * 3 + [((3, 4), torch.float64), ((5,), torch.float64)] + [((3, 4), torch.float32)] * 3
+)
+OPTIMIZERS = [
+    (torch.optim.AdamW, {"amsgrad": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.Adagrad, {"initial_accumulator_value": 0.3}),
+    (torch.optim.RMSprop, {"momentum": 0.5, "centered": True}),
+    (IndexedSGD, {"lr": 0.1, "momentum": 0.9}),
+]
+
+
+def _groups(params):
+    return [{"params": params[:5], "lr": 0.1}, {"params": params[5:], "lr": 0.2, "weight_decay": 0.5}]
+
+
+@pytest.mark.parametrize("which", range(5), ids=["adamw", "sgd", "adagrad", "rmsprop", "subclass"])
+def test_the_scratch_step_by_kind_of_parameter_gives_what_a_step_over_each_gives(which):
+    """A never-stepped optimizer's placeholder state comes from a scratch step
+    over one stand-in per kind of parameter in a group (torch's per-parameter
+    optimizers): each parameter's state is what a step over every parameter
+    gives, its own tensors; other optimizers step a stand-in per parameter."""
+    from hyperdsd.state.placeholder_state import _PER_PARAMETER, scratch_step
+
+    cls, kwargs = OPTIMIZERS[which]
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(*shape, dtype=dtype)) for shape, dtype in PARAMS]
+    params[2].requires_grad_(False)  # frozen: a load still checks its state against a step's
+    opt = cls(_groups(params), **kwargs)
+    got, eager = scratch_step(opt, warn=False)
+    # The same step, a stand-in per parameter: the optimizer over zeros with zero gradients.
+    stand_ins = [nn.Parameter(torch.zeros_like(p)) for p in params]
+    for s in stand_ins:
+        s.grad = torch.zeros_like(s)
+    reference = cls(_groups(stand_ins), **kwargs)
+    made_by_constructor = {id(s) for s in stand_ins if reference.state.get(s)}
+    reference.step()
+    assert list(got) == params
+    for p, s in zip(params, stand_ins):
+        assert list(got[p]) == list(reference.state[s]), p.shape
+        for key, value in got[p].items():
+            want = reference.state[s][key]
+            assert type(value) is type(want) and (value.dtype, value.shape) == (want.dtype, want.shape), key
+            assert torch.equal(value, want), key
+        assert (p in eager) == (id(s) in made_by_constructor)
+    tensors = [t for entry in got.values() for t in entry.values()]
+    assert len({id(t) for t in tensors}) == len(tensors), "parameters share state tensors"
+    assert (type(opt) in _PER_PARAMETER) == (which != 4)

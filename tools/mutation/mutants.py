@@ -59,8 +59,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "get-placeholders-on-real-params",
         "hyperdsd.state.placeholder_state.scratch_step",
-        '{**group, "params": [stand_ins[p] for p in mine]}',
-        '{**group, "params": mine}',
+        "kinds[key] = _zero_grad_stand_in(p)",
+        "kinds[key] = p",
         "the placeholder state's scratch optimizer is built over the real parameters (their gradients step them)",
         ("OPT-PURE-1[single-adamw-sharded-grads]",),
     ),
