@@ -9,19 +9,23 @@ device, values with the max abs error). State is named by canonical FQNs
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from .. import _compat, nested
+from . import packed
 from .naming import describe, show
 
 # Path segments that wrappers insert and canonical FQNs leave out.
 WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
+@functools.lru_cache(maxsize=65536)
 def canonical(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
@@ -44,7 +48,7 @@ def check(condition: bool, message: str) -> None:
 
 def clone_tree(obj: Any) -> Any:
     """A deep copy of a state dict's containers and tensors (DTensors stay DTensors)."""
-    return nested.rebuild(obj, lambda leaf, _path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
+    return nested.rebuild(obj, lambda leaf, _path: _compat.copied(leaf) if isinstance(leaf, torch.Tensor) else leaf)
 
 
 class FqnOf(dict):
@@ -57,25 +61,37 @@ class FqnOf(dict):
         return f"<not a parameter of the model: {describe(p)}>" if isinstance(p, torch.Tensor) else f"<{p!r}>"
 
 
-def snapshot(setup) -> dict:
-    """Parameters, buffers, optimizer state and param groups of ``setup``, by FQN."""
-    fqn_of = setup.fqn_of()
-    params = {fqn: clone_tree(p) for fqn, p in setup.named_parameters()}
+def snapshot(setup, copy: bool = True) -> dict:
+    """Parameters, buffers, optimizer state and param groups of ``setup``, by FQN.
+    ``copy=False``: the live tensors and values, for a comparison made at once
+    (a many-key model's copy costs more than the comparison)."""
+    own = clone_tree if copy else _as_is
+    named = setup.named_parameters()
+    fqn_of = FqnOf((p, n) for n, p in named)
+    params = {fqn: own(p) for fqn, p in named}
     state: dict[str, dict] = {}
     groups = []
     for opt in setup.optimizers:
         for group in opt.param_groups:
             groups.append(
                 {
-                    **{k: clone_tree(v) for k, v in group.items() if k != "params"},
+                    **{k: own(v) for k, v in group.items() if k != "params"},
                     "params": [fqn_of[p] for p in group["params"]],
                 }
             )
             for p in group["params"]:
                 entry = opt.state.get(p)
                 if entry:  # an empty entry is the same as none
-                    state[fqn_of[p]] = clone_tree(dict(entry))
+                    state[fqn_of[p]] = own(dict(entry))
     return {"params": params, "state": state, "groups": groups}
+
+
+def _as_is(obj: Any) -> Any:
+    return obj
+
+
+# Tensor types compared as they are (any other may be a ShardedTensor, compared by its shards).
+_ORDINARY = frozenset({torch.Tensor, torch.nn.Parameter, DTensor})
 
 
 def describe_tensor_difference(
@@ -86,7 +102,10 @@ def describe_tensor_difference(
     ``atol`` (absolute)."""
     if not isinstance(actual, torch.Tensor):
         return f"{where}: expected a tensor, got {type(actual).__name__}"
-    pieces = _compat.sharded_tensor_pieces(expected), _compat.sharded_tensor_pieces(actual)
+    ordinary = type(expected) in _ORDINARY and type(actual) in _ORDINARY
+    pieces = (
+        (None, None) if ordinary else (_compat.sharded_tensor_pieces(expected), _compat.sharded_tensor_pieces(actual))
+    )
     if pieces != (None, None):  # a ShardedTensor (torch's FSDP1): its global size and local shards
         if None in pieces:
             return f"{where}: expected {type(expected).__name__}, got {type(actual).__name__}"
@@ -104,9 +123,9 @@ def describe_tensor_difference(
     if isinstance(expected, DTensor):
         if tuple(expected.placements) != tuple(actual.placements):
             return f"{where}: placements {tuple(actual.placements)}, expected {tuple(expected.placements)}"
-        if expected.device_mesh != actual.device_mesh:
+        if expected.device_mesh is not actual.device_mesh and expected.device_mesh != actual.device_mesh:
             return f"{where}: mesh {actual.device_mesh}, expected {expected.device_mesh}"
-        expected, actual = expected.to_local(), actual.to_local()
+        expected, actual = _compat.local(expected), _compat.local(actual)
     if expected.dtype != actual.dtype:
         return f"{where}: dtype {actual.dtype}, expected {expected.dtype}"
     if expected.shape != actual.shape:
@@ -188,22 +207,58 @@ def full_snapshot(setup) -> dict:
     """Like :func:`snapshot`, with every DTensor gathered into a full tensor.
 
     Used across layouts (resharding), where local shards cannot be compared.
-    Collective: every rank of the setup's meshes must call it.
+    Collective: every rank of the setup's model must call it.
     """
 
     gathered = setup.gathered()  # a layout without DTensors gathers its own way (FSDP1)
     if gathered is not None:
         return gathered
-
-    def full(leaf, _path):
-        return leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
-
     snap = snapshot(setup)
-    return {
-        "params": nested.rebuild(snap["params"], full),
-        "state": nested.rebuild(snap["state"], full),
-        "groups": snap["groups"],
-    }
+    tensors = gather_dtensors({"params": snap["params"], "state": snap["state"]}, setup.group)
+    return {**tensors, "groups": snap["groups"]}
+
+
+def gather_dtensors(tree: dict, group=None) -> dict:
+    """``tree`` with every DTensor replaced by its full tensor, on every rank
+    of ``group`` (None: the world; each must call it, with its own tree).
+
+    One object exchange for all of them, not a collective each (a model of
+    thousands of parameters, SPEC SCALE): each rank sends the blocks of the
+    global tensors its DTensors hold locally and where each starts, and
+    assembles its own DTensors' full values from everyone's. A DTensor whose
+    local tensor is not one block of the global one gathers itself
+    (``full_tensor``), in the same order on every rank of its mesh."""
+    mine = {}
+    for path, leaf in nested.leaves(tree):
+        if isinstance(leaf, DTensor):
+            start = _compat.dtensor_block(leaf)
+            if start is not None:
+                mine[path] = (start, _compat.local(leaf))
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        # The local tensors in one buffer (a pickle each would cost more than the rest).
+        sent = {
+            "paths": list(mine),
+            "starts": [s for s, _ in mine.values()],
+            **packed.blob([t for _, t in mine.values()]),
+        }
+        received = [None] * dist.get_world_size(group)
+        dist.all_gather_object(received, sent, group=group)
+        everyone = [dict(zip(part["paths"], zip(part["starts"], packed.unblob(part)))) for part in received]
+
+    def full(leaf, path):
+        if not isinstance(leaf, DTensor):
+            return leaf
+        if path not in mine:
+            return leaf.full_tensor()
+        out = torch.empty(leaf.shape, dtype=leaf.dtype)
+        for part in everyone:
+            start, local = part.get(path, (None, None))
+            if start is not None:
+                out[tuple(slice(at, at + n) for at, n in zip(start, local.shape))] = local
+        return out.to(leaf.to_local().device)
+
+    return nested.rebuild(tree, full)
 
 
 def layout_problems(state: dict, params: dict, where: str, *, local: bool) -> list[str]:

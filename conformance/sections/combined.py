@@ -114,7 +114,7 @@ def api_1(c, layout, opt, mode):
     how = modes.recipe(layout, opt)
     kept = modes.trained_source(c, how, BEFORE, after=AFTER)
     seen = {}
-    get_mode = modes._effective(mode, kept.setup)
+    get_mode = modes.effective(mode, kept.setup)
     saved = kept.save(c, mode, model="iut", first=lambda s: seen.update(gets=_gets(c, s, get_mode)))
     (model, optim), got = seen["gets"]
     got_model, got_optim = _pair(got, get_mode)

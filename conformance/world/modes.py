@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from .. import _compat
 from ..adapters import MODES, iut_call
 from ..judging.oracle import clone_tree, diff_snapshots, snapshot, without_empty_groups
+from .dcp_storage import BatchedReader, BatchedWriter
 
 # The suite saves and loads through DCP on subgroups; torch 2.6 needs this for it.
 _compat.dcp_on_subgroups()
@@ -87,6 +88,7 @@ class Saved:
     optim: Any = None
     path: str = ""
     model_ref: Any = None  # the model's own state_dict, copied (model="reference")
+    batched: bool = False  # through DCP in one file a rank (conformance.world.dcp_storage), not DCP's file storage
 
 
 def _path(c, setup, name: str) -> str:
@@ -97,7 +99,7 @@ def _path(c, setup, name: str) -> str:
 def carries_empty_groups(mode: str, setup) -> bool:
     """Whether ``mode`` can carry a group without parameters: the flat layout
     has no FQN for it (OPT-EMPTY-2), and pipelines go through DCP flat."""
-    return _effective(mode, setup) not in ("flat", "flat_dcp")
+    return effective(mode, setup) not in ("flat", "flat_dcp")
 
 
 def comparable(mode: str, setup, want: dict, got: dict) -> tuple[dict, dict]:
@@ -108,26 +110,36 @@ def comparable(mode: str, setup, want: dict, got: dict) -> tuple[dict, dict]:
     return without_empty_groups(want), without_empty_groups(got)
 
 
-def _effective(mode: str, setup) -> str:
+def effective(mode: str, setup) -> str:
+    """``mode`` as it runs on ``setup``: ``dcp`` on pipeline stages goes flat (``flat_dcp``)."""
     return "flat_dcp" if mode == "dcp" and setup.layout.pp > 1 else mode
 
 
 def save(
-    c, setup, mode: str, *, model: str | None = "reference", optim: bool = True, options: dict | None = None
+    c,
+    setup,
+    mode: str,
+    *,
+    model: str | None = "reference",
+    optim: bool = True,
+    options: dict | None = None,
+    batched: bool = False,
 ) -> Saved:
-    """Take ``setup``'s state in ``mode``. ``model``: "reference", "iut" or None."""
+    """Take ``setup``'s state in ``mode``. ``model``: "reference", "iut" or None.
+    ``batched``: DCP writes each rank's tensors in one file (many keys, SPEC SCALE)."""
     iut = c.iut
-    mode = _effective(mode, setup)
+    mode = effective(mode, setup)
     opts = get_options(iut, mode, **(options or {}))
     msd = iut.get_model_state_dict(setup.model, options=opts) if model == "iut" else None
     osd = iut.get_optimizer_state_dict(setup.model, optimizers_arg(setup), options=opts) if optim else None
     saved = Saved(mode, model_ref=clone_tree(setup.module.state_dict()) if model == "reference" else None)
     if mode in ("dcp", "flat_dcp"):
-        saved.path = _path(c, setup, f"dcp-{mode}")
+        saved.path, saved.batched = _path(c, setup, f"dcp-{mode}"), batched
         with c.under_test("dcp.save of the state dicts get returned"):
             dcp.save(
                 {k: v for k, v in (("model", msd), ("optim", osd)) if v is not None},
                 checkpoint_id=saved.path,
+                storage_writer=BatchedWriter(saved.path) if batched else None,
                 process_group=setup.group,
             )
     elif mode in _FILES:
@@ -166,9 +178,18 @@ def dcp_planner(iut):
 
 
 def load(
-    c, setup, saved: Saved, *, strict: bool = True, model: bool = True, optim: bool = True, options: dict | None = None
+    c,
+    setup,
+    saved: Saved,
+    *,
+    strict: bool = True,
+    model: bool = True,
+    optim: bool = True,
+    options: dict | None = None,
+    again: bool = True,
 ):
-    """Load ``saved`` into ``setup``; returns the model's (missing, unexpected) keys or None."""
+    """Load ``saved`` into ``setup``; returns the model's (missing, unexpected) keys or None.
+    ``again``: ``saved`` may be loaded again, so the implementation gets a copy of its dicts."""
     iut = c.iut
     if saved.mode == "file" and setup.layout.pp > 1:
         strict = False  # a consolidated dict holds every stage; each takes its own
@@ -182,13 +203,11 @@ def load(
         tmpl_opts = get_options(iut, saved.mode)
         if iut_model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
-            with c.under_test("dcp.load into the template get returned"), iut_call():
-                dcp.load({"model": msd}, checkpoint_id=saved.path, planner=dcp_planner(iut), process_group=setup.group)
+            _dcp_load(c, setup, saved, {"model": msd})
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)
-            with c.under_test("dcp.load into the template get returned"), iut_call():
-                dcp.load({"optim": osd}, checkpoint_id=saved.path, planner=dcp_planner(iut), process_group=setup.group)
+            _dcp_load(c, setup, saved, {"optim": osd})
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys
     if saved.mode == "bcast":
@@ -198,16 +217,32 @@ def load(
         data = read_full(saved.path)
         msd, osd = data["model"], data["optim"]
     elif saved.mode == "full_cpu":
-        msd, osd = (clone_tree(saved.model), clone_tree(saved.optim)) if setup.is_root else ({}, {})
-    else:
+        copy = clone_tree if again else (lambda tree: tree)
+        msd, osd = (copy(saved.model), copy(saved.optim)) if setup.is_root else ({}, {})
+    elif again:
         # A copy, so that an implementation that consumes its input cannot
         # change what a later load of the same checkpoint sees.
         msd, osd = clone_tree(saved.model), clone_tree(saved.optim)
+    else:
+        msd, osd = saved.model, saved.optim
     if iut_model:
         keys = iut.set_model_state_dict(setup.model, msd, options=opts)
     if optim:
         iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
     return keys
+
+
+def _dcp_load(c, setup, saved: Saved, template: dict) -> None:
+    """``dcp.load`` of ``saved`` into ``template`` (a get's), with the implementation's load planner."""
+    reader = BatchedReader(saved.path) if saved.batched else None
+    with c.under_test("dcp.load into the template get returned"), iut_call():
+        dcp.load(
+            template,
+            checkpoint_id=saved.path,
+            storage_reader=reader,
+            planner=dcp_planner(c.iut),
+            process_group=setup.group,
+        )
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,9 @@ class Setup:
         return dict(self.named_parameters())[fqn]
 
     def freeze(self, fqns) -> None:
+        params = dict(self.named_parameters())
         for fqn in fqns:
-            self.param(fqn).requires_grad_(False)
+            params[fqn].requires_grad_(False)
 
     @property
     def dp(self) -> tuple[int, int]:

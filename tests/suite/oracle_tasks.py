@@ -150,3 +150,47 @@ def _at(obj, path):
     for key in path:
         obj = obj[key]
     return obj
+
+
+def gathered_dtensors_are_full_tensors(ctx, mesh_spec: str) -> list[str]:
+    """The suite's batched gather (one object exchange) gives each DTensor
+    what its own ``full_tensor()`` gives: uneven and empty shards, a dim
+    other than 0, 2-D meshes, a strided layout it leaves to full_tensor."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from conformance import _compat
+    from conformance.judging.oracle import gather_dtensors
+
+    mesh = ctx.mesh(mesh_spec)
+    torch.manual_seed(0)
+    shards = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    on_dim_1 = [Shard(1)] if mesh.ndim == 1 else [Shard(0), Shard(1)]
+    tree = {
+        "rows": {f"p{n}": distribute_tensor(torch.randn(n, 3), mesh, shards) for n in (1, 2, 3, 5, 8)},
+        "cols": distribute_tensor(torch.randn(4, 7), mesh, on_dim_1),
+        "both": [distribute_tensor(torch.randn(6, 5, dtype=torch.float64), mesh, shards), "text", 3],
+        "plain": torch.arange(4),
+    }
+    if mesh.ndim == 2:  # the same tensor dim sharded on both mesh dims: not one block a rank, gathered by full_tensor
+        tree["twice"] = distribute_tensor(torch.randn(9, 2), mesh, [Shard(0), Shard(0)])
+        if _compat.dtensor_block(tree["twice"]) is not None:
+            return ["a tensor dim sharded twice was taken for one block"]
+    got = gather_dtensors(tree)
+    problems = []
+    for path, value in [(("rows", k), v) for k, v in tree["rows"].items()] + [
+        (("cols",), tree["cols"]),
+        (("both", 0), tree["both"][0]),
+        (("twice",), tree.get("twice")),
+    ]:
+        if value is None:
+            continue
+        out = got
+        for part in path:
+            out = out[part]
+        want = value.full_tensor()
+        if type(out) is not torch.Tensor or out.dtype != want.dtype or not torch.equal(out, want):
+            problems.append(f"{path}: {out!r} != {want!r}")
+    if got["both"][1:] != ["text", 3] or not torch.equal(got["plain"], torch.arange(4)):
+        problems.append("the leaves that are not DTensors changed")
+    return problems

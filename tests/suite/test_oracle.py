@@ -74,3 +74,9 @@ def test_a_tolerance_by_state_key_forgives_rounding_noise_and_nothing_larger():
     lost = {"a": big, "b": {"exp_avg": torch.tensor([3e-17]), "exp_avg_sq": torch.tensor([1e-9])}}
     (problem,) = diff_values(want, lost, "state", 1e-6, atol_of=atol_of)
     assert problem.startswith("state['b']['exp_avg_sq']: values differ (rtol 1e-06, atol 2e-10)"), problem
+
+
+@pytest.mark.parametrize("world_size,mesh", [(2, "2"), (4, "4"), (4, "2x2")])
+def test_dtensors_gathered_at_once_are_their_full_tensors(pools, world_size, mesh):
+    problems = run_task(pools, world_size, oracle_tasks.gathered_dtensors_are_full_tensors, mesh_spec=mesh)
+    assert problems == [[]] * world_size
