@@ -52,6 +52,13 @@ class ModelConfig:
     # Extra state in every block (MODEL-5): "tensor", "dict" or "object" (any
     # picklable value); "": none, as in the base model of every other clause.
     extra_state: str = ""
+    # Many keys (SPEC SCALE, 1.5): ``lanes`` tiny ``Linear(LANE, LANE)`` layers in
+    # every block, each adding to the first LANE features; the lanes named in
+    # ``lazy_lanes`` (block, lane) never run, so they never get a gradient;
+    # the block ``other_dtype_block`` is in float64 (a second dtype amid the rest).
+    lanes: int = 0
+    lazy_lanes: tuple[tuple[int, int], ...] = ()
+    other_dtype_block: int = -1
 
     def everything(self, pipeline: bool = False) -> "ModelConfig":
         """Every feature at once (pipeline stages cannot tie across stages)."""
@@ -69,6 +76,9 @@ class Embed(nn.Module):
         return self.embedding(tokens) * self.scale
 
 
+LANE = 3  # a lane's width (ModelConfig.lanes)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -76,11 +86,28 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.fc1 = nn.Linear(cfg.dim, cfg.hidden)
         self.fc2 = nn.Linear(cfg.hidden, cfg.dim)
+        # Many keys: lanes of LANE rows (uneven shards on 2 and 4 ranks, empty ones on 4).
+        self.lanes = nn.ModuleList(nn.Linear(LANE, LANE) for _ in range(cfg.lanes)) if cfg.lanes else None
+        self.running = [i for i in range(cfg.lanes) if (index, i) not in cfg.lazy_lanes]
         # Fewer rows than ranks: its shards are uneven, some empty.
         self.router = nn.Linear(cfg.dim, cfg.aux_out) if cfg.router else None
+        # In float64 amid a model of another dtype (ModelConfig.other_dtype_block): it computes in its own.
+        self.own_dtype = torch.float64 if index == cfg.other_dtype_block else None
 
     def forward(self, x):
+        if self.own_dtype is not None:
+            return self._forward(x.to(self.own_dtype)).to(x.dtype)
+        return self._forward(x)
+
+    def _forward(self, x):
         out = self.fc2(torch.relu(self.fc1(self.norm(x))))
+        if self.lanes is not None:
+            # Every running lane at once (a few ops, not hundreds), each through a
+            # tanh of its own, so that each lane's gradient is its own.
+            weights = torch.stack([self.lanes[i].weight for i in self.running])
+            biases = torch.stack([self.lanes[i].bias for i in self.running])
+            lanes = torch.tanh(torch.einsum("...i,loi->...lo", x[..., :LANE], weights) + biases).sum(-2)
+            out = out + F.pad(lanes, (0, x.shape[-1] - LANE))
         if self.router is not None:
             with torch.no_grad():  # a hard routing decision: no gradient reaches the router
                 gate = torch.softmax(self.router(x), dim=-1).amax(dim=-1, keepdim=True)
@@ -202,6 +229,8 @@ class ToyModel(nn.Module):
             self.head.weight = self.tok.embedding.weight
         if cfg.dtype != torch.float32:
             self.to(cfg.dtype)
+        if 0 <= cfg.other_dtype_block < cfg.n_layers:
+            self.layers[str(cfg.other_dtype_block)].to(torch.float64)
 
     def forward(self, x):
         h = self.tok(x) if self.tok is not None else x
@@ -272,6 +301,10 @@ class GroupSpec:
     # reversed: a checkpoint loads into an optimizer that lists its groups in
     # another order, which pairing groups by their FQNs must not notice.
     target_reverse: bool = False
+    # Groups cut by position instead of by role: group i holds the parameters
+    # from ``cuts[i - 1]`` up to ``cuts[i]``, each group its own hyperparameters
+    # (SPEC SCALE: groups that end where no block of keys would).
+    cuts: tuple[int, ...] = ()
 
     @classmethod
     def for_seed(cls, seed: int, **kw) -> "GroupSpec":
@@ -280,9 +313,21 @@ class GroupSpec:
 
 
 def param_groups(named_params: list[tuple[str, nn.Parameter]], spec: GroupSpec = GroupSpec()) -> list[dict]:
-    """Groups by role: embedding, matrices (decayed), vectors (not decayed)."""
+    """Groups by role: embedding, matrices (decayed), vectors (not decayed); or cut by position (``spec.cuts``)."""
     extra = dict(spec.extra)
-    if not spec.split:
+    if spec.cuts:
+        bounds = [0, *(min(cut, len(named_params)) for cut in spec.cuts), len(named_params)]
+        groups = [
+            {
+                "params": [p for _, p in named_params[start:stop]],
+                "lr": 1e-2 * (1 + i) * spec.scale,
+                "weight_decay": 0.01 * (i + 1) * spec.scale,
+                **extra,
+            }
+            for i, (start, stop) in enumerate(zip(bounds, bounds[1:]))
+            if stop > start
+        ]
+    elif not spec.split:
         groups = [{"params": [p for _, p in named_params], "lr": 1e-2 * spec.scale, **extra}]
     else:
         roles: dict[str, list] = {"embed": [], "router": [], "decay": [], "no_decay": []}
