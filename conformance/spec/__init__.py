@@ -7,7 +7,7 @@ import re
 from functools import lru_cache
 from importlib import resources
 
-_CLAUSE = re.compile(r"^- ((?:OPT|MODEL)-[A-Z]+(?:-[A-Z]+)?-\d+|(?:MODEL|LOOP|API)-\d+) (.*)$")
+_CLAUSE = re.compile(r"^- ((?:OPT|MODEL)-[A-Z]+(?:-[A-Z]+)?-\d+|(?:MODEL|LOOP|API|SCALE|REPEAT)-\d+) (.*)$")
 
 
 @lru_cache(maxsize=None)
