@@ -667,5 +667,84 @@ MUTANTS: tuple[Mutant, ...] = (
 )
 
 
+# -- many keys and calls across changes (SPEC SCALE and REPEAT, 1.5) -----------------------------------------
+# Bugs of the blocks, templates and kept indexes a fast implementation works many keys with: each passes
+# every case of a model of twenty parameters, each called once.
+MUTANTS += (
+    Mutant(
+        "last-block-unread",
+        "hyperdsd.state.optimizer.read_state",
+        "for block in blocks(len(params)): ...",
+        "for block in blocks(len(params))[:-1] or blocks(len(params)): ...",
+        "get reads a group's entries a block at a time and stops before the last block of a group longer than "
+        "one (a bound of n - BLOCK): the last parameters of a long group are left without state",
+        ("SCALE-1[fsdp2-adamw-sharded-into_new]", "SCALE-1[single-adamw-full_cpu-into_new]"),
+    ),
+    Mutant(
+        "later-blocks-keyed-by-column",
+        "hyperdsd.state.optimizer.read_state",
+        "compress(fqns[block], entries)",
+        "compress(fqns, entries)",
+        "each block of a group's entries is named by the group's FQNs from its start, not by the block's: past "
+        "the first block, state is filed under other parameters' FQNs",
+        ("SCALE-1[fsdp2-adamw-sharded-into_new]", "SCALE-1[single-adamw-full_cpu-into_new]"),
+    ),
+    Mutant(
+        "earlier-blocks-leftovers-dropped",
+        "hyperdsd.state.optimizer_load._prepare_all",
+        "rest += _in_place(plan, values, target.opt, params[block], fqns[block], by_name)",
+        "rest = _in_place(plan, values, target.opt, params[block], fqns[block], by_name)",
+        "a set planned in place a block at a time keeps only the last block's parameters left to plan one by one: "
+        "an earlier block's parameter without state of its own in the target is never loaded",
+        ("SCALE-1[fsdp2-adamw-sharded-into_stepped]", "SCALE-1[single-adamw-file-into_stepped]"),
+    ),
+    Mutant(
+        "model-last-block-uncopied",
+        "hyperdsd.state.model._in_place",
+        "[rows[block] for rows in by_kind for block in blocks(len(rows))]",
+        "[rows[block] for rows in by_kind for block in blocks(len(rows))[:-1] or blocks(len(rows))]",
+        "a model set in place copies its values a block at a time and stops before the last block of a long "
+        "column: the last parameters keep the target's values",
+        ("SCALE-1[fsdp2-adamw-sharded-into_stepped]", "SCALE-1[single-adamw-file-into_stepped]"),
+    ),
+    Mutant(
+        "block-offset-not-scaled",
+        "hyperdsd.state.flat_keys.rows_of",
+        "start, stop = block.start * m, block.stop * m",
+        "start, stop = block.start, block.stop * m",
+        "a flat dict's rows are filled a block at a time from an offset counted in rows, not in values: past the "
+        "first block of a long run, parameters get other parameters' state",
+        ("SCALE-1[fsdp2-adamw-flat-into_stepped]", "SCALE-1[pp2-adamw-flat-into_new]"),
+    ),
+    Mutant(
+        "kept-index-by-names-only",
+        "hyperdsd._compat.registries.registries_fingerprint",
+        "parts += [lengths, names, list(map(id, values))]",
+        "parts += [lengths, names]",
+        "the kept model index is compared by its registries' names and counts, not by the objects they hold: a "
+        "parameter replaced by a new object under the same name goes on with the old index",
+        ("REPEAT-1[single-adamw-sharded]", "REPEAT-1[pp2-adamw-flat]"),
+    ),
+    Mutant(
+        "flat-template-ignores-groups",
+        "hyperdsd.state.flat_keys._Template.fits",
+        "fqns == self.fqns and names == self.names and groups == self.groups",
+        "fqns == self.fqns and names == self.names",
+        "a flat get copies the last flat get's keys while the state's FQNs and names are the same, whatever the "
+        "groups: after add_param_group (parameters without state yet) the new group's fields are missing",
+        ("REPEAT-1[single-adamw-flat]", "REPEAT-1[fsdp2-adamw-flat]"),
+    ),
+    Mutant(
+        "flat-template-stale-fields",
+        "hyperdsd.state.flat_keys.FlatTemplate.flatten",
+        "if value is not old[j]: ...",
+        "if False: ...",
+        "a flat get copies the last flat get's keys with the group fields they held then: a field changed since "
+        "(a new lr, a scheduler's) keeps its old value",
+        ("REPEAT-1[single-adamw-flat]", "REPEAT-1[fsdp2-adamw-flat]"),
+    ),
+)
+
+
 def by_name() -> dict[str, Mutant]:
     return {m.name: m for m in MUTANTS}
