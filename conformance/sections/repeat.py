@@ -22,7 +22,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
+
+from hyperdsd.testing import region_of
 
 from .. import _compat
 from ..adapters import raised_by_iut
@@ -237,21 +240,22 @@ def check_set(c, kept: Kept, mode: str, after: str) -> None:
 
 
 def check_refused(c, kept: Kept, mode: str, after: str) -> None:
-    """A strict set naming a parameter the model does not have, into the kept
-    setup and into a fresh build: each raises or loads as the other does, and
-    ends as the other ends (whether it must refuse is OPT-ATOM-1's)."""
-    dict_mode = mode if mode in ("sharded", "full", "flat") else "sharded"
-    _, osd = _get(c, fresh(c, kept), dict_mode)
-    _spoil(osd, flat=dict_mode == "flat")
+    """A strict set of a checkpoint naming a parameter the model does not
+    have (another state of the same structure, from a fresh build's get in
+    ``mode``, damaged), into the kept setup and into a fresh build, through
+    the mode's own load path: each raises or loads as the other does, and ends
+    as the other ends (whether it must refuse is OPT-ATOM-1's)."""
+    flat = modes.effective(mode, kept.setup) in ("flat", "flat_dcp")
+    saved = modes.save(c, fresh(c, kept, scale=0.5), mode, model=None, batched=True, edit=lambda osd: _spoil(osd, flat))
     f = fresh(c, kept)
-    outcomes = [_outcome(c, s, dict_mode, clone_tree(osd)) for s in (kept.setup, f)]
+    outcomes = [_outcome(c, s, saved) for s in (kept.setup, f)]
     fail_if(
         [f"the kept setup's set {outcomes[0]}, a fresh build's {outcomes[1]}"] if outcomes[0] != outcomes[1] else [],
-        f"{dict_mode}: a set of a dict naming a parameter the model lacks, after {after}",
+        f"{mode}: a set of a checkpoint naming a parameter the model lacks, after {after}",
     )
     fail_if(
         diff_snapshots(snapshot(f, copy=False), snapshot(kept.setup, copy=False)),
-        f"{dict_mode}: after a set of a dict naming a parameter the model lacks, after {after}, the model and "
+        f"{mode}: after a set of a checkpoint naming a parameter the model lacks, after {after}, the model and "
         "optimizer differ from a fresh build's after the same set",
     )
 
@@ -265,14 +269,13 @@ def _spoil(osd: dict, flat: bool) -> None:
         osd["param_groups"][0]["params"].append(GHOST)
 
 
-def _outcome(c, s: Setup, mode: str, osd: dict) -> str:
-    opts = modes.set_options(c.iut, mode, strict=True)
+def _outcome(c, s: Setup, saved: modes.Saved) -> str:
     try:
-        c.iut.set_optimizer_state_dict(s.model, modes.optimizers_arg(s), osd, options=opts)
-    except Exception as exc:  # noqa: BLE001 - whether it raises is compared, not judged
-        if not raised_by_iut(exc):
+        modes.load(c, s, saved, model=False, strict=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - whether it raises is compared, not judged
+        if not raised_by_iut(exc) and not region_of(exc):
             raise
-        return "raised"
+        return f"raised {type(exc).__name__}"
     return "loaded"
 
 

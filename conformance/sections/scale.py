@@ -219,7 +219,7 @@ def resharded_case(src: str, dst: str) -> Case:
 
 KINDS = ("wrong_shape", "wrong_dtype", "unknown_fqn", "missing_fqn", "partial_entry")
 PLACES = ("column_end", "group_start")
-# Each kind at both places, in nested and flat sets, full and broadcast ones, sharded layouts and FSDP1.
+# Every kind, every place (two kinds at both); nested and flat sets, full and broadcast ones; sharded layouts, FSDP1.
 REFUSALS = (
     ("single", "sharded", "wrong_shape", "column_end"),
     ("single", "flat", "unknown_fqn", "group_start"),

@@ -124,14 +124,20 @@ def save(
     optim: bool = True,
     options: dict | None = None,
     batched: bool = False,
+    edit=None,
 ) -> Saved:
     """Take ``setup``'s state in ``mode``. ``model``: "reference", "iut" or None.
-    ``batched``: DCP writes each rank's tensors in one file (many keys, SPEC SCALE)."""
+    ``batched``: DCP writes each rank's tensors in one file (many keys, SPEC SCALE).
+    ``edit(osd)``: changes a copy of the optimizer dict get returned (where it is
+    not empty) before it is kept, written or saved: a damaged checkpoint."""
     iut = c.iut
     mode = effective(mode, setup)
     opts = get_options(iut, mode, **(options or {}))
     msd = iut.get_model_state_dict(setup.model, options=opts) if model == "iut" else None
     osd = iut.get_optimizer_state_dict(setup.model, optimizers_arg(setup), options=opts) if optim else None
+    if edit is not None and osd:
+        osd = clone_tree(osd)
+        edit(osd)
     saved = Saved(mode, model_ref=clone_tree(setup.module.state_dict()) if model == "reference" else None)
     if mode in ("dcp", "flat_dcp"):
         saved.path, saved.batched = _path(c, setup, f"dcp-{mode}"), batched

@@ -213,7 +213,8 @@ def test_an_exploration_keeps_one_found_case_per_cause_the_simplest(tmp_path, ca
 def test_merge_adds_a_later_runs_failures_under_their_causes(tmp_path):
     """A run of cases added since a release's file was written (its full run's report gone): each
     failure goes under its cause, by prefixes that cover no other case of the manifest, with the
-    counts in the headings and the header; an untraced failure stops it and nothing is written."""
+    counts in the headings and the header; merging the same run again adds nothing; an untraced
+    failure stops it and nothing is written."""
     from tools.releases import trace_known
 
     known = tmp_path / "torch-9.9.txt"
@@ -234,6 +235,7 @@ def test_merge_adds_a_later_runs_failures_under_their_causes(tmp_path):
         "## state cast to the parameter's dtype (3 cases)\nOPT-DT-3[fsdp2-  # state cast: old\nOPT-DT-3[single-" in text
     )
     assert trace_known.check(cases, str(known))["unlisted"] == []
+    assert trace_known.merge(cases, str(known), manifest) == [] and known.read_text() == text
 
     strange = [
         _case("OPT-KEYS-1[fsdp2-adamw-sharded]", "OPT-KEYS-1", "fsdp2", "failed", "rank 1 raised ValueError: new")

@@ -397,11 +397,17 @@ def merge(cases: list[dict], path: str, manifest: list[str], found: dict | None 
     """Add the failures of ``cases`` (a run of cases added since ``path`` was
     written, whose full run's report is gone) under their causes, as prefixes
     that cover no other case of ``manifest``; the header's counts follow.
-    Returns the untraced failures (then nothing is written)."""
+    Failures the file already lists are left as they are, so merging one run
+    twice adds nothing. Returns the untraced failures (then nothing is written)."""
+    from conformance.running.xfails import Xfails
+
     header, sections, counts = _sections(path)
-    by_cause, untraced = _by_cause(cases, found)
+    listed = Xfails.load(path)
+    by_cause, untraced = _by_cause([c for c in cases if listed.match(c["id"]) is None], found)
     if untraced:
         return untraced
+    if not by_cause:
+        return []
     reasons = {cause.title: cause.reason for cause in CAUSES}
     for title, ids in by_cause.items():
         others = [i for i in manifest if i not in set(ids)]
