@@ -10,7 +10,6 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-from conformance import SPEC_VERSION
 from helpers import (
     ROOT,
     TESTS,
@@ -23,6 +22,8 @@ from helpers import (
     scaled,
     wait_for,
 )
+
+from conformance import SPEC_VERSION
 
 ADAMW = "OPT-KEYS-1[fsdp4-adamw-sharded]"
 SGD = "OPT-KEYS-1[fsdp4-sgd-sharded]"
