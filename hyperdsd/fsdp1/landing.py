@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -163,10 +164,14 @@ class TwinLoad:
         the twin; None: that part was not loaded)."""
         if model_plan is not None:
             only = self._settle_rows(model_plan) if self.twin.lazy_rows else [None] * len(self.units)
+            exchange = moves.Exchange()
             for k, (u, twins, keep) in enumerate(zip(self.units, self.params, only)):
                 keep = set(range(len(twins))) if keep is None else keep
                 keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
-                moves.to_flat_many(u, [[_compat.local_tensor(t) for t in twins]], [u.unit.local], only=keep)
+                rows = [_compat.local_tensor(t) for t in twins]
+                moves.to_flat_many(u, [rows], [u.unit.local], only=keep, exchange=exchange)
+            exchange.run()
+            for u in self.units:
                 if u.unit.unsharded:  # the copy a forward left would go on serving the old values
                     _compat.fsdp1_reshard(u.unit.module)
         if optim_plan is not None:
@@ -182,13 +187,13 @@ class TwinLoad:
         loaded = {id(targets[raw]) for raw in plan.values if raw in targets}
         mine = [[id(t) in loaded for t in twins] for twins in self.params]
         only = []
+        exchange = moves.Exchange()
         for u, twins, here, (some, lacking) in zip(self.units, self.params, mine, self._anywhere(mine)):
             if any(s and n for s, n in zip(some, lacking)):
-                rows = moves.to_rows(u, u.unit.local)
-                for i, twin in enumerate(twins):
-                    if not here[i]:
-                        _compat.local_tensor(twin).copy_(rows[i])
+                rows = moves.to_rows(u, u.unit.local, exchange)
+                exchange.after(partial(_copy_rows, twins, rows, [not h for h in here]))
             only.append({i for i, s in enumerate(some) if s})
+        exchange.run()
         return only
 
     def _refill_state(self, plan) -> None:
@@ -201,16 +206,17 @@ class TwinLoad:
             [id(t) not in touched and bool(opt_of[id(t)].state.get(t)) if id(t) in opt_of else False for t in twins]
             for twins in self.params
         ]
+        exchange = moves.Exchange()
         for u, twins, here, (some, _), (targets, typed) in zip(
             self.units, self.params, mine, self._anywhere(mine), self.twin.state_plans
         ):
             if not typed or not any(some):
                 continue
-            for (path, _), rows in zip(typed, self.twin.state_rows(u, targets, typed)):
-                for i, twin in enumerate(twins):
-                    value = at_path(opt_of[id(twin)].state[twin], path) if here[i] else None
-                    if _per_element(value):
-                        _compat.local_tensor(value).copy_(rows[i])
+            for (path, _), rows in zip(typed, self.twin.state_rows(u, targets, typed, exchange)):
+                values = [at_path(opt_of[id(t)].state[t], path) if here[i] else None for i, t in enumerate(twins)]
+                into = [_compat.local_tensor(v) if _per_element(v) else None for v in values]
+                exchange.after(partial(_copy_rows, into, rows, [t is not None for t in into]))
+        exchange.run()
 
     def _anywhere(self, flags: list[list[bool]]) -> list[tuple[list[bool], list[bool]]]:
         """For each unit's ``flags`` (one per parameter, this rank's): whether
@@ -242,9 +248,13 @@ class TwinLoad:
                     if key not in _STRUCTURAL:
                         real_group[key] = value
         managed = set()
-        for k, (twins, params) in enumerate(zip(self.params, self.twin.optimizer_params())):
+        per_unit = list(zip(self.params, self.twin.optimizer_params()))
+        exchange = moves.Exchange()  # every unit's flat state, then every unit written
+        flats = [self._unit_flats(k, twins, params, exchange) for k, (twins, params) in enumerate(per_unit)]
+        exchange.run()
+        for k, ((twins, params), (entries, flat)) in enumerate(zip(per_unit, flats)):
             managed.update(id(p) for p in params)
-            self._write_unit(k, twins, params)
+            self._write_unit(k, params, entries, flat)
         for opt, twin in zip(self.twin.real_optims, self.twin.optims):
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -255,9 +265,10 @@ class TwinLoad:
                     else:
                         opt.state.pop(p, None)
 
-    def _write_unit(self, k: int, twins: list, params: list) -> None:
-        u = self.units[k]
-        flat_mode = u.unit.params is None
+    def _unit_flats(self, k: int, twins: list, params: list, exchange) -> tuple[list, dict]:
+        """Unit ``k``'s twin state entries (one per parameter) and its flat
+        shards of each per-element state path (filled when ``exchange`` runs)."""
+        flat_mode = self.units[k].unit.params is None
         entries = []
         for i, twin in enumerate(twins):
             opt_twin = self.owner.get(id(params[0 if flat_mode else i]), (None, None))[1]
@@ -269,7 +280,13 @@ class TwinLoad:
                     found.setdefault(path, _compat.local_tensor(value).dtype)
         flats = {}
         for path, dtype in sorted(found.items(), key=lambda item: str(item[0])):
-            flats[path] = self._flat_of(k, path, dtype, entries)
+            flats[path] = self._flat_of(k, path, dtype, entries, exchange)
+        return entries, flats
+
+    def _write_unit(self, k: int, params: list, entries: list, flats: dict) -> None:
+        u = self.units[k]
+        flat_mode = u.unit.params is None
+        flats = {path: None if f is None else f[0].to(f[1]) for path, f in flats.items()}  # (.to: the same if equal)
         for j, p in enumerate(params):
             opt, _ = self.owner.get(id(p), (None, None))
             if opt is None:
@@ -301,11 +318,12 @@ class TwinLoad:
 
             opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
 
-    def _flat_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list) -> torch.Tensor | None:
+    def _flat_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list, exchange) -> tuple | None:
         """This rank's flat shard of the state at ``path`` of unit ``k``, from the
         twin's ``entries`` (one per parameter; zeros where one has none): what a
-        broadcast landed there already, the rest through one exchange of rows.
-        None: it landed in the optimizer's own state, which holds it now."""
+        broadcast landed there already, the rest through ``exchange`` (filled
+        when it runs), with the dtype it is to have. None: it landed in the
+        optimizer's own state, which holds it now."""
         u = self.units[k]
         landed = self.state_landed.get(k, {}).get(path)
         rows, others = [], set()
@@ -321,19 +339,26 @@ class TwinLoad:
                     for _, a, b in u.held(u.index, [i]):
                         landed.flat[a - u.index * u.shard : b - u.index * u.shard].zero_()
         if landed is None:
-            return moves.to_flat(u, rows)
+            return moves.to_flat(u, rows, exchange=exchange), dtype
         others -= landed.params  # the same on every rank: the plan and its answers are
         if others:  # (never in place: every parameter landed there)
-            moves.to_flat_many(u, [rows], [landed.flat], only=others)
+            moves.to_flat_many(u, [rows], [landed.flat], only=others, exchange=exchange)
         if landed.in_place:
             return None
-        return landed.flat if landed.flat.dtype == dtype else landed.flat.to(dtype)
+        return landed.flat, dtype
 
     @staticmethod
     def _unpadded(u: UnitLayout) -> int:
         """Elements of this rank's flat shard that belong to a parameter (the rest pads the last shards)."""
         total = max((off + math.prod(shape) for off, shape in zip(u.unit.offsets, u.unit.shapes)), default=0)
         return max(0, min(u.shard, total - u.index * u.shard))
+
+
+def _copy_rows(into: list, rows: list[torch.Tensor], which: list[bool]) -> None:
+    """Copy each of ``rows`` that ``which`` marks into the tensor (or DTensor's local tensor) ``into`` holds."""
+    for target, row, wanted in zip(into, rows, which):
+        if wanted:
+            _compat.local_tensor(target).copy_(row)
 
 
 def _per_element(value: Any) -> bool:

@@ -29,7 +29,8 @@ from ..tree import rebuild
 
 def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:
     """The unit's parameters in runs of about one gather bucket's share of a
-    rank's bytes (``itemsize`` an element), at least one parameter each."""
+    rank's bytes (``itemsize`` an element), at least one parameter each;
+    :func:`_packed` then puts runs of several units in one stage."""
     budget = max(BUCKET_BYTES // u.size, 1)
     runs: list[list[int]] = []
     size = 0
@@ -49,28 +50,63 @@ def _gathers(u: UnitLayout, root: int | None) -> bool:
     return root is None or root in dist.get_process_group_ranks(u.unit.pg)
 
 
-def model_stages(twin) -> list | None:
-    """The model's stages: ``(keys, fill)``, ``fill(entries, root)`` giving the
-    entries of those keys full (None on ranks that keep none of them);
-    None when the twin's rows are read."""
-    if not twin.stream_rows:
-        return None
-    stages = []
-    for u in twin.units:
-        for run in _runs(u, u.unit.local.dtype.itemsize):
-            keys = [u.fqns[i] for i in run] + [fqn for fqn, i in u.aliases if i in run]
-            stages.append((keys, partial(_model_values, u, run)))
+def _packed(runs: list[tuple], size_of) -> list[list[tuple]]:
+    """Consecutive ``runs`` ((unit, run, ...), of any units) in stages of about
+    one gather bucket's share of a rank (``size_of(*item)`` bytes), at least
+    one run each: a stage's runs move in one exchange, not one per unit."""
+    stages: list[list[tuple]] = []
+    size = 0
+    for item in runs:
+        u = item[0]
+        nbytes = size_of(*item)
+        if not stages or size + nbytes > max(BUCKET_BYTES // u.size, 1):
+            stages.append([])
+            size = 0
+        stages[-1].append(item)
+        size += nbytes
     return stages
 
 
-def _model_values(u: UnitLayout, run: list[int], entries: dict, root: int | None) -> dict:
-    if not _gathers(u, root):
-        return dict.fromkeys(entries)
-    full = dict(zip(run, moves.to_full(u, [u.unit.local], run, root)[0]))
-    by_fqn = {u.fqns[i]: full[i] for i in run}
-    # (a tied name is a tensor of its own, as a gather of each name gives it)
-    by_fqn.update({fqn: full[i] if full[i] is None else full[i].clone() for fqn, i in u.aliases if i in run})
-    return {key: by_fqn[key] for key in entries}
+def _run_bytes(u: UnitLayout, run: list[int], itemsize: int) -> int:
+    return sum(-(-math.prod(u.unit.shapes[i]) // u.size) for i in run) * itemsize
+
+
+def model_stages(twin) -> list | None:
+    """The model's stages: ``(keys, fill)``, ``fill(entries, root_of)`` giving
+    the entries of those keys full (None on ranks that keep none of them);
+    None when the twin's rows are read."""
+    if not twin.stream_rows:
+        return None
+    runs = [(u, run) for u in twin.units for run in _runs(u, u.unit.local.dtype.itemsize)]
+    stages = []
+    for pack in _packed(runs, lambda u, run: _run_bytes(u, run, u.unit.local.dtype.itemsize)):
+        keys = [key for u, run in pack for key in _model_keys(u, run)]
+        stages.append((keys, partial(_model_values, pack)))
+    return stages
+
+
+def _model_keys(u: UnitLayout, run: list[int]) -> list[str]:
+    return [u.fqns[i] for i in run] + [fqn for fqn, i in u.aliases if i in run]
+
+
+def _model_values(pack: list[tuple], entries: dict, root_of) -> dict:
+    exchange = moves.Exchange(limit=math.inf)  # (a stage is one bucket already)
+    gathered = []
+    for u, run in pack:
+        keys = [key for key in _model_keys(u, run) if key in entries]
+        if not keys:
+            continue
+        root = root_of(keys[0])  # (one unit's keys: the same ranks hold them, and the same root gathers them)
+        full = moves.to_full(u, [u.unit.local], run, root, exchange)[0] if _gathers(u, root) else [None] * len(run)
+        gathered.append((u, run, full))
+    exchange.run()
+    by_fqn = {}
+    for u, run, full in gathered:
+        full = dict(zip(run, full))
+        by_fqn.update({u.fqns[i]: full[i] for i in run})
+        # (a tied name is a tensor of its own, as a gather of each name gives it)
+        by_fqn.update({fqn: full[i] if full[i] is None else full[i].clone() for fqn, i in u.aliases if i in run})
+    return {key: by_fqn.get(key) for key in entries}
 
 
 def optim_stages(twin) -> list | None:
@@ -79,26 +115,38 @@ def optim_stages(twin) -> list | None:
     on any rank have none)."""
     if not twin.stream_state:
         return None
-    stages = []
+    runs = []
+    itemsize = {}
     for n, (u, twins) in enumerate(zip(twin.units, twin.params)):
         typed = twin.state_plans[n][1]
         if not typed:
             continue
-        for run in _runs(u, sum(dtype.itemsize for _, dtype in typed)):
-            keys = [twin.index.fqn_of(twins[i]) for i in run]
-            stages.append((keys, partial(_state_values, twin, n, run)))
+        itemsize[n] = sum(dtype.itemsize for _, dtype in typed)
+        runs += [(u, run, n) for run in _runs(u, itemsize[n])]
+    stages = []
+    for pack in _packed(runs, lambda u, run, n: _run_bytes(u, run, itemsize[n])):
+        keys = [twin.index.fqn_of(twin.params[n][i]) for _, run, n in pack for i in run]
+        stages.append((keys, partial(_state_values, twin, [(n, run) for _, run, n in pack])))
     return stages
 
 
-def _state_values(twin, n: int, run: list[int], entries: dict, root: int | None) -> dict:
-    u, (targets, typed) = twin.units[n], twin.state_plans[n]
-    gathers = _gathers(u, root)
-    sources = [_state_source(u, targets, path, dtype) for path, dtype in typed] if gathers else []
-    by_key = [dict(zip(run, full)) for full in moves.to_full(u, sources, run, root)] if gathers else []
+def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
+    exchange = moves.Exchange(limit=math.inf)  # (a stage is one bucket already)
+    by_unit = {}
+    for n, run in pack:
+        u, (targets, typed) = twin.units[n], twin.state_plans[n]
+        keys = [key for key in (twin.index.fqn_of(twin.params[n][i]) for i in run) if key in entries]
+        if not keys or not _gathers(u, root_of(keys[0])):
+            continue
+        sources = [_state_source(u, targets, path, dtype) for path, dtype in typed]
+        by_unit[n] = moves.to_full(u, sources, run, root_of(keys[0]), exchange), run
+    exchange.run()
+    by_key = {n: [dict(zip(run, full)) for full in fulls] for n, (fulls, run) in by_unit.items()}
 
     def full(value, _path):
         if (spot := twin.hollow.get(id(value))) is not None:
-            return by_key[spot[0]][spot[1]] if gathers else None
+            n, k, i = spot
+            return by_key[n][k][i] if n in by_key else None
         return value
 
     return {fqn: None if entry is None else rebuild(dict(entry), full) for fqn, entry in entries.items()}

@@ -50,7 +50,7 @@ class Twin:
         # state_dict() runs hooks have their rows read, for the hooks to see.
         self.stream_rows = stream
         self.stream_state = stream and bool(self.real_optims) and all(map(_compat.plain_state_dict, self.real_optims))
-        self.hollow: dict[int, tuple[int, int]] = {}  # id of a streamed state DTensor -> (key, parameter) in its unit
+        self.hollow: dict[int, tuple[int, int, int]] = {}  # id of a streamed state DTensor -> (unit, key, parameter)
         # A load overwrites what it loads: the twin's flat state then starts
         # empty, and what a load leaves is read from the flat shards at write-back
         # only where some rank did not load it (:mod:`hyperdsd.fsdp1.landing`). An optimizer
@@ -78,7 +78,9 @@ class Twin:
         if self.lazy_rows or self.stream_rows:
             rows = [_blank_rows(u, u.unit.local.dtype, self.stream_rows) for u in self.units]
         else:
-            rows = [moves.to_rows(u, u.unit.local) for u in self.units]
+            exchange = moves.Exchange()
+            rows = [moves.to_rows(u, u.unit.local, exchange) for u in self.units]
+            exchange.run()
         self.model, self.params = twin_module(real, self.units, rows)
         self.index = ModelIndex(self.model, modifiers_attr)
         self.optims = self._twin_optimizers() if self.real_optims else ()
@@ -130,7 +132,8 @@ class Twin:
                 summaries.append(summarize(entry, numel))
             mine.append(summaries)
         everyone = moves.exchange_by_group(mine, [u.unit.pg for u in self.units])
-        for u, params, twins, ranks in zip(self.units, per_unit, self.params, everyone):
+        exchange = moves.Exchange()  # the rows of every unit's state, filled when it runs (below)
+        for n, (u, params, twins, ranks) in enumerate(zip(self.units, per_unit, self.params, everyone)):
             merged = [merge([r[j] for r in ranks]) for j in range(len(params))]
             for j, summary in enumerate(merged):
                 if summary is None:
@@ -153,7 +156,7 @@ class Twin:
             if self.lazy_state or self.stream_state:
                 by_key = [_blank_rows(u, dtype, self.stream_state) for _, dtype in typed]
             else:
-                by_key = self.state_rows(u, targets, typed)
+                by_key = self.state_rows(u, targets, typed, exchange)
             placed: dict[tuple, Any] = {}  # (parameter, path) -> the twin's DTensor of those rows
             has = [{path for path, _ in per_element_paths(summary or {})} for summary in merged]
             for k, ((path, _), rows) in enumerate(zip(typed, by_key)):
@@ -161,7 +164,7 @@ class Twin:
                     if path in has[0 if u.unit.params is None else i]:
                         value = placed[(i, path)] = u.layouts[i].wrap(rows[i])
                         if self.stream_state:
-                            self.hollow[id(value)] = (k, i)
+                            self.hollow[id(value)] = (n, k, i)
             for i, twin in enumerate(twins):
                 j = 0 if u.unit.params is None else i
                 summary, (_, p, opt) = merged[j], targets[j]
@@ -170,10 +173,13 @@ class Twin:
                 here = u.unit.params is None or (u.unit.in_shard[j] or (0, 0))[1]
                 own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
                 twins_of[id(opt)].state[twin] = _twin_entry(summary, own, lambda path, i=i: placed[(i, path)])
+        exchange.run()
 
-    def state_rows(self, u: UnitLayout, targets: list, typed: list) -> list[list[torch.Tensor]]:
-        """This rank's rows of each state tensor ``typed`` names (path, dtype), in one exchange."""
-        return moves.to_rows_many(u, [self._flat_state(u, targets, path, dtype) for path, dtype in typed])
+    def state_rows(self, u: UnitLayout, targets: list, typed: list, exchange=None) -> list[list[torch.Tensor]]:
+        """This rank's rows of each state tensor ``typed`` names (path, dtype), in one
+        exchange (or as part of ``exchange``: filled when it runs)."""
+        flats = [self._flat_state(u, targets, path, dtype) for path, dtype in typed]
+        return moves.to_rows_many(u, flats, exchange)
 
     @staticmethod
     def _flat_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:

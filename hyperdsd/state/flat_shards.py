@@ -19,6 +19,7 @@ rank holds in either layout) and the twin's construction from pieces that
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -70,26 +71,26 @@ class UnitLayout:
         """Elements of each rank's flat shard, padding included."""
         return self.unit.local.numel()
 
+    @functools.cached_property
+    def _geometry(self) -> _Geometry:
+        shapes = tuple(map(tuple, self.unit.shapes))
+        return _geometry(shapes, tuple(self.unit.offsets), self.shard, self.size)
+
     def rows(self, i: int, rank: int) -> tuple[int, int]:
         """[start, stop) of parameter ``i``'s rows on shard rank ``rank``, as flat positions."""
-        shape, start = self.unit.shapes[i], self.unit.offsets[i]
-        if not len(shape):
-            return start, start + 1
-        a, b = chunk_bounds(shape[0], self.size, rank)
-        inner = math.prod(shape[1:])
-        return start + a * inner, start + b * inner
+        return self._geometry.rows[rank][i]
+
+    def starts(self, rank: int) -> tuple[int, ...]:
+        """Where each parameter's rows on shard rank ``rank`` start, as flat positions."""
+        return self._geometry.starts[rank]
 
     def local_shape(self, i: int) -> tuple[int, ...]:
-        shape = self.unit.shapes[i]
-        if not len(shape):
-            return ()
-        a, b = chunk_bounds(shape[0], self.size, self.index)
-        return (b - a, *shape[1:])
+        return self._geometry.shapes[self.index][i]
 
-    def pieces(self, holder: int, owner: int) -> list[tuple[int, int, int]]:
+    def pieces(self, holder: int, owner: int) -> tuple[tuple[int, int, int], ...]:
         """``(i, start, stop)``: what shard rank ``holder``'s flat shard holds of
         the rows of shard rank ``owner``, parameter by parameter, in order."""
-        return self._within(holder, ((i, *self.rows(i, owner)) for i in range(len(self.unit.shapes))))
+        return self._geometry.pieces[holder][owner]
 
     def held(self, holder: int, run: list[int]) -> list[tuple[int, int, int]]:
         """``(i, start, stop)``: what shard rank ``holder``'s flat shard holds of
@@ -101,6 +102,51 @@ class UnitLayout:
         """The parts of flat ``spans`` ``(i, start, stop)`` that shard rank ``holder``'s flat shard holds."""
         lo, hi = holder * self.shard, (holder + 1) * self.shard
         return [(i, max(a, lo), min(b, hi)) for i, a, b in spans if max(a, lo) < min(b, hi)]
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """A unit's rows and pieces on every shard rank (see :class:`UnitLayout`)."""
+
+    rows: tuple  # [rank][i]: (start, stop) of parameter i's rows, as flat positions
+    starts: tuple  # [rank][i]: start of parameter i's rows
+    shapes: tuple  # [rank][i]: the shape of parameter i's rows
+    pieces: tuple  # [holder][owner]: ((i, start, stop), ...), what holder's flat shard holds of owner's rows
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(shapes: tuple, offsets: tuple, shard: int, size: int) -> _Geometry:
+    """The geometry of a unit of these shapes and offsets: computed once for
+    all units alike (a model's blocks usually are), not once per call and unit."""
+    rows, local = [], []
+    for rank in range(size):
+        mine, shaped = [], []
+        for shape, start in zip(shapes, offsets):
+            if not len(shape):
+                mine.append((start, start + 1))
+                shaped.append(())
+                continue
+            a, b = chunk_bounds(shape[0], size, rank)
+            inner = math.prod(shape[1:])
+            mine.append((start + a * inner, start + b * inner))
+            shaped.append((b - a, *shape[1:]))
+        rows.append(tuple(mine))
+        local.append(tuple(shaped))
+    pieces = [[[] for _ in range(size)] for _ in range(size)]
+    for owner in range(size):
+        for i, (a, b) in enumerate(rows[owner]):
+            if a >= b or not shard:
+                continue
+            for holder in range(a // shard, min((b - 1) // shard, size - 1) + 1):
+                lo, hi = holder * shard, (holder + 1) * shard
+                if max(a, lo) < min(b, hi):
+                    pieces[holder][owner].append((i, max(a, lo), min(b, hi)))
+    return _Geometry(
+        rows=tuple(rows),
+        starts=tuple(tuple(a for a, _ in r) for r in rows),
+        shapes=tuple(local),
+        pieces=tuple(tuple(map(tuple, by_owner)) for by_owner in pieces),
+    )
 
 
 def canonical_names(index, raw_prefix: str, unit: _compat.Fsdp1Unit) -> tuple[list[str], list[tuple[str, int]]]:

@@ -50,9 +50,10 @@ def full_entries(
     keys, the root of each key (None when every rank holds the same keys).
     ``stages`` (an FSDP1 twin's, the same on every rank): ``(keys, fill)``
     pairs, taken one after the other before the rest is gathered:
-    ``fill(entries, root)`` gathers those keys' entries itself and gives them
-    full (None where this rank keeps nothing); what DTensors they still hold
-    are gathered with the rest.
+    ``fill(entries, root_of)`` gathers those keys' entries itself, each to
+    ``root_of(key)`` (None: to every rank), and gives them full (None where
+    this rank keeps nothing); what DTensors they still hold are gathered
+    with the rest.
     """
     keys = list(entries)
     roots: dict[str, int] | None = None
@@ -68,8 +69,8 @@ def full_entries(
     values = dict(entries) if stages else entries
     for stage_keys, fill in stages or ():
         part = {k: entries[k] for k in stage_keys if k in entries}
-        if part:  # (one unit's keys: the same ranks hold them, and the same root gathers them)
-            values.update(fill(part, root_of(next(iter(part)))))
+        if part:
+            values.update(fill(part, root_of))
     gatherer = Gatherer(cpu=cpu)
     fixed = roots is None  # every key's root the same: asked once
     root = (group.root if root_only else None) if fixed else None

@@ -1,4 +1,4 @@
-"""FSDP1's flat shards to rows and back: one exchange per unit for a set of tensors.
+"""FSDP1's flat shards to rows and back: one exchange for a set of tensors of many units.
 
 An FSDP1 rank holds a contiguous run of its unit's flat parameter (or of a
 state tensor laid out like it); the canonical layout gives it whole rows of
@@ -9,6 +9,9 @@ moves within itself): no rank ever holds more than its shard in either
 layout, plus what is in flight. :func:`to_full` makes full tensors (a
 full get's) straight from the flat shards, on every rank or on a root.
 Every rank computes the same plan from the unit's shapes alone.
+:class:`Exchange` runs the moves of many units together, one collective
+per process group and bucket rather than one per unit: on a model of
+hundreds of units a collective's latency, not its bytes, was the cost.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import StateDictError
-from .collectives import DIRECT_BYTES, as_bytes
+from .collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes
 from .group import WorldCache
 
 # 1-D meshes made over FSDP1 process groups, by group, in this world: a mesh
@@ -103,11 +106,68 @@ def _move(layout, outgoing: list[list[torch.Tensor]], incoming: list[list[torch.
         work.wait()
 
 
-def to_rows(layout, flat: torch.Tensor) -> list[torch.Tensor]:
+class Exchange:
+    """The moves of many units, run together: one all-to-all of the small
+    pieces (and the large ones point to point) per process group, not one
+    per unit. Every rank of a group adds the same units' moves in the same
+    order; what a move fills is ready once :meth:`run` returns (its ``after``
+    callbacks run then). Moves of more than ``limit`` bytes of flat shards
+    in all (a measure every rank of a group computes alike) run as they come,
+    so that no rank holds more than about one bucket in flight."""
+
+    def __init__(self, limit: int = BUCKET_BYTES):
+        self.limit = limit
+        self._pending: list[tuple[Any, list, list]] = []
+        self._after: list[Callable[[], None]] = []
+        self._bytes = 0
+
+    def add(self, layout, outgoing: list[list], incoming: list[list], nbytes: int, after=None) -> None:
+        """Add a unit's move: ``outgoing[q]`` to shard rank ``q``, ``incoming[r]``
+        filled from rank ``r`` (as :func:`_move`); ``nbytes``, its flat shards' bytes."""
+        self._pending.append((layout, outgoing, incoming))
+        if after is not None:
+            self._after.append(after)
+        self._bytes += nbytes
+        if self._bytes >= self.limit:
+            self.run()
+
+    def after(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the moves added so far have run."""
+        self._after.append(fn)
+
+    def run(self) -> None:
+        pending, after = self._pending, self._after
+        self._pending, self._after, self._bytes = [], [], 0
+        by_pg: dict[int, tuple[Any, list, list]] = {}
+        for layout, outgoing, incoming in pending:
+            key = id(layout.unit.pg)
+            if key not in by_pg:
+                by_pg[key] = (layout, [[] for _ in range(layout.size)], [[] for _ in range(layout.size)])
+            _, outs, ins = by_pg[key]
+            for q in range(layout.size):
+                outs[q] += outgoing[q]
+                ins[q] += incoming[q]
+        for layout, outs, ins in by_pg.values():
+            _move(layout, outs, ins)
+        for fn in after:
+            fn()
+
+
+def _run(layout, outgoing, incoming, nbytes: int, exchange: Exchange | None, after=None) -> None:
+    """Move now, or as part of ``exchange``."""
+    if exchange is None:
+        _move(layout, outgoing, incoming)
+        if after is not None:
+            after()
+    else:
+        exchange.add(layout, outgoing, incoming, nbytes, after)
+
+
+def to_rows(layout, flat: torch.Tensor, exchange: Exchange | None = None) -> list[torch.Tensor]:
     """This rank's rows of each of the unit's parameters (new tensors), from
     ``flat``, this rank's flat shard of them (the parameter's or a state
-    tensor's). A collective over the unit's ranks."""
-    return to_rows_many(layout, [flat])[0]
+    tensor's). A collective over the unit's ranks (or a part of ``exchange``)."""
+    return to_rows_many(layout, [flat], exchange)[0]
 
 
 @dataclass
@@ -121,12 +181,12 @@ class Pieces:
     device: torch.device
 
 
-def to_rows_many(layout, flats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def to_rows_many(layout, flats: list[torch.Tensor], exchange: Exchange | None = None) -> list[list[torch.Tensor]]:
     """:func:`to_rows` of each of ``flats``, in one exchange."""
     me, base = layout.index, layout.index * layout.shard
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
-    starts = [layout.rows(i, me)[0] for i in range(len(layout.fqns))]
+    starts = layout.starts(me)
     sent = [layout.pieces(me, q) for q in range(layout.size)]
     plans = [layout.pieces(r, me) for r in range(layout.size)]
     result = []
@@ -139,11 +199,18 @@ def to_rows_many(layout, flats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         for r, plan in enumerate(plans):
             incoming[r] += [views[i][a - starts[i] : b - starts[i]] for i, a, b in plan]
         result.append(out)
-    _move(layout, outgoing, incoming)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, flats), exchange)
     return result
 
 
-def to_full(layout, flats: list, run: list[int], root: int | None) -> list[list[torch.Tensor | None]]:
+def _shard_bytes(layout, flats) -> int:
+    """The bytes of ``flats`` as flat shards: the same on every rank of the unit."""
+    return sum(layout.shard * f.dtype.itemsize for f in flats)
+
+
+def to_full(
+    layout, flats: list, run: list[int], root: int | None, exchange: Exchange | None = None
+) -> list[list[torch.Tensor | None]]:
     """The full tensors of the unit's parameters ``run`` (the same list on
     every rank) from each of ``flats`` (this rank's flat shards, or
     :class:`Pieces`): on every rank of the unit's group, or with ``root`` (a
@@ -170,26 +237,34 @@ def to_full(layout, flats: list, run: list[int], root: int | None) -> list[list[
             if keep:
                 incoming[q] += [at[i][0][a - at[i][1] : b - at[i][1]] for i, a, b in held[q]]
         result.append(full)
-    _move(layout, outgoing, incoming)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, flats), exchange)
     return result
 
 
-def to_flat(layout, rows: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
+def to_flat(
+    layout, rows: list[torch.Tensor], into: torch.Tensor | None = None, exchange: Exchange | None = None
+) -> torch.Tensor:
     """This rank's flat shard made from every rank's ``rows`` (this rank's rows
     of each parameter, as :func:`to_rows` gives them): written into ``into``
     (its padding left as it is) or a new zero-padded tensor. A collective
-    over the unit's ranks."""
-    return to_flat_many(layout, [rows], [into])[0]
+    over the unit's ranks (or a part of ``exchange``)."""
+    return to_flat_many(layout, [rows], [into], exchange=exchange)[0]
 
 
-def to_flat_many(layout, rows_of: list[list[torch.Tensor]], intos: list, only: set[int] | None = None) -> list:
+def to_flat_many(
+    layout,
+    rows_of: list[list[torch.Tensor]],
+    intos: list,
+    only: set[int] | None = None,
+    exchange: Exchange | None = None,
+) -> list:
     """:func:`to_flat` of each of ``rows_of`` (into each of ``intos``), in one
     exchange; ``only``: of these parameters alone (the same on every rank),
     the rest of each flat shard left as it is."""
     me, base = layout.index, layout.index * layout.shard
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
-    starts = [layout.rows(i, me)[0] for i in range(len(layout.fqns))]
+    starts = layout.starts(me)
     sent = [[p for p in layout.pieces(q, me) if only is None or p[0] in only] for q in range(layout.size)]
     plans = [[p for p in layout.pieces(me, r) if only is None or p[0] in only] for r in range(layout.size)]
     result, landings = [], []
@@ -206,13 +281,17 @@ def to_flat_many(layout, rows_of: list[list[torch.Tensor]], intos: list, only: s
             incoming[r] += [land[a - base : b - base] for _, a, b in plan]
         result.append(out)
         landings.append(None if direct else land)
-    _move(layout, outgoing, incoming)
-    for out, land in zip(result, landings):
-        if land is not None:
-            view = out.view(-1)
-            for plan in plans:
-                for _, a, b in plan:
-                    view[a - base : b - base] = land[a - base : b - base]
+
+    def settle() -> None:
+        for out, land in zip(result, landings):
+            if land is not None:
+                view = out.view(-1)
+                for plan in plans:
+                    for _, a, b in plan:
+                        view[a - base : b - base] = land[a - base : b - base]
+
+    nbytes = sum(layout.shard * (r[0].dtype if r else i.dtype).itemsize for r, i in zip(rows_of, intos))
+    _run(layout, outgoing, incoming, nbytes, exchange, settle)
     return result
 
 
