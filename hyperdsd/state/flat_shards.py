@@ -87,6 +87,22 @@ class UnitLayout:
     def local_shape(self, i: int) -> tuple[int, ...]:
         return self._geometry.shapes[self.index][i]
 
+    def index_plan(self) -> IndexPlan | None:
+        """This rank's moves between its flat shard and its rows as index
+        tensors (see :class:`IndexPlan`), where the unit's pieces are many and
+        small; None where they are few or large (moved piece by piece)."""
+        g = self._geometry
+        if self.index not in g.plans:
+            # (decided from the whole unit, the same on every rank: the two ends of a move must agree)
+            pieces = sum(len(by_owner) for by_holder in g.pieces for by_owner in by_holder)
+            small = self.shard <= _INDEXED_MAX_SHARD and self.size * self.shard < pieces * _INDEXED_MAX_PIECE
+            g.plans[self.index] = _index_plan(g, self.index, self.shard) if small else None
+        return g.plans[self.index]
+
+    def local_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of this rank's rows of each parameter."""
+        return self._geometry.shapes[self.index]
+
     def pieces(self, holder: int, owner: int) -> tuple[tuple[int, int, int], ...]:
         """``(i, start, stop)``: what shard rank ``holder``'s flat shard holds of
         the rows of shard rank ``owner``, parameter by parameter, in order."""
@@ -112,6 +128,62 @@ class _Geometry:
     starts: tuple  # [rank][i]: start of parameter i's rows
     shapes: tuple  # [rank][i]: the shape of parameter i's rows
     pieces: tuple  # [holder][owner]: ((i, start, stop), ...), what holder's flat shard holds of owner's rows
+    plans: dict = field(default_factory=dict, compare=False, hash=False)  # rank -> its IndexPlan (or None)
+
+
+# Units whose shards hold at most this many elements, in pieces of fewer than
+# _INDEXED_MAX_PIECE elements on average, move by index tensors (int64, two
+# per shard element, kept with the geometry); larger ones piece by piece,
+# where a piece's Python cost is nothing beside its bytes.
+_INDEXED_MAX_SHARD = 1 << 20
+_INDEXED_MAX_PIECE = 256
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """One rank's moves between its flat shard and its rows, for a unit of
+    many small parameters: ``flat_at[q]``, the positions in this rank's flat
+    shard of what it holds of shard rank ``q``'s rows (in :meth:`UnitLayout.pieces`
+    order); ``rows_at[r]``, the positions in this rank's rows (all its
+    parameters' rows, one after the other) of what rank ``r``'s flat shard
+    holds of them; ``numels``, each parameter's elements in this rank's rows."""
+
+    flat_at: tuple
+    rows_at: tuple
+    numels: tuple
+    total: int
+    rows_order: torch.Tensor  # rows_at of every rank, one after the other
+    on_device: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def on(self, device: torch.device) -> tuple[tuple, tuple, torch.Tensor]:
+        """(flat_at, rows_at, rows_order) on ``device``, moved there once."""
+        if device.type == "cpu":
+            return self.flat_at, self.rows_at, self.rows_order
+        if device not in self.on_device:
+            move = lambda ts: tuple(t.to(device) for t in ts)  # noqa: E731
+            self.on_device[device] = (move(self.flat_at), move(self.rows_at), self.rows_order.to(device))
+        return self.on_device[device]
+
+
+def _positions(spans: list[tuple[int, int]]) -> torch.Tensor:
+    if not spans:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in spans])
+
+
+def _index_plan(g: _Geometry, me: int, shard: int) -> IndexPlan:
+    base, starts = me * shard, g.starts[me]
+    numels = tuple(b - a for a, b in g.rows[me])
+    cum = [0]
+    for n in numels:
+        cum.append(cum[-1] + n)
+    size = len(g.pieces)
+    flat_at = tuple(_positions([(a - base, b - base) for _, a, b in g.pieces[me][q]]) for q in range(size))
+    rows_at = tuple(
+        _positions([(cum[i] + a - starts[i], cum[i] + b - starts[i]) for i, a, b in g.pieces[r][me]])
+        for r in range(size)
+    )
+    return IndexPlan(flat_at, rows_at, numels, cum[-1], torch.cat(rows_at))
 
 
 @functools.lru_cache(maxsize=1024)

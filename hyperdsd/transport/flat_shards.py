@@ -183,6 +183,9 @@ class Pieces:
 
 def to_rows_many(layout, flats: list[torch.Tensor], exchange: Exchange | None = None) -> list[list[torch.Tensor]]:
     """:func:`to_rows` of each of ``flats``, in one exchange."""
+    plan = layout.index_plan()
+    if plan is not None:
+        return _to_rows_indexed(layout, plan, flats, exchange)
     me, base = layout.index, layout.index * layout.shard
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
@@ -200,6 +203,35 @@ def to_rows_many(layout, flats: list[torch.Tensor], exchange: Exchange | None = 
             incoming[r] += [views[i][a - starts[i] : b - starts[i]] for i, a, b in plan]
         result.append(out)
     _run(layout, outgoing, incoming, _shard_bytes(layout, flats), exchange)
+    return result
+
+
+def _to_rows_indexed(layout, plan, flats: list[torch.Tensor], exchange) -> list[list[torch.Tensor]]:
+    """:func:`to_rows_many` of a unit of many small parameters: what goes to
+    each rank taken from the flat shard by one index, what comes from each
+    put in place by another, the rows cut apart in one copy."""
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    shapes = layout.local_shapes()
+    result, received = [], []
+    for flat in flats:
+        flat = flat.detach().reshape(-1)
+        flat_at, rows_at, _ = plan.on(flat.device)
+        out = [torch.empty(shape, dtype=flat.dtype, device=flat.device) for shape in shapes]
+        got = [torch.empty(len(at), dtype=flat.dtype, device=flat.device) for at in rows_at]
+        for q, at in enumerate(flat_at):
+            outgoing[q].append(flat.index_select(0, at))
+            incoming[q].append(got[q])
+        result.append(out)
+        received.append(got)
+
+    def settle() -> None:
+        for out, got in zip(result, received):
+            rows = torch.empty(plan.total, dtype=got[0].dtype, device=got[0].device)
+            rows.index_copy_(0, plan.on(rows.device)[2], torch.cat(got))
+            torch.split_with_sizes_copy(rows, plan.numels, out=[t.view(-1) for t in out])
+
+    _run(layout, outgoing, incoming, _shard_bytes(layout, flats), exchange, settle)
     return result
 
 
@@ -261,6 +293,9 @@ def to_flat_many(
     """:func:`to_flat` of each of ``rows_of`` (into each of ``intos``), in one
     exchange; ``only``: of these parameters alone (the same on every rank),
     the rest of each flat shard left as it is."""
+    plan = layout.index_plan() if (only is None or len(only) == len(layout.fqns)) and all(rows_of) else None
+    if plan is not None:
+        return _to_flat_indexed(layout, plan, rows_of, intos, exchange)
     me, base = layout.index, layout.index * layout.shard
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
@@ -289,6 +324,37 @@ def to_flat_many(
                 for plan in plans:
                     for _, a, b in plan:
                         view[a - base : b - base] = land[a - base : b - base]
+
+    nbytes = sum(layout.shard * (r[0].dtype if r else i.dtype).itemsize for r, i in zip(rows_of, intos))
+    _run(layout, outgoing, incoming, nbytes, exchange, settle)
+    return result
+
+
+def _to_flat_indexed(layout, plan, rows_of: list[list[torch.Tensor]], intos: list, exchange) -> list:
+    """:func:`to_flat_many` of every parameter of a unit of many small ones:
+    this rank's rows joined, what goes to each rank taken from them by one
+    index, what comes from each put in its flat shard by another."""
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    result, received = [], []
+    for rows, into in zip(rows_of, intos):
+        dtype = rows[0].dtype if rows else into.dtype
+        device = into.device if into is not None else rows[0].device
+        flat_at, rows_at, _ = plan.on(device)
+        mine = torch.cat([r.detach().reshape(-1) for r in rows]).to(device=device, dtype=dtype)
+        out = into if into is not None else torch.zeros(layout.shard, dtype=dtype, device=device)
+        got = [torch.empty(len(at), dtype=dtype, device=device) for at in flat_at]
+        for q, at in enumerate(rows_at):
+            outgoing[q].append(mine.index_select(0, at))
+            incoming[q].append(got[q])
+        result.append(out)
+        received.append((got, flat_at))
+
+    def settle() -> None:
+        for out, (got, flat_at) in zip(result, received):
+            view = out.view(-1)
+            for at, values in zip(flat_at, got):
+                view.index_copy_(0, at, values.to(view.dtype))
 
     nbytes = sum(layout.shard * (r[0].dtype if r else i.dtype).itemsize for r, i in zip(rows_of, intos))
     _run(layout, outgoing, incoming, nbytes, exchange, settle)

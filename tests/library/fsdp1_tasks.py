@@ -638,3 +638,48 @@ def hooked_broadcast_equals_full_load(ctx, uop: bool):
     doubled = ends[0][1]["state"]["3.0.weight"]["exp_avg"]
     assert torch.equal(doubled, 2 * osd["state"]["3.0.weight"]["exp_avg"]), "the hook's change was lost"
     return True
+
+
+def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", mesh=None):
+    """Units of many small parameters move between flat shards and rows by
+    index tensors, larger ones piece by piece: both give the same sharded
+    and flat gets, and sets (sharded, flat) through either end the same."""
+    import hyperdsd.state.flat_shards as geometry
+
+    def through(indexed: bool, fn):
+        default = geometry._INDEXED_MAX_SHARD
+        geometry._INDEXED_MAX_SHARD = default if indexed else -1
+        geometry._geometry.cache_clear()  # (the choice is kept with a unit's geometry)
+        try:
+            return fn()
+        finally:
+            geometry._INDEXED_MAX_SHARD = default
+            geometry._geometry.cache_clear()
+
+    def local(sd):
+        return [v.to_local() if isinstance(v, DTensor) else v for _, v in hyperdsd.tree.leaves(sd)]
+
+    source, source_opt = _fsdp1(ctx, 1, uop, strategy, mesh, build=_deep)
+    _steps(source, source_opt, 0, 2)
+    for options in (StateDictOptions(), StateDictOptions(flatten_optimizer_state_dict=True)):
+        got = [
+            through(indexed, lambda: hyperdsd.get_state_dict(source, source_opt, options=options))
+            for indexed in (True, False)
+        ]
+        assert _equal(local(got[0]), local(got[1])), "the indexed and piecewise gets differ"
+        assert local(got[0]), "the gets returned nothing to compare"
+        ends = []
+        for indexed in (True, False):
+            target, target_opt = _fsdp1(ctx, 0, uop, strategy, mesh, build=_deep)
+            _steps(target, target_opt, 0, 1)
+            msd, osd = got[0]
+            through(
+                indexed,
+                lambda: hyperdsd.set_state_dict(
+                    target, target_opt, model_state_dict=msd, optim_state_dict=osd, options=options
+                ),
+            )
+            ends.append(_snapshot(target, target_opt))
+        assert _equal(ends[0], ends[1]), "sets through the indexed and piecewise moves end differently"
+        assert _equal(ends[0], _snapshot(source, source_opt)), "a set of a get does not end as the source"
+    return True

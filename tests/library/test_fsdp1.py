@@ -150,3 +150,13 @@ def test_a_broadcast_load_ends_as_a_full_load_of_the_same_dicts(pools, uop, fres
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
 def test_an_optimizer_load_hook_changes_what_a_broadcast_load_writes_as_a_full_loads(pools, uop):
     assert run(pools, 2, "hooked_broadcast_equals_full_load", uop=uop) == [True, True]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_moves_by_index_equal_moves_piece_by_piece(pools, uop):
+    assert run(pools, 2, "indexed_moves_equal_piecewise", uop=uop) == [True, True]
+
+
+def test_moves_by_index_equal_moves_piece_by_piece_on_hybrid_shard(pools):
+    got = run(pools, 4, "indexed_moves_equal_piecewise", uop=False, strategy="HYBRID_SHARD", mesh="2x2")
+    assert got == [True] * 4
