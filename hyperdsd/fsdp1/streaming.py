@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..state.flat_shards import UnitLayout, at_path
 from ..transport import flat_shards as moves
-from ..transport.collectives import BUCKET_BYTES
+from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES
 from ..tree import rebuild
 
 
@@ -53,13 +53,15 @@ def _gathers(u: UnitLayout, root: int | None) -> bool:
 def _packed(runs: list[tuple], size_of) -> list[list[tuple]]:
     """Consecutive ``runs`` ((unit, run, ...), of any units) in stages of about
     one gather bucket's share of a rank (``size_of(*item)`` bytes), at least
-    one run each: a stage's runs move in one exchange, not one per unit."""
+    one run each: a stage's runs move in one exchange, not one per unit.
+    Runs of a rank's 1 MiB or more are not packed."""
     stages: list[list[tuple]] = []
     size = 0
     for item in runs:
         u = item[0]
         nbytes = size_of(*item)
-        if not stages or size + nbytes > max(BUCKET_BYTES // u.size, 1):
+        # (runs of large parameters keep a stage each, as unpacked: their exchanges cost their bytes)
+        if not stages or size + nbytes > max(BUCKET_BYTES // u.size, 1) or max(size, nbytes) >= DIRECT_BYTES:
             stages.append([])
             size = 0
         stages[-1].append(item)

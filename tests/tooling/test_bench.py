@@ -1,4 +1,7 @@
-"""The benchmark's growth summary (no timing asserted)."""
+"""The benchmarks' summaries and tasks (no timing asserted)."""
+
+import pytest
+from helpers import run_task
 
 from tools.benchmarks import bench
 
@@ -15,3 +18,26 @@ def test_growth_is_large_over_small_per_key_where_both_ran(capsys):
 def test_growth_says_nothing_without_both_sizes(capsys):
     bench._growth({("10k", "get"): 2.0})
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("variant", ["orig-full", "flat-hybrid"])
+def test_the_fsdp1_benchmark_times_each_call_on_both_models(pools, variant):
+    """Every mode of tools/benchmarks/bench_fsdp1.py runs on the FSDP1 model and
+    its FSDP2 counterpart (two blocks): a time for each, and a profile when asked."""
+    from tools.benchmarks import bench_fsdp1
+
+    for mode in bench_fsdp1.MODES:
+        got = run_task(
+            pools,
+            4,
+            bench_fsdp1.time_pair,
+            size="80",
+            variant=variant,
+            mode=mode,
+            reps=1,
+            torch_too=False,
+            profile=mode == "set",
+        )
+        times, profile = got[0]["times"], got[0]["profile"]
+        assert sorted(times) == ["fsdp1", "fsdp2"] and all(len(t) == 1 and t[0] > 0 for t in times.values()), times
+        assert ("function calls" in profile) == (mode == "set"), profile[:200]

@@ -43,7 +43,8 @@ import torch.nn as nn
 from tools.benchmarks import bench_tasks
 
 WIDTH, PER_BLOCK = 8, 20
-SIZES = {"2k": 50, "4k": 100, "10k": 250, "50k": 1250}  # blocks of 20 Linear(8, 8): 40 keys a block
+# blocks of 20 Linear(8, 8): 40 keys a block ("80": two blocks, for a quick check that every call runs)
+SIZES = {"80": 2, "2k": 50, "4k": 100, "10k": 250, "50k": 1250}
 # variant -> (use_orig_params, sharding strategy); HYBRID_SHARD runs on a 2x2 mesh (replicate, shard)
 VARIANTS = {
     "orig-full": (True, "FULL_SHARD"),
@@ -110,7 +111,9 @@ def _timed(ctx, fn) -> float:
     return elapsed.item() * 1000
 
 
-def time_pair(ctx, size: str, variant: str, mode: str, reps: int, torch_too: bool, profile: bool):
+def time_pair(
+    ctx, size: str, variant: str, mode: str, reps: int, torch_too: bool, profile: bool, sort="tottime", top=25
+):
     """hyperdsd's ``mode`` on the FSDP2 and the FSDP1 model (and torch's on
     FSDP1), alternating, ``reps`` times each: slowest rank's ms each time;
     with ``profile``, rank 0's profile of one more FSDP1 call."""
@@ -138,7 +141,7 @@ def time_pair(ctx, size: str, variant: str, mode: str, reps: int, torch_too: boo
         del got, inputs
         if ctx.rank == 0:
             out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats(os.environ.get("BENCH_SORT", "tottime")).print_stats(int(os.environ.get("BENCH_TOP", "25")))
+            pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
             report = out.getvalue()
     return {"times": times, "profile": report}
 
@@ -155,6 +158,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--torch", action="store_true", help="also torch's call on the FSDP1 model")
     parser.add_argument("--profile", action="store_true", help="profile rank 0's FSDP1 call once per mode")
+    parser.add_argument("--profile-sort", default="tottime", help="pstats order of the profile (tottime, cumulative)")
+    parser.add_argument("--profile-top", type=int, default=25, help="functions the profile lists")
     args = parser.parse_args()
 
     from hyperdsd.testing import PoolSet, Status, Task
@@ -178,7 +183,8 @@ def main() -> None:
             for variant in variants:
                 for mode in modes:
                     params = {"size": size, "variant": variant, "mode": mode, "reps": args.reps}
-                    task = Task(bench_fsdp1.time_pair, {**params, "torch_too": args.torch, "profile": args.profile})
+                    profile = {"profile": args.profile, "sort": args.profile_sort, "top": args.profile_top}
+                    task = Task(bench_fsdp1.time_pair, {**params, "torch_too": args.torch, **profile})
                     outcome = pools.run(4, task, 3600)
                     if outcome.status != Status.PASSED:
                         failed = True
@@ -187,7 +193,8 @@ def main() -> None:
                     t = outcome.values[0]["times"]
                     two, one = statistics.median(t["fsdp2"]), statistics.median(t["fsdp1"])
                     theirs = f"{statistics.median(t['torch']):9.1f}" if t.get("torch") else f"{'-':>9}"
-                    print(f"{size:>5} {variant:>13} {mode:>10} {two:9.1f} {one:9.1f} {one / two:8.2f} {theirs}", flush=True)
+                    row = f"{size:>5} {variant:>13} {mode:>10} {two:9.1f} {one:9.1f} {one / two:8.2f} {theirs}"
+                    print(row, flush=True)
                     per_key[(size, variant, mode, "fsdp1")] = one / keys_of(size)
                     per_key[(size, variant, mode, "fsdp2")] = two / keys_of(size)
                     if outcome.values[0]["profile"]:
@@ -196,7 +203,10 @@ def main() -> None:
         print("\nper key, 50k over 10k (target for FSDP1: at most 1.2, as FSDP2's):")
         for variant in variants:
             for mode in modes:
-                got = [per_key.get(("50k", variant, mode, w), 0) / per_key.get(("10k", variant, mode, w), 1) for w in ("fsdp1", "fsdp2")]
+                got = [
+                    per_key.get(("50k", variant, mode, w), 0) / per_key.get(("10k", variant, mode, w), 1)
+                    for w in ("fsdp1", "fsdp2")
+                ]
                 print(f"{variant:>13} {mode:>10}  FSDP1 {got[0]:.2f}  FSDP2 {got[1]:.2f}")
     sys.exit(1 if failed else 0)
 
