@@ -743,6 +743,25 @@ MUTANTS += (
         "(a new lr, a scheduler's) keeps its old value",
         ("REPEAT-1[single-adamw-flat]", "REPEAT-1[fsdp2-adamw-flat]"),
     ),
+    # -- FSDP1: many units in one exchange -------------------------------------
+    Mutant(
+        "exchange-last-unit-unlanded",
+        "hyperdsd.transport.flat_shards.Exchange.run",
+        "for fn in after: ...",
+        "for fn in after[:-1]: ...",
+        "an exchange of many FSDP1 units moves every unit's pieces but puts the last unit's in place only "
+        "partly: its rows (a get's) or its flat shard (a set's, where received aside) keep what they held",
+        ("SCALE-1[fsdp1-2-adamw-sharded-into_stepped]", "MODEL-1[fsdp1-2-sharded]"),
+    ),
+    Mutant(
+        "index-plan-rank0-offsets",
+        "hyperdsd.state.flat_shards._index_plan",
+        "base, starts = me * shard, g.starts[me]",
+        "base, starts = me * shard, g.starts[0]",
+        "a unit's index plan places what a rank receives by rank 0's row offsets: correct on rank 0, rows "
+        "mislaid on the others",
+        ("SCALE-1[fsdp1-2-adamw-sharded-into_stepped]", "MODEL-1[fsdp1-2-sharded]"),
+    ),
 )
 
 
