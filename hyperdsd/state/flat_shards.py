@@ -30,8 +30,9 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 from .. import _compat
-from ..placement import DTensorLayout, _contiguous_stride, chunk_bounds
+from ..placement import DTensorLayout, _contiguous_stride
 from ..tree import leaves, rebuild
+from .unit_geometry import Geometry, IndexPlan, geometry, index_plan
 
 
 @dataclass
@@ -72,9 +73,8 @@ class UnitLayout:
         return self.unit.local.numel()
 
     @functools.cached_property
-    def _geometry(self) -> _Geometry:
-        shapes = tuple(map(tuple, self.unit.shapes))
-        return _geometry(shapes, tuple(self.unit.offsets), self.shard, self.size)
+    def _geometry(self) -> Geometry:
+        return geometry(tuple(map(tuple, self.unit.shapes)), tuple(self.unit.offsets), self.shard, self.size)
 
     def rows(self, i: int, rank: int) -> tuple[int, int]:
         """[start, stop) of parameter ``i``'s rows on shard rank ``rank``, as flat positions."""
@@ -89,15 +89,9 @@ class UnitLayout:
 
     def index_plan(self) -> IndexPlan | None:
         """This rank's moves between its flat shard and its rows as index
-        tensors (see :class:`IndexPlan`), where the unit's pieces are many and
-        small; None where they are few or large (moved piece by piece)."""
-        g = self._geometry
-        if self.index not in g.plans:
-            # (decided from the whole unit, the same on every rank: the two ends of a move must agree)
-            pieces = sum(len(by_owner) for by_holder in g.pieces for by_owner in by_holder)
-            small = self.shard <= _INDEXED_MAX_SHARD and self.size * self.shard < pieces * _INDEXED_MAX_PIECE
-            g.plans[self.index] = _index_plan(g, self.index, self.shard) if small else None
-        return g.plans[self.index]
+        tensors, where the unit's pieces are many and small (None: moved
+        piece by piece); see :func:`hyperdsd.state.unit_geometry.index_plan`."""
+        return index_plan(self._geometry, self.index)
 
     def local_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shape of this rank's rows of each parameter."""
@@ -118,107 +112,6 @@ class UnitLayout:
         """The parts of flat ``spans`` ``(i, start, stop)`` that shard rank ``holder``'s flat shard holds."""
         lo, hi = holder * self.shard, (holder + 1) * self.shard
         return [(i, max(a, lo), min(b, hi)) for i, a, b in spans if max(a, lo) < min(b, hi)]
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """A unit's rows and pieces on every shard rank (see :class:`UnitLayout`)."""
-
-    rows: tuple  # [rank][i]: (start, stop) of parameter i's rows, as flat positions
-    starts: tuple  # [rank][i]: start of parameter i's rows
-    shapes: tuple  # [rank][i]: the shape of parameter i's rows
-    pieces: tuple  # [holder][owner]: ((i, start, stop), ...), what holder's flat shard holds of owner's rows
-    plans: dict = field(default_factory=dict, compare=False, hash=False)  # rank -> its IndexPlan (or None)
-
-
-# Units whose shards hold at most this many elements, in pieces of fewer than
-# _INDEXED_MAX_PIECE elements on average, move by index tensors (int64, two
-# per shard element, kept with the geometry); larger ones piece by piece,
-# where a piece's Python cost is nothing beside its bytes.
-_INDEXED_MAX_SHARD = 1 << 20
-_INDEXED_MAX_PIECE = 256
-
-
-@dataclass(frozen=True)
-class IndexPlan:
-    """One rank's moves between its flat shard and its rows, for a unit of
-    many small parameters: ``flat_at[q]``, the positions in this rank's flat
-    shard of what it holds of shard rank ``q``'s rows (in :meth:`UnitLayout.pieces`
-    order); ``rows_at[r]``, the positions in this rank's rows (all its
-    parameters' rows, one after the other) of what rank ``r``'s flat shard
-    holds of them; ``numels``, each parameter's elements in this rank's rows."""
-
-    flat_at: tuple
-    rows_at: tuple
-    numels: tuple
-    total: int
-    rows_order: torch.Tensor  # rows_at of every rank, one after the other
-    on_device: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def on(self, device: torch.device) -> tuple[tuple, tuple, torch.Tensor]:
-        """(flat_at, rows_at, rows_order) on ``device``, moved there once."""
-        if device.type == "cpu":
-            return self.flat_at, self.rows_at, self.rows_order
-        if device not in self.on_device:
-            move = lambda ts: tuple(t.to(device) for t in ts)  # noqa: E731
-            self.on_device[device] = (move(self.flat_at), move(self.rows_at), self.rows_order.to(device))
-        return self.on_device[device]
-
-
-def _positions(spans: list[tuple[int, int]]) -> torch.Tensor:
-    if not spans:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in spans])
-
-
-def _index_plan(g: _Geometry, me: int, shard: int) -> IndexPlan:
-    base, starts = me * shard, g.starts[me]
-    numels = tuple(b - a for a, b in g.rows[me])
-    cum = [0]
-    for n in numels:
-        cum.append(cum[-1] + n)
-    size = len(g.pieces)
-    flat_at = tuple(_positions([(a - base, b - base) for _, a, b in g.pieces[me][q]]) for q in range(size))
-    rows_at = tuple(
-        _positions([(cum[i] + a - starts[i], cum[i] + b - starts[i]) for i, a, b in g.pieces[r][me]])
-        for r in range(size)
-    )
-    return IndexPlan(flat_at, rows_at, numels, cum[-1], torch.cat(rows_at))
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(shapes: tuple, offsets: tuple, shard: int, size: int) -> _Geometry:
-    """The geometry of a unit of these shapes and offsets: computed once for
-    all units alike (a model's blocks usually are), not once per call and unit."""
-    rows, local = [], []
-    for rank in range(size):
-        mine, shaped = [], []
-        for shape, start in zip(shapes, offsets):
-            if not len(shape):
-                mine.append((start, start + 1))
-                shaped.append(())
-                continue
-            a, b = chunk_bounds(shape[0], size, rank)
-            inner = math.prod(shape[1:])
-            mine.append((start + a * inner, start + b * inner))
-            shaped.append((b - a, *shape[1:]))
-        rows.append(tuple(mine))
-        local.append(tuple(shaped))
-    pieces = [[[] for _ in range(size)] for _ in range(size)]
-    for owner in range(size):
-        for i, (a, b) in enumerate(rows[owner]):
-            if a >= b or not shard:
-                continue
-            for holder in range(a // shard, min((b - 1) // shard, size - 1) + 1):
-                lo, hi = holder * shard, (holder + 1) * shard
-                if max(a, lo) < min(b, hi):
-                    pieces[holder][owner].append((i, max(a, lo), min(b, hi)))
-    return _Geometry(
-        rows=tuple(rows),
-        starts=tuple(tuple(a for a, _ in r) for r in rows),
-        shapes=tuple(local),
-        pieces=tuple(tuple(map(tuple, by_owner)) for by_owner in pieces),
-    )
 
 
 def canonical_names(index, raw_prefix: str, unit: _compat.Fsdp1Unit) -> tuple[list[str], list[tuple[str, int]]]:

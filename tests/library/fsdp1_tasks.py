@@ -644,17 +644,17 @@ def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", 
     """Units of many small parameters move between flat shards and rows by
     index tensors, larger ones piece by piece: both give the same sharded
     and flat gets, and sets (sharded, flat) through either end the same."""
-    import hyperdsd.state.flat_shards as geometry
+    import hyperdsd.state.unit_geometry as geometry
 
     def through(indexed: bool, fn):
         default = geometry._INDEXED_MAX_SHARD
         geometry._INDEXED_MAX_SHARD = default if indexed else -1
-        geometry._geometry.cache_clear()  # (the choice is kept with a unit's geometry)
+        geometry.geometry.cache_clear()  # (the choice is kept with a unit's geometry)
         try:
             return fn()
         finally:
             geometry._INDEXED_MAX_SHARD = default
-            geometry._geometry.cache_clear()
+            geometry.geometry.cache_clear()
 
     def local(sd):
         return [v.to_local() if isinstance(v, DTensor) else v for _, v in hyperdsd.tree.leaves(sd)]

@@ -755,7 +755,7 @@ MUTANTS += (
     ),
     Mutant(
         "index-plan-rank0-offsets",
-        "hyperdsd.state.flat_shards._index_plan",
+        "hyperdsd.state.unit_geometry._index_plan",
         "base, starts = me * shard, g.starts[me]",
         "base, starts = me * shard, g.starts[0]",
         "a unit's index plan places what a rank receives by rank 0's row offsets: correct on rank 0, rows "
