@@ -249,12 +249,14 @@ class TwinLoad:
                         real_group[key] = value
         managed = set()
         per_unit = list(zip(self.params, self.twin.optimizer_params()))
-        exchange = moves.Exchange()  # every unit's flat state, then every unit written
-        flats = [self._unit_flats(k, twins, params, exchange) for k, (twins, params) in enumerate(per_unit)]
-        exchange.run()
-        for k, ((twins, params), (entries, flat)) in enumerate(zip(per_unit, flats)):
+        # Units' flat state moves a bucket at a time, and each unit is written once its own has
+        # come: a rank never holds more than about a bucket of flat state beside the optimizer's.
+        exchange = moves.Exchange()
+        for k, (twins, params) in enumerate(per_unit):
             managed.update(id(p) for p in params)
-            self._write_unit(k, params, entries, flat)
+            entries, flats = self._unit_flats(k, twins, params, exchange)
+            exchange.after(partial(self._write_unit, k, params, entries, flats))
+        exchange.run()
         for opt, twin in zip(self.twin.real_optims, self.twin.optims):
             for g in opt.param_groups:
                 for p in g["params"]:

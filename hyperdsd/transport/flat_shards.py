@@ -115,8 +115,8 @@ class Exchange:
     in all (a measure every rank of a group computes alike) run as they come,
     so that no rank holds more than about one bucket in flight."""
 
-    def __init__(self, limit: int = BUCKET_BYTES):
-        self.limit = limit
+    def __init__(self, limit: float | None = None):
+        self.limit = BUCKET_BYTES if limit is None else limit
         self._pending: list[tuple[Any, list, list]] = []
         self._after: list[Callable[[], None]] = []
         self._bytes = 0

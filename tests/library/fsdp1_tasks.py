@@ -643,17 +643,20 @@ def hooked_broadcast_equals_full_load(ctx, uop: bool):
 def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", mesh=None):
     """Units of many small parameters move between flat shards and rows by
     index tensors, larger ones piece by piece: both give the same sharded
-    and flat gets, and sets (sharded, flat) through either end the same."""
+    and flat gets, and sets (sharded, flat) through either end the same; so
+    do exchanges that run a unit at a time (a bucket of 64 bytes)."""
     import hyperdsd.state.unit_geometry as geometry
+    import hyperdsd.transport.flat_shards as moves
 
-    def through(indexed: bool, fn):
-        default = geometry._INDEXED_MAX_SHARD
+    def through(indexed: bool, fn, bucket: int | None = None):
+        default, default_bucket = geometry._INDEXED_MAX_SHARD, moves.BUCKET_BYTES
         geometry._INDEXED_MAX_SHARD = default if indexed else -1
+        moves.BUCKET_BYTES = bucket or default_bucket  # (a small one: an exchange runs unit by unit)
         geometry.geometry.cache_clear()  # (the choice is kept with a unit's geometry)
         try:
             return fn()
         finally:
-            geometry._INDEXED_MAX_SHARD = default
+            geometry._INDEXED_MAX_SHARD, moves.BUCKET_BYTES = default, default_bucket
             geometry.geometry.cache_clear()
 
     def local(sd):
@@ -668,8 +671,10 @@ def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", 
         ]
         assert _equal(local(got[0]), local(got[1])), "the indexed and piecewise gets differ"
         assert local(got[0]), "the gets returned nothing to compare"
+        small = through(True, lambda: hyperdsd.get_state_dict(source, source_opt, options=options), bucket=64)
+        assert _equal(local(got[0]), local(small)), "a get whose exchanges run unit by unit differs"
         ends = []
-        for indexed in (True, False):
+        for indexed, bucket in ((True, None), (False, None), (True, 64)):
             target, target_opt = _fsdp1(ctx, 0, uop, strategy, mesh, build=_deep)
             _steps(target, target_opt, 0, 1)
             msd, osd = got[0]
@@ -678,8 +683,10 @@ def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", 
                 lambda: hyperdsd.set_state_dict(
                     target, target_opt, model_state_dict=msd, optim_state_dict=osd, options=options
                 ),
+                bucket,
             )
             ends.append(_snapshot(target, target_opt))
         assert _equal(ends[0], ends[1]), "sets through the indexed and piecewise moves end differently"
+        assert _equal(ends[0], ends[2]), "a set whose exchanges run unit by unit ends differently"
         assert _equal(ends[0], _snapshot(source, source_opt)), "a set of a get does not end as the source"
     return True
