@@ -77,6 +77,7 @@ CATEGORIES = (
         (
             "hyperdsd/fsdp1/",
             "hyperdsd/state/flat_shards.py",
+            "hyperdsd/state/unit_geometry.py",
             "hyperdsd/transport/flat_shards.py",
             "hyperdsd/_compat/fsdp1.py",
         ),
