@@ -191,7 +191,7 @@ class TwinLoad:
         for u, twins, here, (some, lacking) in zip(self.units, self.params, mine, self._anywhere(mine)):
             if any(s and n for s, n in zip(some, lacking)):
                 rows = moves.to_rows(u, u.unit.local, exchange)
-                exchange.after(partial(_copy_rows, twins, rows, [not h for h in here]))
+                exchange.after(partial(_copy_rows, [None if h else t for t, h in zip(twins, here)], rows))
             only.append({i for i, s in enumerate(some) if s})
         exchange.run()
         return only
@@ -214,8 +214,7 @@ class TwinLoad:
                 continue
             for (path, _), rows in zip(typed, self.twin.state_rows(u, targets, typed, exchange)):
                 values = [at_path(opt_of[id(t)].state[t], path) if here[i] else None for i, t in enumerate(twins)]
-                into = [_compat.local_tensor(v) if _per_element(v) else None for v in values]
-                exchange.after(partial(_copy_rows, into, rows, [t is not None for t in into]))
+                exchange.after(partial(_copy_rows, [v if _per_element(v) else None for v in values], rows))
         exchange.run()
 
     def _anywhere(self, flags: list[list[bool]]) -> list[tuple[list[bool], list[bool]]]:
@@ -356,10 +355,10 @@ class TwinLoad:
         return max(0, min(u.shard, total - u.index * u.shard))
 
 
-def _copy_rows(into: list, rows: list[torch.Tensor], which: list[bool]) -> None:
-    """Copy each of ``rows`` that ``which`` marks into the tensor (or DTensor's local tensor) ``into`` holds."""
-    for target, row, wanted in zip(into, rows, which):
-        if wanted:
+def _copy_rows(into: list, rows: list[torch.Tensor]) -> None:
+    """Copy each of ``rows`` into its tensor of ``into`` (a DTensor's local tensor; None: not copied)."""
+    for target, row in zip(into, rows):
+        if target is not None:
             _compat.local_tensor(target).copy_(row)
 
 

@@ -108,7 +108,7 @@ def _model_values(pack: list[tuple], entries: dict, root_of) -> dict:
         by_fqn.update({u.fqns[i]: full[i] for i in run})
         # (a tied name is a tensor of its own, as a gather of each name gives it)
         by_fqn.update({fqn: full[i] if full[i] is None else full[i].clone() for fqn, i in u.aliases if i in run})
-    return {key: by_fqn.get(key) for key in entries}
+    return {key: by_fqn[key] for key in entries}
 
 
 def optim_stages(twin) -> list | None:
@@ -138,10 +138,11 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
     for n, run in pack:
         u, (targets, typed) = twin.units[n], twin.state_plans[n]
         keys = [key for key in (twin.index.fqn_of(twin.params[n][i]) for i in run) if key in entries]
-        if not keys or not _gathers(u, root_of(keys[0])):
+        root = root_of(keys[0]) if keys else None  # (one unit's keys: the same ranks hold them, one root)
+        if not keys or not _gathers(u, root):
             continue
         sources = [_state_source(u, targets, path, dtype) for path, dtype in typed]
-        by_unit[n] = moves.to_full(u, sources, run, root_of(keys[0]), exchange), run
+        by_unit[n] = moves.to_full(u, sources, run, root, exchange), run
     exchange.run()
     by_key = {n: [dict(zip(run, full)) for full in fulls] for n, (fulls, run) in by_unit.items()}
 

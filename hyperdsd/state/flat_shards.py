@@ -76,10 +76,6 @@ class UnitLayout:
     def _geometry(self) -> Geometry:
         return geometry(tuple(map(tuple, self.unit.shapes)), tuple(self.unit.offsets), self.shard, self.size)
 
-    def rows(self, i: int, rank: int) -> tuple[int, int]:
-        """[start, stop) of parameter ``i``'s rows on shard rank ``rank``, as flat positions."""
-        return self._geometry.rows[rank][i]
-
     def starts(self, rank: int) -> tuple[int, ...]:
         """Where each parameter's rows on shard rank ``rank`` start, as flat positions."""
         return self._geometry.starts[rank]

@@ -202,7 +202,7 @@ def to_rows_many(layout, flats: list[torch.Tensor], exchange: Exchange | None = 
         for r, plan in enumerate(plans):
             incoming[r] += [views[i][a - starts[i] : b - starts[i]] for i, a, b in plan]
         result.append(out)
-    _run(layout, outgoing, incoming, _shard_bytes(layout, flats), exchange)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in flats]), exchange)
     return result
 
 
@@ -231,13 +231,22 @@ def _to_rows_indexed(layout, plan, flats: list[torch.Tensor], exchange) -> list[
             rows.index_copy_(0, plan.on(rows.device)[2], torch.cat(got))
             torch.split_with_sizes_copy(rows, plan.numels, out=[t.view(-1) for t in out])
 
-    _run(layout, outgoing, incoming, _shard_bytes(layout, flats), exchange, settle)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in flats]), exchange, settle)
     return result
 
 
-def _shard_bytes(layout, flats) -> int:
-    """The bytes of ``flats`` as flat shards: the same on every rank of the unit."""
-    return sum(layout.shard * f.dtype.itemsize for f in flats)
+def _shard_bytes(layout, dtypes) -> int:
+    """The bytes of flat shards of ``dtypes``: the same on every rank of the unit."""
+    return sum(layout.shard * dtype.itemsize for dtype in dtypes)
+
+
+def _flat_target(layout, rows: list[torch.Tensor], into) -> tuple[torch.dtype, torch.device, torch.Tensor]:
+    """What :func:`to_flat_many` makes of one of its ``rows_of``: the dtype they
+    move in, the device they land on, and the flat shard written (``into``, or
+    a new zero-padded one)."""
+    dtype = rows[0].dtype if rows else into.dtype
+    device = into.device if into is not None else rows[0].device
+    return dtype, device, into if into is not None else torch.zeros(layout.shard, dtype=dtype, device=device)
 
 
 def to_full(
@@ -269,7 +278,7 @@ def to_full(
             if keep:
                 incoming[q] += [at[i][0][a - at[i][1] : b - at[i][1]] for i, a, b in held[q]]
         result.append(full)
-    _run(layout, outgoing, incoming, _shard_bytes(layout, flats), exchange)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in flats]), exchange)
     return result
 
 
@@ -302,14 +311,13 @@ def to_flat_many(
     starts = layout.starts(me)
     sent = [[p for p in layout.pieces(q, me) if only is None or p[0] in only] for q in range(layout.size)]
     plans = [[p for p in layout.pieces(me, r) if only is None or p[0] in only] for r in range(layout.size)]
-    result, landings = [], []
+    result, landings, dtypes = [], [], []
     for rows, into in zip(rows_of, intos):
-        dtype = rows[0].dtype if rows else into.dtype
-        device = into.device if into is not None else rows[0].device
+        dtype, device, out = _flat_target(layout, rows, into)
+        dtypes.append(dtype)
         flats = [r.detach().reshape(-1) for r in rows]
         for q, plan in enumerate(sent):
             outgoing[q] += [flats[i][a - starts[i] : b - starts[i]].to(device=device, dtype=dtype) for i, a, b in plan]
-        out = into if into is not None else torch.zeros(layout.shard, dtype=dtype, device=device)
         direct = out.dtype == dtype and out.is_contiguous()  # else received aside, then copied in
         land = out.view(-1) if direct else torch.empty(layout.shard, dtype=dtype, device=device)
         for r, plan in enumerate(plans):
@@ -325,8 +333,7 @@ def to_flat_many(
                     for _, a, b in plan:
                         view[a - base : b - base] = land[a - base : b - base]
 
-    nbytes = sum(layout.shard * (r[0].dtype if r else i.dtype).itemsize for r, i in zip(rows_of, intos))
-    _run(layout, outgoing, incoming, nbytes, exchange, settle)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, dtypes), exchange, settle)
     return result
 
 
@@ -336,13 +343,12 @@ def _to_flat_indexed(layout, plan, rows_of: list[list[torch.Tensor]], intos: lis
     index, what comes from each put in its flat shard by another."""
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
-    result, received = [], []
+    result, received, dtypes = [], [], []
     for rows, into in zip(rows_of, intos):
-        dtype = rows[0].dtype if rows else into.dtype
-        device = into.device if into is not None else rows[0].device
+        dtype, device, out = _flat_target(layout, rows, into)
+        dtypes.append(dtype)
         flat_at, rows_at, _ = plan.on(device)
         mine = torch.cat([r.detach().reshape(-1) for r in rows]).to(device=device, dtype=dtype)
-        out = into if into is not None else torch.zeros(layout.shard, dtype=dtype, device=device)
         got = [torch.empty(len(at), dtype=dtype, device=device) for at in flat_at]
         for q, at in enumerate(rows_at):
             outgoing[q].append(mine.index_select(0, at))
@@ -356,8 +362,7 @@ def _to_flat_indexed(layout, plan, rows_of: list[list[torch.Tensor]], intos: lis
             for at, values in zip(flat_at, got):
                 view.index_copy_(0, at, values.to(view.dtype))
 
-    nbytes = sum(layout.shard * (r[0].dtype if r else i.dtype).itemsize for r, i in zip(rows_of, intos))
-    _run(layout, outgoing, incoming, nbytes, exchange, settle)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, dtypes), exchange, settle)
     return result
 
 
