@@ -17,19 +17,23 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from . import _compat
+from . import _compat, wrappers
 from .agreement import BroadcastAgreement, LocalAgreement
 from .errors import StateDictError
+from .fsdp1.layout import FSDP1Layout
 from .options import StateDictOptions, resolve_options
 from .state import flat as flat_format
 from .state import model as model_state
 from .state import optimizer as optim_state
 from .state import optimizer_load as optim_plan
 from .state import placeholders
-from .state.fqn import FSDP1Model, ModelIndex, optimizer_params
+from .state.fqn import ModelIndex, optimizer_params
 from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan
 from .transport import consolidate
 from .transport import group as groups
+
+# The wrapper layouts hyperdsd reads through a twin (:mod:`.wrappers`).
+wrappers.register(FSDP1Layout())
 
 Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
@@ -63,25 +67,14 @@ def _no_submodules(submodules) -> None:
         raise StateDictError("'submodules' is deprecated upstream and not supported; filter the returned dict instead")
 
 
-class _Target:
-    """What a call reads or loads: the model and optimizers themselves, or for
-    a model that FSDP1 wraps their twin in the canonical layout
-    (:mod:`hyperdsd.fsdp1.twin`), which a load writes back into them."""
-
-    def __init__(self, model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False):
-        self.twin = None
-        self.model_stages = self.optim_stages = None  # a twin's: a full get gathers from its flat shards
-        try:
-            self.index = ModelIndex.of(model, opts.dsd_fqn_modifiers)
-            self.model, self.optims = model, optims
-        except FSDP1Model:
-            from .fsdp1.streaming import model_stages, optim_stages
-            from .fsdp1.twin import Twin  # loaded for FSDP1 models only
-
-            stream = opts.full_state_dict and not to_load
-            self.twin = Twin(model, optims, opts.dsd_fqn_modifiers, to_load=to_load, stream=stream)
-            self.model, self.optims, self.index = self.twin.model, self.twin.optims, self.twin.index
-            self.model_stages, self.optim_stages = model_stages(self.twin), optim_stages(self.twin)
+def _target(model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False) -> wrappers.Twin:
+    """What a call reads or loads: the model and optimizers themselves, or
+    for a model a wrapper layout wraps (:mod:`.wrappers`) their twin in the
+    canonical layout, which a load writes back into them."""
+    index = ModelIndex.of(model, opts.dsd_fqn_modifiers)
+    if index.wrapper is None:
+        return wrappers.canonical(model, index, optims)
+    return index.wrapper.twin(model, index, optims, opts.dsd_fqn_modifiers, to_load=to_load, full=opts.full_state_dict)
 
 
 # -- get ---------------------------------------------------------------------
@@ -98,7 +91,7 @@ def get_model_state_dict(
 
 
 def _model_only(model: nn.Module, opts: StateDictOptions) -> dict[str, Any]:
-    target = _Target(model, (), opts)
+    target = _target(model, (), opts)
     return _model_state(target.model, target.index, opts, target.model_stages)
 
 
@@ -125,7 +118,7 @@ def get_optimizer_state_dict(
 
 
 def _optimizers_only(model: nn.Module, optims: tuple, opts: StateDictOptions) -> dict[str, Any]:
-    target = _Target(model, optims, opts)
+    target = _target(model, optims, opts)
     return _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages)
 
 
@@ -158,7 +151,7 @@ def get_state_dict(
 
 
 def _both(model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False) -> tuple[dict, dict]:
-    target = _Target(model, optims, opts)
+    target = _target(model, optims, opts)
     return (
         _model_state(target.model, target.index, opts, target.model_stages),
         _optimizer_state(target.index, target.optims, opts, to_load=to_load, stages=target.optim_stages),
@@ -208,13 +201,9 @@ class _Load:
 
     def __init__(self, model: nn.Module, opts: StateDictOptions, optimizers=()):
         self.opts = opts
-        target = _Target(model, optimizer_params(optimizers), opts, to_load=True)
+        target = _target(model, optimizer_params(optimizers), opts, to_load=True)
         self.model, self.index, self.optims = target.model, target.index, target.optims
-        self.twin_load = None  # an FSDP1 model's: the load lands in it and is written back through its twin
-        if target.twin is not None:
-            from .fsdp1.landing import TwinLoad
-
-            self.twin_load = TwinLoad(target.twin)
+        self.twin_load = target.load  # a wrapped model's: the load lands in its twin and is written back
         self.group = groups.of_params(self.index.params)
         self.problems: list[str] = []
         self.model_plan: ModelLoadPlan | None = None

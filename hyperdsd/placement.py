@@ -94,7 +94,7 @@ class DTensorLayout:
         where ``local`` does with grad mode on; but built directly, a leaf with
         no autograd edge back to ``local`` and ``local`` itself inside, not a
         view of it: from_local's autograd function cost about 30 us a tensor,
-        most of an FSDP1 get of many parameters. (No caller hands it a tensor
+        most of a twin's get of many parameters. (No caller hands it a tensor
         that requires grad but a twin's pieces, which it detaches.)"""
         if not self._member:  # (a rank outside the mesh: from_local's empty local)
             return DTensor.from_local(

@@ -1,7 +1,14 @@
-"""hyperdsd on FSDP1 models, through a twin in FSDP2's layout: ``twin`` reads
-an FSDP1 model into the canonical layout (each original parameter a DTensor
-sharded by rows), ``landing`` lands a load in the flat layout and writes it
-back into the flat shards, ``streaming`` gathers a full get from the flat
-shards a run of parameters at a time. The flat-shard geometry they share is
-``hyperdsd.state.flat_shards`` (one rank's arithmetic) and
-``hyperdsd.transport.flat_shards`` (what moves between ranks)."""
+"""hyperdsd on FSDP1 models, a wrapper layout (:mod:`hyperdsd.wrappers`;
+:mod:`.layout` is its entry), read and loaded through a twin in FSDP2's
+layout.
+
+The state side, one rank's arithmetic: :mod:`.unit_geometry` (which elements
+of each parameter's rows a rank's flat shard holds) and :mod:`.units` (a
+unit's layout, the twin module and optimizers built from rows). The
+transport side: :mod:`.unit_moves` (flat shards to rows and back, many units
+in one exchange). On them: :mod:`.twin` reads an FSDP1 model into the
+canonical layout (each original parameter a DTensor sharded by rows),
+:mod:`.landing` lands a load in the flat shards and writes it back,
+:mod:`.streaming` gathers a full get from the flat shards a run of
+parameters at a time.
+"""

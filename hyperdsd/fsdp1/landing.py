@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..state.flat_shards import UnitLayout, at_path
 from ..state.load_plan import Prepared
-from ..transport import flat_shards as moves
 from ..transport.delivery import Landing
 from ..transport.needs import Need
 from ..tree import leaves, rebuild
+from . import unit_moves as moves
 from .twin import Twin
+from .units import UnitLayout, at_path
 
 _STRUCTURAL = ("params", "param_names")
 

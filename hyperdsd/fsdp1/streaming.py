@@ -21,10 +21,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..state.flat_shards import UnitLayout, at_path
-from ..transport import flat_shards as moves
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES
 from ..tree import rebuild
+from . import unit_moves as moves
+from .units import UnitLayout, at_path
 
 
 def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:

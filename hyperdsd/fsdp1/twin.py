@@ -1,7 +1,7 @@
 """FSDP1 models through a twin in hyperdsd's canonical layout.
 
 :class:`Twin` reads an FSDP1 model and its optimizers into a twin (see
-:mod:`hyperdsd.state.flat_shards`): each original parameter a DTensor sharded by
+:mod:`hyperdsd.fsdp1.units`): each original parameter a DTensor sharded by
 rows on the unit's mesh, its optimizer state per original parameter
 (unflattened from the flat parameter's under ``use_orig_params=False``),
 keyed by canonical FQN. Gets read the twin as they read an FSDP2 model (a
@@ -22,8 +22,11 @@ import torch
 
 from .. import _compat
 from ..errors import StateDictError
-from ..state import flat_shards as layout_of
-from ..state.flat_shards import (
+from ..state.fqn import ModelIndex
+from ..tree import rebuild
+from . import unit_moves as moves
+from . import units as layout_of
+from .units import (
     HeldValue,
     RowsAt,
     UnitLayout,
@@ -34,15 +37,14 @@ from ..state.flat_shards import (
     twin_module,
     twin_optimizer,
 )
-from ..state.fqn import ModelIndex
-from ..transport import flat_shards as moves
-from ..tree import rebuild
 
 
 class Twin:
     """An FSDP1 model and its optimizers, in the canonical layout."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: tuple, modifiers_attr: str, to_load=False, stream=False):
+    def __init__(
+        self, model: torch.nn.Module, real, optimizers: tuple, modifiers_attr: str, to_load=False, stream=False
+    ):
         self.real_model = model
         self.real_optims = tuple(optimizers)
         # A full get's twin reads no rows: the gather takes the full tensors
@@ -60,9 +62,8 @@ class Twin:
         self.lazy_rows = to_load and not self.load_hooked
         self.lazy_state = to_load
         self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(path, dtype)]) of its state rows
-        real = ModelIndex(model, modifiers_attr, fsdp1=True)
         self.units: list[UnitLayout] = []
-        for module, raw in real.fsdp1_modules:
+        for module, raw in real.wrapped:  # (``real``: the model's index, listing its FSDP1 modules)
             unit = _compat.fsdp1_unit(module)
             if unit is None:
                 continue

@@ -6,7 +6,6 @@ Names (:mod:`.fqn`), the model's and the optimizers' state (:mod:`.model`,
 changes (:mod:`.optimizer_load`; the plans' types :mod:`.load_plan`, their
 checks :mod:`.load_checks`), placeholder state for
 never-stepped optimizers (:mod:`.placeholders`, :mod:`.placeholder_state`,
-:mod:`.saved_placeholders`), the flat layout (:mod:`.flat`) and FSDP1's flat
-shards as rows (:mod:`.flat_shards`). Nothing here issues a
+:mod:`.saved_placeholders`) and the flat layout (:mod:`.flat`). Nothing here issues a
 collective: who sends what to whom is :mod:`hyperdsd.transport`'s.
 """

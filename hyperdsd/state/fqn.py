@@ -15,47 +15,25 @@ import functools
 import torch
 import torch.nn as nn
 
-from .. import _compat
+from .. import _compat, wrappers
 from ..errors import StateDictError
 from .flat_keys import FlatTemplate
-
-_CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
-
-
-def hidden_children(module: nn.Module, modifiers_attr: str) -> set[str]:
-    """Names of children whose name does not appear in FQNs."""
-    # Children and methods are looked up where they live: a missing attribute
-    # on a Module goes through a slow __getattr__ that raises.
-    hidden = set()
-    if isinstance(module, nn.parallel.DistributedDataParallel):
-        hidden.add("module")
-    if _compat.is_compiled_module(module):
-        hidden.add("_orig_mod")
-    if _CHECKPOINT_CHILD in _compat.child_modules(module):
-        hidden.add(_CHECKPOINT_CHILD)
-    if _compat.FSDP1_WRAPPED in _compat.child_modules(module) and _compat.is_fsdp1(module):
-        hidden.add(_compat.FSDP1_WRAPPED)
-    if callable(getattr(type(module), modifiers_attr, None)):
-        hidden.update(getattr(module, modifiers_attr)().values())
-    return hidden
-
-
-class FSDP1Model(StateDictError):
-    """Raised by :class:`ModelIndex` for a model that FSDP1 wraps: calls on it
-    go through a twin (:mod:`hyperdsd.fsdp1.twin`)."""
+from .hidden import hidden_children
+from .index_cache import index_of
 
 
 class ModelIndex:
     """Parameters of a model by canonical FQN, and back.
 
-    A model that FSDP1 wraps raises :class:`FSDP1Model` unless ``fsdp1``: then
-    its FSDP1 modules are listed (``fsdp1_modules``: module and raw path
-    prefix), their wrapped child hidden, and flat parameters left out (the
-    original parameters they hold are the units' to name)."""
+    Modules of a wrapper layout (:mod:`hyperdsd.wrappers`) are listed
+    (:attr:`wrapped`: module and raw path prefix, :attr:`wrapper`: their
+    layout), the children they hide are hidden, and the parameters that are
+    the layout's own are left out of :attr:`params` (what they hold is the
+    layout's to name: a call works on the model's twin)."""
 
     flat_template: FlatTemplate | None = None  # a kept index's (see index_cache): a flat get's keys
 
-    def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers", fsdp1: bool = False):
+    def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers"):
         self.model = model
         self.modifiers_attr = modifiers_attr
         # first canonical name by the parameter's id (kept alive by the index), not hashing a tensor
@@ -80,7 +58,8 @@ class ModelIndex:
         # Parameters FSDP2 left unsharded (after a forward, an ``unshard()``):
         # what the module holds by name is not what the optimizer steps.
         self._sharded: dict[nn.Module, dict[str, nn.Parameter]] = {}
-        self.fsdp1_modules: list[tuple[nn.Module, str]] = []
+        self.wrapped: list[tuple[nn.Module, str]] = []
+        self.wrapper: wrappers.WrapperLayout | None = None
         self.renames = False  # a child hidden somewhere: canonical keys are not all ``state_dict()``'s
         fqn_by_id, params, param_of, first_name = self.fqn_by_id, self.params, self.param_of, self.first_name
         tensors, keys, raw_keys = self.tensors, self.tensor_keys, self.tensor_raw_keys
@@ -89,15 +68,14 @@ class ModelIndex:
         # first. An explicit stack: thousands of modules through nested
         # generators cost more than the rest of the index.
         stack = [(model, "", "")]
-        fsdp1_class, fsdp2_class = _compat.fsdp1_class(), _compat.fsdp2_class()  # (asked of every module)
+        layouts = wrappers.registered()
+        wrapper_classes, fsdp2_class = tuple(c for x in layouts for c in _classes(x)), _compat.fsdp2_class()
         while stack:
             module, raw, canon = stack.pop()
             self.modules.append((module, canon))
             self.raw_prefixes.append(raw)
-            if isinstance(module, fsdp1_class):
-                if not fsdp1:
-                    raise FSDP1Model(f"module {raw[:-1] or '<root>'!r} is wrapped by FullyShardedDataParallel (FSDP1)")
-                self.fsdp1_modules.append((module, raw))
+            if wrapper_classes and isinstance(module, wrapper_classes):
+                self._wrapped_by(layouts, module, raw)
             if isinstance(module, fsdp2_class):
                 for owner, name, sharded in _compat.fsdp2_sharded_params(module):
                     self._sharded.setdefault(owner, {})[name] = sharded
@@ -110,7 +88,7 @@ class ModelIndex:
                 tensors.append(param)
                 keys.append(fqn)
                 raw_keys.append(raw + name)
-                if fsdp1 and _compat.is_flat_param(param):
+                if self.wrapper is not None and self.wrapper.is_own(param):
                     continue
                 first = fqn_by_id.setdefault(id(param), fqn)
                 if first is fqn:  # (else tied: a second name)
@@ -135,6 +113,17 @@ class ModelIndex:
                 child_canon = canon[:-1] if name in hidden else f"{canon}{name}"
                 self._module_paths[child_raw] = (child, child_canon)
                 stack.append((child, f"{child_raw}.", f"{child_canon}." if child_canon else ""))
+
+    def _wrapped_by(self, layouts, module: nn.Module, raw: str) -> None:
+        layout = next(layout for layout in layouts if isinstance(module, _classes(layout)))
+        if self.wrapper is not None and layout is not self.wrapper:
+            first = self.wrapped[0][1][:-1] or "<root>"
+            raise StateDictError(
+                f"module {raw[:-1] or '<root>'!r} is laid out by {layout.name} and module {first!r} by "
+                f"{self.wrapper.name}: hyperdsd reads one wrapper layout per model"
+            )
+        self.wrapper = layout
+        self.wrapped.append((module, raw))
 
     # An index kept from the last call (:mod:`.index_cache`) makes these from
     # what it kept when first read: most calls read one or two of them, each a
@@ -176,8 +165,6 @@ class ModelIndex:
     def of(cls, model: nn.Module, modifiers_attr: str = "_fqn_modifiers") -> ModelIndex:
         """The index of ``model``: the one the last call built where the model
         is as it was then (:mod:`.index_cache`), else built anew."""
-        from .index_cache import index_of  # (which imports this module)
-
         return index_of(cls, model, modifiers_attr)
 
     def fqn_of(self, param: torch.Tensor) -> str | None:
@@ -272,3 +259,8 @@ def optimizer_params(optimizers) -> tuple[torch.optim.Optimizer, ...]:
         if not isinstance(opt, torch.optim.Optimizer):
             raise StateDictError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
     return opts
+
+
+def _classes(layout: wrappers.WrapperLayout) -> tuple[type, ...]:
+    found = layout.module_class
+    return found if isinstance(found, tuple) else (found,)

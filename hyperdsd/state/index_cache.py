@@ -16,8 +16,9 @@ model goes. Registries are compared by the ids of what they hold while every
 module recorded is alive: ids are unique among live objects, so the same ids
 mean the same children and the same parameters shared by the same names (a
 tensor freed and another made at its address is read as the new one). No
-index is kept of a model that FSDP2 holds unsharded or that FSDP1 wraps (the
-walk reads more than registries there): those are built every call.
+index is kept of a model that FSDP2 holds unsharded or that a wrapper layout
+wraps (:mod:`hyperdsd.wrappers`; the walk reads more than registries there):
+those are built every call.
 
 A kept index carries the keys of the last flat get made with it
 (:class:`~.flat_keys.FlatTemplate`, no tensor of the model among them), which
@@ -32,7 +33,7 @@ import torch.nn as nn
 from .. import _compat
 from ..tree import has_none
 from .flat_keys import FlatTemplate
-from .fqn import hidden_children
+from .hidden import hidden_children
 
 _DEREF = weakref.ref.__call__
 
@@ -103,7 +104,7 @@ class _Snapshot:
         index.tensor_keys, index.tensor_raw_keys = list(self.tensor_keys), list(self.tensor_raw_keys)
         index.params = list(map(tensors.__getitem__, self.param_positions))
         index.first_name = dict(self.first_name)
-        index._sharded, index.fsdp1_modules, index.renames = {}, [], self.renames
+        index._sharded, index.wrapped, index.wrapper, index.renames = {}, [], None, self.renames
         index.flat_template = self.flat_template
         return index
 
@@ -146,7 +147,7 @@ def index_of(cls, model: nn.Module, modifiers_attr: str):
         if index is not None:
             return index
     index = cls(model, modifiers_attr)
-    if not index.unsharded and not index.fsdp1_modules:
+    if not index.unsharded and not index.wrapped:
         try:
             snapshot = _SNAPSHOTS[id(model)] = _Snapshot(index, functools.partial(_forget, id(model)))
             index.flat_template = snapshot.flat_template

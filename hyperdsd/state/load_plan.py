@@ -59,7 +59,7 @@ class Prepared:
     dest: torch.Tensor | None = None  # an existing tensor of the same layout to copy into
     owned: bool = False  # ``local`` is ours to keep as the new tensor, no copy needed
     # A broadcast piece that lands elsewhere, not in this tensor (a transport
-    # ``Landing``: FSDP1's flat shards); the plan then has nothing to apply.
+    # ``Landing``: a wrapper layout's flat shards); the plan then has nothing to apply.
     landing: Any = None
 
     @property
@@ -107,7 +107,7 @@ class ReceiverColumn:
     """A column of a broadcast's stand-ins, each received into the tensor it
     replaces (same layout and local shape): one object for tens of thousands
     of tensors, not a :class:`Prepared` each. Delivery lands each piece in
-    ``dests``; a plan that must go value by value (an FSDP1 twin's landing, a
+    ``dests``; a plan that must go value by value (a wrapper layout's twin's landing, a
     model whose tensors changed since planning) makes the receivers from it
     (:meth:`receivers`)."""
 

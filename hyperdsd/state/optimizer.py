@@ -107,7 +107,7 @@ def _loaded(value: Any, existing: Any) -> Any:
     they fit (planned, or ``existing``) or made new; containers rebuilt
     around their loaded leaves; anything else copied."""
     if isinstance(value, Prepared):
-        if value.landing is not None:  # delivered elsewhere (FSDP1's flat layout): keep its stand-in
+        if value.landing is not None:  # delivered elsewhere (a wrapper layout's own): keep its stand-in
             return materialize(value)
         if value.dest is not None:  # planned to fit (checked when planned)
             return copy_into(value.dest, value)

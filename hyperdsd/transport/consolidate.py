@@ -48,7 +48,7 @@ def full_entries(
     Returns the entries this rank keeps (all of them, or with ``root_only``
     those it is root of) and, when the ranks of ``group`` hold different
     keys, the root of each key (None when every rank holds the same keys).
-    ``stages`` (an FSDP1 twin's, the same on every rank): ``(keys, fill)``
+    ``stages`` (a wrapper layout's twin's, the same on every rank): ``(keys, fill)``
     pairs, taken one after the other before the rest is gathered:
     ``fill(entries, root_of)`` gathers those keys' entries itself, each to
     ``root_of(key)`` (None: to every rank), and gives them full (None where

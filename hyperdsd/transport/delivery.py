@@ -31,7 +31,7 @@ from .scatter import scatter_from_root
 class Landing:
     """Where a receiver's piece goes instead of its tensor: the run ``need``
     of the root's tensor's elements, written into ``into`` (a view of
-    another tensor: an FSDP1 flat shard's part of a parameter). ``need``
+    another tensor: the part of a parameter a flat shard holds). ``need``
     None: this rank needs none of it."""
 
     need: Need | None

@@ -34,8 +34,8 @@ Metas = Sequence[ShapeDtype]
 @dataclass(frozen=True)
 class Need:
     """What a rank needs of a full tensor: a region (slices as (start, stop)),
-    or with ``flat`` one run ``region[0]`` of its elements in order (an FSDP1
-    flat shard's part of a parameter: whole rows or not)."""
+    or with ``flat`` one run ``region[0]`` of its elements in order (the part of a
+    parameter a flat shard holds: whole rows or not)."""
 
     region: tuple[tuple[int, int], ...]
     flat: bool = False

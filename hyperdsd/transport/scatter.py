@@ -6,7 +6,7 @@ of it each rank needs (:class:`~.needs.Need`, exchanged as :class:`~.needs.Packe
 the model's group, see :mod:`hyperdsd.transport.group`): a large tensor that
 every rank needs an equal run of whole rows of moves in one scatter, straight
 into each rank's destination; a large tensor of which ranks need runs of
-elements (FSDP1 flat shards' parts, uneven) goes point to point, each run
+elements (flat shards' parts, uneven) goes point to point, each run
 straight from the full tensor to where it lands; the rest travel packed in
 bounded byte buckets, one uneven all-to-all from the root per bucket, so that each rank
 receives its own pieces and nothing more (a scatter sends every rank as
@@ -187,8 +187,8 @@ class Scatterer:
         return len(sizes) == 1 and sizes.pop() * dtype.itemsize >= DIRECT_BYTES
 
     def _runs_apart(self, i: int) -> bool:
-        """Every rank that needs tensor ``i`` needs a run of its elements (an
-        FSDP1 flat shard's part), and it is large: the runs go point to point."""
+        """Every rank that needs tensor ``i`` needs a run of its elements (a
+        flat shard's part), and it is large: the runs go point to point."""
         if self._nbytes(i) < DIRECT_BYTES:
             return False
         needs = [e[i] for e in self.everyone]

@@ -342,8 +342,8 @@ def partial_load(ctx, uop: bool, broadcast: bool):
     import hyperdsd.fsdp1.twin
 
     class Eager(hyperdsd.fsdp1.twin.Twin):
-        def __init__(self, model, optimizers, modifiers_attr, to_load=False, stream=False):
-            super().__init__(model, optimizers, modifiers_attr)
+        def __init__(self, model, index, optimizers, modifiers_attr, to_load=False, stream=False):
+            super().__init__(model, index, optimizers, modifiers_attr)
 
     source, source_opt = _fsdp1(ctx, 0, uop)
     _steps(source, source_opt, 0, 2)
@@ -382,8 +382,8 @@ def streamed_full_get(
     from hyperdsd.transport.collectives import BUCKET_BYTES
 
     class Eager(hyperdsd.fsdp1.twin.Twin):
-        def __init__(self, model, optimizers, modifiers_attr, to_load=False, stream=False):
-            super().__init__(model, optimizers, modifiers_attr, to_load=to_load)
+        def __init__(self, model, index, optimizers, modifiers_attr, to_load=False, stream=False):
+            super().__init__(model, index, optimizers, modifiers_attr, to_load=to_load)
 
     if tied:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -645,8 +645,8 @@ def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", 
     index tensors, larger ones piece by piece: both give the same sharded
     and flat gets, and sets (sharded, flat) through either end the same; so
     do exchanges that run a unit at a time (a bucket of 64 bytes)."""
-    import hyperdsd.state.unit_geometry as geometry
-    import hyperdsd.transport.flat_shards as moves
+    import hyperdsd.fsdp1.unit_geometry as geometry
+    import hyperdsd.fsdp1.unit_moves as moves
 
     def through(indexed: bool, fn, bucket: int | None = None):
         default, default_bucket = geometry._INDEXED_MAX_SHARD, moves.BUCKET_BYTES

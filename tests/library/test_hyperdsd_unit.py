@@ -1254,7 +1254,7 @@ def test_a_summary_sends_0d_state_as_its_value(value):
     a storage archive of its own)."""
     import pickle
 
-    from hyperdsd.state.flat_shards import HeldValue, summarize
+    from hyperdsd.fsdp1.units import HeldValue, summarize
 
     summary = summarize({"step": value, "exp_avg": torch.zeros(4), "nested": {"count": value}}, per_element=4)
     sent = pickle.loads(pickle.dumps(summary))

@@ -85,7 +85,8 @@ def fields(index):
         "module_paths": {path: (id(m), canon) for path, (m, canon) in index._module_paths.items()},
         "modifiers_attr": index.modifiers_attr,
         "unsharded": index.unsharded,
-        "fsdp1_modules": list(index.fsdp1_modules),
+        "wrapped": list(index.wrapped),
+        "wrapper": index.wrapper,
         "reads_plainly": index.reads_plainly,
     }
 

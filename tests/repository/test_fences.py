@@ -252,3 +252,28 @@ def test_no_hyperdsd_module_or_function_outgrows_its_cap():
                 if length > FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}, {length} lines")
     assert not too_long, f"over {MODULE_LINES} lines a module, {FUNCTION_LINES} a function:\n" + "\n".join(too_long)
+
+
+# -- wrapper layouts: FSDP1 is hyperdsd/fsdp1/'s ------------------------------------
+
+FSDP1_NAMES = ("fsdp1", "fullyshardeddataparallel")
+FSDP1_PLACES = {"fsdp1", "_compat"}  # the package, and its torch shims
+FSDP1_REGISTRY = ROOT / "hyperdsd" / "api.py"  # registers the layout (hyperdsd.wrappers)
+
+
+def _names_fsdp1(path: pathlib.Path) -> list[int]:
+    return [n for n, line in enumerate(path.read_text().splitlines(), 1) if any(w in line.lower() for w in FSDP1_NAMES)]
+
+
+def test_fsdp1_is_named_only_in_its_package_its_shims_and_where_it_is_registered():
+    """A wrapper layout plugs in through hyperdsd.wrappers: the rest of the library knows no layout by name."""
+    named = []
+    for path in sorted((ROOT / "hyperdsd").rglob("*.py")):
+        place = path.relative_to(ROOT / "hyperdsd").parts[0]
+        if place in FSDP1_PLACES or path == FSDP1_REGISTRY:
+            continue
+        named += [f"{path.relative_to(ROOT)}:{n}" for n in _names_fsdp1(path)]
+    assert named == [], "FSDP1 named outside hyperdsd/fsdp1/:\n" + "\n".join(named)
+    registry = FSDP1_REGISTRY.read_text()
+    assert len(_names_fsdp1(FSDP1_REGISTRY)) == 2 and "wrappers.register(FSDP1Layout())" in registry
+    assert _names_fsdp1(ROOT / "hyperdsd" / "fsdp1" / "twin.py")  # (the check reads what it should)

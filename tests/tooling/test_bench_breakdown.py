@@ -30,7 +30,7 @@ def test_every_hyperdsd_module_has_a_category():
 def test_a_function_outside_hyperdsd_and_torch_is_other():
     assert bench_breakdown._category(str(Path("/x/tools/benchmarks/bench_tasks.py")), "_op") == OTHER
     assert bench_breakdown._category("/x/hyperdsd/state/in_place.py", "f") == "checks (validation)"
-    assert bench_breakdown._category("/x/hyperdsd/transport/flat_shards.py", "f") == "FSDP1: twin, flat shards"
+    assert bench_breakdown._category("/x/hyperdsd/fsdp1/unit_moves.py", "f") == "FSDP1: twin, flat parameters"
 
 
 def test_every_phase_names_a_function_that_exists():

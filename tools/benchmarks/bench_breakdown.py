@@ -21,7 +21,10 @@ from tools.benchmarks.bench_tasks import _build, _op, _prepare
 # counted as "other"), torch's by the folder a function lives in. Built-in
 # functions and torch's C methods count in their caller's category.
 CATEGORIES = (
-    ("FQN index", ("hyperdsd/state/fqn.py", "hyperdsd/state/index_cache.py")),
+    (
+        "FQN index",
+        ("hyperdsd/state/fqn.py", "hyperdsd/state/index_cache.py", "hyperdsd/state/hidden.py", "hyperdsd/wrappers.py"),
+    ),
     (
         "module/optimizer registries, state_dict() (torch)",
         (
@@ -73,14 +76,8 @@ CATEGORIES = (
         ("hyperdsd/tree.py", "hyperdsd/blocks.py", "hyperdsd/state/flat.py", "hyperdsd/state/flat_keys.py"),
     ),
     (
-        "FSDP1: twin, flat shards",
-        (
-            "hyperdsd/fsdp1/",
-            "hyperdsd/state/flat_shards.py",
-            "hyperdsd/state/unit_geometry.py",
-            "hyperdsd/transport/flat_shards.py",
-            "hyperdsd/_compat/fsdp1.py",
-        ),
+        "FSDP1: twin, flat parameters",
+        ("hyperdsd/fsdp1/", "hyperdsd/_compat/fsdp1.py"),
     ),
     ("buckets: packing, regions", ("hyperdsd/transport/", "hyperdsd/agreement.py")),
     (

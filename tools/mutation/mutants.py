@@ -91,7 +91,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- keys -----------------------------------------------------------------
     Mutant(
         "prefix-left-compile",
-        "hyperdsd.state.fqn.hidden_children",
+        "hyperdsd.state.hidden.hidden_children",
         'hidden.add("_orig_mod")',
         "pass",
         "torch.compile's _orig_mod. segment is left in FQNs",
@@ -746,7 +746,7 @@ MUTANTS += (
     # -- FSDP1: many units in one exchange -------------------------------------
     Mutant(
         "exchange-last-unit-unlanded",
-        "hyperdsd.transport.flat_shards.Exchange.run",
+        "hyperdsd.fsdp1.unit_moves.Exchange.run",
         "for fn in after: ...",
         "for fn in after[:-1]: ...",
         "an exchange of many FSDP1 units moves every unit's pieces but puts the last unit's in place only "
@@ -755,7 +755,7 @@ MUTANTS += (
     ),
     Mutant(
         "index-plan-rank0-offsets",
-        "hyperdsd.state.unit_geometry._index_plan",
+        "hyperdsd.fsdp1.unit_geometry._index_plan",
         "base, starts = me * shard, g.starts[me]",
         "base, starts = me * shard, g.starts[0]",
         "a unit's index plan places what a rank receives by rank 0's row offsets: correct on rank 0, rows "

@@ -24,7 +24,7 @@ from ..placement import chunk_bounds
 @dataclass(frozen=True)
 class Geometry:
     """A unit's rows and pieces on every shard rank (see
-    :class:`hyperdsd.state.flat_shards.UnitLayout`)."""
+    :class:`hyperdsd.fsdp1.units.UnitLayout`)."""
 
     shard: int  # elements of each rank's flat shard, padding included
     rows: tuple  # [rank][i]: (start, stop) of parameter i's rows, as flat positions

@@ -14,7 +14,7 @@ writes what it loaded back into the flat shards.
 
 Here: the geometry of one unit (:class:`UnitLayout`: which elements each
 rank holds in either layout) and the twin's construction from pieces that
-:mod:`hyperdsd.transport.flat_shards` moved. No collectives.
+:mod:`hyperdsd.fsdp1.unit_moves` moved. No collectives.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class UnitLayout:
     def index_plan(self) -> IndexPlan | None:
         """This rank's moves between its flat shard and its rows as index
         tensors, where the unit's pieces are many and small (None: moved
-        piece by piece); see :func:`hyperdsd.state.unit_geometry.index_plan`."""
+        piece by piece); see :func:`hyperdsd.fsdp1.unit_geometry.index_plan`."""
         return index_plan(self._geometry, self.index)
 
     def local_shapes(self) -> tuple[tuple[int, ...], ...]:

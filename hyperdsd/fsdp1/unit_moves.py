@@ -2,7 +2,7 @@
 
 An FSDP1 rank holds a contiguous run of its unit's flat parameter (or of a
 state tensor laid out like it); the canonical layout gives it whole rows of
-each parameter (:class:`hyperdsd.state.flat_shards.UnitLayout`). :func:`to_rows`
+each parameter (:class:`hyperdsd.fsdp1.units.UnitLayout`). :func:`to_rows`
 and :func:`to_flat` move exactly the elements whose holder and owner
 differ, among the ranks the unit is sharded over (a replica of HYBRID_SHARD
 moves within itself): no rank ever holds more than its shard in either
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import StateDictError
-from .collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes
-from .group import WorldCache
+from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes
+from ..transport.group import WorldCache
 
 # 1-D meshes made over FSDP1 process groups, by group, in this world: a mesh
 # holds its group, whose backend's threads would outlive a re-formed world.
