@@ -10,7 +10,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..adapters import GET_OF, Needs
+from ..adapters import GET_OF, LAYOUT_CAPABILITIES, Needs
 from ..world.layouts import parse_layout
 from .clauses import clause
 
@@ -74,20 +74,8 @@ def loads(fn: Callable) -> Callable:
 def needs_of(case: Case) -> Needs:
     """What ``case`` needs declared: derived from its clause, mode, layout and
     parameters, in one place, so that the sections need not say it."""
-    layouts = []
-    parts = case.layout.replace("_to_", " ").split()
-    if any("pp" in p for p in parts):
-        layouts.append("pipeline")
-    if any("tp" in p for p in parts):
-        layouts.append("tensor_parallel")
-    if any("+" in p for p in parts):  # fsdp4+ep2x2: experts on a mesh of their own
-        layouts.append("several_meshes")
-    if any(p.startswith("halves") for p in parts):
-        layouts.append("part_of_world")
-    if any(p.startswith(("fsdp1-", "hsdp1-")) for p in parts):  # torch's FullyShardedDataParallel (SPEC §2, 1.3)
-        layouts.append("fsdp1")
-    if any("." in p for p in parts):  # fsdp4.bf16: an FSDP2 policy variant, passed to the adapter's shard
-        layouts.append("policies")
+    found = {need for part in case.layout.replace("_to_", " ").split() for need in parse_layout(part).needs}
+    layouts = [need for need in LAYOUT_CAPABILITIES if need in found]
     declared = clause(case.clause)
     options = list(declared.options)
     strict = [p.params.get("strict") for p in case.phases]

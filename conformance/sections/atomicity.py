@@ -10,6 +10,7 @@ from ..judging.oracle import canonical, check, clone_tree, expect_error, expect_
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.layouts import parse_layout
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
@@ -34,7 +35,7 @@ def _source(c, layout, mode):
 def _owned(b) -> str:
     """A parameter this rank's optimizer holds state for (by original
     parameter: FSDP1's flat parameters hold several)."""
-    if b.layout.kind.flat:
+    if b.layout.kind.flat_params:
         return TARGET  # every flat parameter holds state for all of its parts on every rank
     names = [f for f, p in b.named_parameters() if b.optimizers[0].state.get(p)]
     return TARGET if TARGET in names else names[0]
@@ -337,7 +338,7 @@ def cases():
                 which="OPT-ATOM-1",
             )
             # (OPT-ATOM-2's bad value goes under the FQN of one of the optimizer's parameters: a flat one has none)
-            for kind in ("wrong_shape", "non_tensor") if not layout.endswith("-flat") else ():
+            for kind in ("wrong_shape", "non_tensor") if not parse_layout(layout).kind.flat_params else ():
                 yield make_case(
                     "OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant=kind, kind=kind, which="OPT-ATOM-2"
                 )

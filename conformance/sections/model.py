@@ -147,7 +147,7 @@ def model_3(c, layout, cfg=None):
     box = [largest_full]
     dist.broadcast_object_list(box, src=0)
     largest_full = box[0]
-    flat_shards = parse_layout(layout).kind.fsdp1  # FSDP1 holds plain flat shards, not DTensors
+    flat_shards = parse_layout(layout).wrapper == "fsdp1"  # FSDP1 holds plain flat shards, not DTensors
     share = fsdp1.share_bytes(b.model) if flat_shards else share_bytes(b.module.state_dict())
     with ReceiveMeter() as meter:
         c.iut.set_model_state_dict(b.model, data["model"], options=set_options(c.iut, "bcast"))
@@ -202,7 +202,7 @@ def model_4(c, layout, mode):
     on_meta = [k for k, v in got.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
     check(not on_meta, f"still on the meta device after loading: {on_meta[:5]}")
     fail_if(diff_values(want, got, "model"), f"{mode}: loading into a meta-initialised model gave other values")
-    if layout != "single" and not parse_layout(layout).kind.fsdp1:  # FSDP1 holds plain flat shards
+    if layout != "single" and parse_layout(layout).wrapper != "fsdp1":  # FSDP1 holds plain flat shards
         not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
         check(not not_dt, f"parameters are not DTensors after the load: {not_dt[:5]}")
 
@@ -270,14 +270,11 @@ def cases():
             yield make_case("MODEL-4", layout, model_4, mode=mode)
 
 
-# Layouts whose model is sharded over more than one rank: a broadcast load
-# there must send each rank its own shard, not the whole (MODEL-3).
-SHARDED_KINDS = ("fsdp", "hsdp", "ppfsdp")
-
-
 def _sharded(layout: str) -> bool:
+    """Whether FSDP2 shards the model over more than one rank: a broadcast
+    load there must send each rank its own shard, not the whole (MODEL-3)."""
     lay = parse_layout(layout)
-    return lay.kind.name in SHARDED_KINDS and lay.world_size > 1
+    return lay.wrapper == "fsdp2" and lay.world_size > 1
 
 
 CLAUSES = {

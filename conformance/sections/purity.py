@@ -16,7 +16,7 @@ from ..judging.oracle import (
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS
+from ..world.layouts import BASE_LAYOUTS, parse_layout
 from ..world.models import batch, loss_fn
 from ..world.modes import get_options, optimizers_arg
 
@@ -111,7 +111,7 @@ def cases():
     for layout in BASE_LAYOUTS:
         for opt in OPTS if layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2") else ("adamw",):
             yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="fresh", grads=False)
-            if not layout.startswith("pp"):  # stages accumulate gradients only inside a schedule step
+            if parse_layout(layout).pp == 1:  # stages accumulate gradients only inside a schedule step
                 yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="grads", grads=True)
     for layout in BASE_LAYOUTS:
         for mode in ("sharded", "flat"):

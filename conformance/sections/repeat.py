@@ -185,7 +185,7 @@ class Step:
     calls: tuple[str, ...]
     structural: Callable | None = None
     state: Callable | None = None
-    plain_only: bool = False  # possible where the suite holds the module's parameters itself
+    plain_only: bool = False  # possible where the suite holds the module's parameters itself (no wrapper)
 
 
 HISTORY = (
@@ -287,7 +287,7 @@ def repeat_1(c, layout, mode):
     s = _build(c, layout, 0)
     s.train(1)
     kept = Kept(s)
-    plain = parse_layout(layout).kind.name in PLAIN_KINDS
+    plain = parse_layout(layout).wrapper == "none"
     for step in HISTORY:
         if step.plain_only and not plain:
             continue
@@ -300,8 +300,6 @@ def repeat_1(c, layout, mode):
             CHECKS[call](c, kept, mode, step.name)
 
 
-# Layouts where a module's parameters are the suite's own objects (no wrapper holds them).
-PLAIN_KINDS = ("single", "pp")
 # Every mode on the plain layout and on FSDP2; two of the other families' in
 # turn (a case calls the implementation some forty times: SPEC REPEAT-1).
 # HSDP on two ranks, each a replica of its own.

@@ -12,7 +12,7 @@ from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fai
 from ..running.cases import make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS
+from ..world.layouts import BASE_LAYOUTS, parse_layout
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
@@ -71,7 +71,7 @@ def rt_4(c, layout, opt, mode):
     """Everything at once: tied weights, a parameter that never gets a
     gradient, a frozen parameter with state, an empty group between two
     others, custom group fields and an LR scheduler."""
-    pipeline = layout.startswith("pp")
+    pipeline = parse_layout(layout).pp > 1
     cfg = ModelConfig().everything(pipeline=pipeline)
     freeze = ["layers.0.fc1.weight"] if not pipeline or "layers.0.fc1.weight" in _names(c, layout, cfg) else []
 

@@ -69,7 +69,7 @@ def _build(c, layout: str, seed: int) -> Setup:
 def _freeze(setup: Setup) -> None:
     """Freeze the lanes of FROZEN this rank holds (a flat parameter freezes
     whole: FSDP1 without its original parameters has none to freeze)."""
-    if not setup.layout.kind.flat:
+    if not setup.layout.kind.flat_params:
         mine = dict(setup.named_parameters())
         setup.freeze([f for f in many_keys.FROZEN if f in mine])
 

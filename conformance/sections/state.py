@@ -37,7 +37,7 @@ def state_1(c, layout, mode, lazy=False):
 
 def check_loaded(s) -> None:
     """After set, state shaped like a parameter is laid out like it (nested state included)."""
-    if s.layout.kind.fsdp1:
+    if s.layout.wrapper == "fsdp1":
         problems = _fsdp1_loaded(s)
     else:
         problems = layout_problems(snapshot(s)["state"], dict(s.named_parameters()), "state", local=True)

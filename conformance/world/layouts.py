@@ -44,6 +44,15 @@ class Layout:
     policy: str = ""  # the FSDP2 policy variant after a dot (``fsdp4.bf16``; SPEC §2), "" for the base
 
     @property
+    def wrapper(self) -> str:
+        return self.kind.wrapper
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The layout capabilities an adapter must declare to run on it."""
+        return self.kind.needs + (("policies",) if self.policy else ())
+
+    @property
     def base(self) -> str:
         """The layout's name without its policy variant."""
         return self.name.partition(".")[0]
@@ -97,10 +106,17 @@ class LayoutKind:
     wrap: Callable[[nn.Module], nn.Module] = lambda module: module
     parts: bool = False
     serves: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # FSDP1 (SPEC §2, 1.3): the suite wraps with torch's FullyShardedDataParallel;
-    # ``flat``: use_orig_params=False (the optimizer holds flat parameters).
-    fsdp1: bool = False
-    flat: bool = False
+    # What lays the model out, beyond the meshes: "none" (the suite holds the
+    # modules' parameters itself), "ddp", "fsdp2" (the adapter's ``shard``), or
+    # "fsdp1" (SPEC §2, 1.3: torch's FullyShardedDataParallel, whatever the
+    # implementation; ``flat_params``: use_orig_params=False, the optimizer
+    # steps FSDP1's flat parameters).
+    wrapper: str = "none"
+    flat_params: bool = False
+    # The layout capabilities (adapters.LAYOUT_CAPABILITIES) an adapter must
+    # declare for cases on this kind; a policy variant adds "policies".
+    needs: tuple[str, ...] = ()
+    policies: bool = False  # its names take an FSDP2 policy variant after a dot (policies.py)
     # Which column of the console's summary its cases count in (:data:`FAMILIES`).
     family: str = "meshes"
 
@@ -293,10 +309,26 @@ def _ddp(module: nn.Module) -> nn.Module:
 KINDS: tuple[LayoutKind, ...] = (
     LayoutKind("single", r"single", lambda: (1, (("1", ("shard",)),), 1), _no_mesh, _unsharded, _no_dp, family="plain"),
     LayoutKind(
-        "ddp", r"ddp", lambda: (2, (("2", ("shard",)),), 1), _world_mesh, _unsharded, _world_dp, wrap=_ddp, family="ddp"
+        "ddp",
+        r"ddp",
+        lambda: (2, (("2", ("shard",)),), 1),
+        _world_mesh,
+        _unsharded,
+        _world_dp,
+        wrap=_ddp,
+        wrapper="ddp",
+        family="ddp",
     ),
     LayoutKind(
-        "fsdp", r"fsdp(\d+)", lambda n: (n, ((f"{n}", ("shard",)),), 1), _world_mesh, _fsdp, _world_dp, family="fsdp2"
+        "fsdp",
+        r"fsdp(\d+)",
+        lambda n: (n, ((f"{n}", ("shard",)),), 1),
+        _world_mesh,
+        _fsdp,
+        _world_dp,
+        wrapper="fsdp2",
+        policies=True,
+        family="fsdp2",
     ),
     LayoutKind(
         "hsdp",
@@ -305,10 +337,19 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_mesh,
         _fsdp,
         _world_dp,
+        wrapper="fsdp2",
+        policies=True,
         family="hsdp",
     ),
     LayoutKind(
-        "pp", r"pp(\d+)", lambda p: (p, ((f"{p}", ("pp",)),), p), _stages, _unsharded, _no_dp, family="pipeline"
+        "pp",
+        r"pp(\d+)",
+        lambda p: (p, ((f"{p}", ("pp",)),), p),
+        _stages,
+        _unsharded,
+        _no_dp,
+        needs=("pipeline",),
+        family="pipeline",
     ),
     LayoutKind(
         "ppfsdp",
@@ -317,6 +358,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _stages,
         _fsdp_on_shard_dim,
         _shard_dim_dp,
+        wrapper="fsdp2",
+        needs=("pipeline",),
         family="pipeline",
     ),
     LayoutKind(
@@ -326,6 +369,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_mesh,
         _tp_then_fsdp,
         _shard_dim_dp,
+        wrapper="fsdp2",
+        needs=("tensor_parallel",),
     ),
     # A mixture of experts: dense layers sharded over the world, the experts
     # on an ``ep x dp`` mesh of their own (OPT-MESH-1).
@@ -338,6 +383,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_dp,
         model=_experts,
         serves=(("OPT-MESH-1", ("fsdp4+ep2x2",)),),
+        wrapper="fsdp2",
+        needs=("several_meshes",),
     ),
     # ... with an expert-parallel degree of 1: the stacked experts FSDP-sharded on dim 0.
     LayoutKind(
@@ -349,6 +396,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_dp,
         model=_experts,
         serves=(("OPT-MESH-1", ("fsdp4+ep1",)),),
+        wrapper="fsdp2",
+        needs=("several_meshes",),
     ),
     # ... with the router replicated on sub-meshes of ``rep`` ranks.
     LayoutKind(
@@ -360,6 +409,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_dp,
         model=_experts,
         serves=(("OPT-MESH-1", ("fsdp4+rep2",)),),
+        wrapper="fsdp2",
+        needs=("several_meshes",),
     ),
     # FSDP1 (SPEC §2, 1.3): FullyShardedDataParallel on every block and the root.
     LayoutKind(
@@ -369,7 +420,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_mesh,
         lambda setup: _fsdp1_units(setup, flat=False, strategy="FULL_SHARD"),
         _world_dp,
-        fsdp1=True,
+        wrapper="fsdp1",
+        needs=("fsdp1",),
         family="fsdp1",
     ),
     LayoutKind(
@@ -379,8 +431,9 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_mesh,
         lambda setup: _fsdp1_units(setup, flat=True, strategy="FULL_SHARD"),
         _world_dp,
-        fsdp1=True,
-        flat=True,
+        wrapper="fsdp1",
+        flat_params=True,
+        needs=("fsdp1",),
         family="fsdp1",
     ),
     # SHARD_GRAD_OP: parameters stay unsharded from the forward to the backward.
@@ -391,7 +444,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_mesh,
         lambda setup: _fsdp1_units(setup, flat=False, strategy="SHARD_GRAD_OP"),
         _world_dp,
-        fsdp1=True,
+        wrapper="fsdp1",
+        needs=("fsdp1",),
         family="fsdp1",
     ),
     LayoutKind(
@@ -401,7 +455,8 @@ KINDS: tuple[LayoutKind, ...] = (
         _world_mesh,
         lambda setup: _fsdp1_units(setup, flat=False, strategy="HYBRID_SHARD"),
         _world_dp,
-        fsdp1=True,
+        wrapper="fsdp1",
+        needs=("fsdp1",),
         family="fsdp1",
     ),
     # Models on disjoint parts of the world, each fully sharded on its own
@@ -416,9 +471,14 @@ KINDS: tuple[LayoutKind, ...] = (
         model=_second_model_differs,
         parts=True,
         serves=(("OPT-MESH-2", ("halves2+2",)),),
+        wrapper="fsdp2",
+        needs=("several_meshes", "part_of_world"),
     ),
 )
 
+
+# The kinds whose names take a policy variant.
+POLICY_KINDS = tuple(kind.name for kind in KINDS if kind.policies)
 
 # The base layouts: the data-parallel and pipeline layouts most clauses run
 # on, and the ones generated scenarios draw from (conformance.world.scenario).
@@ -445,10 +505,10 @@ def parse_layout(name: str) -> Layout:
     for kind in KINDS:
         match = re.fullmatch(kind.pattern, base)
         if match:
-            if dot and (kind.name not in policies.KINDS or policy not in policies.VARIANTS):
+            if dot and (not kind.policies or policy not in policies.VARIANTS):
                 raise ValueError(
                     f"unknown layout {name!r}: policy variants ({', '.join(policies.VARIANTS)}) "
-                    f"apply to the {' and '.join(policies.KINDS)} layouts"
+                    f"apply to the {' and '.join(POLICY_KINDS)} layouts"
                 )
             numbers = tuple(int(g) for g in match.groups())
             world_size, meshes, pp = kind.make(*numbers)

@@ -96,7 +96,7 @@ def _last_micro_batch(setup: Setup) -> None:
 
 
 def _sharded_by_fsdp(layout: Layout) -> str | None:
-    return None if layout.kind.name in ("fsdp", "hsdp", "ppfsdp") else "unshard() is FSDP2's"
+    return None if layout.wrapper == "fsdp2" else "unshard() is FSDP2's"
 
 
 def _not_pipelined(layout: Layout) -> str | None:
@@ -111,7 +111,7 @@ def _anywhere(layout: Layout) -> str | None:
 def _no_fsdp_accumulation(layout: Layout) -> str | None:
     # FSDP2 keeps a partial accumulation in its unsharded gradients, which no
     # public call clears: after a rollback there, the next step would add it.
-    if layout.kind.name in ("fsdp", "hsdp", "ppfsdp"):
+    if layout.wrapper == "fsdp2":
         return "FSDP2 keeps the partial accumulation where no public call clears it"
     return _not_pipelined(layout)
 

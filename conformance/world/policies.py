@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import torch
 
-# The layout kinds whose names take a variant.
-KINDS = ("fsdp", "hsdp")
-
 
 def _mixed_precision():
     from torch.distributed.fsdp import MixedPrecisionPolicy

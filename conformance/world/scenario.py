@@ -19,7 +19,7 @@ import json
 import zlib
 from dataclasses import dataclass, fields
 
-from .layouts import BASE_LAYOUTS, parse_layout
+from .layouts import BASE_LAYOUTS, POLICY_KINDS, parse_layout
 
 TOKEN_PREFIX = "s1."
 
@@ -182,8 +182,8 @@ class Scenario:
         if self.policy:
             if self.policy not in policies.VARIANTS:
                 out.append(f"policy {self.policy!r} is not one of {tuple(policies.VARIANTS)}")
-            elif lay.kind.name not in policies.KINDS:
-                out.append(f"policies apply to the {' and '.join(policies.KINDS)} layouts, not {self.layout}")
+            elif not lay.kind.policies:
+                out.append(f"policies apply to the {' and '.join(POLICY_KINDS)} layouts, not {self.layout}")
             elif self.policy == "reshard2" and lay.world_size % 2:
                 out.append(f"reshard_after_forward=2 needs an even number of ranks, {self.layout} has {lay.world_size}")
         if self.loop_point:

@@ -77,7 +77,7 @@ class Setup:
         # as 1-D views of its shards: the groups by role go by their shapes
         # before the wrap.
         by_role = None
-        if with_optimizer and lay.kind.fsdp1 and not lay.kind.flat:
+        if with_optimizer and lay.wrapper == "fsdp1" and not lay.kind.flat_params:
             by_role = param_groups(
                 [(n, p) for n, p in self.named_parameters() if trainable is None or trainable(n)], groups
             )
@@ -142,7 +142,7 @@ class Setup:
         """For FSDP1 layouts, :func:`conformance.judging.oracle.full_snapshot`'s full
         state by original parameter's FQN (FSDP1 holds flat shards, not
         DTensors); None for every other layout. Collective."""
-        if not self.layout.kind.fsdp1:
+        if self.layout.wrapper != "fsdp1":
             return None
         return fsdp1.full_snapshot(self.module, self.optimizers, self.fqn_of(), canonical)
 

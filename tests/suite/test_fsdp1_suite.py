@@ -21,13 +21,19 @@ def _fsdp1_cases():
 
 def test_fsdp1_layouts_parse():
     lay = parse_layout("fsdp1-2")
-    assert (lay.kind.name, lay.world_size, lay.mesh, lay.kind.fsdp1, lay.kind.flat) == ("fsdp1", 2, "2", True, False)
+    assert (lay.kind.name, lay.world_size, lay.mesh, lay.wrapper, lay.kind.flat_params) == (
+        "fsdp1",
+        2,
+        "2",
+        "fsdp1",
+        False,
+    )
     flat = parse_layout("fsdp1-4-flat")
-    assert (flat.world_size, flat.kind.flat) == (4, True)
+    assert (flat.world_size, flat.kind.flat_params) == (4, True)
     hsdp = parse_layout("hsdp1-2x2")
     assert (hsdp.world_size, hsdp.mesh, hsdp.dim_names) == (4, "2x2", ("replicate", "shard"))
     assert parse_layout("fsdp1-2-shard_grad_op").kind.name == "fsdp1-shard_grad_op"
-    assert not parse_layout("fsdp4").kind.fsdp1 and parse_layout("fsdp1").kind.name == "fsdp"  # FSDP2 on one rank
+    assert parse_layout("fsdp4").wrapper == "fsdp2" and parse_layout("fsdp1").kind.name == "fsdp"  # FSDP2 on one rank
     with pytest.raises(ValueError, match="policy variants"):
         parse_layout("fsdp1-2.bf16")
     with pytest.raises(ValueError, match="unknown layout"):
