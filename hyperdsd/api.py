@@ -67,6 +67,17 @@ def _no_submodules(submodules) -> None:
         raise StateDictError("'submodules' is deprecated upstream and not supported; filter the returned dict instead")
 
 
+@contextlib.contextmanager
+def _reading(model: nn.Module, optims: tuple, opts: StateDictOptions):
+    """A get's :func:`_target`, let go of when the get is done (a kept twin holds no rows between calls)."""
+    target = _target(model, optims, opts)
+    try:
+        yield target
+    finally:
+        if target.release is not None:
+            target.release()
+
+
 def _target(model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False) -> wrappers.Twin:
     """What a call reads or loads: the model and optimizers themselves, or
     for a model a wrapper layout wraps (:mod:`.wrappers`) their twin in the
@@ -91,8 +102,8 @@ def get_model_state_dict(
 
 
 def _model_only(model: nn.Module, opts: StateDictOptions) -> dict[str, Any]:
-    target = _target(model, (), opts)
-    return _model_state(target.model, target.index, opts, target.model_stages)
+    with _reading(model, (), opts) as target:
+        return _model_state(target.model, target.index, opts, target.model_stages)
 
 
 def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions, stages=None) -> dict[str, Any]:
@@ -118,8 +129,8 @@ def get_optimizer_state_dict(
 
 
 def _optimizers_only(model: nn.Module, optims: tuple, opts: StateDictOptions) -> dict[str, Any]:
-    target = _target(model, optims, opts)
-    return _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages)
+    with _reading(model, optims, opts) as target:
+        return _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages)
 
 
 def _optimizer_state(
@@ -151,11 +162,11 @@ def get_state_dict(
 
 
 def _both(model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False) -> tuple[dict, dict]:
-    target = _target(model, optims, opts)
-    return (
-        _model_state(target.model, target.index, opts, target.model_stages),
-        _optimizer_state(target.index, target.optims, opts, to_load=to_load, stages=target.optim_stages),
-    )
+    with _reading(model, optims, opts) as target:
+        return (
+            _model_state(target.model, target.index, opts, target.model_stages),
+            _optimizer_state(target.index, target.optims, opts, to_load=to_load, stages=target.optim_stages),
+        )
 
 
 def load_template(model: nn.Module, optimizers: Optimizers, options: StateDictOptions) -> tuple[dict, dict]:

@@ -39,7 +39,7 @@ nothing is made or copied. A sketch of what a new layout implements::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class TwinLoad(Protocol):
@@ -68,6 +68,7 @@ class Twin:
     model_stages: Any = None
     optim_stages: Any = None
     load: TwinLoad | None = None
+    release: Callable[[], None] | None = None  # called when the call is done with the twin
 
 
 class WrapperLayout:

@@ -59,6 +59,7 @@ from .tensors import (
     local_tensor,
     local_tensors,
     root_mesh,
+    set_local,
     version_of,
 )
 
@@ -79,6 +80,7 @@ __all__ = [
     "copy_each",
     "copy_each_of_run",
     "detached",
+    "set_local",
     "distribute_locally",
     "each_loads_plainly",
     "filled_in_batch_counts",

@@ -21,6 +21,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def set_local(t: DTensor, local: torch.Tensor) -> None:
+    """Make ``local`` the local tensor of the DTensor ``t`` (of the same local
+    shape, dtype and device): a kept FSDP1 twin's parameter gets each call's
+    rows so (:mod:`hyperdsd.fsdp1.kept`). The wrapper's metadata is its
+    global shape and spec, which stay; the local tensor is a plain attribute."""
+    t._local_tensor = local
+
+
 def detached(t: torch.Tensor) -> torch.Tensor:
     """``t.detach()``: the same data, version counter and layout, without autograd."""
     # DTensor.detach() goes through DTensor's op dispatcher (about 8 us a

@@ -38,4 +38,5 @@ class FSDP1Layout(wrappers.WrapperLayout):
             model_stages(twin),
             optim_stages(twin),
             TwinLoad(twin) if to_load else None,
+            twin.release,
         )

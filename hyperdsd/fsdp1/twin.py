@@ -24,6 +24,7 @@ from .. import _compat
 from ..errors import StateDictError
 from ..state.fqn import ModelIndex
 from ..tree import rebuild
+from . import kept as kept_twins
 from . import unit_moves as moves
 from . import units as layout_of
 from .units import (
@@ -82,9 +83,28 @@ class Twin:
             exchange = moves.Exchange()
             rows = [moves.to_rows(u, u.unit.local, exchange) for u in self.units]
             exchange.run()
-        self.model, self.params = twin_module(real, self.units, rows)
-        self.index = ModelIndex(self.model, modifiers_attr)
+        self.model, self.params, self.index = self._tree(model, real, rows, modifiers_attr, kept=not to_load)
         self.optims = self._twin_optimizers() if self.real_optims else ()
+
+    def _tree(self, model, real, rows: list, modifiers_attr: str, kept: bool) -> tuple:
+        """The twin module, its parameters by unit, and its index: the last get's
+        tree given these rows where the model is as it was (:mod:`.kept`), else new."""
+        self.kept = False
+        key = kept_twins.structure(real, self.units) if kept else None  # (a load's twin: neither taken nor kept)
+        found = kept_twins.find(model, real, key) if kept else None
+        if found is not None:
+            tree, params = found
+            kept_twins.refill(self.units, params, rows)
+            self.kept = True
+        else:
+            tree, params = twin_module(real, self.units, rows)
+            self.kept = kept and kept_twins.keep(model, real, key, tree, params)
+        return tree, params, ModelIndex.of(tree, modifiers_attr) if self.kept else ModelIndex(tree, modifiers_attr)
+
+    def release(self) -> None:
+        """The call is done with the twin: a kept tree lets go of its rows (:mod:`.kept`)."""
+        if self.kept:
+            kept_twins.release(self.params)
 
     # -- reading -------------------------------------------------------------
 
@@ -148,9 +168,10 @@ class Twin:
                             "per-element and scalar state can be unflattened"
                         )
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
+            paths = [per_element_paths(summary or {}) for summary in merged]
             found: dict[tuple, torch.dtype] = {}
-            for summary in merged:
-                for path, dtype in per_element_paths(summary or {}):
+            for named in paths:
+                for path, dtype in named:
                     found.setdefault(path, dtype)
             typed = sorted(found.items(), key=lambda item: str(item[0]))  # (path, dtype): the same on every rank
             self.state_plans.append((targets, typed))
@@ -159,7 +180,7 @@ class Twin:
             else:
                 by_key = self.state_rows(u, targets, typed, exchange)
             placed: dict[tuple, Any] = {}  # (parameter, path) -> the twin's DTensor of those rows
-            has = [{path for path, _ in per_element_paths(summary or {})} for summary in merged]
+            has = [{path for path, _ in named} for named in paths]
             for k, ((path, _), rows) in enumerate(zip(typed, by_key)):
                 for i in range(len(twins)):
                     if path in has[0 if u.unit.params is None else i]:

@@ -690,3 +690,101 @@ def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", 
         assert _equal(ends[0], ends[2]), "a set whose exchanges run unit by unit ends differently"
         assert _equal(ends[0], _snapshot(source, source_opt)), "a set of a get does not end as the source"
     return True
+
+
+def _fresh_get(model, optimizer, **options):
+    """A get on a twin built anew (the kept one forgotten first)."""
+    import hyperdsd.fsdp1.kept as kept
+
+    kept._KEPT.pop(id(model), None)
+    return hyperdsd.get_state_dict(model, optimizer, options=StateDictOptions(**options))
+
+
+def _local_values(sd: tuple[dict, dict]) -> tuple[dict, dict]:
+    """Each value's local tensor cloned (what a get gave, kept apart from what later calls do)."""
+
+    def local(v):
+        return v.to_local().clone() if isinstance(v, DTensor) else v.clone() if isinstance(v, torch.Tensor) else v
+
+    msd, osd = sd
+    state = {f: {k: local(v) for k, v in e.items()} for f, e in osd["state"].items()}
+    return {k: local(v) for k, v in msd.items()}, {"state": state, "param_groups": osd["param_groups"]}
+
+
+def kept_twin_gets_equal_fresh_ones(ctx, uop: bool):
+    """A get on the kept twin gives what a get on a new twin gives, after each
+    change between calls (training, a frozen parameter, a replaced buffer, a
+    set, a full get, a flat get); it takes the last tree where nothing
+    structural changed; the tree holds no rows between calls; what one get
+    returned is not changed by the next; the store lets the model go."""
+    import gc
+    import weakref
+
+    import hyperdsd.fsdp1.kept as kept
+
+    model, optimizer = _fsdp1(ctx, 0, uop, build=_deep)
+    _steps(model, optimizer, 0, 1)
+    first = hyperdsd.get_state_dict(model, optimizer)
+    tree = kept._KEPT[id(model)][3]
+    rows = [k for k, v in first[0].items() if isinstance(v, DTensor)]  # (buffers are the model's own, live)
+    first_values = _local_values(first)
+    second = hyperdsd.get_state_dict(model, optimizer)
+    assert kept._KEPT[id(model)][3] is tree, "an unchanged model's get did not take the kept tree"
+    _assert_same(_local_values(second), first_values)
+    assert all(_compat_local(p).numel() == 0 for p in tree.parameters() if isinstance(p, DTensor)), "rows kept"
+
+    changes = _changes(model, optimizer, first, uop)
+    for name, change, options in changes:
+        change()
+        got = hyperdsd.get_state_dict(model, optimizer, options=StateDictOptions(**options))
+        want = _fresh_get(model, optimizer, **options)
+        if options.get("flatten_optimizer_state_dict"):
+            assert list(got[1]) == list(want[1]), name
+            assert all(
+                torch.equal(_compat_local(got[1][k]), _compat_local(v))
+                for k, v in want[1].items()
+                if isinstance(v, torch.Tensor)
+            ), name
+            got, want = (got[0], {"state": {}, "param_groups": []}), (want[0], {"state": {}, "param_groups": []})
+        _assert_same(_local_values(got), _local_values(want))
+        if name == "frozen":
+            assert "0.weight" not in got[0], "a frozen parameter's value in an ignore_frozen_params get"
+    later = _local_values(first)
+    assert rows and all(torch.equal(later[0][k], first_values[0][k]) for k in rows), "a later call changed a get's rows"
+    _assert_same(({}, later[1]), ({}, first_values[1]))
+    assert kept.kept_models() >= 1
+    ref = weakref.ref(model)
+    del model, optimizer, first, second, got, want, tree, changes
+    gc.collect()
+    assert ref() is None and id(ref) not in kept._KEPT, "the store kept the model alive"
+    return True
+
+
+def _changes(model, optimizer, first, uop: bool) -> list:
+    """(name, change, get options): what kept_twin_gets_equal_fresh_ones does between calls."""
+    changes = [
+        ("trained", lambda: _steps(model, optimizer, 1, 1), {}),
+        ("frozen", lambda: model.module[0].weight.requires_grad_(False), {"ignore_frozen_params": True}),
+        ("buffer", lambda: setattr(model.module[1], "running_mean", torch.full((12,), 0.5)), {}),
+        ("full", lambda: None, {"full_state_dict": True}),
+        (
+            "set",
+            lambda: hyperdsd.set_state_dict(
+                model, optimizer, model_state_dict=_halved(first[0]), optim_state_dict=first[1]
+            ),
+            {},
+        ),
+        ("flat", lambda: None, {"flatten_optimizer_state_dict": True}),
+        ("again", lambda: None, {}),
+    ]
+    if not uop:
+        changes.pop(1)  # (a flat parameter freezes whole)
+    return changes
+
+
+def _compat_local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _halved(msd: dict) -> dict:
+    return {k: v / 2 if v.is_floating_point() else v for k, v in msd.items()}

@@ -160,3 +160,8 @@ def test_moves_by_index_equal_moves_piece_by_piece(pools, uop):
 def test_moves_by_index_equal_moves_piece_by_piece_on_hybrid_shard(pools):
     got = run(pools, 4, "indexed_moves_equal_piecewise", uop=False, strategy="HYBRID_SHARD", mesh="2x2")
     assert got == [True] * 4
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_kept_twin_gets_what_a_new_twin_gets_across_changes(pools, uop):
+    assert run(pools, 2, "kept_twin_gets_equal_fresh_ones", uop=uop) == [True, True]

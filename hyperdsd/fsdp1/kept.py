@@ -1,0 +1,108 @@
+"""A get's twin module, kept from one get to the next while the model is as it was.
+
+Building the twin's module tree (a module per path, a DTensor parameter per
+original parameter, the model's buffers registered in place) was a fifth of
+a sharded get of an FSDP1 model of many small parameters, and its index
+another tenth. A get whose model has the same modules, in the same places,
+with registries holding the same objects (:func:`hyperdsd._compat.registries_fingerprint`,
+the kept index's own test), and units of the same layout, takes the last
+get's tree: each twin parameter gets this call's rows as its local tensor,
+and its ``requires_grad`` the real parameter's. Its index is then the kept
+index of an unchanged model (:meth:`hyperdsd.state.fqn.ModelIndex.of`).
+
+What a get returns never aliases the kept tree: the model's values are
+detached DTensors around the rows they were read with (a later get gives
+the tree other rows), and the optimizers' twins and state are made anew
+each call. Between calls the tree holds no rows (:func:`release`: a get's
+rows are the caller's alone), and a twin with a module of extra state (which
+holds the real module) is not kept. A load's twin is never kept, nor taken:
+a load changes its twin. Nothing here keeps the model alive; an entry goes
+with its model.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from .. import _compat
+
+# By the id of the real model: (its weak reference, the modules' weak
+# references, what the twin was built from, the tree, each unit's twin parameters).
+_KEPT: dict[int, tuple] = {}
+
+
+def structure(real, units) -> tuple:
+    """What a twin's tree is built from: the real model's modules and their
+    registries, the canonical names, and each unit's layout and dtype."""
+    modules = [m for m, _ in real.modules]
+    fingerprint, _, _ = _compat.registries_fingerprint(modules)
+    layout = [
+        (u.fqns, u.aliases, tuple(map(tuple, u.unit.shapes)), u.unit.local.dtype, u.size, u.index, id(u.mesh))
+        for u in units
+    ]
+    extra = [i for i, m in enumerate(modules) if _compat.has_extra_state(m)]
+    return fingerprint, [canon for _, canon in real.modules], layout, extra
+
+
+def find(model, real, key: tuple):
+    """The kept ``(tree, params)`` for ``model`` if built from ``key`` on these very modules; else None."""
+    entry = _KEPT.get(id(model))
+    if entry is None:
+        return None
+    root, refs, kept_key, tree, params = entry
+    if root() is not model or len(refs) != len(real.modules):
+        return None
+    if any(ref() is not module for ref, (module, _) in zip(refs, real.modules)):
+        return None  # a module replaced (ids alone may be reused)
+    return (tree, params) if kept_key == key else None
+
+
+def keep(model, real, key: tuple, tree, params) -> bool:
+    """Keep the tree for the next get; False where it cannot be kept."""
+    if key[3]:  # a module of extra state: its twin holds the real module
+        return False
+    try:
+        root = weakref.ref(model, functools.partial(_forget, id(model)))
+        refs = [weakref.ref(m) for m, _ in real.modules]
+    except TypeError:  # (a model that takes no weak reference is not kept)
+        return False
+    _KEPT[id(model)] = (root, refs, key, tree, params)
+    return True
+
+
+def refill(units, params: list[list], rows: list[list[torch.Tensor]]) -> None:
+    """Give each kept twin parameter this call's rows, and its real parameter's ``requires_grad``."""
+    for u, twins, local in zip(units, params, rows):
+        grads = [p.requires_grad for p in u.unit.params] if u.unit.params is not None else None
+        for i, (twin, piece) in enumerate(zip(twins, local)):
+            _compat.set_local(twin, piece)
+            grad = grads[i] if grads is not None else u.unit.flat.requires_grad
+            if twin.requires_grad != grad:
+                twin.requires_grad_(grad)
+
+
+def release(params: list[list]) -> None:
+    """Let a kept tree's parameters go of this call's rows (an empty local
+    tensor each, until the next get gives them rows)."""
+    empty: dict[tuple, torch.Tensor] = {}
+    for twins in params:
+        for twin in twins:
+            local = _compat.local_tensor(twin)
+            stand_in = empty.get((local.dtype, local.device))
+            if stand_in is None:
+                stand_in = empty[(local.dtype, local.device)] = torch.empty(0, dtype=local.dtype, device=local.device)
+            _compat.set_local(twin, stand_in)
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _KEPT.get(key)
+    if entry is not None and entry[0] is ref:
+        del _KEPT[key]
+
+
+def kept_models() -> int:
+    """How many models have a twin kept (for tests: the store lets models go)."""
+    return len(_KEPT)
