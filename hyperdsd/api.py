@@ -215,6 +215,7 @@ class _Load:
         target = _target(model, optimizer_params(optimizers), opts, to_load=True)
         self.model, self.index, self.optims = target.model, target.index, target.optims
         self.twin_load = target.load  # a wrapped model's: the load lands in its twin and is written back
+        self.release = target.release
         self.group = groups.of_params(self.index.params)
         self.problems: list[str] = []
         self.model_plan: ModelLoadPlan | None = None
@@ -266,7 +267,11 @@ def _load(model: nn.Module, opts: StateDictOptions, optimizers, what: str, parts
     """One load (:class:`_Load`); its plans are released on return. Returns
     the model plan's missing and unexpected keys (none without a model)."""
     load = _Load(model, opts, optimizers)
-    load.run(what, parts)
+    try:
+        load.run(what, parts)
+    finally:
+        if load.release is not None:
+            load.release()
     plan = load.model_plan
     return (plan.missing, plan.unexpected) if plan is not None else ([], [])
 

@@ -1,23 +1,26 @@
-"""A get's twin module, kept from one get to the next while the model is as it was.
+"""A twin's module tree, kept from one call to the next while the model is as it was.
 
 Building the twin's module tree (a module per path, a DTensor parameter per
 original parameter, the model's buffers registered in place) was a fifth of
 a sharded get of an FSDP1 model of many small parameters, and its index
-another tenth. A get whose model has the same modules, in the same places,
-with registries holding the same objects (:func:`hyperdsd._compat.registries_fingerprint`,
-the kept index's own test), and units of the same layout, takes the last
-get's tree: each twin parameter gets this call's rows as its local tensor,
-and its ``requires_grad`` the real parameter's. Its index is then the kept
-index of an unchanged model (:meth:`hyperdsd.state.fqn.ModelIndex.of`).
+another tenth; a set's too. A call whose model has the same modules, in
+the same places, with registries holding the same objects
+(:func:`hyperdsd._compat.registries_fingerprint`, the kept index's own
+test), and units of the same layout, takes the last call's tree: each twin
+parameter gets this call's rows as its local tensor (a load's: empty rows
+it loads into), and its ``requires_grad`` the real parameter's. Its index
+is then the kept index of an unchanged tree
+(:meth:`hyperdsd.state.fqn.ModelIndex.of`), and the tree is taken only
+while that index holds every kept parameter (:func:`intact`: a load that
+replaced one of the tree's parameters leaves a tree built anew next time).
 
 What a get returns never aliases the kept tree: the model's values are
 detached DTensors around the rows they were read with (a later get gives
 the tree other rows), and the optimizers' twins and state are made anew
 each call. Between calls the tree holds no rows (:func:`release`: a get's
 rows are the caller's alone), and a twin with a module of extra state (which
-holds the real module) is not kept. A load's twin is never kept, nor taken:
-a load changes its twin. Nothing here keeps the model alive; an entry goes
-with its model.
+holds the real module) is not kept. Nothing here keeps the model alive; an
+entry goes with its model.
 """
 
 from __future__ import annotations
@@ -82,6 +85,16 @@ def refill(units, params: list[list], rows: list[list[torch.Tensor]]) -> None:
             grad = grads[i] if grads is not None else u.unit.flat.requires_grad
             if twin.requires_grad != grad:
                 twin.requires_grad_(grad)
+
+
+def intact(index, params: list[list]) -> bool:
+    """Whether the tree's index (``index``) still holds every kept parameter."""
+    held = index.fqn_by_id
+    return all(id(twin) in held for twins in params for twin in twins)
+
+
+def forget(model) -> None:
+    _KEPT.pop(id(model), None)
 
 
 def release(params: list[list]) -> None:

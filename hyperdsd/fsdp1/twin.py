@@ -83,22 +83,26 @@ class Twin:
             exchange = moves.Exchange()
             rows = [moves.to_rows(u, u.unit.local, exchange) for u in self.units]
             exchange.run()
-        self.model, self.params, self.index = self._tree(model, real, rows, modifiers_attr, kept=not to_load)
+        self.kept = False
+        self.model, self.params, self.index = self._tree(model, real, rows, modifiers_attr)
         self.optims = self._twin_optimizers() if self.real_optims else ()
 
-    def _tree(self, model, real, rows: list, modifiers_attr: str, kept: bool) -> tuple:
-        """The twin module, its parameters by unit, and its index: the last get's
-        tree given these rows where the model is as it was (:mod:`.kept`), else new."""
-        self.kept = False
-        key = kept_twins.structure(real, self.units) if kept else None  # (a load's twin: neither taken nor kept)
-        found = kept_twins.find(model, real, key) if kept else None
+    def _tree(self, model, real, rows: list, modifiers_attr: str) -> tuple:
+        """The twin module, its parameters by unit, and its index: the last
+        call's tree given these rows where the model is as it was (:mod:`.kept`),
+        else new (and kept)."""
+        key = kept_twins.structure(real, self.units)
+        found = kept_twins.find(model, real, key)
         if found is not None:
             tree, params = found
             kept_twins.refill(self.units, params, rows)
-            self.kept = True
-        else:
-            tree, params = twin_module(real, self.units, rows)
-            self.kept = kept and kept_twins.keep(model, real, key, tree, params)
+            index = ModelIndex.of(tree, modifiers_attr)
+            if kept_twins.intact(index, params):
+                self.kept = True
+                return tree, params, index
+            kept_twins.forget(model)  # (a load replaced a parameter of the tree)
+        tree, params = twin_module(real, self.units, rows)
+        self.kept = kept_twins.keep(model, real, key, tree, params)
         return tree, params, ModelIndex.of(tree, modifiers_attr) if self.kept else ModelIndex(tree, modifiers_attr)
 
     def release(self) -> None:

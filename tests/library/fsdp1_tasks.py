@@ -735,8 +735,11 @@ def kept_twin_gets_equal_fresh_ones(ctx, uop: bool):
 
     changes = _changes(model, optimizer, first, uop)
     for name, change, options in changes:
+        before = kept._KEPT[id(model)][3]
         change()
         got = hyperdsd.get_state_dict(model, optimizer, options=StateDictOptions(**options))
+        if name in ("set", "flat", "again"):  # (nothing structural changed: the set and the get take the tree)
+            assert kept._KEPT[id(model)][3] is before, f"{name}: the kept tree was not taken"
         want = _fresh_get(model, optimizer, **options)
         if options.get("flatten_optimizer_state_dict"):
             assert list(got[1]) == list(want[1]), name
@@ -754,7 +757,7 @@ def kept_twin_gets_equal_fresh_ones(ctx, uop: bool):
     _assert_same(({}, later[1]), ({}, first_values[1]))
     assert kept.kept_models() >= 1
     ref = weakref.ref(model)
-    del model, optimizer, first, second, got, want, tree, changes
+    del model, optimizer, first, second, got, want, tree, changes, change, before
     gc.collect()
     assert ref() is None and id(ref) not in kept._KEPT, "the store kept the model alive"
     return True
@@ -776,10 +779,21 @@ def _changes(model, optimizer, first, uop: bool) -> list:
         ),
         ("flat", lambda: None, {"flatten_optimizer_state_dict": True}),
         ("again", lambda: None, {}),
+        ("tree tampered", lambda: _replace_a_twin_parameter(model), {}),
     ]
     if not uop:
         changes.pop(1)  # (a flat parameter freezes whole)
     return changes
+
+
+def _replace_a_twin_parameter(model) -> None:
+    """What a load that replaced one of the kept tree's parameters would leave."""
+    import hyperdsd.fsdp1.kept as kept
+
+    tree = kept._KEPT[id(model)][3]
+    owner, name = tree.get_submodule("3.2"), "weight"
+    old = getattr(owner, name)
+    owner.register_parameter(name, nn.Parameter(torch.zeros_like(old)))
 
 
 def _compat_local(t):
