@@ -143,7 +143,7 @@ def _optimizer_state(
     elif opts.cpu_offload:
         nested = consolidate.offload(nested)
     if opts.flatten_optimizer_state_dict and nested:
-        nested = flat_format.flatten(nested, index.flat_template)
+        nested = flat_format.flatten(nested, index.kept_flat_keys)
         # A never-stepped optimizer's placeholder state; a stepped one's has none to search for.
         anchor = placeholders.first_placeholder(nested) if any(not opt.state for opt in optims) else None
         if anchor is not None:

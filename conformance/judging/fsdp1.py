@@ -61,22 +61,22 @@ def _assemble(everyone: list, fqn: str, shape, numel: int, dtype) -> tuple[torch
     """One original parameter's full value and state from every rank's pieces."""
     full = torch.zeros(numel, dtype=dtype)
     spread: dict = {}  # path in the state entry -> its full tensor, or its value
-    template = None  # the entry's structure (nested state too), as the first holder has it
+    structure = None  # the entry's structure (nested state too), as the first holder has it
     for part in everyone:
         if fqn not in part:
             continue
         start, end, values, own = part[fqn]
         full[start : end + 1] = values
-        template = own if template is None else template
+        structure = own if structure is None else structure
         for path, v in nested.leaves(own):
             if isinstance(v, torch.Tensor) and v.dim():
                 spread.setdefault(path, torch.zeros(numel, dtype=v.dtype))[start : end + 1] = v
             else:
                 spread.setdefault(path, v)
-    if not template:
+    if not structure:
         return full.view(shape), None
     entry = nested.rebuild(
-        template,
+        structure,
         lambda v, path: spread[path].view(shape) if isinstance(v, torch.Tensor) and v.dim() else spread[path],
     )
     return full.view(shape), entry

@@ -150,10 +150,10 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
         if obj.device_mesh.get_coordinate() is None:
             continue  # outside the DTensor's mesh: nothing to read (as DCP)
         kind = (obj.shape, obj.device_mesh, obj.placements, tuple((c.offsets, c.sizes) for c in md.chunks))
-        template = made.get(kind)
-        if template is None:
-            template = made[kind] = create_read_items_for_chunk_list(fqn, md, obj.__create_chunk_list__())
-        for t in template:
+        of_kind = made.get(kind)
+        if of_kind is None:
+            of_kind = made[kind] = create_read_items_for_chunk_list(fqn, md, obj.__create_chunk_list__())
+        for t in of_kind:
             items.append(
                 ReadItem(
                     type=t.type,

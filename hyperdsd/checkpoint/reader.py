@@ -54,7 +54,7 @@ def _rebuild(storage, offset, size, stride, requires_grad, hooks, *rest):
     return storage, int(offset), tuple(size), tuple(stride)
 
 
-class _Spec(pickle.Unpickler):
+class _StorageView(pickle.Unpickler):
     """Unpickles a tensor's ``data.pkl`` into (storage, offset, size, stride), allowing only what
     ``torch.save`` writes for one plain tensor."""
 
@@ -76,30 +76,30 @@ class _Spec(pickle.Unpickler):
         return str(key), _STORAGE_DTYPES[storage_type], int(numel)
 
 
-_specs: dict[bytes, tuple] = {}  # data.pkl -> its spec: the same for every tensor of a shape, dtype and layout
+_views: dict[bytes, tuple] = {}  # data.pkl -> its view: the same for every tensor of a shape, dtype and layout
 
 
-def _spec_of(pkl: bytes) -> tuple:
-    spec = _specs.get(pkl)
-    if spec is None:
+def _view_of(pkl: bytes) -> tuple:
+    view = _views.get(pkl)
+    if view is None:
         try:
-            spec = _Spec(io.BytesIO(pkl)).load()
+            view = _StorageView(io.BytesIO(pkl)).load()
         except (_NotPlain, pickle.UnpicklingError, ValueError, TypeError, EOFError, AttributeError):
-            spec = ()
-        if not (isinstance(spec, tuple) and len(spec) == 4 and isinstance(spec[0], tuple)):
-            spec = ()
-        if len(_specs) < 4096:
-            _specs[pkl] = spec
-    return spec
+            view = ()
+        if not (isinstance(view, tuple) and len(view) == 4 and isinstance(view[0], tuple)):
+            view = ()
+        if len(_views) < 4096:
+            _views[pkl] = view
+    return view
 
 
 def tensor_from_bytes(data) -> torch.Tensor:
     """The tensor ``torch.save`` wrote into ``data`` (one DCP item), as ``torch.load`` would return it."""
     try:
         archive = _compat.tensor_archive(data)
-        spec = _spec_of(archive.get_record("data.pkl"))
-        if spec and archive.get_record("byteorder") == b"little":
-            (key, dtype, numel), offset, size, stride = spec
+        view = _view_of(archive.get_record("data.pkl"))
+        if view and archive.get_record("byteorder") == b"little":
+            (key, dtype, numel), offset, size, stride = view
             raw = archive.get_storage_from_record(f"data/{key}", numel * dtype.itemsize, torch.uint8)
             return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), offset, size, stride)
     except RuntimeError:

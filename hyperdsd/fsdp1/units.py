@@ -244,17 +244,17 @@ def _param_names(group: dict, params: list) -> list[str]:
 
 
 # What a rank tells the others of one optimizer parameter's state: by key,
-# ("rows", template) for per-element state, bare or nested in containers (the
+# ("rows", structure) for per-element state, bare or nested in containers (the
 # value with a :class:`RowsAt` for each per-element tensor: a flat shard's, or
 # an original parameter's piece), ("value", value) for anything else
 # (``step``), ("shape", what) for state that cannot be unflattened. A 0-d
-# tensor in a template or value is a :class:`HeldValue`.
+# tensor in a structure or value is a :class:`HeldValue`.
 Summary = dict
 
 
 @dataclass(frozen=True)
 class RowsAt:
-    """Stands for a per-element tensor in a summary's template."""
+    """Stands for a per-element tensor in a summary's structure."""
 
     dtype: torch.dtype
 

@@ -38,18 +38,18 @@ import re
 from itertools import repeat
 from typing import Any
 
-from .flat_keys import GROUPS, STATE, FlatTemplate, group_fields, row_keys, rows_of, state_rows
+from .flat_keys import GROUPS, STATE, KeptFlatKeys, group_fields, row_keys, rows_of, state_rows
 
 
 def is_flat(osd: Any) -> bool:
     return isinstance(osd, dict) and STATE not in osd and GROUPS not in osd
 
 
-def flatten(nested: dict, template: FlatTemplate | None = None) -> dict:
-    """``nested`` in the flat layout; through ``template`` (the keys of the
+def flatten(nested: dict, kept: KeptFlatKeys | None = None) -> dict:
+    """``nested`` in the flat layout; through ``kept`` (the keys of the
     last one made for the same optimizers) where it is given and fits."""
     rows = state_rows(nested[STATE])
-    out = template.flatten(nested, rows) if template is not None and rows is not None else None
+    out = kept.flatten(nested, rows) if kept is not None and rows is not None else None
     if out is not None:
         return out
     out = {}

@@ -4,7 +4,7 @@ A flat get on a model of many small parameters writes some fourteen keys a
 parameter (a key for each field of its group). Made one at a time, each an
 f-string and a dict insert, they were a third of the get; here each column
 of them (one name across a run of FQNs) is made in C, and
-:class:`FlatTemplate` keeps the last dict's keys for the next get to copy.
+:class:`KeptFlatKeys` keeps the last dict's keys for the next get to copy.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def rows_of(names: list, values: list, share: bool) -> tuple[list[dict], bool]:
     return nodes, False
 
 
-class FlatTemplate:
+class KeptFlatKeys:
     """The keys of the last flat dict made for one model's optimizers, for the
     next get to copy.
 
@@ -93,24 +93,24 @@ class FlatTemplate:
     dict around them, was a third of a flat get. Copying a dict of the same
     keys is a copy of its table; then only the state values are put in, and a
     group field's values where the field is not the object it was (a
-    scheduler's new ``lr``). The template is used only where the keys would be
+    scheduler's new ``lr``). The kept keys are used only where the keys would be
     the same: the same FQNs, state names, group fields and parameters, in the
     same order, checked every call. Kept with the model's index
     (:mod:`.index_cache`), so it goes with the model.
     """
 
     def __init__(self) -> None:
-        self._kept: _Template | None = None
+        self._kept: _FlatKeys | None = None
 
     def flatten(self, nested: dict, rows: tuple[list, list, list]) -> dict | None:
         """``flatten(nested)``, its state's ``rows`` read (``state_rows``); None
-        where the keys cannot be made so (see ``_Template.of``)."""
+        where the keys cannot be made so (see ``_FlatKeys.of``)."""
         fqns, names, values = rows
         fields = list(map(group_fields, nested[GROUPS]))
         groups = [([k for k, _ in f], g["params"]) for f, g in zip(fields, nested[GROUPS])]
         kept = self._kept
         if kept is None or not kept.fits(fqns, names, groups):
-            kept = self._kept = _Template.of(fqns, names, groups, fields)
+            kept = self._kept = _FlatKeys.of(fqns, names, groups, fields)
         if kept.flat is None:
             return None
         out = kept.flat.copy()
@@ -140,7 +140,7 @@ class FlatTemplate:
         return state, fields
 
 
-class _Template:
+class _FlatKeys:
     """A flat dict's keys in order (state values None, group fields as first
     read), and what they were made from."""
 
@@ -158,7 +158,7 @@ class _Template:
         )
 
     @classmethod
-    def of(cls, fqns: list, names: list, groups: list, fields: list) -> _Template:
+    def of(cls, fqns: list, names: list, groups: list, fields: list) -> _FlatKeys:
         """Its ``flat`` None where the keys cannot be made in C or two of them
         are the same (the later value is kept: a changed field could not be
         put in where it belongs): then, while the keys are these, every call

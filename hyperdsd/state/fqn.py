@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .. import _compat, wrappers
 from ..errors import StateDictError
-from .flat_keys import FlatTemplate
+from .flat_keys import KeptFlatKeys
 from .hidden import hidden_children
 from .index_cache import index_of
 
@@ -31,7 +31,7 @@ class ModelIndex:
     the layout's own are left out of :attr:`params` (what they hold is the
     layout's to name: a call works on the model's twin)."""
 
-    flat_template: FlatTemplate | None = None  # a kept index's (see index_cache): a flat get's keys
+    kept_flat_keys: KeptFlatKeys | None = None  # a kept index's (see index_cache): a flat get's keys
 
     def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers"):
         self.model = model

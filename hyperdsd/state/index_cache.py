@@ -21,7 +21,7 @@ wraps (:mod:`hyperdsd.wrappers`; the walk reads more than registries there):
 those are built every call.
 
 A kept index carries the keys of the last flat get made with it
-(:class:`~.flat_keys.FlatTemplate`, no tensor of the model among them), which
+(:class:`~.flat_keys.KeptFlatKeys`, no tensor of the model among them), which
 go with it.
 """
 
@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from .. import _compat
 from ..tree import has_none
-from .flat_keys import FlatTemplate
+from .flat_keys import KeptFlatKeys
 from .hidden import hidden_children
 
 _DEREF = weakref.ref.__call__
@@ -73,7 +73,7 @@ class _Snapshot:
         self.path_positions = [at[id(m)] for m, _ in index._module_paths.values()]
         self.path_canons = [canon for _, canon in index._module_paths.values()]
         self.renames = index.renames
-        self.flat_template = FlatTemplate()  # a flat get's keys (see FlatTemplate): the model's while it is as it was
+        self.kept_flat_keys = KeptFlatKeys()  # a flat get's keys (see KeptFlatKeys): the model's while it is as it was
 
     def _renaming(self, classes: list[type]) -> set[type]:
         return {c for c in set(classes) if callable(getattr(c, self.modifiers_attr, None))}
@@ -105,7 +105,7 @@ class _Snapshot:
         index.params = list(map(tensors.__getitem__, self.param_positions))
         index.first_name = dict(self.first_name)
         index._sharded, index.wrapped, index.wrapper, index.renames = {}, [], None, self.renames
-        index.flat_template = self.flat_template
+        index.kept_flat_keys = self.kept_flat_keys
         return index
 
     # What an index this snapshot made reads when it first needs it (new objects each time).
@@ -150,7 +150,7 @@ def index_of(cls, model: nn.Module, modifiers_attr: str):
     if not index.unsharded and not index.wrapped:
         try:
             snapshot = _SNAPSHOTS[id(model)] = _Snapshot(index, functools.partial(_forget, id(model)))
-            index.flat_template = snapshot.flat_template
+            index.kept_flat_keys = snapshot.kept_flat_keys
         except TypeError:  # (a model that takes no weak reference is indexed every call)
             _SNAPSHOTS.pop(id(model), None)
     return index

@@ -266,7 +266,7 @@ def _from_flat(
     unwritten: UnwrittenKeys,
 ) -> Source:
     """Source groups aligned with the target's groups, rebuilt from a flat dict."""
-    read = index.flat_template.read(osd) if index.flat_template is not None else None
+    read = index.kept_flat_keys.read(osd) if index.kept_flat_keys is not None else None
     state, fields, unknown, clashes = (*read, [], []) if read is not None else unflatten(osd, set(index.param_of))
     problems += clashes
     listed = _listed(state, fields, unwritten)

@@ -227,7 +227,7 @@ def test_flattening_by_columns_and_by_template_writes_each_leaf_as_alone(nested,
 
 
 def _flattened_as_alone(nested, changes, data):
-    template = flat_keys.FlatTemplate()
+    template = flat_keys.KeptFlatKeys()
     assert same_items(flat_format.flatten(nested), flatten_key_by_key(nested))
     assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
     reads_back(template, flatten_key_by_key(nested))
@@ -257,7 +257,7 @@ def test_a_later_get_copies_the_template_and_puts_in_only_what_changed(monkeypat
         STATE: {f: {"step": object(), "exp_avg": object()} for f in fqns},
         GROUPS: [{"lr": 0.1, "betas": (0.9, 0.99), "params": fqns[:300]}, {"lr": 0.2, "params": fqns[300:]}],
     }
-    template = flat_keys.FlatTemplate()
+    template = flat_keys.KeptFlatKeys()
     assert same_items(flat_format.flatten(nested, template), flatten_key_by_key(nested))
     made = []
     row_keys = flat_keys.row_keys
@@ -277,7 +277,7 @@ def test_a_later_get_copies_the_template_and_puts_in_only_what_changed(monkeypat
 def test_a_parameter_in_two_groups_is_read_back_as_unflatten_reads_it():
     """(Optimizers refuse it, but a flat dict may hold it:) unflatten merges the two groups' fields."""
     nested = {STATE: {}, GROUPS: [{"lr": object(), "params": ["a"]}, {"eps": object(), "params": ["a", "b"]}]}
-    template = flat_keys.FlatTemplate()
+    template = flat_keys.KeptFlatKeys()
     flat = flat_format.flatten(nested, template)
     assert same_items(flat, flatten_key_by_key(nested))
     reads_back(template, flat)

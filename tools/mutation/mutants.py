@@ -726,8 +726,8 @@ MUTANTS += (
         ("REPEAT-1[single-adamw-sharded]", "REPEAT-1[pp2-adamw-flat]"),
     ),
     Mutant(
-        "flat-template-ignores-groups",
-        "hyperdsd.state.flat_keys._Template.fits",
+        "kept-flat-keys-ignore-groups",
+        "hyperdsd.state.flat_keys._FlatKeys.fits",
         "fqns == self.fqns and names == self.names and groups == self.groups",
         "fqns == self.fqns and names == self.names",
         "a flat get copies the last flat get's keys while the state's FQNs and names are the same, whatever the "
@@ -735,8 +735,8 @@ MUTANTS += (
         ("REPEAT-1[single-adamw-flat]", "REPEAT-1[fsdp2-adamw-flat]"),
     ),
     Mutant(
-        "flat-template-stale-fields",
-        "hyperdsd.state.flat_keys.FlatTemplate.flatten",
+        "kept-flat-keys-stale-fields",
+        "hyperdsd.state.flat_keys.KeptFlatKeys.flatten",
         "if value is not old[j]: ...",
         "if False: ...",
         "a flat get copies the last flat get's keys with the group fields they held then: a field changed since "
