@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -37,9 +38,18 @@ from .. import _compat
 _KEPT: dict[int, tuple] = {}
 
 
-def structure(real, units) -> tuple:
-    """What a twin's tree is built from: the real model's modules and their
-    registries, the canonical names, and each unit's layout and dtype."""
+class Structure(NamedTuple):
+    """What a twin's tree is built from: the real model's modules' registries,
+    their canonical prefixes, each unit's layout and dtype, and the modules
+    with extra state (by position)."""
+
+    fingerprint: list
+    prefixes: list[str]
+    units: list[tuple]
+    extra: list[int]
+
+
+def structure(real, units) -> Structure:
     modules = [m for m, _ in real.modules]
     fingerprint, _, _ = _compat.registries_fingerprint(modules)
     layout = [
@@ -47,10 +57,10 @@ def structure(real, units) -> tuple:
         for u in units
     ]
     extra = [i for i, m in enumerate(modules) if _compat.has_extra_state(m)]
-    return fingerprint, [canon for _, canon in real.modules], layout, extra
+    return Structure(fingerprint, [canon for _, canon in real.modules], layout, extra)
 
 
-def find(model, real, key: tuple):
+def find(model, real, key: Structure):
     """The kept ``(tree, params)`` for ``model`` if built from ``key`` on these very modules; else None."""
     entry = _KEPT.get(id(model))
     if entry is None:
@@ -63,9 +73,9 @@ def find(model, real, key: tuple):
     return (tree, params) if kept_key == key else None
 
 
-def keep(model, real, key: tuple, tree, params) -> bool:
-    """Keep the tree for the next get; False where it cannot be kept."""
-    if key[3]:  # a module of extra state: its twin holds the real module
+def keep(model, real, key: Structure, tree, params) -> bool:
+    """Keep the tree for the next call; False where it cannot be kept."""
+    if key.extra:  # a module of extra state: its twin holds the real module
         return False
     try:
         root = weakref.ref(model, functools.partial(_forget, id(model)))
@@ -79,10 +89,8 @@ def keep(model, real, key: tuple, tree, params) -> bool:
 def refill(units, params: list[list], rows: list[list[torch.Tensor]]) -> None:
     """Give each kept twin parameter this call's rows, and its real parameter's ``requires_grad``."""
     for u, twins, local in zip(units, params, rows):
-        grads = [p.requires_grad for p in u.unit.params] if u.unit.params is not None else None
-        for i, (twin, piece) in enumerate(zip(twins, local)):
+        for twin, piece, grad in zip(twins, local, u.requires_grad()):
             _compat.set_local(twin, piece)
-            grad = grads[i] if grads is not None else u.unit.flat.requires_grad
             if twin.requires_grad != grad:
                 twin.requires_grad_(grad)
 

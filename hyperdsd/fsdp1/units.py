@@ -89,6 +89,12 @@ class UnitLayout:
         piece by piece); see :func:`hyperdsd.fsdp1.unit_geometry.index_plan`."""
         return index_plan(self._geometry, self.index)
 
+    def requires_grad(self) -> list[bool]:
+        """Whether each parameter requires grad: its own (use_orig_params=True), else the flat parameter's."""
+        if self.unit.params is not None:
+            return [p.requires_grad for p in self.unit.params]
+        return [self.unit.flat.requires_grad] * len(self.fqns)
+
     def local_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shape of this rank's rows of each parameter."""
         return self._geometry.shapes[self.index]
@@ -176,10 +182,8 @@ def twin_module(index, units: list[UnitLayout], rows: list[list[torch.Tensor]]) 
     params_of = []
     for layout, local in zip(units, rows):
         unit = layout.unit
-        grads = [p.requires_grad for p in unit.params] if unit.params is not None else None
         twins = []
-        for i, (fqn, piece) in enumerate(zip(layout.fqns, local)):
-            grad = grads[i] if grads is not None else unit.flat.requires_grad
+        for i, (fqn, piece, grad) in enumerate(zip(layout.fqns, local, layout.requires_grad())):
             twin = _compat.as_parameter(layout.layouts[i].wrap(piece), grad)
             twins.append(twin)
             if unit.params is not None:
