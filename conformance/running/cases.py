@@ -1,14 +1,16 @@
 """A case: one clause on one layout (or a pair of layouts, for resharding)
 with one optimizer and mode where those apply, as the phases every rank
 runs. Its ID starts with the clause: ``OPT-RT-1[fsdp4-adamw-sharded]``.
-Section modules build their cases with :func:`make_case`.
+Section modules declare a clause's matrix with :func:`grid` (layouts from
+:mod:`conformance.world.catalog`, by what they are), or build one case with
+:func:`make_case`.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ..adapters import GET_OF, LAYOUT_CAPABILITIES, Needs
 from ..world.layouts import parse_layout
@@ -126,3 +128,26 @@ def make_case(
         meshes=lay.mesh_specs,
         mode=mode,
     )
+
+
+def grid(
+    clause: str,
+    layouts: Iterable[str],
+    fn: Callable,
+    *,
+    opts: Iterable[str | None] = (None,),
+    modes: Iterable[str | None] = (None,),
+    variants: Mapping[str | None, Mapping[str, Any]] | None = None,
+    **params: Any,
+) -> Iterator[Case]:
+    """A clause's matrix as data: one case per layout, optimizer, mode and
+    variant (a variant's name and its parameters), in that order, each with
+    ``params`` besides."""
+    for value, what in ((opts, "opts"), (modes, "modes"), (layouts, "layouts")):
+        if isinstance(value, str):
+            raise TypeError(f"grid({clause}): {what} takes a sequence, not the string {value!r}")
+    for layout in layouts:
+        for opt in opts:
+            for mode in modes:
+                for variant, extra in (variants or {None: {}}).items():
+                    yield make_case(clause, layout, fn, opt=opt, mode=mode, variant=variant, **params, **extra)

@@ -7,9 +7,23 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..judging.oracle import canonical, check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import (
+    BASE,
+    DATA_PARALLEL,
+    ENDS,
+    FSDP1_FULL,
+    FSDP1_FULL_SHARD,
+    FSDP1_HYBRID,
+    HALVED,
+    HYBRID,
+    ONE_RANK,
+    QUARTERS,
+    SHARDED,
+    STAGES,
+)
 from ..world.layouts import parse_layout
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options
@@ -258,7 +272,7 @@ def atom_4(c, layout, mode):
 
 def cases():
     # The consolidated file (SPEC §2 ``file``): what a full-state-only library loads.
-    for layout in ("single", "fsdp4"):
+    for layout in ENDS:
         yield make_case(
             "OPT-ATOM-1",
             layout,
@@ -272,10 +286,8 @@ def cases():
             yield make_case(
                 "OPT-ATOM-2", layout, atom_bad_input, mode="file", variant=kind, kind=kind, which="OPT-ATOM-2"
             )
-    for layout in ("fsdp2", "fsdp4"):
-        yield make_case("OPT-ATOM-4", layout, atom_4, mode="file", deadline_s=30)
-    layouts = ("single", "fsdp4", "hsdp2x2", "pp2")
-    for layout in layouts:
+    yield from grid("OPT-ATOM-4", HALVED | QUARTERS, atom_4, modes=("file",), deadline_s=30)
+    for layout in ENDS | HYBRID | STAGES:
         for mode in ("sharded", "flat"):
             yield make_case(
                 "OPT-ATOM-1",
@@ -295,14 +307,14 @@ def cases():
             kind="unknown_group",
             which="OPT-ATOM-1",
         )
-    for layout in ("single", "fsdp4", "pp2"):
+    for layout in ENDS | STAGES:
         for mode, kinds in GROUP_KINDS.items():
             for kind in kinds:
                 yield make_case("OPT-ATOM-1", layout, atom_1_groups, mode=mode, variant=kind, kind=kind)
-    for layout in ("single", "fsdp4"):  # nested through DCP (pipelines go flat, without empty groups)
-        for kind in ("extra_empty_group", "missing_empty_group"):
-            yield make_case("OPT-ATOM-1", layout, atom_1_dcp_groups, mode="dcp", variant=kind, kind=kind)
-    for layout in ("single", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
+    # Nested through DCP (pipelines go flat, without empty groups).
+    dcp_kinds = {kind: {"kind": kind} for kind in ("extra_empty_group", "missing_empty_group")}
+    yield from grid("OPT-ATOM-1", ENDS, atom_1_dcp_groups, modes=("dcp",), variants=dcp_kinds)
+    for layout in ONE_RANK | SHARDED - HALVED:
         for mode in ("sharded", "flat", "full"):
             yield make_case(
                 "OPT-ATOM-2",
@@ -326,7 +338,7 @@ def cases():
             yield make_case(
                 "OPT-ATOM-2", layout, atom_bad_input, mode="sharded", variant=kind, kind=kind, which="OPT-ATOM-2"
             )
-    for layout in ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2"):  # FSDP1 (SPEC §2, 1.3)
+    for layout in FSDP1_FULL_SHARD | FSDP1_HYBRID:  # FSDP1 (SPEC §2, 1.3)
         for mode in ("sharded", "full"):
             yield make_case(
                 "OPT-ATOM-1",
@@ -342,12 +354,15 @@ def cases():
                 yield make_case(
                     "OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant=kind, kind=kind, which="OPT-ATOM-2"
                 )
-    for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2", "fsdp1-2"):
-        for target in ("optim", "model"):
-            yield make_case("OPT-ATOM-3", layout, atom_3, variant=target, target=target, deadline_s=30)
-    for layout in ("ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in ("sharded", "full", "flat", "bcast"):
-            yield make_case("OPT-ATOM-4", layout, atom_4, mode=mode, deadline_s=30)
+    targets = {target: {"target": target} for target in ("optim", "model")}
+    yield from grid("OPT-ATOM-3", DATA_PARALLEL | HALVED | STAGES | FSDP1_FULL, atom_3, variants=targets, deadline_s=30)
+    yield from grid(
+        "OPT-ATOM-4",
+        BASE - ONE_RANK | FSDP1_FULL_SHARD,
+        atom_4,
+        modes=("sharded", "full", "flat", "bcast"),
+        deadline_s=30,
+    )
 
 
 CLAUSES = {

@@ -17,11 +17,12 @@ import torch.distributed.checkpoint as dcp
 
 from ..adapters import iut_call
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, expect_error, fail_if, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import FSDP1_FULL_SHARD, HALVED, HYBRID, ONE_RANK, REPLICATED, SHARDED_STAGES
 
-API_LAYOUTS = ("single", "ddp", "fsdp2", "hsdp2x2", "pp2xfsdp2")
+API_LAYOUTS = ONE_RANK | REPLICATED | HALVED | HYBRID | SHARDED_STAGES
 OPT = "adamw"
 BEFORE, AFTER = 1, 1
 # Loads in which the root alone holds the full dicts; the other ranks pass {}.
@@ -166,11 +167,8 @@ def api_1_strict(c, layout, opt, mode):
 
 
 def cases():
-    for layout in API_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
-        for mode in modes.MODES:
-            yield make_case("API-1", layout, api_1, opt=OPT, mode=mode)
-    for mode in modes.MODES:
-        yield make_case("API-1", "fsdp2", api_1_strict, opt=OPT, mode=mode, variant="strict")
+    yield from grid("API-1", API_LAYOUTS | FSDP1_FULL_SHARD, api_1, opts=(OPT,), modes=modes.MODES)
+    yield from grid("API-1", HALVED, api_1_strict, opts=(OPT,), modes=modes.MODES, variants={"strict": {}})
 
 
 CLAUSES = {"API-1": Clause(combined=True)}

@@ -7,14 +7,13 @@ from torch.distributed.tensor import DTensor
 
 from ..judging.oracle import check, diff_values, fail_if, layout_problems, snapshot
 from ..running.case_context import NotApplicable
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import ENDS, FSDP1_FULL_SHARD, HALVED, HYBRID, SHARDED
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg
 from ..world.setup import Setup
-
-SHARDED = ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2")
 
 
 def dt_1(c, layout, opt):
@@ -140,19 +139,16 @@ def dt_4(c, layout, mode, pinned):
 
 
 def cases():
-    for layout in SHARDED:
-        for opt in ("adamw", "adam_amsgrad", "sgd", "adagrad"):
-            yield make_case("OPT-DT-1", layout, dt_1, opt=opt, mode="sharded")
+    yield from grid("OPT-DT-1", SHARDED, dt_1, opts=("adamw", "adam_amsgrad", "sgd", "adagrad"), modes=("sharded",))
+    # Optional: FSDP over tensor parallelism (strided shards), the one such layout.
     yield make_case("OPT-DT-1", "fsdp2xtp2", dt_1, opt="adamw", mode="sharded", profile="tp")
-    for layout in ("fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
-        for mode in modes.MODES:
-            yield make_case("OPT-DT-2", layout, dt_2, opt="adamw", mode=mode)
-    for mode in ("sharded", "full", "bcast", "dcp"):
-        yield make_case("OPT-DT-2", "fsdp2xtp2", dt_2, opt="adamw", mode=mode, profile="tp")
-    for layout in ("single", "fsdp4", "hsdp2x2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in modes.MODES:
-            yield make_case("OPT-DT-3", layout, dt_3, opt="adamw", mode=mode)
-    for layout in ("single", "fsdp4", "hsdp2x2"):
+    yield from grid("OPT-DT-2", SHARDED - HALVED, dt_2, opts=("adamw",), modes=modes.MODES)
+    # Optional: FSDP over tensor parallelism, as above.
+    yield from grid(
+        "OPT-DT-2", ("fsdp2xtp2",), dt_2, opts=("adamw",), modes=("sharded", "full", "bcast", "dcp"), profile="tp"
+    )
+    yield from grid("OPT-DT-3", ENDS | HYBRID | FSDP1_FULL_SHARD, dt_3, opts=("adamw",), modes=modes.MODES)
+    for layout in ENDS | HYBRID:
         for mode in modes.MODES:
             yield make_case("OPT-DT-4", layout, dt_4, opt="adamw", mode=mode, profile="inplace", pinned=False)
         yield make_case(

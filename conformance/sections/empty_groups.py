@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..judging.oracle import check, diff_values, fail_if, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import DATA_PARALLEL, ENDS, FSDP1_FULL_SHARD, HYBRID, SHARDED_STAGES, STAGES
 from ..world.models import GroupSpec
 from ..world.setup import Setup
 
@@ -71,30 +72,29 @@ def empty_2(c, layout, opt, target_empty):
 
 
 def cases():
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2"):
-        for opt in ("adamw", "sgd"):
-            for mode in modes.MODES:
-                yield make_case("OPT-EMPTY-1", layout, empty_1, opt=opt, mode=mode)
-    for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3)
-        for mode in modes.MODES:
-            yield make_case("OPT-EMPTY-1", layout, empty_1, opt="adamw", mode=mode)
-    for layout in ("single", "fsdp4"):
-        for mode in ("sharded", "full_cpu", "dcp"):
-            yield make_case(
-                "OPT-EMPTY-1",
-                layout,
-                empty_1,
-                opt="adamw",
-                mode=mode,
-                variant="2opt",
-                profile="multi-optimizer",
-                n_optimizers=2,
-            )
-    for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
-        for target_empty, name in (((0, 9), "same"), ((1, 2, 9), "more"), ((), "none")):
-            yield make_case(
-                "OPT-EMPTY-2", layout, empty_2, opt="adamw", mode="flat", variant=f"{name}", target_empty=target_empty
-            )
+    yield from grid(
+        "OPT-EMPTY-1", DATA_PARALLEL | STAGES | SHARDED_STAGES, empty_1, opts=("adamw", "sgd"), modes=modes.MODES
+    )
+    # FSDP1 (SPEC §2, 1.3)
+    yield from grid("OPT-EMPTY-1", FSDP1_FULL_SHARD, empty_1, opts=("adamw",), modes=modes.MODES)
+    yield from grid(
+        "OPT-EMPTY-1",
+        ENDS,
+        empty_1,
+        opts=("adamw",),
+        modes=("sharded", "full_cpu", "dcp"),
+        variants={"2opt": {"n_optimizers": 2}},
+        profile="multi-optimizer",
+    )
+    targets = {"same": {"target_empty": (0, 9)}, "more": {"target_empty": (1, 2, 9)}, "none": {"target_empty": ()}}
+    yield from grid(
+        "OPT-EMPTY-2",
+        ENDS | HYBRID | SHARDED_STAGES | FSDP1_FULL_SHARD,
+        empty_2,
+        opts=("adamw",),
+        modes=("flat",),
+        variants=targets,
+    )
 
 
 CLAUSES = {

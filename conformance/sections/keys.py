@@ -5,19 +5,32 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..judging.oracle import WRAPPER_SEGMENTS, canonical, check, diff_snapshots, fail_if, snapshot
-from ..running.cases import loads, make_case
+from ..running.cases import grid, loads, make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS
+from ..world.catalog import (
+    BASE,
+    DATA_PARALLEL,
+    ENDS,
+    FSDP1_FLAT_PARAMS,
+    FSDP1_FULL,
+    FSDP1_FULL_SHARD,
+    FSDP1_ORIGINAL,
+    HALVED,
+    HYBRID,
+    ONE_RANK,
+    REPLICATED,
+    SHARDED_STAGES,
+)
 from ..world.models import ModelConfig, reordered
 from ..world.modes import get_options, optimizers_arg
 from ..world.setup import Setup
 
 WRAPPERS = {  # layout -> wrapper variants
-    "single": (("compile",), ("checkpoint",), ("checkpoint", "compile")),
-    "ddp": ((), ("compile",)),
-    "fsdp2": (("checkpoint",),),
-    "hsdp2x2": (("checkpoint",),),
+    ONE_RANK.one(): (("compile",), ("checkpoint",), ("checkpoint", "compile")),
+    REPLICATED.one(): ((), ("compile",)),
+    HALVED.one(): (("checkpoint",),),
+    HYBRID.one(): (("checkpoint",),),
 }
 
 
@@ -150,12 +163,9 @@ def keys_4(c, layout, mode):
 
 
 def cases():
-    for layout in BASE_LAYOUTS:
-        for opt in ("adamw", "sgd"):
-            for mode in ("sharded", "full"):
-                yield make_case("OPT-KEYS-1", layout, keys_1, opt=opt, mode=mode)
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):  # a get that only gathers to rank 0 (SPEC §1)
-        yield make_case("OPT-KEYS-1", layout, keys_1, opt="adamw", mode="full_cpu")
+    yield from grid("OPT-KEYS-1", BASE, keys_1, opts=("adamw", "sgd"), modes=("sharded", "full"))
+    # A get that only gathers to rank 0 (SPEC §1).
+    yield from grid("OPT-KEYS-1", DATA_PARALLEL, keys_1, opts=("adamw",), modes=("full_cpu",))
     for layout, variants in WRAPPERS.items():
         for wrappers in variants:
             for mode in ("sharded", "full"):
@@ -165,18 +175,20 @@ def cases():
                 )
     # A consolidated checkpoint (rank 0 gathers, every rank loads the file): every
     # wrapper kind once, for an implementation that gets only full_cpu (SPEC §1).
-    for layout, wrappers in (("single", ("checkpoint", "compile")), ("ddp", ()), ("fsdp2", ("checkpoint",))):
+    for layout, wrappers in (
+        (ONE_RANK.one(), ("checkpoint", "compile")),
+        (REPLICATED.one(), ()),
+        (HALVED.one(), ("checkpoint",)),
+    ):
         name = "+".join(wrappers) or "plain"
         yield make_case("OPT-KEYS-2", layout, keys_2, mode="file", variant=name, wrappers=wrappers, deadline_s=120)
     # FSDP1 (SPEC §2, 1.3). OPT-KEYS-1 pairs each of the optimizer's parameters with its FQN, which a flat
     # parameter has not (it holds several): the layouts with original parameters; not full_cpu, where only
     # rank 0 reads the model's own state dict, which FSDP1 gathers from every rank. Wrappers on both kinds.
-    for layout in ("fsdp1-2", "hsdp1-2x2", "fsdp1-2-shard_grad_op"):
-        for mode in ("sharded", "full"):
-            yield make_case("OPT-KEYS-1", layout, keys_1, opt="adamw", mode=mode)
+    yield from grid("OPT-KEYS-1", FSDP1_ORIGINAL, keys_1, opts=("adamw",), modes=("sharded", "full"))
     for layout, variants in (
-        ("fsdp1-2", (("checkpoint",), ("compile",), ("checkpoint", "compile"))),
-        ("fsdp1-4-flat", ((), ("checkpoint",))),
+        (FSDP1_FULL.one(), (("checkpoint",), ("compile",), ("checkpoint", "compile"))),
+        (FSDP1_FLAT_PARAMS.one(), ((), ("checkpoint",))),
     ):
         for wrappers in variants:
             for mode in ("sharded", "full"):
@@ -184,15 +196,17 @@ def cases():
                 yield make_case(
                     "OPT-KEYS-2", layout, keys_2, mode=mode, variant=name, wrappers=wrappers, deadline_s=120
                 )
-    for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in ("sharded", "full", "flat", "dcp"):
-            yield make_case("OPT-KEYS-3", layout, keys_3, mode=mode)
-    for layout in ("single", "fsdp4"):
-        yield make_case("OPT-KEYS-3", layout, keys_3, mode="file")
+    yield from grid(
+        "OPT-KEYS-3", DATA_PARALLEL | HALVED | FSDP1_FULL_SHARD, keys_3, modes=("sharded", "full", "flat", "dcp")
+    )
+    yield from grid("OPT-KEYS-3", ENDS, keys_3, modes=("file",))
     # (two optimizers over disjoint parameters: a flat parameter holds a whole unit, so original ones)
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2"):
-        for mode in ("sharded", "full", "full_cpu", "flat", "dcp"):
-            yield make_case("OPT-KEYS-4", layout, keys_4, mode=mode)
+    yield from grid(
+        "OPT-KEYS-4",
+        DATA_PARALLEL | SHARDED_STAGES | FSDP1_FULL,
+        keys_4,
+        modes=("sharded", "full", "full_cpu", "flat", "dcp"),
+    )
 
 
 def _explore_regrouped(s):

@@ -7,13 +7,22 @@ from torch.distributed.tensor import DTensor
 
 from .. import nested
 from ..judging.oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import loops, modes, policies
+from ..world.catalog import (
+    DATA_PARALLEL,
+    FSDP1_FULL_SHARD,
+    FSDP1_SHARD_GRAD_OP,
+    HALVED,
+    HYBRID,
+    QUARTERS,
+    SHARDED_STAGES,
+)
 from ..world.layouts import parse_layout
 
 # Every layout runs every mode and each of its points (the point rotates with the mode).
-LOOP_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2")
+LOOP_LAYOUTS = DATA_PARALLEL | HALVED | SHARDED_STAGES
 BEFORE, AFTER = 1, 1
 WARM = 2
 
@@ -184,15 +193,15 @@ def cases():
             for mode, point in _rotation(layout, applies):
                 made.add((layout, mode, point))
                 yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)
-        for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3): every mode, the points in turn
+        for layout in FSDP1_FULL_SHARD:  # FSDP1 (SPEC §2, 1.3): every mode, the points in turn
             for mode, point in _rotation(layout, applies):
                 yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)
         if clause == "LOOP-1":  # SHARD_GRAD_OP keeps the parameters an evaluation forward gathered: every mode
-            for mode in modes.MODES:
-                yield make_case(clause, "fsdp1-2-shard_grad_op", fn, mode=mode, variant="eval", point="eval")
-        for mode in modes.MODES:  # parameters left unsharded by an evaluation forward, in every mode
-            if ("fsdp2", mode, "eval") not in made:
-                yield make_case(clause, "fsdp2", fn, mode=mode, variant="eval", point="eval")
+            yield from grid(clause, FSDP1_SHARD_GRAD_OP, fn, modes=modes.MODES, variants={"eval": {"point": "eval"}})
+        for layout in HALVED:
+            for mode in modes.MODES:  # parameters left unsharded by an evaluation forward, in every mode
+                if (layout, mode, "eval") not in made:
+                    yield make_case(clause, layout, fn, mode=mode, variant="eval", point="eval")
         # Each policy at the points where it matters (what forward leaves unsharded), modes in turn.
         for i, variant in enumerate(policies.VARIANTS):
             for j, point in enumerate(("eval", "unshard")):
@@ -202,15 +211,15 @@ def cases():
         for mode in modes.MODES:  # each policy in every mode
             yield make_case("LOOP-3", _sweep(variant), loop_3, mode=mode)
         mode = modes.MODES[i % len(modes.MODES)]  # and on 4 ranks and the 2-D mesh, modes in turn
-        if _sweep(variant) != f"fsdp4.{variant}":
-            yield make_case("LOOP-3", f"fsdp4.{variant}", loop_3, mode=mode)
-        yield make_case("LOOP-3", f"hsdp2x2.{variant}", loop_3, mode=mode)
+        if _sweep(variant) != f"{QUARTERS.one()}.{variant}":
+            yield make_case("LOOP-3", f"{QUARTERS.one()}.{variant}", loop_3, mode=mode)
+        yield make_case("LOOP-3", f"{HYBRID.one()}.{variant}", loop_3, mode=mode)
 
 
 def _sweep(variant: str) -> str:
     """The layout a policy runs every mode on: the smallest where it means
     something. On 2 ranks ``reshard_after_forward=2`` is ``True``."""
-    return f"fsdp4.{variant}" if variant == "reshard2" else f"fsdp2.{variant}"
+    return f"{QUARTERS.one()}.{variant}" if variant == "reshard2" else f"{HALVED.one()}.{variant}"
 
 
 def _loop_args(s) -> dict:

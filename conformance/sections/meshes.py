@@ -16,7 +16,7 @@ import os
 import time
 
 from ..judging.oracle import diff_snapshots, fail_if, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid
 from ..running.clauses import Clause
 from ..world import modes
 from ..world.layouts import parse_layout, serving
@@ -26,7 +26,8 @@ from .state import check_get, check_loaded
 
 OPT = "adamw"
 # Resharding to another ep x dp split, to plain FSDP, and from replicated
-# sub-meshes to another world size.
+# sub-meshes to another world size. Named: layouts with experts or replicated
+# sub-meshes of their own are outside the catalog, and each move is the case.
 RESHARD = (("fsdp4+ep2x2", "fsdp4+ep4x1"), ("fsdp4+ep2x2", "fsdp4+ep1"), ("fsdp4+rep2", "fsdp2+ep1"))
 DEADLINE_S = 30.0
 # How long the ranks of one part wait for the other's, at least: longer
@@ -81,14 +82,10 @@ def _wait_for(path: str, ranks: tuple[int, ...], wait_s: float) -> None:
 
 
 def cases():
-    for layout in serving("OPT-MESH-1"):
-        for mode in modes.MODES:
-            yield make_case("OPT-MESH-1", layout, mesh_1, opt=OPT, mode=mode)
+    yield from grid("OPT-MESH-1", serving("OPT-MESH-1"), mesh_1, opts=(OPT,), modes=modes.MODES)
     for src, dst in RESHARD:
         yield resharded_case("OPT-MESH-1", src, dst, OPT, "dcp")
-    for layout in serving("OPT-MESH-2"):
-        for mode in modes.MODES:
-            yield make_case("OPT-MESH-2", layout, mesh_2, opt=OPT, mode=mode, deadline_s=DEADLINE_S)
+    yield from grid("OPT-MESH-2", serving("OPT-MESH-2"), mesh_2, opts=(OPT,), modes=modes.MODES, deadline_s=DEADLINE_S)
 
 
 CLAUSES = {"OPT-MESH-1": Clause(), "OPT-MESH-2": Clause()}

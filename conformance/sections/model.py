@@ -11,10 +11,24 @@ from torch.distributed.tensor import DTensor
 from ..judging import fsdp1
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_values, expect_error, fail_if
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS, parse_layout
+from ..world.catalog import (
+    BASE,
+    DATA_PARALLEL,
+    FSDP1_FULL,
+    FSDP1_FULL_SHARD,
+    FSDP1_HYBRID,
+    FSDP1_SHARD_GRAD_OP,
+    HALVED,
+    HYBRID,
+    ONE_RANK,
+    QUARTERS,
+    SHARDED,
+    THIRDS,
+)
+from ..world.layouts import parse_layout
 from ..world.models import ModelConfig, ToyModel
 from ..world.modes import get_options, set_options
 from ..world.setup import Setup
@@ -202,72 +216,56 @@ def model_4(c, layout, mode):
     on_meta = [k for k, v in got.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
     check(not on_meta, f"still on the meta device after loading: {on_meta[:5]}")
     fail_if(diff_values(want, got, "model"), f"{mode}: loading into a meta-initialised model gave other values")
-    if layout != "single" and parse_layout(layout).wrapper != "fsdp1":  # FSDP1 holds plain flat shards
+    lay = parse_layout(layout)
+    if lay.world_size != 1 and lay.wrapper != "fsdp1":  # FSDP1 holds plain flat shards
         not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
         check(not not_dt, f"parameters are not DTensors after the load: {not_dt[:5]}")
 
 
 def cases():
-    for layout in BASE_LAYOUTS:
-        for mode in modes.MODES:
-            yield make_case("MODEL-1", layout, model_1, mode=mode)
+    yield from grid("MODEL-1", BASE, model_1, modes=modes.MODES)
     for layout, variants in WRAPPERS.items():
         for wrappers in [w for w in variants if w]:
             for mode in ("sharded", "full"):
                 yield make_case(
                     "MODEL-1", layout, model_1, mode=mode, variant="+".join(wrappers), wrappers=wrappers, deadline_s=120
                 )
-    for layout in ("single", "fsdp2", "hsdp2x2"):
-        for mode in ("sharded", "full", "dcp"):
-            yield make_case("MODEL-1", layout, model_1, mode=mode, variant="tied", tie=True)
+    yield from grid(
+        "MODEL-1",
+        ONE_RANK | HALVED | HYBRID,
+        model_1,
+        modes=("sharded", "full", "dcp"),
+        variants={"tied": {"tie": True}},
+    )
     # FSDP1 (SPEC §2, 1.3): every mode on both kinds of parameters, two on the others; wrappers.
-    for layout, layout_modes in (
-        ("fsdp1-2", modes.MODES),
-        ("fsdp1-4-flat", modes.MODES),
-        ("hsdp1-2x2", ("sharded", "bcast")),
-        ("fsdp1-2-shard_grad_op", ("full", "dcp")),
-    ):
-        for mode in layout_modes:
-            yield make_case("MODEL-1", layout, model_1, mode=mode)
-    for mode in ("sharded", "full"):
-        yield make_case(
-            "MODEL-1",
-            "fsdp1-2",
-            model_1,
-            mode=mode,
-            variant="checkpoint+compile",
-            wrappers=("checkpoint", "compile"),
-            deadline_s=120,
-        )
-    for mode in ("sharded", "full", "bcast", "file"):
-        for strict in (True, False):
-            yield make_case(
-                "MODEL-2", "fsdp1-2", model_2, mode=mode, variant="strict" if strict else "nonstrict", strict=strict
-            )
-    for mode in ("sharded", "full", "bcast", "dcp"):
-        yield make_case("MODEL-1", "fsdp2xtp2", model_1, mode=mode, profile="tp")
-    for layout in ("fsdp2",):
+    yield from grid("MODEL-1", FSDP1_FULL_SHARD, model_1, modes=modes.MODES)
+    yield from grid("MODEL-1", FSDP1_HYBRID, model_1, modes=("sharded", "bcast"))
+    yield from grid("MODEL-1", FSDP1_SHARD_GRAD_OP, model_1, modes=("full", "dcp"))
+    yield from grid(
+        "MODEL-1",
+        FSDP1_FULL,
+        model_1,
+        modes=("sharded", "full"),
+        variants={"checkpoint+compile": {"wrappers": ("checkpoint", "compile")}},
+        deadline_s=120,
+    )
+    strictness = {"strict": {"strict": True}, "nonstrict": {"strict": False}}
+    yield from grid("MODEL-2", FSDP1_FULL, model_2, modes=("sharded", "full", "bcast", "file"), variants=strictness)
+    # Optional: FSDP over tensor parallelism, the one such layout.
+    yield from grid("MODEL-1", ("fsdp2xtp2",), model_1, modes=("sharded", "full", "bcast", "dcp"), profile="tp")
+    for layout in HALVED:
         for kind in ("tensor", "dict", "object"):
             for mode in modes.MODES:
                 yield make_case("MODEL-5", layout, model_5, mode=mode, variant=kind, kind=kind)
-    for i, layout in enumerate(("fsdp1-2", "fsdp1-4-flat")):  # FSDP1 (SPEC §2, 1.3): every mode, kinds in turn
+    for i, layout in enumerate(FSDP1_FULL_SHARD):  # FSDP1 (SPEC §2, 1.3): every mode, kinds in turn
         for j, mode in enumerate(modes.MODES):
             kind = ("tensor", "dict", "object")[(i + j) % 3]
             yield make_case("MODEL-5", layout, model_5, mode=mode, variant=kind, kind=kind)
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2"):
-        for mode in ("sharded", "full", "bcast", "file"):
-            for strict in (True, False):
-                yield make_case(
-                    "MODEL-2", layout, model_2, mode=mode, variant="strict" if strict else "nonstrict", strict=strict
-                )
-    for layout in ("fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2"):
-        yield make_case("MODEL-3", layout, model_3, mode="bcast")
+    yield from grid("MODEL-2", DATA_PARALLEL, model_2, modes=("sharded", "full", "bcast", "file"), variants=strictness)
+    yield from grid("MODEL-3", SHARDED | FSDP1_FULL_SHARD | FSDP1_HYBRID, model_3, modes=("bcast",))
     tiny = ModelConfig(vocab=2, dim=1, hidden=1, n_layers=1, aux_out=1)  # a few bytes a rank, shards uneven
-    for layout in ("fsdp2", "fsdp4"):
-        yield make_case("MODEL-3", layout, model_3, mode="bcast", variant="tiny", cfg=tiny)
-    for layout in ("fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in ("full", "bcast"):
-            yield make_case("MODEL-4", layout, model_4, mode=mode)
+    yield from grid("MODEL-3", HALVED | QUARTERS, model_3, modes=("bcast",), variants={"tiny": {"cfg": tiny}})
+    yield from grid("MODEL-4", (SHARDED - THIRDS) | FSDP1_FULL_SHARD, model_4, modes=("full", "bcast"))
 
 
 def _sharded(layout: str) -> bool:

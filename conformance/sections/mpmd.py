@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
-from ..running.cases import make_case
+from ..running.cases import grid
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import ENDS, SHARDED_STAGES, STAGES
 from ..world.models import GroupSpec
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
@@ -87,17 +88,11 @@ def mpmd_3(c, layout, opt):
 
 
 def cases():
-    for layout in ("pp2", "pp2xfsdp2"):
-        for opt in OPTS:
-            yield make_case("OPT-MPMD-1", layout, mpmd_1, opt=opt, mode="flat")
-        for opt in ("adamw", "sgd"):
-            yield make_case("OPT-MPMD-2", layout, mpmd_2, opt=opt, mode="flat", variant="lr", empty_on_last=False)
-            yield make_case(
-                "OPT-MPMD-2", layout, mpmd_2, opt=opt, mode="flat", variant="empty_group", empty_on_last=True
-            )
-    for layout in ("single", "fsdp4", "pp2", "pp2xfsdp2"):
-        for opt in ("adamw", "sgd"):
-            yield make_case("OPT-MPMD-3", layout, mpmd_3, opt=opt, mode="flat")
+    empty_group = {"lr": {"empty_on_last": False}, "empty_group": {"empty_on_last": True}}
+    for layout in STAGES | SHARDED_STAGES:
+        yield from grid("OPT-MPMD-1", (layout,), mpmd_1, opts=OPTS, modes=("flat",))
+        yield from grid("OPT-MPMD-2", (layout,), mpmd_2, opts=("adamw", "sgd"), modes=("flat",), variants=empty_group)
+    yield from grid("OPT-MPMD-3", ENDS | STAGES | SHARDED_STAGES, mpmd_3, opts=("adamw", "sgd"), modes=("flat",))
 
 
 CLAUSES = {"OPT-MPMD-1": Clause(), "OPT-MPMD-2": Clause(), "OPT-MPMD-3": Clause()}

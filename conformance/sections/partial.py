@@ -27,10 +27,24 @@ from ..judging.oracle import (
     optimizer_view,
     snapshot,
 )
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS
+from ..world.catalog import (
+    BASE,
+    DATA_PARALLEL,
+    ENDS,
+    FSDP1_FLAT_PARAMS,
+    FSDP1_FULL,
+    FSDP1_HYBRID,
+    HALVED,
+    HYBRID,
+    ONE_RANK,
+    QUARTERS,
+    SHARDED_STAGES,
+    STAGES,
+    THIRDS,
+)
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
@@ -311,78 +325,90 @@ def part_6(c, layout, fqn, key, mode="dcp", warm=False):
 # (layout, FQN, key): an even and an uneven shard (fsdp3: 3, 3, 2 rows), an
 # empty one (fsdp4: aux.weight has 3 rows), pipeline stages (flat layout).
 PART_6 = (
-    ("single", "layers.0.fc2.weight", "exp_avg_sq"),
-    ("single", "layers.1.fc1.bias", "step"),
-    ("fsdp3", "layers.0.fc2.weight", "exp_avg_sq"),
-    ("fsdp3", "layers.0.fc2.weight", "step"),
-    ("fsdp4", "aux.weight", "exp_avg_sq"),
-    ("pp2", "layers.1.fc2.weight", "exp_avg_sq"),
-    ("pp2xfsdp2", "layers.0.fc2.weight", "step"),
-    ("fsdp1-2", "layers.0.fc2.weight", "exp_avg_sq"),
-    ("fsdp1-4-flat", "layers.1.fc1.bias", "step"),  # one part of a flat parameter
+    (ONE_RANK.one(), "layers.0.fc2.weight", "exp_avg_sq"),
+    (ONE_RANK.one(), "layers.1.fc1.bias", "step"),
+    (THIRDS.one(), "layers.0.fc2.weight", "exp_avg_sq"),
+    (THIRDS.one(), "layers.0.fc2.weight", "step"),
+    (QUARTERS.one(), "aux.weight", "exp_avg_sq"),
+    (STAGES.one(), "layers.1.fc2.weight", "exp_avg_sq"),
+    (SHARDED_STAGES.one(), "layers.0.fc2.weight", "step"),
+    (FSDP1_FULL.one(), "layers.0.fc2.weight", "exp_avg_sq"),
+    (FSDP1_FLAT_PARAMS.one(), "layers.1.fc1.bias", "step"),  # one part of a flat parameter
 )
 # (layout, FQN, key, mode): the in-memory modes, into stepped optimizers.
 PART_6_MEMORY = (
-    ("single", "layers.0.fc2.weight", "exp_avg_sq", "sharded"),
-    ("fsdp3", "layers.0.fc2.weight", "step", "full"),
-    ("fsdp4", "aux.weight", "exp_avg_sq", "flat"),
-    ("hsdp2x2", "layers.1.fc1.bias", "exp_avg_sq", "full_cpu"),
+    (ONE_RANK.one(), "layers.0.fc2.weight", "exp_avg_sq", "sharded"),
+    (THIRDS.one(), "layers.0.fc2.weight", "step", "full"),
+    (QUARTERS.one(), "aux.weight", "exp_avg_sq", "flat"),
+    (HYBRID.one(), "layers.1.fc1.bias", "exp_avg_sq", "full_cpu"),
 )
 
 
 def cases():
+    strict = {"strict": {"strict": True}}
+    both = {"nonstrict": {"strict": False}} | strict
+    fresh_warm = {"frozen_after-fresh": {"warm": 0}, "frozen_after-warm": {"warm": 2}}
     # The consolidated file (SPEC §2 ``file``): what a full-state-only library loads.
-    for layout in ("single", "fsdp4"):
-        for strict in (False, True):
-            yield make_case(
-                "OPT-PART-1", layout, part_1, mode="file", variant="strict" if strict else "nonstrict", strict=strict
-            )
-    for layout, fqn, key in (("single", "layers.0.fc2.weight", "exp_avg_sq"), ("fsdp4", "aux.weight", "step")):
+    yield from grid("OPT-PART-1", ENDS, part_1, modes=("file",), variants=both)
+    for layout, fqn, key in (
+        (ONE_RANK.one(), "layers.0.fc2.weight", "exp_avg_sq"),
+        (QUARTERS.one(), "aux.weight", "step"),
+    ):
         yield make_case("OPT-PART-6", layout, part_6_file, mode="file", variant=f"no_{key}", fqn=fqn, key=key)
-    for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
-        for mode in ("sharded", "full", "flat", "dcp"):
-            yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="nonstrict", strict=False)
-            yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="strict", strict=True)
+    yield from grid(
+        "OPT-PART-1",
+        ONE_RANK | HALVED | QUARTERS | HYBRID | SHARDED_STAGES,
+        part_1,
+        modes=("sharded", "full", "flat", "dcp"),
+        variants=both,
+    )
     # Pipelines go through DCP in the flat layout, whose group fields are per parameter.
     yield make_case(
-        "OPT-PART-1", "pp2xfsdp2", part_1, mode="dcp", variant="strict_same_hparams", strict=True, same_hparams=True
+        "OPT-PART-1",
+        SHARDED_STAGES.one(),
+        part_1,
+        mode="dcp",
+        variant="strict_same_hparams",
+        strict=True,
+        same_hparams=True,
     )
     # (Lazy state and subsets go by original parameter: a flat parameter has a gradient when any of its
     # parts has one, and an optimizer holds it whole, so FSDP1 runs them with original parameters.)
-    for layout in ("single", "ddp", "fsdp3", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2"):
-        for mode in modes.MODES:
-            yield make_case("OPT-PART-2", layout, part_2, mode=mode)
-    for layout in ("single", "fsdp2", "fsdp4", "hsdp2x2"):
-        for mode in ("sharded", "full", "flat", "dcp"):
-            yield make_case("OPT-PART-3", layout, part_3, mode=mode)
+    yield from grid("OPT-PART-2", DATA_PARALLEL | THIRDS | SHARDED_STAGES | FSDP1_FULL, part_2, modes=modes.MODES)
+    yield from grid(
+        "OPT-PART-3", ONE_RANK | HALVED | QUARTERS | HYBRID, part_3, modes=("sharded", "full", "flat", "dcp")
+    )
     # FSDP1 (SPEC §2, 1.3): frozen parameters need the original ones (a flat parameter
     # freezes whole); strict partial loads, frozen state resumed. (A non-strict load goes into
     # a model with a parameter more, whose FSDP1 units shard every parameter at other offsets:
     # the case's rank-by-rank comparison of pieces cannot pair them.)
-    for layout, layout_modes in (("fsdp1-2", ("sharded", "full", "flat", "dcp")), ("hsdp1-2x2", ("dcp",))):
-        for mode in layout_modes:
-            yield make_case("OPT-PART-1", layout, part_1, mode=mode, variant="strict", strict=True)
-    for mode in ("sharded", "full", "flat", "dcp"):
-        yield make_case("OPT-PART-3", "fsdp1-2", part_3, mode=mode)
-    for mode in ("dcp", "full_cpu"):
-        for warm in (0, 2):
-            variant = "frozen_after-" + ("warm" if warm else "fresh")
-            yield make_case("OPT-PART-3", "fsdp1-2", part_3_resume, mode=mode, variant=variant, warm=warm)
-    for layout in ("single", "fsdp4"):  # a frozen parameter in a checkpoint taken before the first step
-        for mode in modes.MODES:
-            yield make_case("OPT-PART-3", layout, part_3_step0, mode=mode, variant="step0")
-    for layout in ("single", "fsdp2", "fsdp4"):  # frozen after training, resumed
-        for mode in ("dcp", "sharded", "full", "full_cpu", "bcast", "flat"):
-            for warm in (0, 2):
-                variant = "frozen_after-" + ("warm" if warm else "fresh")
-                yield make_case("OPT-PART-3", layout, part_3_resume, mode=mode, variant=variant, warm=warm)
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2"):
-        for mode in ("sharded", "full", "flat", "dcp"):
-            yield make_case("OPT-PART-4", layout, part_4, mode=mode)
-    for layout in BASE_LAYOUTS:
-        for variant, own_group in (("shared", False), ("group", True)):
-            yield make_case("OPT-PART-5", layout, part_5, mode="dcp", variant=variant, own_group=own_group)
-    for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "hsdp2x2"), ("pp2xfsdp2", "pp2")):
+    yield from grid("OPT-PART-1", FSDP1_FULL, part_1, modes=("sharded", "full", "flat", "dcp"), variants=strict)
+    yield from grid("OPT-PART-1", FSDP1_HYBRID, part_1, modes=("dcp",), variants=strict)
+    yield from grid("OPT-PART-3", FSDP1_FULL, part_3, modes=("sharded", "full", "flat", "dcp"))
+    yield from grid("OPT-PART-3", FSDP1_FULL, part_3_resume, modes=("dcp", "full_cpu"), variants=fresh_warm)
+    # A frozen parameter in a checkpoint taken before the first step.
+    yield from grid("OPT-PART-3", ENDS, part_3_step0, modes=modes.MODES, variants={"step0": {}})
+    # Frozen after training, resumed.
+    yield from grid(
+        "OPT-PART-3",
+        ONE_RANK | HALVED | QUARTERS,
+        part_3_resume,
+        modes=("dcp", "sharded", "full", "full_cpu", "bcast", "flat"),
+        variants=fresh_warm,
+    )
+    yield from grid(
+        "OPT-PART-4",
+        DATA_PARALLEL | STAGES | SHARDED_STAGES | FSDP1_FULL,
+        part_4,
+        modes=("sharded", "full", "flat", "dcp"),
+    )
+    routers = {"shared": {"own_group": False}, "group": {"own_group": True}}
+    yield from grid("OPT-PART-5", BASE, part_5, modes=("dcp",), variants=routers)
+    for src, dst in (
+        (QUARTERS.one(), HALVED.one()),
+        (HALVED.one(), HYBRID.one()),
+        (SHARDED_STAGES.one(), STAGES.one()),
+    ):
         for variant in reshard.ROUTERS:
             yield reshard.resharded_case("OPT-PART-5", src, dst, "adamw", "dcp", lazy=variant)
     for layout, fqn, key in PART_6:

@@ -13,10 +13,11 @@ from ..judging.oracle import (
     optimizer_view,
     snapshot,
 )
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS, parse_layout
+from ..world.catalog import BASE, ENDS, FSDP1, FSDP1_FULL, FSDP1_FULL_SHARD, HYBRID, SHARDED_STAGES
+from ..world.layouts import parse_layout
 from ..world.models import batch, loss_fn
 from ..world.modes import get_options, optimizers_arg
 
@@ -107,30 +108,32 @@ def _clear_nested(entry: dict) -> None:
             value.clear()
 
 
+# OPT-PURE-1 runs every optimizer on these, AdamW alone on the other layouts.
+EVERY_OPT = ENDS | HYBRID | SHARDED_STAGES
+
+
 def cases():
-    for layout in BASE_LAYOUTS:
-        for opt in OPTS if layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2") else ("adamw",):
+    for layout in BASE:
+        for opt in OPTS if layout in EVERY_OPT else ("adamw",):
             yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="fresh", grads=False)
             if parse_layout(layout).pp == 1:  # stages accumulate gradients only inside a schedule step
                 yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="grads", grads=True)
-    for layout in BASE_LAYOUTS:
-        for mode in ("sharded", "flat"):
-            yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
-    for layout in ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op"):  # FSDP1 (SPEC §2, 1.3)
-        for mode in ("sharded", "flat"):
-            yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode=mode)
-    yield make_case("OPT-PURE-2", "fsdp1-2", pure_2, opt="adamw", mode="full_cpu")
-    for layout in ("single", "fsdp4"):  # nested state (dicts and lists) must be copies too
-        yield make_case("OPT-PURE-2", layout, pure_2, opt="custom", mode="sharded")
+    yield from grid("OPT-PURE-2", BASE, pure_2, opts=("adamw",), modes=("sharded", "flat"))
+    yield from grid("OPT-PURE-2", FSDP1, pure_2, opts=("adamw",), modes=("sharded", "flat"))  # FSDP1 (SPEC §2, 1.3)
+    yield make_case("OPT-PURE-2", FSDP1_FULL.one(), pure_2, opt="adamw", mode="full_cpu")
+    # Nested state (dicts and lists) must be copies too.
+    yield from grid("OPT-PURE-2", ENDS, pure_2, opts=("custom",), modes=("sharded",))
     # The same clauses for an implementation whose get only gathers to rank 0 (SPEC §1:
     # get-side clauses run with any declared get mode).
-    for layout in ("single", "fsdp4"):
+    for layout in ENDS:
         yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="full_cpu", variant="fresh", grads=False)
         yield make_case("OPT-PURE-2", layout, pure_2, opt="adamw", mode="full_cpu")
-    for layout in ("fsdp1-2", "fsdp1-4-flat"):  # FSDP1 (SPEC §2, 1.3)
-        yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="sharded", variant="fresh", grads=False)
-        yield make_case("OPT-PURE-1", layout, pure_1, opt="adamw", mode="sharded", variant="grads", grads=True)
-    for layout in BASE_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
+    # FSDP1 (SPEC §2, 1.3)
+    fresh_and_grads = {"fresh": {"grads": False}, "grads": {"grads": True}}
+    yield from grid(
+        "OPT-PURE-1", FSDP1_FULL_SHARD, pure_1, opts=("adamw",), modes=("sharded",), variants=fresh_and_grads
+    )
+    for layout in BASE | FSDP1_FULL_SHARD:
         for mode in ("full", "full_cpu", "flat"):
             yield make_case("OPT-PURE-3", layout, pure_1, opt="adamw", mode=mode, variant="fresh", grads=False)
             yield make_case("OPT-PURE-3", layout, pure_2, opt="adamw", mode=mode, variant="stepped")

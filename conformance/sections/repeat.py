@@ -30,9 +30,10 @@ from hyperdsd.testing import region_of
 from .. import _compat
 from ..adapters import raised_by_iut
 from ..judging.oracle import clone_tree, diff_snapshots, diff_values, fail_if, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import FSDP1_FULL, HALVED, ONE_RANK, REPLICATED, STAGES
 from ..world.layouts import parse_layout
 from ..world.models import ModelConfig
 from ..world.setup import Setup
@@ -302,21 +303,19 @@ def repeat_1(c, layout, mode):
 
 # Every mode on the plain layout and on FSDP2; two of the other families' in
 # turn (a case calls the implementation some forty times: SPEC REPEAT-1).
-# HSDP on two ranks, each a replica of its own.
-LAYOUT_MODES = {
-    "single": modes.MODES,
-    "fsdp2": modes.MODES,
-    "ddp": ("full", "bcast"),
-    "hsdp2x1": ("sharded", "file"),
-    "pp2": ("flat", "full_cpu"),
-    "fsdp1-2": ("sharded", "dcp"),
-}
+LAYOUT_MODES = (
+    (ONE_RANK | HALVED, modes.MODES),
+    (REPLICATED, ("full", "bcast")),
+    # HSDP on two ranks, each a replica of its own: named, the catalog's HSDP has four.
+    (("hsdp2x1",), ("sharded", "file")),
+    (STAGES, ("flat", "full_cpu")),
+    (FSDP1_FULL, ("sharded", "dcp")),
+)
 
 
 def cases():
-    for layout, layout_modes in LAYOUT_MODES.items():
-        for mode in layout_modes:
-            yield make_case("REPEAT-1", layout, repeat_1, opt="adamw", mode=mode, deadline_s=120)
+    for layouts, layout_modes in LAYOUT_MODES:
+        yield from grid("REPEAT-1", layouts, repeat_1, opts=("adamw",), modes=layout_modes, deadline_s=120)
 
 
 CLAUSES = {"REPEAT-1": Clause()}

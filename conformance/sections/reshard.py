@@ -29,6 +29,19 @@ from ..judging.oracle import check, diff_values, fail_if, full_snapshot
 from ..running.cases import Case, Phase, case_id
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import (
+    FSDP1_FLAT_PARAMS,
+    FSDP1_FULL,
+    FSDP1_HYBRID,
+    HALVED,
+    HYBRID,
+    ONE_RANK,
+    QUARTERS,
+    SHARDED_STAGES,
+    STAGES,
+    THIRDS,
+    moves,
+)
 from ..world.layouts import parse_layout
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import Saved
@@ -194,15 +207,36 @@ def _two_phases(cid: str, clause: str, params: dict, source: str | None = None) 
     )
 
 
-PAIRS = (
-    ("fsdp4", "fsdp2"),
-    ("fsdp2", "fsdp4"),
-    ("fsdp4", "fsdp3"),
-    ("hsdp2x2", "fsdp2"),
-    ("fsdp4", "hsdp2x2"),
-    ("fsdp2", "single"),
-    ("single", "fsdp4"),
-    ("pp2xfsdp2", "pp2"),
+PAIRS = moves(
+    (QUARTERS, HALVED),  # to fewer ranks
+    (HALVED, QUARTERS),  # to more, one of them with an empty piece
+    (QUARTERS, THIRDS),  # to uneven pieces
+    (HYBRID, HALVED),  # from a 2-D mesh to a 1-D one
+    (QUARTERS, HYBRID),  # and back
+    (HALVED, ONE_RANK),  # to one rank
+    (ONE_RANK, QUARTERS),  # from one rank
+    (SHARDED_STAGES, STAGES),  # pipeline stages, sharded to whole
+)
+# FSDP1 and FSDP2 through DCP, both ways (SPEC §2, 1.3).
+FSDP1_PAIRS = moves(
+    (FSDP1_FLAT_PARAMS, QUARTERS),
+    (QUARTERS, FSDP1_FLAT_PARAMS),
+    (QUARTERS, FSDP1_FULL),
+    (FSDP1_FULL, HALVED),
+    (HALVED, FSDP1_FULL),
+)
+# Parameters outside the optimizer's subset (lazy): to fewer ranks and more, to a 2-D mesh, to FSDP1.
+LAZY_PAIRS = moves((QUARTERS, HALVED), (HALVED, QUARTERS), (ONE_RANK, HYBRID), (QUARTERS, FSDP1_FULL))
+# A broadcast set of what another layout saved.
+BCAST_PAIRS = moves(
+    (QUARTERS, HALVED),
+    (HALVED, HYBRID),
+    (ONE_RANK, THIRDS),
+    (QUARTERS, SHARDED_STAGES),
+    (SHARDED_STAGES, QUARTERS),
+    (HYBRID, ONE_RANK),
+    (HALVED, FSDP1_FLAT_PARAMS),
+    (FSDP1_FULL, FSDP1_HYBRID),
 )
 
 
@@ -210,40 +244,25 @@ def cases():
     for src, dst in PAIRS:
         for opt in ("adamw", "sgd"):
             yield resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp")
-    # FSDP1 and FSDP2 through DCP, both ways (SPEC §2, 1.3).
-    for src, dst in (
-        ("fsdp1-4-flat", "fsdp4"),
-        ("fsdp4", "fsdp1-4-flat"),
-        ("fsdp4", "fsdp1-2"),
-        ("fsdp1-2", "fsdp2"),
-        ("fsdp2", "fsdp1-2"),
-    ):
+    for src, dst in FSDP1_PAIRS:
         for opt in ("adamw", "sgd"):
             yield one_group_if_flat(resharded_case("OPT-RESHARD-1", src, dst, opt, "dcp"))
-    for src, dst in (("fsdp4", "fsdp2"), ("fsdp2", "fsdp4"), ("single", "hsdp2x2"), ("fsdp4", "fsdp1-2")):
+    for src, dst in LAZY_PAIRS:
         yield resharded_case("OPT-RESHARD-2", src, dst, "adamw", "dcp", lazy="subset")
     # A parameter the checkpoint lists without state (lazy), loaded where a
-    # rank holds an empty shard of it (fsdp4: aux has 3 rows). SGD keeps no
+    # rank holds an empty piece of it (four ranks: aux has 3 rows). SGD keeps no
     # step, so that rank's template entry has nothing it could tell written
     # from unwritten by: it must go by the other ranks.
-    yield resharded_case("OPT-RESHARD-2", "fsdp2", "fsdp4", "sgd", "dcp", lazy="aux")
-    for src, dst in (
-        ("fsdp4", "fsdp2"),
-        ("fsdp2", "hsdp2x2"),
-        ("single", "fsdp3"),
-        ("fsdp4", "pp2xfsdp2"),
-        ("pp2xfsdp2", "fsdp4"),
-        ("hsdp2x2", "single"),
-        ("fsdp2", "fsdp1-4-flat"),
-        ("fsdp1-2", "hsdp1-2x2"),
-    ):
+    yield resharded_case("OPT-RESHARD-2", HALVED.one(), QUARTERS.one(), "sgd", "dcp", lazy="aux")
+    for src, dst in BCAST_PAIRS:
         yield one_group_if_flat(resharded_case("OPT-RESHARD-3", src, dst, "adamw", "bcast"))
 
 
 def one_group_if_flat(case: Case) -> Case:
-    """FSDP1's flat layout's optimizer holds one flat parameter per unit, so
-    its groups cannot go by role: both sides put every parameter in one group."""
-    if "-flat" not in case.layout:
+    """FSDP1's flat parameters: the optimizer holds one per unit, so its
+    groups cannot go by role: both sides put every parameter in one group."""
+    ends = [p.params[end] for p in case.phases[:1] for end in ("src", "dst")]
+    if not any(parse_layout(name).kind.flat_params for name in ends):
         return case
     one = GroupSpec(split=False)
     return replace(case, phases=tuple(replace(p, params={**p.params, "groups": one}) for p in case.phases))

@@ -9,16 +9,15 @@ from torch.distributed.tensor import DTensor
 from .. import nested
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS, parse_layout
+from ..world.catalog import BASE, ENDS, FSDP1, FSDP1_FULL, FSDP1_FULL_SHARD, FSDP1_HYBRID, SHARDED_STAGES
+from ..world.layouts import parse_layout
 from ..world.models import GroupSpec, ModelConfig
 from ..world.modes import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
 
-# FSDP1 (SPEC §2, 1.3): original parameters, flat parameters, HYBRID_SHARD, SHARD_GRAD_OP.
-FSDP1 = ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op")
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 BEFORE, AFTER = 1, 1
 # The warm target's own steps (OPT-RT-5): not the checkpoint's count, so a
@@ -197,35 +196,28 @@ def _tensors(state):
 
 
 def cases():
-    for layout in BASE_LAYOUTS:
-        for opt in OPTS:
-            for mode in modes.MODES:
-                yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode)
-    for layout in BASE_LAYOUTS:
-        for opt in ("adamw", "adagrad"):
-            for mode in modes.MODES:
-                yield make_case("OPT-RT-4", layout, rt_4, opt=opt, mode=mode)
-    for i, layout in enumerate(BASE_LAYOUTS):  # every layout and mode; the optimizers rotate over both
+    yield from grid("OPT-RT-1", BASE, rt_1, opts=OPTS, modes=modes.MODES)
+    yield from grid("OPT-RT-4", BASE, rt_4, opts=("adamw", "adagrad"), modes=modes.MODES)
+    for i, layout in enumerate(BASE):  # every layout and mode; the optimizers rotate over both
         for j, mode in enumerate(modes.MODES):
             yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
-    for layout in ("single", "fsdp4", "pp2xfsdp2"):
-        for opt in ("adamw", "adagrad"):
-            for mode in modes.MODES:
-                yield make_case("OPT-RT-1", layout, rt_1, opt=opt, mode=mode, variant="step0", before=0)
-    for layout in ("single", "fsdp4", "pp2xfsdp2"):  # a rollback to a checkpoint taken before the first step
-        for mode in modes.MODES:
-            yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode=mode, variant="step0", before=0)
+    step0 = {"step0": {"before": 0}}
+    yield from grid(
+        "OPT-RT-1", ENDS | SHARDED_STAGES, rt_1, opts=("adamw", "adagrad"), modes=modes.MODES, variants=step0
+    )
+    # A rollback to a checkpoint taken before the first step.
+    yield from grid("OPT-RT-5", ENDS | SHARDED_STAGES, rt_5, opts=("adamw",), modes=modes.MODES, variants=step0)
     # SGD with momentum keeps no step: its saved template (zero buffers) is told
     # from real state only by all of an optimizer's buffers together.
-    for layout in ("single", "fsdp4"):
+    for layout in ENDS:
         for mode in modes.MODES:
             yield make_case("OPT-RT-1", layout, rt_1, opt="sgd", mode=mode, variant="step0", before=0)
             yield make_case("OPT-RT-5", layout, rt_5, opt="sgd", mode=mode, variant="step0", before=0)
-    for layout in ("single", "fsdp4"):  # the same, with frozen parameters: state the warm target has none for
+    for layout in ENDS:  # the same, with frozen parameters: state the warm target has none for
         frozen = modes.recipe(layout, "adamw", cfg=ModelConfig(frozen=True))
         yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode="dcp", variant="step0-frozen", before=0, how=frozen)
-    for mode in modes.MODES:  # optional: FSDP over tensor parallelism (strided shards)
-        yield make_case("OPT-RT-1", "fsdp2xtp2", rt_1, opt="adamw", mode=mode, profile="tp")
+    # Optional: FSDP over tensor parallelism (strided shards), the one such layout.
+    yield from grid("OPT-RT-1", ("fsdp2xtp2",), rt_1, opts=("adamw",), modes=modes.MODES, profile="tp")
     # FSDP1 (SPEC §2, 1.3): every mode with AdamW and with the other optimizers in turn; warm targets alike.
     for i, layout in enumerate(FSDP1):
         for j, mode in enumerate(modes.MODES):
@@ -234,14 +226,12 @@ def cases():
             yield make_case("OPT-RT-1", layout, rt_1, opt=other, mode=mode)
             yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
     # (OPT-RT-4 freezes one parameter of a unit: a flat parameter freezes whole, so original parameters only.)
-    for mode in modes.MODES:
-        yield make_case("OPT-RT-4", "fsdp1-2", rt_4, opt="adamw", mode=mode)
-    for layout in BASE_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat"):
-        for mode in ("sharded", "full", "full_cpu", "flat"):
-            yield make_case("OPT-RT-2", layout, rt_2, opt="adamw", mode=mode)
-    for layout in BASE_LAYOUTS + ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2"):
-        for opt in ("adamw", "sgd") if layout in BASE_LAYOUTS else ("adamw",):
-            yield make_case("OPT-RT-3", layout, rt_3, opt=opt, mode="full_cpu")
+    yield from grid("OPT-RT-4", FSDP1_FULL, rt_4, opts=("adamw",), modes=modes.MODES)
+    yield from grid(
+        "OPT-RT-2", BASE | FSDP1_FULL_SHARD, rt_2, opts=("adamw",), modes=("sharded", "full", "full_cpu", "flat")
+    )
+    yield from grid("OPT-RT-3", BASE, rt_3, opts=("adamw", "sgd"), modes=("full_cpu",))
+    yield from grid("OPT-RT-3", FSDP1_FULL_SHARD | FSDP1_HYBRID, rt_3, opts=("adamw",), modes=("full_cpu",))
 
 
 CLAUSES = {

@@ -32,6 +32,7 @@ from ..judging.oracle import (
 from ..running.cases import Case, Phase, case_id, make_case
 from ..running.clauses import Clause
 from ..world import many_keys, modes
+from ..world.catalog import FSDP1_FULL, HALVED, ONE_RANK, REPLICATED, STAGES
 from ..world.layouts import model_group, parse_layout
 from ..world.models import GroupSpec
 from ..world.setup import Setup
@@ -43,20 +44,20 @@ OPT = "adamw"
 # of keys costs what tens of the other clauses' cases cost (SPEC SCALE-1).
 # Two ranks at most, so that each rank has a core of the machine CI runs on.
 MATRIX = (
-    ("single", "full_cpu", False),
-    ("single", "file", True),
-    ("ddp", "bcast", False),
-    ("fsdp2", "sharded", True),
-    ("fsdp2", "sharded", False),
-    ("fsdp2", "full", False),
-    ("fsdp2", "flat", True),
-    ("hsdp1x2", "bcast", True),
-    ("pp2", "flat", False),
-    ("fsdp1-2", "sharded", True),
-    ("fsdp1-2-flat", "full", False),
+    (ONE_RANK.one(), "full_cpu", False),
+    (ONE_RANK.one(), "file", True),
+    (REPLICATED.one(), "bcast", False),
+    (HALVED.one(), "sharded", True),
+    (HALVED.one(), "sharded", False),
+    (HALVED.one(), "full", False),
+    (HALVED.one(), "flat", True),
+    ("hsdp1x2", "bcast", True),  # named: HSDP on two ranks (the catalog's HSDP has four)
+    (STAGES.one(), "flat", False),
+    (FSDP1_FULL.one(), "sharded", True),
+    ("fsdp1-2-flat", "full", False),  # named: FSDP1's flat parameters on two ranks (the catalog's on four)
 )
 # Through DCP to another layout, as a job resumes on another world.
-PAIRS = (("fsdp2", "single"),)
+PAIRS = ((HALVED.one(), ONE_RANK.one()),)
 DEADLINE_S = 120
 
 
@@ -221,13 +222,13 @@ KINDS = ("wrong_shape", "wrong_dtype", "unknown_fqn", "missing_fqn", "partial_en
 PLACES = ("column_end", "group_start")
 # Every kind, every place (two kinds at both); nested and flat sets, full and broadcast ones; sharded layouts, FSDP1.
 REFUSALS = (
-    ("single", "sharded", "wrong_shape", "column_end"),
-    ("single", "flat", "unknown_fqn", "group_start"),
-    ("single", "full", "partial_entry", "column_end"),
-    ("fsdp2", "sharded", "wrong_dtype", "group_start"),
-    ("fsdp2", "flat", "missing_fqn", "column_end"),
-    ("fsdp2", "bcast", "wrong_shape", "group_start"),
-    ("fsdp1-2", "sharded", "missing_fqn", "group_start"),
+    (ONE_RANK.one(), "sharded", "wrong_shape", "column_end"),
+    (ONE_RANK.one(), "flat", "unknown_fqn", "group_start"),
+    (ONE_RANK.one(), "full", "partial_entry", "column_end"),
+    (HALVED.one(), "sharded", "wrong_dtype", "group_start"),
+    (HALVED.one(), "flat", "missing_fqn", "column_end"),
+    (HALVED.one(), "bcast", "wrong_shape", "group_start"),
+    (FSDP1_FULL.one(), "sharded", "missing_fqn", "group_start"),
 )
 
 

@@ -11,9 +11,10 @@ any implementation, and is checked in the other modes.
 from __future__ import annotations
 
 from ..judging.oracle import check, diff_snapshots, diff_values, fail_if, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid
 from ..running.clauses import Clause
 from ..world import modes
+from ..world.catalog import DATA_PARALLEL, ENDS, FSDP1_FULL_SHARD, HYBRID, SHARDED_STAGES, STAGES
 from ..world.models import GroupSpec
 from ..world.setup import Setup
 
@@ -86,27 +87,36 @@ def sched_3(c, layout, mode):
 
 
 def cases():
-    for layout in ("single", "ddp", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in modes.MODES:
-            yield make_case("OPT-SCHED-1", layout, sched_1, opt="adamw", mode=mode)
-    for layout in ("single", "fsdp4", "hsdp2x2", "pp2xfsdp2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in ("sharded", "full_cpu", "flat", "dcp"):
-            yield make_case("OPT-SCHED-2", layout, sched_2, opt="adamw", mode=mode)
-    for layout in ("single", "fsdp4", "pp2xfsdp2"):
-        for mode in ("sharded", "bcast", "flat"):
-            yield make_case(
-                "OPT-SCHED-2",
-                layout,
-                sched_2,
-                opt="adamw",
-                mode=mode,
-                variant="2opt",
-                profile="multi-optimizer",
-                n_optimizers=2,
-            )
-    for layout in ("single", "fsdp4", "pp2", "fsdp1-2", "fsdp1-4-flat"):
-        for mode in ("sharded", "full", "bcast", "flat"):
-            yield make_case("OPT-SCHED-3", layout, sched_3, opt="adamw", mode=mode)
+    yield from grid(
+        "OPT-SCHED-1",
+        DATA_PARALLEL | STAGES | SHARDED_STAGES | FSDP1_FULL_SHARD,
+        sched_1,
+        opts=("adamw",),
+        modes=modes.MODES,
+    )
+    yield from grid(
+        "OPT-SCHED-2",
+        ENDS | HYBRID | SHARDED_STAGES | FSDP1_FULL_SHARD,
+        sched_2,
+        opts=("adamw",),
+        modes=("sharded", "full_cpu", "flat", "dcp"),
+    )
+    yield from grid(
+        "OPT-SCHED-2",
+        ENDS | SHARDED_STAGES,
+        sched_2,
+        opts=("adamw",),
+        modes=("sharded", "bcast", "flat"),
+        variants={"2opt": {"n_optimizers": 2}},
+        profile="multi-optimizer",
+    )
+    yield from grid(
+        "OPT-SCHED-3",
+        ENDS | STAGES | FSDP1_FULL_SHARD,
+        sched_3,
+        opts=("adamw",),
+        modes=("sharded", "full", "bcast", "flat"),
+    )
 
 
 CLAUSES = {

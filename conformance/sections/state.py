@@ -9,10 +9,24 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat, nested
 from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
-from ..running.cases import make_case
+from ..running.cases import grid, make_case
 from ..running.clauses import Clause
 from ..world import modes
-from ..world.layouts import BASE_LAYOUTS
+from ..world.catalog import (
+    BASE,
+    ENDS,
+    FSDP1_FLAT_PARAMS,
+    FSDP1_FULL,
+    FSDP1_FULL_SHARD,
+    FSDP1_HYBRID,
+    HALVED,
+    HYBRID,
+    ONE_RANK,
+    QUARTERS,
+    SHARDED_STAGES,
+    STAGES,
+    THIRDS,
+)
 from ..world.models import ModelConfig
 from ..world.modes import get_options, optimizers_arg
 from .reshard import one_group_if_flat, resharded_case
@@ -190,24 +204,28 @@ def _differ_across_ranks(s, held: dict) -> list[str]:
 # Every mode on the layouts that differ most in how state is laid out
 # (unsharded, uneven shards, 2-D, pipeline stages); the others in the modes
 # that take each path once (in memory, through rank 0, through DCP).
-EVERY_MODE = ("single", "fsdp3", "hsdp2x2", "pp2xfsdp2")
+EVERY_MODE = ONE_RANK | THIRDS | HYBRID | SHARDED_STAGES
 SOME_MODES = ("sharded", "bcast", "dcp")
 
 
 def cases():
-    for layout in BASE_LAYOUTS:
+    for layout in BASE:
         for mode in modes.MODES if layout in EVERY_MODE else SOME_MODES:
             yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
     # Lazy state through DCP (fsdp4: a rank holds an empty shard of aux; pipelines go flat).
-    for layout in ("single", "fsdp4", "pp2xfsdp2"):
-        yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode="dcp", variant="lazy", lazy=True)
-    for src, dst in (("fsdp4", "fsdp3"), ("hsdp2x2", "fsdp2"), ("pp2xfsdp2", "pp2")):
+    yield from grid(
+        "OPT-STATE-1", ENDS | SHARDED_STAGES, state_1, opts=(OPT,), modes=("dcp",), variants={"lazy": {"lazy": True}}
+    )
+    for src, dst in (
+        (QUARTERS.one(), THIRDS.one()),
+        (HYBRID.one(), HALVED.one()),
+        (SHARDED_STAGES.one(), STAGES.one()),
+    ):
         yield one_group_if_flat(resharded_case("OPT-STATE-1", src, dst, OPT, "dcp"))
     # FSDP1 (SPEC §2, 1.3): state unflattened from flat shards, nested state included; to FSDP2 and back.
-    for layout, layout_modes in (("fsdp1-2", modes.MODES), ("fsdp1-4-flat", modes.MODES), ("hsdp1-2x2", SOME_MODES)):
-        for mode in layout_modes:
-            yield make_case("OPT-STATE-1", layout, state_1, opt=OPT, mode=mode)
-    for src, dst in (("fsdp1-4-flat", "fsdp4"), ("fsdp2", "fsdp1-2")):
+    yield from grid("OPT-STATE-1", FSDP1_FULL_SHARD, state_1, opts=(OPT,), modes=modes.MODES)
+    yield from grid("OPT-STATE-1", FSDP1_HYBRID, state_1, opts=(OPT,), modes=SOME_MODES)
+    for src, dst in ((FSDP1_FLAT_PARAMS.one(), QUARTERS.one()), (HALVED.one(), FSDP1_FULL.one())):
         yield one_group_if_flat(resharded_case("OPT-STATE-1", src, dst, OPT, "dcp"))
 
 

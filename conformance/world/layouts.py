@@ -113,6 +113,7 @@ class LayoutKind:
     # steps FSDP1's flat parameters).
     wrapper: str = "none"
     flat_params: bool = False
+    strategy: str = ""  # FSDP1's ShardingStrategy, by name
     # The layout capabilities (adapters.LAYOUT_CAPABILITIES) an adapter must
     # declare for cases on this kind; a policy variant adds "policies".
     needs: tuple[str, ...] = ()
@@ -255,7 +256,7 @@ def _second_model_differs(cfg: ModelConfig, setup) -> ModelConfig:
     return replace(cfg, n_layers=cfg.n_layers + setup.part)
 
 
-def _fsdp1_units(setup, *, flat: bool, strategy: str) -> None:
+def _fsdp1_units(setup) -> None:
     """FSDP1 (torch's ``FullyShardedDataParallel``) on every block, then on the
     root, with ``device_id`` the rank's device (SPEC §2). The suite wraps with
     torch's own class, whatever the implementation under test: it is judged on
@@ -268,8 +269,13 @@ def _fsdp1_units(setup, *, flat: bool, strategy: str) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
-    kwargs = {"device_id": setup.device, "use_orig_params": not flat, "sharding_strategy": ShardingStrategy[strategy]}
-    if strategy == "HYBRID_SHARD":
+    kind = setup.layout.kind
+    kwargs = {
+        "device_id": setup.device,
+        "use_orig_params": not kind.flat_params,
+        "sharding_strategy": ShardingStrategy[kind.strategy],
+    }
+    if kind.strategy == "HYBRID_SHARD":
         kwargs["device_mesh"] = setup.mesh
     module = setup.module
     if any(p.is_meta for p in module.parameters()):
@@ -418,9 +424,10 @@ KINDS: tuple[LayoutKind, ...] = (
         r"fsdp1-(\d+)",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
         _world_mesh,
-        lambda setup: _fsdp1_units(setup, flat=False, strategy="FULL_SHARD"),
+        _fsdp1_units,
         _world_dp,
         wrapper="fsdp1",
+        strategy="FULL_SHARD",
         needs=("fsdp1",),
         family="fsdp1",
     ),
@@ -429,9 +436,10 @@ KINDS: tuple[LayoutKind, ...] = (
         r"fsdp1-(\d+)-flat",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
         _world_mesh,
-        lambda setup: _fsdp1_units(setup, flat=True, strategy="FULL_SHARD"),
+        _fsdp1_units,
         _world_dp,
         wrapper="fsdp1",
+        strategy="FULL_SHARD",
         flat_params=True,
         needs=("fsdp1",),
         family="fsdp1",
@@ -442,9 +450,10 @@ KINDS: tuple[LayoutKind, ...] = (
         r"fsdp1-(\d+)-shard_grad_op",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
         _world_mesh,
-        lambda setup: _fsdp1_units(setup, flat=False, strategy="SHARD_GRAD_OP"),
+        _fsdp1_units,
         _world_dp,
         wrapper="fsdp1",
+        strategy="SHARD_GRAD_OP",
         needs=("fsdp1",),
         family="fsdp1",
     ),
@@ -453,9 +462,10 @@ KINDS: tuple[LayoutKind, ...] = (
         r"hsdp1-(\d+)x(\d+)",
         lambda r, s: (r * s, ((f"{r}x{s}", ("replicate", "shard")),), 1),
         _world_mesh,
-        lambda setup: _fsdp1_units(setup, flat=False, strategy="HYBRID_SHARD"),
+        _fsdp1_units,
         _world_dp,
         wrapper="fsdp1",
+        strategy="HYBRID_SHARD",
         needs=("fsdp1",),
         family="fsdp1",
     ),
@@ -479,10 +489,6 @@ KINDS: tuple[LayoutKind, ...] = (
 
 # The kinds whose names take a policy variant.
 POLICY_KINDS = tuple(kind.name for kind in KINDS if kind.policies)
-
-# The base layouts: the data-parallel and pipeline layouts most clauses run
-# on, and the ones generated scenarios draw from (conformance.world.scenario).
-BASE_LAYOUTS = ("single", "ddp", "fsdp2", "fsdp3", "fsdp4", "hsdp2x2", "pp2", "pp2xfsdp2")
 
 # The console summary's columns: the kinds' families, FSDP2 policy variants
 # (``fsdp4.bf16``) and moves between layouts (``fsdp4_to_fsdp2``, resharding).

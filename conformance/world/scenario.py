@@ -19,13 +19,14 @@ import json
 import zlib
 from dataclasses import dataclass, fields
 
-from .layouts import BASE_LAYOUTS, POLICY_KINDS, parse_layout
+from .catalog import BASE
+from .layouts import POLICY_KINDS, parse_layout
 
 TOKEN_PREFIX = "s1."
 
 # The layouts and optimizers scenarios draw from: the matrix's own, layouts
 # by world size (hypothesis shrinks towards the first).
-DRAWN_LAYOUTS = tuple(sorted(BASE_LAYOUTS, key=lambda name: parse_layout(name).world_size))
+DRAWN_LAYOUTS = tuple(sorted(BASE, key=lambda name: parse_layout(name).world_size))
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
 DTYPES = ("float32", "float64", "bfloat16")
 EXTRA_STATE = ("", "tensor", "dict", "object")
