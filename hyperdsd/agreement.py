@@ -32,9 +32,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _compat
-from .state.flat import is_flat
-from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan, TensorMeta
-from .state.saved_placeholders import UNKNOWN, VARIES, never_stepped_tensors, tensor_fill
+from .state.keys.flat import is_flat
+from .state.loading.plan import ModelLoadPlan, OptimizerLoadPlan, TensorMeta
+from .state.placeholders.saved import UNKNOWN, VARIES, never_stepped_tensors, tensor_fill
 from .transport import collectives
 from .transport.delivery import deliver, needs_for
 from .transport.group import Group

@@ -22,13 +22,13 @@ from .agreement import BroadcastAgreement, LocalAgreement
 from .errors import StateDictError
 from .fsdp1.layout import FSDP1Layout
 from .options import StateDictOptions, resolve_options
-from .state import flat as flat_format
 from .state import model as model_state
-from .state import optimizer as optim_state
-from .state import optimizer_load as optim_plan
-from .state import placeholders
-from .state.fqn import ModelIndex, optimizer_params
-from .state.load_plan import ModelLoadPlan, OptimizerLoadPlan
+from .state.keys import flat as flat_format
+from .state.keys.fqn import ModelIndex, optimizer_params
+from .state.loading.plan import ModelLoadPlan, OptimizerLoadPlan
+from .state.optimizer import plan as optim_plan
+from .state.optimizer import state as optim_state
+from .state.placeholders import marks as placeholders
 from .transport import consolidate
 from .transport import group as groups
 

@@ -57,7 +57,7 @@ class TwinLoad(Protocol):
 class Twin:
     """What a call reads or loads in place of a model and its optimizers.
 
-    ``index`` is the twin model's :class:`~hyperdsd.state.fqn.ModelIndex`;
+    ``index`` is the twin model's :class:`~hyperdsd.state.keys.fqn.ModelIndex`;
     ``model_stages`` and ``optim_stages`` (or None) let a full get gather
     from the wrapper's own layout (see :func:`hyperdsd.transport.consolidate.full_model`);
     ``load`` (a load's twin only) takes a load on from the twin."""
@@ -93,7 +93,7 @@ class WrapperLayout:
 
     def twin(self, model, index, optims: tuple, modifiers_attr: str, *, to_load: bool, full: bool) -> Twin:
         """The twin of ``model`` (``index``: its index, listing this layout's
-        modules in :attr:`~hyperdsd.state.fqn.ModelIndex.wrapped`) and of ``optims``:
+        modules in :attr:`~hyperdsd.state.keys.fqn.ModelIndex.wrapped`) and of ``optims``:
         for a load (``to_load``, with a :class:`TwinLoad`) or a get (``full``:
         a full get, which may gather from the wrapper's layout instead)."""
         raise NotImplementedError

@@ -1,6 +1,6 @@
 """Modules' registries of children, parameters and buffers, read a column at a time.
 
-The kept model index (:mod:`hyperdsd.state.index_cache`) asks on every call
+The kept model index (:mod:`hyperdsd.state.keys.index_cache`) asks on every call
 whether the registries hold what they held; a load planned in place asks
 again before it is applied. Both read nn.Module's private dicts (see
 :func:`~.modules.child_modules`) for thousands of modules at once, in C.
@@ -40,7 +40,7 @@ def registry_contents(registries: list[dict]) -> tuple[list, list, list]:
 
 
 def registries_fingerprint(modules: list[torch.nn.Module]) -> tuple[list, list, tuple[list, list]]:
-    """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.index_cache`):
+    """What a walk of ``modules`` reads (see :mod:`hyperdsd.state.keys.index_cache`):
     their classes, each registry's length, names and the ids of what it
     holds, the non-persistent buffers' names (equal lists, the same
     registries, where everything they held is alive); every parameter then

@@ -4,13 +4,13 @@ DCP flattens the state dict it loads into keys such as
 ``optim.state.{fqn}.{key}``; each key's path (a tuple) comes from the
 planner's mappings, so FQNs, which contain dots, are never split by
 guessing. Optimizer state dicts are found in the template by their shape
-(nested, or flat; see :mod:`hyperdsd.state.flat`), wherever the user put them.
+(nested, or flat; see :mod:`hyperdsd.state.keys.flat`), wherever the user put them.
 
 Each parameter's state *entry* in the template is judged as a whole:
 
 - every key of it is in the checkpoint: it loads;
 - none of it is, and the template's entry is a placeholder (a never-stepped
-  optimizer's, see :mod:`hyperdsd.state.placeholders`): lazy state, the parameter never had a
+  optimizer's, see :mod:`hyperdsd.state.placeholders.marks`): lazy state, the parameter never had a
   gradient; the entry is left out of the load and the parameter stays
   without state;
 - some keys are there and others are not: corruption, a problem naming the
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..state.flat import GROUPS, STATE, split_fqn
-from ..state.placeholders import is_placeholder_value, is_unwritten_placeholder
+from ..state.keys.flat import GROUPS, STATE, split_fqn
+from ..state.placeholders.marks import is_placeholder_value, is_unwritten_placeholder
 
 Path = tuple  # a DCP object path: str keys and int list indices
 

@@ -10,7 +10,7 @@ test), and units of the same layout, takes the last call's tree: each twin
 parameter gets this call's rows as its local tensor (a load's: empty rows
 it loads into), and its ``requires_grad`` the real parameter's. Its index
 is then the kept index of an unchanged tree
-(:meth:`hyperdsd.state.fqn.ModelIndex.of`), and the tree is taken only
+(:meth:`hyperdsd.state.keys.fqn.ModelIndex.of`), and the tree is taken only
 while that index holds every kept parameter (:func:`intact`: a load that
 replaced one of the tree's parameters leaves a tree built anew next time).
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..state.load_plan import Prepared
+from ..state.loading.plan import Prepared
 from ..transport.delivery import Landing
 from ..transport.needs import Need
 from ..tree import leaves, rebuild

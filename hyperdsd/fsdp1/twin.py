@@ -22,7 +22,7 @@ import torch
 
 from .. import _compat
 from ..errors import StateDictError
-from ..state.fqn import ModelIndex
+from ..state.keys.fqn import ModelIndex
 from ..tree import rebuild
 from . import kept as kept_twins
 from . import unit_moves as moves

@@ -15,9 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from ..blocks import blocks
-from .fqn import ModelIndex
-from .in_place import Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
-from .load_checks import (
+from .keys.fqn import ModelIndex
+from .loading.checks import (
     Verdict,
     Verdicts,
     accepted,
@@ -30,7 +29,8 @@ from .load_checks import (
     planned,
     refused,
 )
-from .load_plan import (
+from .loading.in_place import Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
+from .loading.plan import (
     ModelLoadPlan,
     Prepared,
     ReceiverColumn,

@@ -39,7 +39,7 @@ class Landing:
 
 
 class Receiver(Protocol):
-    """What delivery needs of a planned tensor (``hyperdsd.state.load_plan.Prepared`` is one)."""
+    """What delivery needs of a planned tensor (``hyperdsd.state.loading.plan.Prepared`` is one)."""
 
     meta: Any  # its root tensor's index and shape (``.index``, ``.shape``)
     layout: DTensorLayout | None  # its DTensor layout, or None for a plain tensor
@@ -53,7 +53,7 @@ class Receiver(Protocol):
 
 
 class Column(Protocol):
-    """Receivers by column (``hyperdsd.state.load_plan.ReceiverColumn`` is one):
+    """Receivers by column (``hyperdsd.state.loading.plan.ReceiverColumn`` is one):
     each of ``metas``' pieces lands in the local tensor beside it in ``dests``."""
 
     metas: list  # its root tensors' stand-ins (``.index``, ``.shape``)

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hyperdsd.blocks
-from hyperdsd.state import flat as flat_format
-from hyperdsd.state import flat_keys
-from hyperdsd.state.flat import GROUPS, STATE, split_fqn, unflatten
+from hyperdsd.state.keys import flat as flat_format
+from hyperdsd.state.keys import flat_keys
+from hyperdsd.state.keys.flat import GROUPS, STATE, split_fqn, unflatten
 
 FQNS = ["a", "a.b", "b", "a.b.c", "c.0", "w"]
 NAMES = ["step", "exp_avg", "lr", "b", "x[0]", "m.n", "", "0", "q\nr", "betas"]

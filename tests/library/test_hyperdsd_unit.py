@@ -20,9 +20,9 @@ from parameterized import parameterized
 import hyperdsd
 from hyperdsd import StateDictError, StateDictOptions
 from hyperdsd._compat import checkpoint_wrapper
-from hyperdsd.state import flat as flat_format
-from hyperdsd.state.fqn import ModelIndex
-from hyperdsd.state.placeholders import is_unwritten_placeholder
+from hyperdsd.state.keys import flat as flat_format
+from hyperdsd.state.keys.fqn import ModelIndex
+from hyperdsd.state.placeholders.marks import is_unwritten_placeholder
 
 
 class Block(nn.Module):
@@ -681,7 +681,7 @@ def test_lists_in_nested_state_round_trip_through_the_flat_layout():
 
 
 def test_nested_placeholders_follow_their_entry():
-    from hyperdsd.state.placeholders import mark_placeholder, unwritten_keys
+    from hyperdsd.state.placeholders.marks import mark_placeholder, unwritten_keys
 
     entry = {
         "step": mark_placeholder(torch.zeros(())),
@@ -1095,7 +1095,7 @@ def test_a_broadcast_manifest_describes_a_column_as_it_describes_each_tensor(uni
     the same stand-ins, indices, fills and shared (shape, dtype) objects,
     whether every entry holds the same keys or not."""
     from hyperdsd.agreement import describe, stand_ins_of
-    from hyperdsd.state.load_plan import TensorMeta
+    from hyperdsd.state.loading.plan import TensorMeta
     from hyperdsd.tree import leaves
 
     def manifest(state_dict: dict) -> tuple:
@@ -1133,7 +1133,7 @@ def test_receiver_columns_need_whole_plain_tensors_and_land_in_their_dests():
     the tensor its piece lands in; a root tensor two columns receive, or a
     receiver beside the columns, takes the receiver-by-receiver path, with
     the same needs."""
-    from hyperdsd.state.load_plan import Prepared, ReceiverColumn, TensorMeta
+    from hyperdsd.state.loading.plan import Prepared, ReceiverColumn, TensorMeta
     from hyperdsd.transport.delivery import needs_for
     from hyperdsd.transport.needs import Need, PackedNeeds
 
@@ -1164,9 +1164,9 @@ def test_receiver_columns_ask_every_local_shape_of_dtensors():
     into it would resize it."""
     from types import SimpleNamespace
 
-    from hyperdsd.state.in_place import ColumnVerdicts, column_receivers
-    from hyperdsd.state.load_checks import Verdict
-    from hyperdsd.state.load_plan import TensorMeta
+    from hyperdsd.state.loading.checks import Verdict
+    from hyperdsd.state.loading.in_place import ColumnVerdicts, column_receivers
+    from hyperdsd.state.loading.plan import TensorMeta
 
     layout = SimpleNamespace(local_shape=(2, 3))
     verdicts = ColumnVerdicts({0: Verdict("", layout, False, True)}, [0, 0, 0])  # one signature
@@ -1187,7 +1187,7 @@ def test_receiver_columns_expand_into_the_plans_they_stand_for():
     tensors changed) makes each column's receivers: the model's under their
     keys, delivered or not; the optimizer's into copies of its loads' entries,
     the manifest's entries left as they were."""
-    from hyperdsd.state.load_plan import ModelLoadPlan, OptimizerLoadPlan, ParamLoad, ReceiverColumn, TensorMeta
+    from hyperdsd.state.loading.plan import ModelLoadPlan, OptimizerLoadPlan, ParamLoad, ReceiverColumn, TensorMeta
 
     metas = [TensorMeta((2,), torch.float32, i) for i in range(2)]
     dests = [torch.zeros(2), torch.ones(2)]
@@ -1316,7 +1316,7 @@ def test_receiver_columns_numbered_by_layout_need_what_their_layouts_say():
     a root tensor received twice still takes the receiver-by-receiver path."""
     from types import SimpleNamespace
 
-    from hyperdsd.state.load_plan import ReceiverColumn, TensorMeta
+    from hyperdsd.state.loading.plan import ReceiverColumn, TensorMeta
     from hyperdsd.transport.delivery import needs_for
     from hyperdsd.transport.needs import Need
 
@@ -1388,7 +1388,7 @@ def test_the_scratch_step_by_kind_of_parameter_gives_what_a_step_over_each_gives
     over one stand-in per kind of parameter in a group (torch's per-parameter
     optimizers): each parameter's state is what a step over every parameter
     gives, its own tensors; other optimizers step a stand-in per parameter."""
-    from hyperdsd.state.placeholder_state import _PER_PARAMETER, scratch_step
+    from hyperdsd.state.placeholders.scratch import _PER_PARAMETER, scratch_step
 
     cls, kwargs = OPTIMIZERS[which]
     torch.manual_seed(0)

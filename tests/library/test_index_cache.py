@@ -1,4 +1,4 @@
-"""The model index kept from one call to the next (hyperdsd.state.index_cache):
+"""The model index kept from one call to the next (hyperdsd.state.keys.index_cache):
 ``ModelIndex.of`` gives what a fresh ``ModelIndex`` would, whatever changed
 in between, builds nothing when nothing did, and holds neither the model nor
 any tensor (one process, plain modules)."""
@@ -19,8 +19,8 @@ import hyperdsd
 import hyperdsd.blocks
 from hyperdsd import _compat
 from hyperdsd._compat import checkpoint_wrapper
-from hyperdsd.state.fqn import ModelIndex
-from hyperdsd.state.index_cache import cached_models
+from hyperdsd.state.keys.fqn import ModelIndex
+from hyperdsd.state.keys.index_cache import cached_models
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import hyperdsd
 from hyperdsd import StateDictError, wrappers
-from hyperdsd.state.fqn import ModelIndex
+from hyperdsd.state.keys.fqn import ModelIndex
 
 
 class Box(nn.Module):

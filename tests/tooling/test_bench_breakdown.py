@@ -29,7 +29,7 @@ def test_every_hyperdsd_module_has_a_category():
 
 def test_a_function_outside_hyperdsd_and_torch_is_other():
     assert bench_breakdown._category(str(Path("/x/tools/benchmarks/bench_tasks.py")), "_op") == OTHER
-    assert bench_breakdown._category("/x/hyperdsd/state/in_place.py", "f") == "checks (validation)"
+    assert bench_breakdown._category("/x/hyperdsd/state/loading/in_place.py", "f") == "checks (validation)"
     assert bench_breakdown._category("/x/hyperdsd/fsdp1/unit_moves.py", "f") == "FSDP1: twin, flat parameters"
 
 
@@ -48,7 +48,7 @@ def test_every_phase_names_a_function_that_exists():
 
 def test_phases_are_timed_and_put_back():
     import hyperdsd.state.model as model_state
-    from hyperdsd.state.fqn import ModelIndex
+    from hyperdsd.state.keys.fqn import ModelIndex
 
     before = model_state.plan_load, ModelIndex.__dict__["of"]
     spent: dict[str, float] = {}

@@ -64,7 +64,7 @@ def test_every_hint_selects_a_case():
 # the same text. Once the source moves on from a target, its comparison is skipped.
 TEXT_MUTANTS = {
     "get-steps-fresh-optimizer": (
-        "state/optimizer.py",
+        "state/optimizer/state.py",
         "        placeholders = placeholder_state_of(opt) if not opt.state "
         "else (stateless_placeholders(opt) if to_load else {})\n",
         "        placeholders = {}\n"
@@ -86,17 +86,17 @@ TEXT_MUTANTS = {
         "    plan.missing = [raw_of[c] for c in raw_of if c not in matched and c not in frozen]",
     ),
     "strict-lazy-counts-as-missing": (
-        "state/optimizer_load.py",
+        "state/optimizer/plan.py",
         "        absent = [f for f in required if f not in listed]",
         "        absent = [f for f in required if f not in listed or f not in source.by_name]",
     ),
     "flat-unknown-keys-dropped": (
-        "state/flat.py",
+        "state/keys/flat.py",
         "        if split is None:\n            self.unknown.append(key)\n",
         "        if split is None:\n",
     ),
     "state-cast-to-param-dtype": (
-        "state/optimizer_values.py",
+        "state/optimizer/values.py",
         "    verdict = _verdict(value, p, key, expected, verdicts)\n",
         '    if isinstance(value, torch.Tensor) and key != "step":\n'
         "        value = value.to(p.dtype)  # state follows its parameter's dtype\n"

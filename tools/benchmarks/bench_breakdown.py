@@ -23,7 +23,12 @@ from tools.benchmarks.bench_tasks import _build, _op, _prepare
 CATEGORIES = (
     (
         "FQN index",
-        ("hyperdsd/state/fqn.py", "hyperdsd/state/index_cache.py", "hyperdsd/state/hidden.py", "hyperdsd/wrappers.py"),
+        (
+            "hyperdsd/state/keys/fqn.py",
+            "hyperdsd/state/keys/index_cache.py",
+            "hyperdsd/state/keys/hidden.py",
+            "hyperdsd/wrappers.py",
+        ),
     ),
     (
         "module/optimizer registries, state_dict() (torch)",
@@ -43,20 +48,20 @@ CATEGORIES = (
             "hyperdsd/options.py",
             "hyperdsd/errors.py",
             "hyperdsd/state/model.py",
-            "hyperdsd/state/in_place.py",
-            "hyperdsd/state/optimizer_load.py",
-            "hyperdsd/state/optimizer_input.py",
-            "hyperdsd/state/optimizer_values.py",
-            "hyperdsd/state/placeholders.py",
-            "hyperdsd/state/placeholder_state.py",
-            "hyperdsd/state/saved_placeholders.py",
+            "hyperdsd/state/loading/in_place.py",
+            "hyperdsd/state/optimizer/plan.py",
+            "hyperdsd/state/optimizer/input.py",
+            "hyperdsd/state/optimizer/values.py",
+            "hyperdsd/state/placeholders/marks.py",
+            "hyperdsd/state/placeholders/scratch.py",
+            "hyperdsd/state/placeholders/saved.py",
         ),
     ),
     (
         "plan objects (Prepared, layouts)",
-        ("hyperdsd/state/load_plan.py", "hyperdsd/state/load_checks.py", "hyperdsd/placement.py"),
+        ("hyperdsd/state/loading/plan.py", "hyperdsd/state/loading/checks.py", "hyperdsd/placement.py"),
     ),
-    ("reading state (get)", ("hyperdsd/state/optimizer.py",)),
+    ("reading state (get)", ("hyperdsd/state/optimizer/state.py",)),
     ("applying (copies, new state)", ()),
     (
         "DTensor dispatch and construction",
@@ -73,7 +78,7 @@ CATEGORIES = (
     ("tensors as dict keys (hash)", ("torch/_tensor.py",)),
     (
         "tree walks, flat layout, column blocks",
-        ("hyperdsd/tree.py", "hyperdsd/blocks.py", "hyperdsd/state/flat.py", "hyperdsd/state/flat_keys.py"),
+        ("hyperdsd/tree.py", "hyperdsd/blocks.py", "hyperdsd/state/keys/flat.py", "hyperdsd/state/keys/flat_keys.py"),
     ),
     (
         "FSDP1: twin, flat parameters",
@@ -116,10 +121,10 @@ def _category(path: str, fn: str) -> str:
 # the call looks them up; a phase a call does not run is left out. A phase
 # that runs inside another is taken out of its time (_WITHIN).
 PHASES = (
-    ("the index (kept from the last call)", (("hyperdsd.state.fqn", "ModelIndex.of"),)),
+    ("the index (kept from the last call)", (("hyperdsd.state.keys.fqn", "ModelIndex.of"),)),
     ("the manifest (described, sent, received)", (("hyperdsd.agreement", "BroadcastAgreement.manifests"),)),
     ("planning the model's load", (("hyperdsd.state.model", "plan_load"),)),
-    ("planning the optimizer's", (("hyperdsd.state.optimizer_load", "plan_load"),)),
+    ("planning the optimizer's", (("hyperdsd.state.optimizer.plan", "plan_load"),)),
     ("a broadcast's needs", (("hyperdsd.agreement", "needs_for"),)),
     (
         "agreement (waiting included)",
@@ -127,7 +132,7 @@ PHASES = (
     ),
     ("delivery (each piece into its tensor)", (("hyperdsd.agreement", "deliver"),)),
     ("applying", (("hyperdsd.api", "_Load._apply"),)),
-    ("reading state", (("hyperdsd.state.model", "read_state"), ("hyperdsd.state.optimizer", "read_state"))),
+    ("reading state", (("hyperdsd.state.model", "read_state"), ("hyperdsd.state.optimizer.state", "read_state"))),
     (
         "gathering to the root",
         (("hyperdsd.transport.consolidate", "full_model"), ("hyperdsd.transport.consolidate", "full_optimizer")),

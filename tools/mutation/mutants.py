@@ -24,7 +24,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    function: str  # dotted: "hyperdsd.state.optimizer.read_state", "hyperdsd.transport.group.Group.root"
+    function: str  # dotted: "hyperdsd.state.optimizer.state.read_state", "hyperdsd.transport.group.Group.root"
     pattern: str  # Python, matched by its syntax tree inside the function: exactly once
     replacement: str  # what it becomes
     bug: str
@@ -35,7 +35,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- get: purity and aliasing ---------------------------------------------
     Mutant(
         "get-steps-fresh-optimizer",
-        "hyperdsd.state.optimizer.read_state",
+        "hyperdsd.state.optimizer.state.read_state",
         "placeholders = placeholder_state_of(opt) if not opt.state "
         "else (stateless_placeholders(opt) if to_load else {})",
         """
@@ -58,7 +58,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-placeholders-on-real-params",
-        "hyperdsd.state.placeholder_state.scratch_step",
+        "hyperdsd.state.placeholders.scratch.scratch_step",
         "kinds[key] = _zero_grad_stand_in(p)",
         "kinds[key] = p",
         "the placeholder state's scratch optimizer is built over the real parameters (their gradients step them)",
@@ -66,7 +66,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-aliases-state-entries",
-        "hyperdsd.state.optimizer._entry_copies",
+        "hyperdsd.state.optimizer.state._entry_copies",
         "return map(dict, entries)",
         "return iter(entries)",
         "get returns the optimizer's own per-parameter state dicts (changing the result changes the optimizer)",
@@ -74,7 +74,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-sorts-group-params",
-        "hyperdsd.state.optimizer.read_state",
+        "hyperdsd.state.optimizer.state.read_state",
         '{**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": fqns}',
         '{**{k: _own(v) for k, v in g_sd.items() if k != "params"}, "params": sorted(fqns)}',
         "param_groups list FQNs sorted by name, not in the optimizer's parameter order",
@@ -82,7 +82,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "get-drops-frozen-state",
-        "hyperdsd.state.optimizer.read_state",
+        "hyperdsd.state.optimizer.state.read_state",
         "entries = list(map(stored.get, keys[block]))",
         "entries = [stored.get(k) if p.requires_grad else None for k, p in zip(keys[block], params[block])]",
         "get leaves out the optimizer state of parameters frozen after training",
@@ -91,7 +91,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- keys -----------------------------------------------------------------
     Mutant(
         "prefix-left-compile",
-        "hyperdsd.state.hidden.hidden_children",
+        "hyperdsd.state.keys.hidden.hidden_children",
         'hidden.add("_orig_mod")',
         "pass",
         "torch.compile's _orig_mod. segment is left in FQNs",
@@ -116,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- set: in place, dtypes, DTensors -----------------------------------------
     Mutant(
         "set-replaces-state-tensors",
-        "hyperdsd.state.optimizer._loaded",
+        "hyperdsd.state.optimizer.state._loaded",
         """
         if value.dest is not None:
             return copy_into(value.dest, value)
@@ -128,7 +128,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "state-cast-to-param-dtype",
-        "hyperdsd.state.optimizer_values._prepare_leaf",
+        "hyperdsd.state.optimizer.values._prepare_leaf",
         "verdict = _verdict(value, p, key, expected, verdicts)",
         """
         if isinstance(value, torch.Tensor) and key != "step":
@@ -140,7 +140,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fits-ignores-dtype",
-        "hyperdsd.state.load_checks.accepted",
+        "hyperdsd.state.loading.checks.accepted",
         'Verdict("", layout, moves, fits and existing.dtype == dtype)',
         'Verdict("", layout, moves, fits)',
         "set copies into an existing state tensor of another dtype (the loaded state takes the old dtype)",
@@ -148,7 +148,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "plain-tensors-after-set",
-        "hyperdsd.state.load_plan.materialize",
+        "hyperdsd.state.loading.plan.materialize",
         "return prepared.layout.wrap(local) if prepared.layout is not None else local",
         "return local",
         "new state (and meta-initialised parameters) become plain local tensors instead of DTensors",
@@ -157,7 +157,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- validation and agreement -------------------------------------------------
     Mutant(
         "validation-skipped-on-rank-1",
-        "hyperdsd.state.optimizer_values._value_problem",
+        "hyperdsd.state.optimizer.values._value_problem",
         "if shape not in allowed: ...",
         """
         if shape not in allowed and not (torch.distributed.is_initialized() and torch.distributed.get_rank() == 1):
@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "strict-foreign-fqn-accepted",
-        "hyperdsd.state.optimizer_load.plan_load",
+        "hyperdsd.state.optimizer.plan.plan_load",
         "if plan.foreign and not foreign_ok: ...",
         "if False: ...",
         "strict=True accepts FQNs the model does not have",
@@ -190,7 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "strict-lazy-counts-as-missing",
-        "hyperdsd.state.optimizer_load.plan_load",
+        "hyperdsd.state.optimizer.plan.plan_load",
         "[f for f in required if f not in listed]",
         "[f for f in required if f not in listed or f not in source.by_name]",
         "strict=True rejects parameters that are listed without state (lazy state counts as missing)",
@@ -214,7 +214,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-unknown-keys-dropped",
-        "hyperdsd.state.flat._Unflattening._add",
+        "hyperdsd.state.keys.flat._Unflattening._add",
         """
         if split is None:
             self.unknown.append(key)
@@ -238,7 +238,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- groups ---------------------------------------------------------------------
     Mutant(
         "empty-groups-misordered",
-        "hyperdsd.state.optimizer_input._match_groups",
+        "hyperdsd.state.optimizer.input._match_groups",
         "zip(empty_t, empty_s)",
         "zip(empty_t, reversed(empty_s))",
         "groups without parameters are paired with the checkpoint's in reverse order",
@@ -246,7 +246,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-drops-initial-lr",
-        "hyperdsd.state.flat_keys.group_fields",
+        "hyperdsd.state.keys.flat_keys.group_fields",
         '[(k, v) for k, v in group.items() if k != "params"]',
         '[(k, v) for k, v in group.items() if k not in ("params", "initial_lr")]',
         "the flat layout drops one group field (initial_lr)",
@@ -271,7 +271,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- placeholders ---------------------------------------------------------------
     Mutant(
         "placeholders-loaded-as-state",
-        "hyperdsd.state.optimizer_load._prepare_all",
+        "hyperdsd.state.optimizer.plan._prepare_all",
         "{k: v for k, v in (entry or {}).items() if k not in skip}",
         "dict(entry or {})",
         "a placeholder nobody wrote into is loaded as real state",
@@ -281,7 +281,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "placeholder-version-ignored",
-        "hyperdsd.state.placeholders.is_unwritten_placeholder",
+        "hyperdsd.state.placeholders.marks.is_unwritten_placeholder",
         "entry is not None and entry[0]() is value and _compat.version_of(value) == entry[1]",
         "entry is not None and entry[0]() is value",
         "a placeholder DCP wrote into still counts as unwritten (the loaded state is dropped)",
@@ -289,7 +289,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "empty-shard-placeholders-written",
-        "hyperdsd.state.placeholders.unwritten_keys",
+        "hyperdsd.state.placeholders.marks.unwritten_keys",
         "if empty and (len(unwritten) < holding or unknown): ...",
         "if empty: ...",
         "empty shards of an unwritten placeholder entry count as written (the rank loads empty state)",
@@ -297,7 +297,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "empty-shard-decides-alone",
-        "hyperdsd.state.load_plan.OptimizerLoadPlan.settle",
+        "hyperdsd.state.loading.plan.OptimizerLoadPlan.settle",
         "self.questions.get(load.fqn, True) is None or load.fqn in self.confirm",
         "load.fqn in self.confirm",
         "a rank holding an empty shard of a placeholder entry ignores what the other ranks say about it",
@@ -305,7 +305,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "saved-placeholders-load-as-state",
-        "hyperdsd.state.optimizer_load._prepare_all",
+        "hyperdsd.state.optimizer.plan._prepare_all",
         "plan.questions[fqn] = not expectation.saved_placeholder(p, entry)",
         "plan.questions[fqn] = True",
         "a never-stepped optimizer's placeholder state, saved before the first step, loads as real state",
@@ -313,7 +313,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "saved-placeholders-keep-warm-state",
-        "hyperdsd.state.optimizer.apply_load",
+        "hyperdsd.state.optimizer.state.apply_load",
         "load.opt.state.pop(load.param, None)",
         "pass",
         "an entry that says 'never stepped' leaves a stepped target's own state in place",
@@ -321,7 +321,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "stepless-placeholders-load-as-state",
-        "hyperdsd.state.optimizer_load._ask_stepless",
+        "hyperdsd.state.optimizer.plan._ask_stepless",
         "if not expectation.stepless_placeholder([(p, entry) for p, _, entry in found]): ...",
         "if True: ...",
         "a never-stepped SGD-with-momentum placeholder state (zero buffers, no step), saved before the first "
@@ -330,7 +330,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "step-placeholder-not-zeroed",
-        "hyperdsd.state.placeholder_state._as_placeholders",
+        "hyperdsd.state.placeholders.scratch._as_placeholders",
         "value.zero_()",
         "pass",
         "a never-stepped optimizer's placeholder state says step 1, as after the scratch step",
@@ -481,7 +481,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- nested state (custom optimizers) -------------------------------------------------
     Mutant(
         "nested-containers-shared",
-        "hyperdsd.state.optimizer._entry_copy",
+        "hyperdsd.state.optimizer.state._entry_copy",
         "v if isinstance(v, torch.Tensor) or not is_container(v) else rebuild(v, _same)",
         "v",
         "get copies state entries but not the dicts and lists nested in them (changing those changes the optimizer)",
@@ -489,7 +489,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "nested-tensors-not-redistributed",
-        "hyperdsd.state.load_plan.OptimizerLoadPlan.tensors",
+        "hyperdsd.state.loading.plan.OptimizerLoadPlan.tensors",
         "if is_container(v): ...",
         "if False: ...",
         "tensors nested in state (dicts and lists) are left out of the load's redistribution",
@@ -497,7 +497,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "nested-placeholders-unmarked",
-        "hyperdsd.state.placeholder_state._as_placeholders",
+        "hyperdsd.state.placeholders.scratch._as_placeholders",
         """
         for t in state_tensors(value):
             mark_placeholder(t)
@@ -513,7 +513,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- warm loads and the broadcast's bytes (SPEC 1.2) ------------------------------
     Mutant(
         "warm-load-keeps-step",
-        "hyperdsd.state.optimizer.apply_load",
+        "hyperdsd.state.optimizer.state.apply_load",
         "new = {key: _loaded(value, (current or {}).get(key)) for key, value in load.entry.items()}",
         """
         new = {key: current[key] if key == 'step' and current and key in current and current[key] > 0
@@ -559,7 +559,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "one-element-state-left-plain",
-        "hyperdsd.state.optimizer_values._judge",
+        "hyperdsd.state.optimizer.values._judge",
         "sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape != ()",
         "sharded = isinstance(p, DTensor) and shape == tuple(p.shape) and shape not in ((), (1,))",
         "a one-element state value is taken for a scalar (as older checkpoints stored step) and left plain: the state "
@@ -630,7 +630,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "groups-paired-by-position",
-        "hyperdsd.state.optimizer_input._match_groups",
+        "hyperdsd.state.optimizer.input._match_groups",
         "if len(targets) == len(sources) and all(set(t.fqns) == set(s.fqns) for t, s in zip(targets, sources)): ...",
         "if len(targets) == len(sources): ...",
         "a checkpoint with as many groups as the optimizer is paired with it group by group, by position: wrong "
@@ -649,7 +649,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flat-without-group-fields",
-        "hyperdsd.state.flat_keys.group_fields",
+        "hyperdsd.state.keys.flat_keys.group_fields",
         'return [(k, v) for k, v in group.items() if k != "params"]',
         "return []",
         "the flat layout writes no param_groups keys at all: a load keeps the target's own hyperparameters",
@@ -657,7 +657,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "warm-load-skips-frozen",
-        "hyperdsd.state.optimizer_load._prepare_all",
+        "hyperdsd.state.optimizer.plan._prepare_all",
         "if fqn not in listed: ...",
         "if fqn not in listed or (not p.requires_grad and p in target.opt.state): ...",
         "a load into an optimizer that has stepped skips parameters that no longer require gradients, as if "
@@ -673,7 +673,7 @@ MUTANTS: tuple[Mutant, ...] = (
 MUTANTS += (
     Mutant(
         "last-block-unread",
-        "hyperdsd.state.optimizer.read_state",
+        "hyperdsd.state.optimizer.state.read_state",
         "for block in blocks(len(params)): ...",
         "for block in blocks(len(params))[:-1] or blocks(len(params)): ...",
         "get reads a group's entries a block at a time and stops before the last block of a group longer than "
@@ -682,7 +682,7 @@ MUTANTS += (
     ),
     Mutant(
         "later-blocks-keyed-by-column",
-        "hyperdsd.state.optimizer.read_state",
+        "hyperdsd.state.optimizer.state.read_state",
         "compress(fqns[block], entries)",
         "compress(fqns, entries)",
         "each block of a group's entries is named by the group's FQNs from its start, not by the block's: past "
@@ -691,7 +691,7 @@ MUTANTS += (
     ),
     Mutant(
         "earlier-blocks-leftovers-dropped",
-        "hyperdsd.state.optimizer_load._prepare_all",
+        "hyperdsd.state.optimizer.plan._prepare_all",
         "rest += _in_place(plan, values, target.opt, params[block], fqns[block], by_name)",
         "rest = _in_place(plan, values, target.opt, params[block], fqns[block], by_name)",
         "a set planned in place a block at a time keeps only the last block's parameters left to plan one by one: "
@@ -709,7 +709,7 @@ MUTANTS += (
     ),
     Mutant(
         "block-offset-not-scaled",
-        "hyperdsd.state.flat_keys.rows_of",
+        "hyperdsd.state.keys.flat_keys.rows_of",
         "start, stop = block.start * m, block.stop * m",
         "start, stop = block.start, block.stop * m",
         "a flat dict's rows are filled a block at a time from an offset counted in rows, not in values: past the "
@@ -727,7 +727,7 @@ MUTANTS += (
     ),
     Mutant(
         "kept-flat-keys-ignore-groups",
-        "hyperdsd.state.flat_keys._FlatKeys.fits",
+        "hyperdsd.state.keys.flat_keys._FlatKeys.fits",
         "fqns == self.fqns and names == self.names and groups == self.groups",
         "fqns == self.fqns and names == self.names",
         "a flat get copies the last flat get's keys while the state's FQNs and names are the same, whatever the "
@@ -736,7 +736,7 @@ MUTANTS += (
     ),
     Mutant(
         "kept-flat-keys-stale-fields",
-        "hyperdsd.state.flat_keys.KeptFlatKeys.flatten",
+        "hyperdsd.state.keys.flat_keys.KeptFlatKeys.flatten",
         "if value is not old[j]: ...",
         "if False: ...",
         "a flat get copies the last flat get's keys with the group fields they held then: a field changed since "

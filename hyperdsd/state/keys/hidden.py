@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .. import _compat, wrappers
+from ... import _compat, wrappers
 
 _CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
 

@@ -4,7 +4,7 @@ Loading a state dict into the model or optimizer it came from (a sharded
 set, or a resume whose DCP template was filled in place) puts each value
 into the tensor it replaces: same layout, dtype and local shape. Tens of
 thousands of small tensors share a handful of layouts, so what decides each
-verdict (:mod:`.load_checks`) is computed for a whole column of values (one
+verdict (:mod:`hyperdsd.state.loading.checks`) is computed for a whole column of values (one
 state key across an optimizer group's parameters, or a model's tensors of
 one class) with ``map`` and ``zip``, not statement by statement per value,
 and each distinct signature is judged once. Whatever does not land in place
@@ -21,10 +21,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from ..tree import has_none
-from .load_checks import Verdict, Verdicts
-from .load_plan import ReceiverColumn, TensorMeta
+from ... import _compat
+from ...tree import has_none
+from .checks import Verdict, Verdicts
+from .plan import ReceiverColumn, TensorMeta
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
@@ -37,7 +37,7 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def layout_keys(tensors: Sequence[Any]) -> tuple[list, type] | None:
-    """:func:`~.load_checks.layout_key` of each of ``tensors`` and their kind
+    """:func:`~hyperdsd.state.loading.checks.layout_key` of each of ``tensors`` and their kind
     (DTensor, or Tensor for plain tensors and parameters), where all are of
     one kind, exactly; None otherwise."""
     classes = set(map(type, tensors))

@@ -6,8 +6,8 @@ optimizer: the same class, built by its own constructor with the same
 hyperparameters over zero-filled stand-ins of the parameters, stepped once
 with zero gradients. The real optimizer, its parameters and its gradients
 are never touched. The placeholder state's tensors are placeholders
-(:mod:`.placeholders`), its ``step`` 0: saved as it is, it means "never
-stepped" (:mod:`.saved_placeholders`).
+(:mod:`hyperdsd.state.placeholders.marks`), its ``step`` 0: saved as it is, it means "never
+stepped" (:mod:`hyperdsd.state.placeholders.saved`).
 
 A load checks each optimizer's entries against its :class:`Expectations`:
 the state the optimizer keeps or, for a parameter without state, the
@@ -23,10 +23,10 @@ import warnings
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from ..tree import rebuild
-from .placeholders import mark_placeholder, state_tensors
-from .saved_placeholders import (
+from ... import _compat
+from ...tree import rebuild
+from .marks import mark_placeholder, state_tensors
+from .saved import (
     is_saved_placeholder,
     is_saved_stepless_placeholder,
     placeholder_fills,

@@ -1,5 +1,5 @@
 """The checks every tensor to load goes through, for models and optimizers
-alike, and the :class:`~.load_plan.Prepared` a checked value becomes.
+alike, and the :class:`~hyperdsd.state.loading.plan.Prepared` a checked value becomes.
 
 A value's layout, shape and dtype against its target's decide a
 :class:`Verdict`: whether it can load, as what layout, whether it moves
@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from .._compat import local_tensor
-from ..placement import DTensorLayout, LayoutCache
-from .load_plan import Prepared, TensorMeta
+from ... import _compat
+from ..._compat import local_tensor
+from ...placement import DTensorLayout, LayoutCache
+from .plan import Prepared, TensorMeta
 
 
 class Verdicts(dict):

@@ -1,7 +1,7 @@
 """Load plans: the types a planned load is made of, and how a planned tensor lands.
 
-A load is planned before anything changes (:mod:`.model`,
-:mod:`.optimizer_load`, each value checked by :mod:`.load_checks`): each
+A load is planned before anything changes (:mod:`hyperdsd.state.model`,
+:mod:`hyperdsd.state.optimizer.plan`, each value checked by :mod:`hyperdsd.state.loading.checks`): each
 tensor to load becomes a :class:`Prepared` that says where it goes (a
 DTensor layout or a plain tensor, a device) and where its data comes from (a
 local piece, a DTensor to redistribute, or, in a broadcast load, a
@@ -20,9 +20,9 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compat import copy_each, local_tensor
-from ..placement import DTensorLayout
-from ..tree import is_container, leaves
+from ..._compat import copy_each, local_tensor
+from ...placement import DTensorLayout
+from ...tree import is_container, leaves
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class TensorMeta:
     shape: tuple
     dtype: torch.dtype
     index: int
-    # The one value every element holds (:func:`~hyperdsd.state.saved_placeholders.tensor_fill`),
+    # The one value every element holds (:func:`~hyperdsd.state.placeholders.saved.tensor_fill`),
     # worked out on the root for the state of never-stepped entries only; None: not known.
     fill: Any = None
 

@@ -1,7 +1,7 @@
 """Optimizer state by FQN: reading it (pure), and applying a checked load plan.
 
 Reading never steps, never touches ``optimizer.state``, ``param_groups``,
-parameters or gradients. Loading is planned first (:mod:`hyperdsd.state.optimizer_load`,
+parameters or gradients. Loading is planned first (:mod:`hyperdsd.state.optimizer.plan`,
 which changes nothing); :func:`apply_load` then carries the plan out,
 copying into existing state tensors in place where their layout allows.
 """
@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from ..blocks import blocks
-from ..errors import StateDictError
-from ..tree import is_container, rebuild
-from .flat import GROUPS, STATE
-from .fqn import ModelIndex
-from .load_checks import fits
-from .load_plan import OptimizerLoadPlan, Prepared, copy_all, copy_into, materialize, redistribute
-from .placeholder_state import placeholder_state_of, stateless_placeholders
+from ... import _compat
+from ...blocks import blocks
+from ...errors import StateDictError
+from ...tree import is_container, rebuild
+from ..keys.flat import GROUPS, STATE
+from ..keys.fqn import ModelIndex
+from ..loading.checks import fits
+from ..loading.plan import OptimizerLoadPlan, Prepared, copy_all, copy_into, materialize, redistribute
+from ..placeholders.scratch import placeholder_state_of, stateless_placeholders
 
 
 def _own(value: Any) -> Any:

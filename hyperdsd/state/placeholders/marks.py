@@ -3,11 +3,11 @@
 The usual way to load a checkpoint through DCP is to ask the optimizer for
 its state dict, let DCP fill it in place, and set it back. An optimizer that
 has never stepped has no state to fill: a get gives a placeholder state instead
-(:mod:`.placeholder_state`), whose tensors are *placeholders*. set_* recognises one
+(:mod:`hyperdsd.state.placeholders.scratch`), whose tensors are *placeholders*. set_* recognises one
 that nobody wrote into (its in-place version counter has not moved) and
 treats it as absent, so what a partial load did not cover leaves the
 optimizer as fresh as before. A placeholder state that was saved comes back as
-copies, and is recognised by its values instead (:mod:`.saved_placeholders`).
+copies, and is recognised by its values instead (:mod:`hyperdsd.state.placeholders.saved`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _compat
-from ..tree import is_container, leaves
+from ... import _compat
+from ...tree import is_container, leaves
 
 # -- which objects are a placeholder state's --------------------------------------------
 #

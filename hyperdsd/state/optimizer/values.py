@@ -1,8 +1,8 @@
 """The checks of each value an optimizer load holds, against its parameter
 and the state the optimizer keeps (or would create) under its key, each
-tensor's by :mod:`.load_checks`' verdicts: value by value, nested values leaf
+tensor's by :mod:`hyperdsd.state.loading.checks`' verdicts: value by value, nested values leaf
 by leaf, and a group's values a column at a time where they land in the
-tensors they replace (:mod:`.in_place`). :mod:`.optimizer_load` takes a load
+tensors they replace (:mod:`hyperdsd.state.loading.in_place`). :mod:`hyperdsd.state.optimizer.plan` takes a load
 through them parameter by parameter.
 """
 
@@ -16,11 +16,10 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
-from ..placement import LayoutCache
-from ..tree import is_container
-from .in_place import ColumnVerdicts, Pairs, column_copies, column_receivers, layout_keys, signature_keys, verdicts_of
-from .load_checks import (
+from ... import _compat
+from ...placement import LayoutCache
+from ...tree import is_container
+from ..loading.checks import (
     Verdict,
     Verdicts,
     accepted,
@@ -33,8 +32,17 @@ from .load_checks import (
     planned,
     refused,
 )
-from .load_plan import ReceiverColumn, TensorMeta
-from .optimizer_input import TargetGroup
+from ..loading.in_place import (
+    ColumnVerdicts,
+    Pairs,
+    column_copies,
+    column_receivers,
+    layout_keys,
+    signature_keys,
+    verdicts_of,
+)
+from ..loading.plan import ReceiverColumn, TensorMeta
+from .input import TargetGroup
 
 
 class Column(NamedTuple):

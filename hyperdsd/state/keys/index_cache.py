@@ -1,6 +1,6 @@
 """The model index kept from one call to the next while the model is as it was.
 
-Building a :class:`~.fqn.ModelIndex` walks every module, parameter and buffer
+Building a :class:`~hyperdsd.state.keys.fqn.ModelIndex` walks every module, parameter and buffer
 in Python: on a model of many small layers a quarter of a sharded set. What
 the walk reads is the modules' classes and their registries of children,
 parameters and buffers (names and objects) and the buffers' persistence;
@@ -21,7 +21,7 @@ wraps (:mod:`hyperdsd.wrappers`; the walk reads more than registries there):
 those are built every call.
 
 A kept index carries the keys of the last flat get made with it
-(:class:`~.flat_keys.KeptFlatKeys`, no tensor of the model among them), which
+(:class:`~hyperdsd.state.keys.flat_keys.KeptFlatKeys`, no tensor of the model among them), which
 go with it.
 """
 
@@ -30,8 +30,8 @@ import weakref
 
 import torch.nn as nn
 
-from .. import _compat
-from ..tree import has_none
+from ... import _compat
+from ...tree import has_none
 from .flat_keys import KeptFlatKeys
 from .hidden import hidden_children
 

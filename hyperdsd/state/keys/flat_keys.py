@@ -13,7 +13,7 @@ import operator
 from itertools import chain, repeat
 from typing import Any
 
-from ..blocks import blocks
+from ...blocks import blocks
 
 STATE, GROUPS = "state", "param_groups"  # the flat layout's two heads (see flat.py)
 
@@ -96,7 +96,7 @@ class KeptFlatKeys:
     scheduler's new ``lr``). The kept keys are used only where the keys would be
     the same: the same FQNs, state names, group fields and parameters, in the
     same order, checked every call. Kept with the model's index
-    (:mod:`.index_cache`), so it goes with the model.
+    (:mod:`hyperdsd.state.keys.index_cache`), so it goes with the model.
     """
 
     def __init__(self) -> None:

@@ -1,13 +1,13 @@
 """Planning an optimizer load: check everything, describe the change, change nothing.
 
 One pass, in the order :func:`plan_load` takes it: the optimizers' param
-groups and the checkpoint parsed against them (:mod:`.optimizer_input`);
+groups and the checkpoint parsed against them (:mod:`hyperdsd.state.optimizer.input`);
 which parameters it holds state for; each value it holds prepared against
 its parameter and the state its optimizer keeps or, never stepped, would
-create (:class:`~.placeholder_state.Expectations`), every tensor checked by
-:mod:`.load_checks`. The result is an :class:`~.load_plan.OptimizerLoadPlan`
+create (:class:`~hyperdsd.state.placeholders.scratch.Expectations`), every tensor checked by
+:mod:`hyperdsd.state.loading.checks`. The result is an :class:`~hyperdsd.state.loading.plan.OptimizerLoadPlan`
 and the problems found; once every rank has agreed there are none,
-:func:`hyperdsd.state.optimizer.apply_load` carries it out.
+:func:`hyperdsd.state.optimizer.state.apply_load` carries it out.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from ..blocks import blocks
-from .fqn import ModelIndex
-from .load_plan import OptimizerLoadPlan, ParamLoad, TensorMeta
-from .optimizer_input import Source, TargetGroup, parse, target_groups, unpaired_groups
-from .optimizer_values import EntryValues
-from .placeholder_state import Expectations
-from .placeholders import has_placeholders
-from .saved_placeholders import step_is_zero, steps_nonzero
+from ...blocks import blocks
+from ..keys.fqn import ModelIndex
+from ..loading.plan import OptimizerLoadPlan, ParamLoad, TensorMeta
+from ..placeholders.marks import has_placeholders
+from ..placeholders.saved import step_is_zero, steps_nonzero
+from ..placeholders.scratch import Expectations
+from .input import Source, TargetGroup, parse, target_groups, unpaired_groups
+from .values import EntryValues
 
 _STRUCTURAL = ("params", "param_names")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -175,7 +175,7 @@ def _in_place(
 def _ask_stepless(plan: OptimizerLoadPlan, expectation: Expectations, found: list[tuple], name: str) -> None:
     """Ask whether an optimizer's entries without ``step`` are a saved
     never-stepped placeholder state: only if all of them are, on every rank (see
-    :mod:`hyperdsd.state.saved_placeholders`). ``name`` stands for the optimizer in
+    :mod:`hyperdsd.state.placeholders.saved`). ``name`` stands for the optimizer in
     the vote: its position among the optimizers loaded, alike on every rank
     (NUL never occurs in an FQN). Pipeline stages each load their own
     optimizer at the same position, the parts of one optimizer that steps as

@@ -1,7 +1,7 @@
 """An optimizer state dict to load, parsed against the optimizers it loads into.
 
 A checkpoint is nested (``{"state": {fqn: ...}, "param_groups": [...]}``)
-or flat (see :mod:`hyperdsd.state.flat`). Either way parsing yields the same shape: the
+or flat (see :mod:`hyperdsd.state.keys.flat`). Either way parsing yields the same shape: the
 checkpoint's param groups as :class:`SourceGroup`, each optimizer group's
 match among them, state by FQN, and the names the model does not have.
 Malformed input becomes problems (messages), never an exception.
@@ -17,9 +17,15 @@ from typing import Any
 
 import torch
 
-from .flat import GROUPS, STATE, is_flat, unflatten
-from .fqn import ModelIndex
-from .placeholders import Unwritten, any_placeholder_values, any_placeholders, is_placeholder_value, unwritten_keys
+from ..keys.flat import GROUPS, STATE, is_flat, unflatten
+from ..keys.fqn import ModelIndex
+from ..placeholders.marks import (
+    Unwritten,
+    any_placeholder_values,
+    any_placeholders,
+    is_placeholder_value,
+    unwritten_keys,
+)
 
 _ALL_WRITTEN = Unwritten(frozenset(), False)  # an entry without placeholders: every key counts as written
 

@@ -5,7 +5,7 @@ checkpointing, children a module hides through ``_fqn_modifiers``).
 
 A :class:`ModelIndex` is built in one pass over the modules, so that every
 lookup after is a dict access; :meth:`ModelIndex.of` keeps it from one call to
-the next while the model is as it was (:mod:`.index_cache`).
+the next while the model is as it was (:mod:`hyperdsd.state.keys.index_cache`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from .. import _compat, wrappers
-from ..errors import StateDictError
+from ... import _compat, wrappers
+from ...errors import StateDictError
 from .flat_keys import KeptFlatKeys
 from .hidden import hidden_children
 from .index_cache import index_of
@@ -125,7 +125,7 @@ class ModelIndex:
         self.wrapper = layout
         self.wrapped.append((module, raw))
 
-    # An index kept from the last call (:mod:`.index_cache`) makes these from
+    # An index kept from the last call (:mod:`hyperdsd.state.keys.index_cache`) makes these from
     # what it kept when first read: most calls read one or two of them, each a
     # dict or list over every module or parameter.
     @functools.cached_property
@@ -164,7 +164,7 @@ class ModelIndex:
     @classmethod
     def of(cls, model: nn.Module, modifiers_attr: str = "_fqn_modifiers") -> ModelIndex:
         """The index of ``model``: the one the last call built where the model
-        is as it was then (:mod:`.index_cache`), else built anew."""
+        is as it was then (:mod:`hyperdsd.state.keys.index_cache`), else built anew."""
         return index_of(cls, model, modifiers_attr)
 
     def fqn_of(self, param: torch.Tensor) -> str | None:

@@ -1,14 +1,14 @@
 """Saved placeholder states: a never-stepped optimizer's placeholder state, told by its values.
 
 A placeholder state that was copied (torch.save, a DCP round trip, a clone) is no
-longer the object that was marked as a placeholder (:mod:`.placeholders`);
+longer the object that was marked as a placeholder (:mod:`hyperdsd.state.placeholders.marks`);
 what survives is its values. ``step`` is 0 (zeroed when the placeholder state is
 made: "never stepped"), which no optimizer that counts its steps holds after
 a step of its own; every other value is what the class's first
 zero-gradient step leaves (zeros for Adam's moments). An entry counts as a
 saved placeholder state only when both hold: ``step`` is 0 and every other value
 equals, key for key, the placeholder state the target optimizer itself would give for
-that parameter (:mod:`.placeholder_state`). Such an entry says "never stepped": the
+that parameter (:mod:`hyperdsd.state.placeholders.scratch`). Such an entry says "never stepped": the
 parameter ends without state, a stepped target's own included. Optimizers
 whose constructor makes state (Adagrad's ``sum``) have none: their
 never-stepped state is real and loads as such.
@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _compat
-from .load_plan import TensorMeta
-from .placeholders import state_tensors
+from ... import _compat
+from ..loading.plan import TensorMeta
+from .marks import state_tensors
 
 
 class _Fill(NamedTuple):
@@ -190,7 +190,7 @@ def is_saved_placeholder(entry: dict, fills: dict | None) -> bool:
 
 def steps_nonzero(entries: list[dict]) -> bool:
     """Whether every entry's ``step`` is a one-element tensor that is not 0 (a stand-in without a fill)
-    (so that none is a saved placeholder state, see :func:`~.saved_placeholders.step_is_zero`),
+    (so that none is a saved placeholder state, see :func:`~hyperdsd.state.placeholders.saved.step_is_zero`),
     told for all at once; False where not, or not told so."""
     try:
         steps = list(map(operator.itemgetter("step"), entries))

@@ -1,0 +1,1 @@
+"""What model and optimizer loads share: plans' types, each tensor's checks, loads in place."""

@@ -1,0 +1,1 @@
+"""Optimizer state by FQN: read, parsed against its target, planned value by value, applied."""
