@@ -282,13 +282,13 @@ def flat_param_fqns(param) -> list[str] | None:
 
 
 @dataclass(frozen=True)
-class FlatUnit:
+class FSDP1Unit:
     """One FSDP1 unit as only its flat parameter's private fields tell it:
     which part of which original parameter this rank's shard holds."""
 
     name: str  # the unit's module name under the root
     group: object  # the process group it is sharded over (the shard group under HYBRID_SHARD)
-    flat: torch.nn.Parameter
+    flat_param: torch.nn.Parameter
     fqns: tuple[str, ...]  # its original parameters, relative to the unit
     shapes: tuple[torch.Size, ...]
     numels: tuple[int, ...]
@@ -300,10 +300,10 @@ class FlatUnit:
     @property
     def local_shard(self) -> torch.Tensor:
         """This rank's flat shard (FSDP1 sets it at its lazy init, the first forward)."""
-        return self.flat._local_shard
+        return self.flat_param._local_shard
 
 
-def fsdp1_units(root: torch.nn.Module) -> list[FlatUnit]:
+def fsdp1_units(root: torch.nn.Module) -> list[FSDP1Unit]:
     """Every FSDP1 unit under ``root`` that holds parameters: FSDP1 tells which
     part of which original parameter a rank's chunk holds only through the flat
     parameter's private fields (``_fqns``, ``_shapes``, ``_numels``,
@@ -315,21 +315,21 @@ def fsdp1_units(root: torch.nn.Module) -> list[FlatUnit]:
     for name, unit in root.named_modules():
         if not isinstance(unit, FSDP) or unit._handle is None:
             continue
-        flat = unit._handle.flat_param
-        originals = getattr(flat, "_params", None)
+        flat_param = unit._handle.flat_param
+        originals = getattr(flat_param, "_params", None)
         pieces = tuple(
             (i, info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx, info.intra_param_end_idx)
-            for i, info in enumerate(flat._shard_param_infos)
+            for i, info in enumerate(flat_param._shard_param_infos)
             if info.in_shard
         )
         out.append(
-            FlatUnit(
+            FSDP1Unit(
                 name,
                 unit.process_group,
-                flat,
-                tuple(flat._fqns),
-                tuple(flat._shapes),
-                tuple(flat._numels),
+                flat_param,
+                tuple(flat_param._fqns),
+                tuple(flat_param._shapes),
+                tuple(flat_param._numels),
                 tuple(originals) if originals is not None else None,
                 pieces,
             )

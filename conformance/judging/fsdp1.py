@@ -24,11 +24,11 @@ def full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonical) ->
     for unit in _compat.fsdp1_units(root):
         prefix = canonical(unit.name)
         fqns = [canonical(f"{prefix}.{f}" if prefix else f) for f in unit.fqns]
-        expand[unit.flat] = fqns
+        expand[unit.flat_param] = fqns
         everyone = [None] * dist.get_world_size(unit.group)
         dist.all_gather_object(everyone, _pieces(unit, fqns, state_of), group=unit.group)
         for fqn, shape, numel in zip(fqns, unit.shapes, unit.numels):
-            params[fqn], entry = _assemble(everyone, fqn, shape, numel, unit.flat.dtype)
+            params[fqn], entry = _assemble(everyone, fqn, shape, numel, unit.flat_param.dtype)
             if entry:
                 state[fqn] = entry
     groups = []
@@ -40,7 +40,7 @@ def full_snapshot(root: torch.nn.Module, optimizers, fqn_of: dict, canonical) ->
     return {"params": params, "state": state, "groups": groups}
 
 
-def _pieces(unit: _compat.FlatUnit, fqns: list[str], state_of: dict) -> dict:
+def _pieces(unit: _compat.FSDP1Unit, fqns: list[str], state_of: dict) -> dict:
     """This rank's pieces: fqn -> (first, last index within the parameter, its values, its state)."""
     out = {}
     for i, offset, numel, start, end in unit.pieces:
@@ -49,7 +49,7 @@ def _pieces(unit: _compat.FlatUnit, fqns: list[str], state_of: dict) -> dict:
             entry = state_of.get(unit.originals[i], {})
         else:  # per-element state (nested too) is the flat shard's: this parameter's part of it
             entry = nested.rebuild(
-                dict(state_of.get(unit.flat, {})),
+                dict(state_of.get(unit.flat_param, {})),
                 lambda v, _path: v[span] if isinstance(v, torch.Tensor) and v.dim() else v,
             )
         own = nested.rebuild(dict(entry), lambda v, _path: v.detach().clone() if isinstance(v, torch.Tensor) else v)
@@ -88,5 +88,5 @@ def share_bytes(root: torch.nn.Module) -> int:
     buffer whole (FSDP1 does not shard them)."""
     total = sum(b.nbytes for b in root.buffers())
     for unit in _compat.fsdp1_units(root):
-        total += sum(numel for _, _, numel, _, _ in unit.pieces) * unit.flat.element_size()
+        total += sum(numel for _, _, numel, _, _ in unit.pieces) * unit.flat_param.element_size()
     return total

@@ -27,7 +27,7 @@ class Fsdp1Unit(NamedTuple):
     """One FSDP1 instance's FlatParameter, as plain facts (see :func:`fsdp1_unit`)."""
 
     module: torch.nn.Module  # the FSDP1 instance
-    flat: torch.nn.Parameter  # what the optimizer steps with use_orig_params=False
+    flat_param: torch.nn.Parameter  # what the optimizer steps with use_orig_params=False
     local: torch.Tensor  # the padded local shard, where the values live even while FSDP1 holds them unsharded
     unsharded: bool  # FSDP1 keeps an unsharded copy to reuse (a forward of SHARD_GRAD_OP left it)
     names: tuple[str, ...]  # each original parameter's name below the wrapped module, raw
@@ -53,31 +53,33 @@ def fsdp1_unit(module: torch.nn.Module) -> Fsdp1Unit | None:
     handle = module._handle
     if handle is None:
         return None
-    flat = handle.flat_param
+    flat_param = handle.flat_param
     starts, offset = [], 0
-    for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+    for numel, padding in zip(flat_param._numels_with_padding, flat_param._is_padding_mask):
         if not padding:
             starts.append(offset)
         offset += numel
-    prim = {(info.module, info.param_name): i for i, info in enumerate(flat._param_infos)}
+    prim = {(info.module, info.param_name): i for i, info in enumerate(flat_param._param_infos)}
     shared = tuple(
         (f"{s.module_name}.{s.param_name}" if s.module_name else s.param_name, prim[(s.prim_module, s.prim_param_name)])
-        for s in flat._shared_param_infos
+        for s in flat_param._shared_param_infos
     )
-    local = getattr(flat, "_local_shard", flat.data)
-    padded = getattr(flat, "_full_param_padded", None)  # the all-gather's destination, freed when resharded
+    local = getattr(flat_param, "_local_shard", flat_param.data)
+    padded = getattr(flat_param, "_full_param_padded", None)  # the all-gather's destination, freed when resharded
     return Fsdp1Unit(
         module=module,
-        flat=flat,
+        flat_param=flat_param,
         local=local,
         unsharded=handle.uses_sharded_strategy
-        and (flat.data_ptr() != local.data_ptr() or (padded is not None and padded.untyped_storage().size() > 0)),
-        names=tuple(flat._fqns),
-        shapes=tuple(flat._shapes),
+        and (flat_param.data_ptr() != local.data_ptr() or (padded is not None and padded.untyped_storage().size() > 0)),
+        names=tuple(flat_param._fqns),
+        shapes=tuple(flat_param._shapes),
         offsets=tuple(starts),
         shared=shared,
-        in_shard=tuple((i.offset_in_shard, i.numel_in_shard) if i.in_shard else None for i in flat._shard_param_infos),
-        params=tuple(flat._params) if module._use_orig_params else None,
+        in_shard=tuple(
+            (i.offset_in_shard, i.numel_in_shard) if i.in_shard else None for i in flat_param._shard_param_infos
+        ),
+        params=tuple(flat_param._params) if module._use_orig_params else None,
         pg=module.process_group,
         mesh=module._device_mesh,
         replicate_pg=getattr(module, "_inter_node_pg", None),

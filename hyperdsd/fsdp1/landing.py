@@ -1,7 +1,7 @@
 """A load's end on an FSDP1 model, through its twin (:class:`hyperdsd.fsdp1.twin.Twin`).
 
 Once a load is planned against the twin, :class:`TwinLoad` lands a
-broadcast's pieces straight in FSDP1's flat layout (:meth:`TwinLoad.land`:
+broadcast's pieces straight in FSDP1's flat parameters' shards (:meth:`TwinLoad.land`:
 each rank is sent its flat shard's runs of each parameter and per-element
 state tensor, no rows in between); once it is agreed and applied to the
 twin, :meth:`TwinLoad.write_back` writes what the twin holds into FSDP1's
@@ -32,12 +32,12 @@ _STRUCTURAL = ("params", "param_names")
 
 @dataclass
 class _Landed:
-    """Per-element state at one path of one unit that a broadcast delivered in the flat layout."""
+    """Per-element state at one path of one unit that a broadcast delivered as laid out in a flat parameter's shard."""
 
     params: set[int]  # the unit's parameters whose pieces landed
     # Laid out as this rank's flat shard: a buffer, or the flat parameter's own
     # state (in place); None: each original parameter's own state (in place).
-    flat: torch.Tensor | None
+    shard: torch.Tensor | None
     in_place: bool
 
 
@@ -60,7 +60,7 @@ class TwinLoad:
     # -- landing a broadcast ----------------------------------------------------
 
     def land(self, model_plan, optim_plan) -> None:
-        """Route a broadcast load's pieces straight into FSDP1's flat layout:
+        """Route a broadcast load's pieces straight into FSDP1's flat parameters' shards:
         each rank is sent the part of each parameter, and of each per-element
         state tensor, its flat shard holds (not its rows, which
         :meth:`write_back` would then exchange), so it receives no more than
@@ -96,7 +96,7 @@ class TwinLoad:
 
     def _land_state(self, k: int, path: tuple, leaves_of: dict[int, Prepared]) -> None:
         """Land the per-element state at ``path`` of unit ``k``'s parameters
-        (``leaves_of``, by parameter) in the flat layout (:attr:`state_landed`):
+        (``leaves_of``, by parameter) as laid out in the flat parameters' shards (:attr:`state_landed`):
         straight into the optimizer's own state where the load replaces all of
         it and it fits, else into a buffer :meth:`_write_unit` copies from. The
         twin's state becomes a stand-in of no memory."""
@@ -106,11 +106,11 @@ class TwinLoad:
         into = self._in_place(k, path, dtype) if whole else None
         in_place = into is not None
         if in_place:
-            flat = into[0][0] if u.unit.params is None else None
+            shard = into[0][0] if u.unit.params is None else None
         else:
-            flat = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
-            into = dict.fromkeys(range(len(u.fqns)), (flat, 0))
-        self.state_landed.setdefault(k, {})[path] = _Landed(set(leaves_of), flat, in_place)
+            shard = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
+            into = dict.fromkeys(range(len(u.fqns)), (shard, 0))
+        self.state_landed.setdefault(k, {})[path] = _Landed(set(leaves_of), shard, in_place)
         for i, leaf in leaves_of.items():
             leaf.landing = self._landing(k, i, *into[i])
             leaf.local = torch.zeros((), dtype=leaf.meta.dtype, device=leaf.device).expand(leaf.layout.local_shape)
@@ -130,8 +130,8 @@ class TwinLoad:
             return value.view(-1) if fits and value.numel() == numel else None
 
         if u.unit.params is None:
-            flat = own(u.unit.flat, u.shard)
-            return None if flat is None else dict.fromkeys(range(len(u.fqns)), (flat, 0))
+            shard = own(u.unit.flat_param, u.shard)
+            return None if shard is None else dict.fromkeys(range(len(u.fqns)), (shard, 0))
         out = {}
         for i, p in enumerate(u.unit.params):
             where = u.unit.in_shard[i]
@@ -144,8 +144,8 @@ class TwinLoad:
             out[i] = (mine, where[0])
         return out
 
-    def _landing(self, k: int, i: int, flat: torch.Tensor | None, offset: int = 0) -> Landing:
-        """Where parameter ``i`` of unit ``k`` lands in ``flat``, laid out as this
+    def _landing(self, k: int, i: int, shard: torch.Tensor | None, offset: int = 0) -> Landing:
+        """Where parameter ``i`` of unit ``k`` lands in ``shard``, laid out as this
         rank's flat shard from ``offset`` on: the run of its elements the shard
         holds, if any."""
         u = self.units[k]
@@ -154,7 +154,7 @@ class TwinLoad:
             return Landing(None, None)
         _, a, b = held[0]
         start, base = u.unit.offsets[i], u.index * u.shard + offset
-        return Landing(Need.run(a - start, b - start), flat[a - base : b - base])
+        return Landing(Need.run(a - start, b - start), shard[a - base : b - base])
 
     # -- writing back ----------------------------------------------------------
 
@@ -169,7 +169,7 @@ class TwinLoad:
                 keep = set(range(len(twins))) if keep is None else keep
                 keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
                 rows = [_compat.local_tensor(t) for t in twins]
-                moves.to_flat_many(u, [rows], [u.unit.local], only=keep, exchange=exchange)
+                moves.to_shard_many(u, [rows], [u.unit.local], only=keep, exchange=exchange)
             exchange.run()
             for u in self.units:
                 if u.unit.unsharded:  # the copy a forward left would go on serving the old values
@@ -248,13 +248,13 @@ class TwinLoad:
                         real_group[key] = value
         managed = set()
         per_unit = list(zip(self.params, self.twin.optimizer_params()))
-        # Units' flat state moves a bucket at a time, and each unit is written once its own has
-        # come: a rank never holds more than about a bucket of flat state beside the optimizer's.
+        # Units' sharded state moves a bucket at a time, and each unit is written once its own has
+        # come: a rank never holds more than about a bucket of sharded state beside the optimizer's.
         exchange = moves.Exchange()
         for k, (twins, params) in enumerate(per_unit):
             managed.update(id(p) for p in params)
-            entries, flats = self._unit_flats(k, twins, params, exchange)
-            exchange.after(partial(self._write_unit, k, params, entries, flats))
+            entries, shards = self._unit_shards(k, twins, params, exchange)
+            exchange.after(partial(self._write_unit, k, params, entries, shards))
         exchange.run()
         for opt, twin in zip(self.twin.real_optims, self.twin.optims):
             for g in opt.param_groups:
@@ -266,49 +266,49 @@ class TwinLoad:
                     else:
                         opt.state.pop(p, None)
 
-    def _unit_flats(self, k: int, twins: list, params: list, exchange) -> tuple[list, dict]:
+    def _unit_shards(self, k: int, twins: list, params: list, exchange) -> tuple[list, dict]:
         """Unit ``k``'s twin state entries (one per parameter) and its flat
         shards of each per-element state path (filled when ``exchange`` runs)."""
-        flat_mode = self.units[k].unit.params is None
+        by_flat_param = self.units[k].unit.params is None
         entries = []
         for i, twin in enumerate(twins):
-            opt_twin = self.owner.get(id(params[0 if flat_mode else i]), (None, None))[1]
+            opt_twin = self.owner.get(id(params[0 if by_flat_param else i]), (None, None))[1]
             entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
         found: dict[tuple, torch.dtype] = {}  # path of each per-element tensor (nested too) -> its dtype
         for e in entries:
             for path, value in leaves(e or {}):
                 if _per_element(value):
                     found.setdefault(path, _compat.local_tensor(value).dtype)
-        flats = {}
+        shards = {}
         for path, dtype in sorted(found.items(), key=lambda item: str(item[0])):
-            flats[path] = self._flat_of(k, path, dtype, entries, exchange)
-        return entries, flats
+            shards[path] = self._shard_of(k, path, dtype, entries, exchange)
+        return entries, shards
 
-    def _write_unit(self, k: int, params: list, entries: list, flats: dict) -> None:
+    def _write_unit(self, k: int, params: list, entries: list, shards: dict) -> None:
         u = self.units[k]
-        flat_mode = u.unit.params is None
-        flats = {path: None if f is None else f[0].to(f[1]) for path, f in flats.items()}  # (.to: the same if equal)
+        by_flat_param = u.unit.params is None
+        shards = {path: None if f is None else f[0].to(f[1]) for path, f in shards.items()}  # (.to: the same if equal)
         for j, p in enumerate(params):
             opt, _ = self.owner.get(id(p), (None, None))
             if opt is None:
                 continue
-            mine = [e for i, e in enumerate(entries) if (flat_mode or i == j) and e]
-            where = (0, u.shard) if flat_mode else u.unit.in_shard[j]
-            if not flat_mode and (where is None or not where[1]):
+            mine = [e for i, e in enumerate(entries) if (by_flat_param or i == j) and e]
+            where = (0, u.shard) if by_flat_param else u.unit.in_shard[j]
+            if not by_flat_param and (where is None or not where[1]):
                 continue  # none of its elements here: this rank never steps it, and the load has nothing for it
             if not mine:
                 opt.state.pop(p, None)
                 continue
             current = opt.state.get(p) or {}
             # A flat shard's padding belongs to no parameter: a load leaves what the optimizer holds there.
-            valid = self._unpadded(u) if flat_mode else where[1]
+            valid = self._unpadded(u) if by_flat_param else where[1]
 
             def written(value, path, current=current, where=where, valid=valid):
                 old = at_path(current, path)
-                if path in flats and flats[path] is None:
+                if path in shards and shards[path] is None:
                     return old  # landed in place
-                if path in flats:
-                    piece = flats[path][where[0] : where[0] + where[1]]
+                if path in shards:
+                    piece = shards[path][where[0] : where[0] + where[1]]
                     if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
                         old[:valid].copy_(piece[:valid])
                         return old
@@ -319,7 +319,7 @@ class TwinLoad:
 
             opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
 
-    def _flat_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list, exchange) -> tuple | None:
+    def _shard_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list, exchange) -> tuple | None:
         """This rank's flat shard of the state at ``path`` of unit ``k``, from the
         twin's ``entries`` (one per parameter; zeros where one has none): what a
         broadcast landed there already, the rest through ``exchange`` (filled
@@ -335,18 +335,18 @@ class TwinLoad:
                 others.add(i)
             else:
                 rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
-                if landed is not None and i in landed.params and landed.flat is not None:
+                if landed is not None and i in landed.params and landed.shard is not None:
                     # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed
                     for _, a, b in u.held(u.index, [i]):
-                        landed.flat[a - u.index * u.shard : b - u.index * u.shard].zero_()
+                        landed.shard[a - u.index * u.shard : b - u.index * u.shard].zero_()
         if landed is None:
-            return moves.to_flat(u, rows, exchange=exchange), dtype
+            return moves.to_shard(u, rows, exchange=exchange), dtype
         others -= landed.params  # the same on every rank: the plan and its answers are
         if others:  # (never in place: every parameter landed there)
-            moves.to_flat_many(u, [rows], [landed.flat], only=others, exchange=exchange)
+            moves.to_shard_many(u, [rows], [landed.shard], only=others, exchange=exchange)
         if landed.in_place:
             return None
-        return landed.flat, dtype
+        return landed.shard, dtype
 
     @staticmethod
     def _unpadded(u: UnitLayout) -> int:

@@ -9,7 +9,7 @@ full get takes its tensors from the flat shards: :mod:`hyperdsd.fsdp1.streaming`
 set plans, checks and agrees against the twin, loads into it, and only then
 writes what changed into FSDP1's flat shards, its optimizers' state and their
 param groups (:mod:`hyperdsd.fsdp1.landing`). Reading changes nothing: every
-tensor of the twin that stands for flat state is new. A set's twin does not
+tensor of the twin that stands for a flat parameter's state is new. A set's twin does not
 read what the load overwrites: its rows start empty, and what some rank's
 load leaves is read from the flat shards at write-back.
 """
@@ -54,7 +54,7 @@ class Twin:
         self.stream_rows = stream
         self.stream_state = stream and bool(self.real_optims) and all(map(_compat.plain_state_dict, self.real_optims))
         self.hollow: dict[int, tuple[int, int, int]] = {}  # id of a streamed state DTensor -> (unit, key, parameter)
-        # A load overwrites what it loads: the twin's flat state then starts
+        # A load overwrites what it loads: the twin's sharded state then starts
         # empty, and what a load leaves is read from the flat shards at write-back
         # only where some rank did not load it (:mod:`hyperdsd.fsdp1.landing`). An optimizer
         # load reads no parameter values (a scratch step steps zeros like them),
@@ -75,7 +75,7 @@ class Twin:
                 )
             fqns, aliases = layout_of.canonical_names(real, raw, unit)
             size, index = moves.shard_index(unit)
-            mesh = moves.unit_mesh(unit, unit.flat.device.type)
+            mesh = moves.unit_mesh(unit, unit.flat_param.device.type)
             self.units.append(UnitLayout(unit, fqns, aliases, mesh, size, index))
         if self.lazy_rows or self.stream_rows:
             rows = [_blank_rows(u, u.unit.local.dtype, self.stream_rows) for u in self.units]
@@ -115,14 +115,14 @@ class Twin:
     def optimizer_params(self) -> list[list]:
         """For each unit, the real parameters its optimizer state is keyed by:
         the flat parameter, or each original parameter (use_orig_params=True)."""
-        return [[u.unit.flat] if u.unit.params is None else list(u.unit.params) for u in self.units]
+        return [[u.unit.flat_param] if u.unit.params is None else list(u.unit.params) for u in self.units]
 
     def _twin_optimizers(self) -> tuple:
         names = {id(t): fqn for u, twins in zip(self.units, self.params) for fqn, t in zip(u.fqns, twins)}
         expand: dict[int, list] = {}
         for u, twins in zip(self.units, self.params):
             if u.unit.params is None:
-                expand[id(u.unit.flat)] = twins
+                expand[id(u.unit.flat_param)] = twins
             else:
                 for p, t in zip(u.unit.params, twins):
                     expand[id(p)] = [t]
@@ -204,11 +204,11 @@ class Twin:
     def state_rows(self, u: UnitLayout, targets: list, typed: list, exchange=None) -> list[list[torch.Tensor]]:
         """This rank's rows of each state tensor ``typed`` names (path, dtype), in one
         exchange (or as part of ``exchange``: filled when it runs)."""
-        flats = [self._flat_state(u, targets, path, dtype) for path, dtype in typed]
-        return moves.to_rows_many(u, flats, exchange)
+        shards = [self._shard_state(u, targets, path, dtype) for path, dtype in typed]
+        return moves.to_rows_many(u, shards, exchange)
 
     @staticmethod
-    def _flat_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
+    def _shard_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
         """This rank's flat shard of the state at ``path``: the flat parameter's own, or
         assembled from the original parameters' pieces (zeros where none)."""
         if u.unit.params is None:
@@ -216,14 +216,14 @@ class Twin:
             value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
             if value is not None:
                 return value
-        flat = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
+        shard = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
         if u.unit.params is not None:
             for j, p, opt in targets:
                 value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
                 where = u.unit.in_shard[j]
                 if value is not None and where is not None and where[1]:
-                    flat[where[0] : where[0] + where[1]] = value.reshape(-1)
-        return flat
+                    shard[where[0] : where[0] + where[1]] = value.reshape(-1)
+        return shard
 
 
 def _blank_rows(u: UnitLayout, dtype: torch.dtype, hollow: bool) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ class Geometry:
     :class:`hyperdsd.fsdp1.units.UnitLayout`)."""
 
     shard: int  # elements of each rank's flat shard, padding included
-    rows: tuple  # [rank][i]: (start, stop) of parameter i's rows, as flat positions
+    rows: tuple  # [rank][i]: (start, stop) of parameter i's rows, as positions in the flat parameter
     starts: tuple  # [rank][i]: start of parameter i's rows
     shapes: tuple  # [rank][i]: the shape of parameter i's rows
     pieces: tuple  # [holder][owner]: ((i, start, stop), ...), what holder's flat shard holds of owner's rows
@@ -45,13 +45,13 @@ _INDEXED_MAX_PIECE = 256
 @dataclass(frozen=True)
 class IndexPlan:
     """One rank's moves between its flat shard and its rows, for a unit of
-    many small parameters: ``flat_at[q]``, the positions in this rank's flat
+    many small parameters: ``shard_at[q]``, the positions in this rank's flat
     shard of what it holds of shard rank ``q``'s rows (in :attr:`Geometry.pieces`
     order); ``rows_at[r]``, the positions in this rank's rows (all its
     parameters' rows, one after the other) of what rank ``r``'s flat shard
     holds of them; ``numels``, each parameter's elements in this rank's rows."""
 
-    flat_at: tuple
+    shard_at: tuple
     rows_at: tuple
     numels: tuple
     total: int
@@ -59,12 +59,12 @@ class IndexPlan:
     on_device: dict = field(default_factory=dict, compare=False, hash=False)
 
     def on(self, device: torch.device) -> tuple[tuple, tuple, torch.Tensor]:
-        """(flat_at, rows_at, rows_order) on ``device``, moved there once."""
+        """(shard_at, rows_at, rows_order) on ``device``, moved there once."""
         if device.type == "cpu":
-            return self.flat_at, self.rows_at, self.rows_order
+            return self.shard_at, self.rows_at, self.rows_order
         if device not in self.on_device:
             move = lambda ts: tuple(t.to(device) for t in ts)  # noqa: E731
-            self.on_device[device] = (move(self.flat_at), move(self.rows_at), self.rows_order.to(device))
+            self.on_device[device] = (move(self.shard_at), move(self.rows_at), self.rows_order.to(device))
         return self.on_device[device]
 
 
@@ -81,12 +81,12 @@ def _index_plan(g: Geometry, me: int, shard: int) -> IndexPlan:
     for n in numels:
         cum.append(cum[-1] + n)
     size = len(g.pieces)
-    flat_at = tuple(_positions([(a - base, b - base) for _, a, b in g.pieces[me][q]]) for q in range(size))
+    shard_at = tuple(_positions([(a - base, b - base) for _, a, b in g.pieces[me][q]]) for q in range(size))
     rows_at = tuple(
         _positions([(cum[i] + a - starts[i], cum[i] + b - starts[i]) for i, a, b in g.pieces[r][me]])
         for r in range(size)
     )
-    return IndexPlan(flat_at, rows_at, numels, cum[-1], torch.cat(rows_at))
+    return IndexPlan(shard_at, rows_at, numels, cum[-1], torch.cat(rows_at))
 
 
 @functools.lru_cache(maxsize=1024)

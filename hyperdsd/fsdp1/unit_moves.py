@@ -3,7 +3,7 @@
 An FSDP1 rank holds a contiguous run of its unit's flat parameter (or of a
 state tensor laid out like it); the canonical layout gives it whole rows of
 each parameter (:class:`hyperdsd.fsdp1.units.UnitLayout`). :func:`to_rows`
-and :func:`to_flat` move exactly the elements whose holder and owner
+and :func:`to_shard` move exactly the elements whose holder and owner
 differ, among the ranks the unit is sharded over (a replica of HYBRID_SHARD
 moves within itself): no rank ever holds more than its shard in either
 layout, plus what is in flight. :func:`to_full` makes full tensors (a
@@ -163,17 +163,17 @@ def _run(layout, outgoing, incoming, nbytes: int, exchange: Exchange | None, aft
         exchange.add(layout, outgoing, incoming, nbytes, after)
 
 
-def to_rows(layout, flat: torch.Tensor, exchange: Exchange | None = None) -> list[torch.Tensor]:
+def to_rows(layout, shard: torch.Tensor, exchange: Exchange | None = None) -> list[torch.Tensor]:
     """This rank's rows of each of the unit's parameters (new tensors), from
     ``flat``, this rank's flat shard of them (the parameter's or a state
     tensor's). A collective over the unit's ranks (or a part of ``exchange``)."""
-    return to_rows_many(layout, [flat], exchange)[0]
+    return to_rows_many(layout, [shard], exchange)[0]
 
 
 @dataclass
 class Pieces:
     """A rank's flat shard that is no one tensor (state kept per original
-    parameter): ``cut(i, a, b)`` gives its elements at flat positions
+    parameter): ``cut(i, a, b)`` gives its elements at positions in the flat parameter
     ``[a, b)``, all of parameter ``i``, of ``dtype``."""
 
     cut: Callable[[int, int, int], torch.Tensor]
@@ -181,11 +181,11 @@ class Pieces:
     device: torch.device
 
 
-def to_rows_many(layout, flats: list[torch.Tensor], exchange: Exchange | None = None) -> list[list[torch.Tensor]]:
-    """:func:`to_rows` of each of ``flats``, in one exchange."""
+def to_rows_many(layout, shards: list[torch.Tensor], exchange: Exchange | None = None) -> list[list[torch.Tensor]]:
+    """:func:`to_rows` of each of ``shards``, in one exchange."""
     plan = layout.index_plan()
     if plan is not None:
-        return _to_rows_indexed(layout, plan, flats, exchange)
+        return _to_rows_indexed(layout, plan, shards, exchange)
     me, base = layout.index, layout.index * layout.shard
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
@@ -193,20 +193,20 @@ def to_rows_many(layout, flats: list[torch.Tensor], exchange: Exchange | None = 
     sent = [layout.pieces(me, q) for q in range(layout.size)]
     plans = [layout.pieces(r, me) for r in range(layout.size)]
     result = []
-    for flat in flats:
-        flat = flat.detach().reshape(-1)
-        out = [torch.empty(layout.local_shape(i), dtype=flat.dtype, device=flat.device) for i in range(len(starts))]
+    for shard in shards:
+        shard = shard.detach().reshape(-1)
+        out = [torch.empty(layout.local_shape(i), dtype=shard.dtype, device=shard.device) for i in range(len(starts))]
         views = [t.view(-1) for t in out]
         for q, plan in enumerate(sent):
-            outgoing[q] += [flat[a - base : b - base] for _, a, b in plan]
+            outgoing[q] += [shard[a - base : b - base] for _, a, b in plan]
         for r, plan in enumerate(plans):
             incoming[r] += [views[i][a - starts[i] : b - starts[i]] for i, a, b in plan]
         result.append(out)
-    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in flats]), exchange)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange)
     return result
 
 
-def _to_rows_indexed(layout, plan, flats: list[torch.Tensor], exchange) -> list[list[torch.Tensor]]:
+def _to_rows_indexed(layout, plan, shards: list[torch.Tensor], exchange) -> list[list[torch.Tensor]]:
     """:func:`to_rows_many` of a unit of many small parameters: what goes to
     each rank taken from the flat shard by one index, what comes from each
     put in place by another, the rows cut apart in one copy."""
@@ -214,13 +214,13 @@ def _to_rows_indexed(layout, plan, flats: list[torch.Tensor], exchange) -> list[
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     shapes = layout.local_shapes()
     result, received = [], []
-    for flat in flats:
-        flat = flat.detach().reshape(-1)
-        flat_at, rows_at, _ = plan.on(flat.device)
-        out = [torch.empty(shape, dtype=flat.dtype, device=flat.device) for shape in shapes]
-        got = [torch.empty(len(at), dtype=flat.dtype, device=flat.device) for at in rows_at]
-        for q, at in enumerate(flat_at):
-            outgoing[q].append(flat.index_select(0, at))
+    for shard in shards:
+        shard = shard.detach().reshape(-1)
+        shard_at, rows_at, _ = plan.on(shard.device)
+        out = [torch.empty(shape, dtype=shard.dtype, device=shard.device) for shape in shapes]
+        got = [torch.empty(len(at), dtype=shard.dtype, device=shard.device) for at in rows_at]
+        for q, at in enumerate(shard_at):
+            outgoing[q].append(shard.index_select(0, at))
             incoming[q].append(got[q])
         result.append(out)
         received.append(got)
@@ -231,7 +231,7 @@ def _to_rows_indexed(layout, plan, flats: list[torch.Tensor], exchange) -> list[
             rows.index_copy_(0, plan.on(rows.device)[2], torch.cat(got))
             torch.split_with_sizes_copy(rows, plan.numels, out=[t.view(-1) for t in out])
 
-    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in flats]), exchange, settle)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange, settle)
     return result
 
 
@@ -240,8 +240,8 @@ def _shard_bytes(layout, dtypes) -> int:
     return sum(layout.shard * dtype.itemsize for dtype in dtypes)
 
 
-def _flat_target(layout, rows: list[torch.Tensor], into) -> tuple[torch.dtype, torch.device, torch.Tensor]:
-    """What :func:`to_flat_many` makes of one of its ``rows_of``: the dtype they
+def _shard_target(layout, rows: list[torch.Tensor], into) -> tuple[torch.dtype, torch.device, torch.Tensor]:
+    """What :func:`to_shard_many` makes of one of its ``rows_of``: the dtype they
     move in, the device they land on, and the flat shard written (``into``, or
     a new zero-padded one)."""
     dtype = rows[0].dtype if rows else into.dtype
@@ -250,10 +250,10 @@ def _flat_target(layout, rows: list[torch.Tensor], into) -> tuple[torch.dtype, t
 
 
 def to_full(
-    layout, flats: list, run: list[int], root: int | None, exchange: Exchange | None = None
+    layout, shards: list, run: list[int], root: int | None, exchange: Exchange | None = None
 ) -> list[list[torch.Tensor | None]]:
     """The full tensors of the unit's parameters ``run`` (the same list on
-    every rank) from each of ``flats`` (this rank's flat shards, or
+    every rank) from each of ``shards`` (this rank's flat shards, or
     :class:`Pieces`): on every rank of the unit's group, or with ``root`` (a
     global rank among them) on the root alone, None elsewhere. Each rank's
     elements go from its flat shard straight to their place in the full
@@ -265,46 +265,48 @@ def to_full(
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     result = []
-    for flat in flats:
-        if not isinstance(flat, Pieces):
-            flat = flat.detach().reshape(-1)
-            flat = Pieces(lambda i, a, b, flat=flat: flat[a - base : b - base], flat.dtype, flat.device)
-        full = [torch.empty(layout.unit.shapes[i], dtype=flat.dtype, device=flat.device) if keep else None for i in run]
+    for shard in shards:
+        if not isinstance(shard, Pieces):
+            shard = shard.detach().reshape(-1)
+            shard = Pieces(lambda i, a, b, shard=shard: shard[a - base : b - base], shard.dtype, shard.device)
+        full = [
+            torch.empty(layout.unit.shapes[i], dtype=shard.dtype, device=shard.device) if keep else None for i in run
+        ]
         at = {i: (t.view(-1), layout.unit.offsets[i]) for i, t in zip(run, full) if t is not None}
-        mine = [flat.cut(i, a, b) for i, a, b in held[me]]
+        mine = [shard.cut(i, a, b) for i, a, b in held[me]]
         for q in range(layout.size):
             if dest is None or q == dest:
                 outgoing[q] += mine
             if keep:
                 incoming[q] += [at[i][0][a - at[i][1] : b - at[i][1]] for i, a, b in held[q]]
         result.append(full)
-    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in flats]), exchange)
+    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange)
     return result
 
 
-def to_flat(
+def to_shard(
     layout, rows: list[torch.Tensor], into: torch.Tensor | None = None, exchange: Exchange | None = None
 ) -> torch.Tensor:
     """This rank's flat shard made from every rank's ``rows`` (this rank's rows
     of each parameter, as :func:`to_rows` gives them): written into ``into``
     (its padding left as it is) or a new zero-padded tensor. A collective
     over the unit's ranks (or a part of ``exchange``)."""
-    return to_flat_many(layout, [rows], [into], exchange=exchange)[0]
+    return to_shard_many(layout, [rows], [into], exchange=exchange)[0]
 
 
-def to_flat_many(
+def to_shard_many(
     layout,
     rows_of: list[list[torch.Tensor]],
     intos: list,
     only: set[int] | None = None,
     exchange: Exchange | None = None,
 ) -> list:
-    """:func:`to_flat` of each of ``rows_of`` (into each of ``intos``), in one
+    """:func:`to_shard` of each of ``rows_of`` (into each of ``intos``), in one
     exchange; ``only``: of these parameters alone (the same on every rank),
     the rest of each flat shard left as it is."""
     plan = layout.index_plan() if (only is None or len(only) == len(layout.fqns)) and all(rows_of) else None
     if plan is not None:
-        return _to_flat_indexed(layout, plan, rows_of, intos, exchange)
+        return _to_shard_indexed(layout, plan, rows_of, intos, exchange)
     me, base = layout.index, layout.index * layout.shard
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
@@ -313,11 +315,11 @@ def to_flat_many(
     plans = [[p for p in layout.pieces(me, r) if only is None or p[0] in only] for r in range(layout.size)]
     result, landings, dtypes = [], [], []
     for rows, into in zip(rows_of, intos):
-        dtype, device, out = _flat_target(layout, rows, into)
+        dtype, device, out = _shard_target(layout, rows, into)
         dtypes.append(dtype)
-        flats = [r.detach().reshape(-1) for r in rows]
+        shards = [r.detach().reshape(-1) for r in rows]
         for q, plan in enumerate(sent):
-            outgoing[q] += [flats[i][a - starts[i] : b - starts[i]].to(device=device, dtype=dtype) for i, a, b in plan]
+            outgoing[q] += [shards[i][a - starts[i] : b - starts[i]].to(device=device, dtype=dtype) for i, a, b in plan]
         direct = out.dtype == dtype and out.is_contiguous()  # else received aside, then copied in
         land = out.view(-1) if direct else torch.empty(layout.shard, dtype=dtype, device=device)
         for r, plan in enumerate(plans):
@@ -337,29 +339,29 @@ def to_flat_many(
     return result
 
 
-def _to_flat_indexed(layout, plan, rows_of: list[list[torch.Tensor]], intos: list, exchange) -> list:
-    """:func:`to_flat_many` of every parameter of a unit of many small ones:
+def _to_shard_indexed(layout, plan, rows_of: list[list[torch.Tensor]], intos: list, exchange) -> list:
+    """:func:`to_shard_many` of every parameter of a unit of many small ones:
     this rank's rows joined, what goes to each rank taken from them by one
     index, what comes from each put in its flat shard by another."""
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     result, received, dtypes = [], [], []
     for rows, into in zip(rows_of, intos):
-        dtype, device, out = _flat_target(layout, rows, into)
+        dtype, device, out = _shard_target(layout, rows, into)
         dtypes.append(dtype)
-        flat_at, rows_at, _ = plan.on(device)
+        shard_at, rows_at, _ = plan.on(device)
         mine = torch.cat([r.detach().reshape(-1) for r in rows]).to(device=device, dtype=dtype)
-        got = [torch.empty(len(at), dtype=dtype, device=device) for at in flat_at]
+        got = [torch.empty(len(at), dtype=dtype, device=device) for at in shard_at]
         for q, at in enumerate(rows_at):
             outgoing[q].append(mine.index_select(0, at))
             incoming[q].append(got[q])
         result.append(out)
-        received.append((got, flat_at))
+        received.append((got, shard_at))
 
     def settle() -> None:
-        for out, (got, flat_at) in zip(result, received):
+        for out, (got, shard_at) in zip(result, received):
             view = out.view(-1)
-            for at, values in zip(flat_at, got):
+            for at, values in zip(shard_at, got):
                 view.index_copy_(0, at, values.to(view.dtype))
 
     _run(layout, outgoing, incoming, _shard_bytes(layout, dtypes), exchange, settle)

@@ -77,7 +77,7 @@ class UnitLayout:
         return geometry(tuple(map(tuple, self.unit.shapes)), tuple(self.unit.offsets), self.shard, self.size)
 
     def starts(self, rank: int) -> tuple[int, ...]:
-        """Where each parameter's rows on shard rank ``rank`` start, as flat positions."""
+        """Where each parameter's rows on shard rank ``rank`` start, as positions in the flat parameter."""
         return self._geometry.starts[rank]
 
     def local_shape(self, i: int) -> tuple[int, ...]:
@@ -93,7 +93,7 @@ class UnitLayout:
         """Whether each parameter requires grad: its own (use_orig_params=True), else the flat parameter's."""
         if self.unit.params is not None:
             return [p.requires_grad for p in self.unit.params]
-        return [self.unit.flat.requires_grad] * len(self.fqns)
+        return [self.unit.flat_param.requires_grad] * len(self.fqns)
 
     def local_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shape of this rank's rows of each parameter."""

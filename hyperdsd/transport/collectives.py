@@ -179,12 +179,12 @@ def aligned(n: int) -> int:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.stride(-1) != 1:
+    elements = t.detach().contiguous().reshape(-1)
+    if elements.stride(-1) != 1:
         # A placeholder of a never-stepped optimizer (one element, or none, expanded) counts as
         # contiguous, yet its stride of 0 cannot be viewed as bytes.
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+        elements = elements.clone(memory_format=torch.contiguous_format)
+    return elements.view(torch.uint8) if elements.dtype != torch.uint8 else elements
 
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:

@@ -30,8 +30,8 @@ from .scatter import scatter_from_root
 @dataclass(frozen=True)
 class Landing:
     """Where a receiver's piece goes instead of its tensor: the run ``need``
-    of the root's tensor's elements, written into ``into`` (a view of
-    another tensor: the part of a parameter a flat shard holds). ``need``
+    of the root's tensor's elements, written into ``into`` (a view of another
+    tensor: what a wrapper layout's shard holds of a parameter). ``need``
     None: this rank needs none of it."""
 
     need: Need | None

@@ -34,15 +34,15 @@ Metas = Sequence[ShapeDtype]
 @dataclass(frozen=True)
 class Need:
     """What a rank needs of a full tensor: a region (slices as (start, stop)),
-    or with ``flat`` one run ``region[0]`` of its elements in order (the part of a
-    parameter a flat shard holds: whole rows or not)."""
+    or with ``is_run`` one run ``region[0]`` of its elements in order (what a
+    wrapper layout's shard holds of a parameter: whole rows or not)."""
 
     region: tuple[tuple[int, int], ...]
-    flat: bool = False
+    is_run: bool = False
 
     @classmethod
     def run(cls, start: int, stop: int) -> "Need":
-        return cls(((start, stop),), flat=True)
+        return cls(((start, stop),), is_run=True)
 
     @classmethod
     def whole(cls, shape) -> "Need":
@@ -67,13 +67,13 @@ class Need:
         return tuple(slice(a, b) for a, b in self.region)
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
-        if self.flat:
+        if self.is_run:
             return full.reshape(-1)[self.slices()]
         return full[self.slices()] if self.region else full
 
     def cut_each(self, stacked: torch.Tensor) -> torch.Tensor:
         """This region of each of ``stacked``'s tensors (stacked on dim 0)."""
-        if self.flat:
+        if self.is_run:
             return stacked.reshape(len(stacked), -1)[(slice(None),) + self.slices()]
         return stacked[(slice(None),) + self.slices()]
 
@@ -138,10 +138,10 @@ def alike_groups(codes: Sequence[int], columns: Sequence[array], positions: Sequ
         bound *= width
     order = torch.argsort(key, stable=True)
     counts = torch.unique_consecutive(key[order], return_counts=True)[1].tolist()
-    flat = order.tolist()
+    positions = order.tolist()
     groups, start = [], 0
     for count in counts:
-        groups.append(flat[start : start + count])
+        groups.append(positions[start : start + count])
         start += count
     groups.sort(key=operator.itemgetter(0))
     return groups if whole else [list(map(positions.__getitem__, group)) for group in groups]

@@ -6,7 +6,7 @@ of it each rank needs (:class:`~.needs.Need`, exchanged as :class:`~.needs.Packe
 the model's group, see :mod:`hyperdsd.transport.group`): a large tensor that
 every rank needs an equal run of whole rows of moves in one scatter, straight
 into each rank's destination; a large tensor of which ranks need runs of
-elements (flat shards' parts, uneven) goes point to point, each run
+elements (what a wrapper layout's shards hold of a parameter, uneven) goes point to point, each run
 straight from the full tensor to where it lands; the rest travel packed in
 bounded byte buckets, one uneven all-to-all from the root per bucket, so that each rank
 receives its own pieces and nothing more (a scatter sends every rank as
@@ -179,7 +179,7 @@ class Scatterer:
         sizes = set()
         for needs in self.everyone:
             need = needs[i]
-            if need is None or need.flat or not need.region:
+            if need is None or need.is_run or not need.region:
                 return False
             if any(need.region[d] != (0, shape[d]) for d in range(1, len(shape))):
                 return False
@@ -192,7 +192,7 @@ class Scatterer:
         if self._nbytes(i) < DIRECT_BYTES:
             return False
         needs = [e[i] for e in self.everyone]
-        return any(n is not None for n in needs) and all(n is None or n.flat for n in needs)
+        return any(n is not None for n in needs) and all(n is None or n.is_run for n in needs)
 
     def _send_runs(self, indices: list[int]) -> None:
         """Large tensors' runs (:meth:`_runs_apart`): the root sends each rank its
