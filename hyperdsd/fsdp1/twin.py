@@ -35,6 +35,7 @@ from .units import (
     merge,
     per_element_paths,
     summarize,
+    summary_key,
     twin_module,
     twin_optimizer,
 )
@@ -142,37 +143,18 @@ class Twin:
         rank holds is exchanged first (a rank without an original parameter's
         elements has no state for it), then per-element state moves to rows."""
         per_unit = self.optimizer_params()
-        mine = []
-        for u, params in zip(self.units, per_unit):
-            summaries = []
-            for j, p in enumerate(params):
-                opt = owner.get(id(p))
-                entry = opt.state.get(p) if opt is not None else None
-                numel = u.shard if u.unit.params is None else (u.unit.in_shard[j] or (0, 0))[1]
-                if not entry or (u.unit.params is not None and not numel):
-                    # (use_orig_params=True: a rank without the parameter's elements never steps it;
-                    # what it holds, such as Adagrad's state from its constructor, tells nothing)
-                    summaries.append(None)
-                    continue
-                summaries.append(summarize(entry, numel))
-            mine.append(summaries)
-        everyone = moves.exchange_by_group(mine, [u.unit.pg for u in self.units])
+        everyone = moves.exchange_by_group(self._summaries(owner, per_unit), [u.unit.pg for u in self.units])
         exchange = moves.Exchange()  # the rows of every unit's state, filled when it runs (below)
+        paths_of: dict[int, list] = {}  # by the summary's id: summaries repeat (see _summaries)
         for n, (u, params, twins, ranks) in enumerate(zip(self.units, per_unit, self.params, everyone)):
             merged = [merge([r[j] for r in ranks]) for j in range(len(params))]
+            paths = []
             for j, summary in enumerate(merged):
-                if summary is None:
-                    continue
-                for key, (kind, detail) in summary.items():
-                    if kind == "shape":
-                        what = detail if isinstance(detail, str) else f"of shape {detail}"
-                        owner_of = u.fqns if u.unit.params is None else u.fqns[j]
-                        raise StateDictError(
-                            f"optimizer state {key!r} of {owner_of} (an FSDP1 unit) is {what}: only "
-                            "per-element and scalar state can be unflattened"
-                        )
+                if id(summary) not in paths_of:
+                    _refuse_unflattenable(u, j, summary)
+                    paths_of[id(summary)] = per_element_paths(summary or {})
+                paths.append(paths_of[id(summary)])
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
-            paths = [per_element_paths(summary or {}) for summary in merged]
             found: dict[tuple, torch.dtype] = {}
             for named in paths:
                 for path, dtype in named:
@@ -201,6 +183,29 @@ class Twin:
                 twins_of[id(opt)].state[twin] = _twin_entry(summary, own, lambda path, i=i: placed[(i, path)])
         exchange.run()
 
+    def _summaries(self, owner: dict, per_unit: list) -> list[list]:
+        """This rank's summary of each unit's parameters' state (None where it
+        holds none). Equal summaries are one object: parameters stepped alike
+        have equal ones, and the exchange pickles each object once."""
+        interned: dict = {}
+        mine = []
+        for u, params in zip(self.units, per_unit):
+            summaries = []
+            for j, p in enumerate(params):
+                opt = owner.get(id(p))
+                entry = opt.state.get(p) if opt is not None else None
+                numel = u.shard if u.unit.params is None else (u.unit.in_shard[j] or (0, 0))[1]
+                if not entry or (u.unit.params is not None and not numel):
+                    # (use_orig_params=True: a rank without the parameter's elements never steps it;
+                    # what it holds, such as Adagrad's state from its constructor, tells nothing)
+                    summaries.append(None)
+                    continue
+                summary = summarize(entry, numel)
+                key = summary_key(summary)
+                summaries.append(summary if key is None else interned.setdefault(key, summary))
+            mine.append(summaries)
+        return mine
+
     def state_rows(self, u: UnitLayout, targets: list, typed: list, exchange=None) -> list[list[torch.Tensor]]:
         """This rank's rows of each state tensor ``typed`` names (path, dtype), in one
         exchange (or as part of ``exchange``: filled when it runs)."""
@@ -211,19 +216,47 @@ class Twin:
     def _shard_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
         """This rank's flat shard of the state at ``path``: the flat parameter's own, or
         assembled from the original parameters' pieces (zeros where none)."""
+        device = u.unit.local.device
         if u.unit.params is None:
             _, p, opt = targets[0]
             value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
-            if value is not None:
-                return value
-        shard = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
-        if u.unit.params is not None:
-            for j, p, opt in targets:
-                value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
-                where = u.unit.in_shard[j]
-                if value is not None and where is not None and where[1]:
-                    shard[where[0] : where[0] + where[1]] = value.reshape(-1)
-        return shard
+            return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
+        # The pieces in order, zeros between and after them: one concatenation.
+        pieces, at, zeros = [], 0, torch.zeros(u.shard, dtype=dtype, device=device)
+        for j, p, opt in targets:
+            where = u.unit.in_shard[j]
+            if where is None or not where[1]:
+                continue
+            value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
+            if where[0] < at or (value is not None and value.numel() != where[1]):
+                # (pieces out of order, which FSDP1 never lays; a value that does not fit, refused there)
+                return _shard_by_piece(u, targets, path, zeros)
+            pieces += [zeros[: where[0] - at]] if where[0] > at else []
+            pieces.append(zeros[: where[1]] if value is None else value.reshape(-1).to(dtype))
+            at = where[0] + where[1]
+        return torch.cat(pieces + [zeros[: u.shard - at]]) if pieces else zeros
+
+
+def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tensor) -> torch.Tensor:
+    """:meth:`Twin._shard_state` of original parameters, a piece at a time into ``shard`` (zeros)."""
+    for j, p, opt in targets:
+        value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
+        where = u.unit.in_shard[j]
+        if value is not None and where is not None and where[1]:
+            shard[where[0] : where[0] + where[1]] = value.reshape(-1)
+    return shard
+
+
+def _refuse_unflattenable(u: UnitLayout, j: int, summary) -> None:
+    """Raise for state a summary says cannot be unflattened (a tensor not per element)."""
+    for key, (kind, detail) in (summary or {}).items():
+        if kind == "shape":
+            what = detail if isinstance(detail, str) else f"of shape {detail}"
+            owner_of = u.fqns if u.unit.params is None else u.fqns[j]
+            raise StateDictError(
+                f"optimizer state {key!r} of {owner_of} (an FSDP1 unit) is {what}: only "
+                "per-element and scalar state can be unflattened"
+            )
 
 
 def _blank_rows(u: UnitLayout, dtype: torch.dtype, hollow: bool) -> list[torch.Tensor]:
@@ -249,4 +282,12 @@ def _twin_entry(summary: dict, own: dict, rows_at) -> dict:
             return leaf.tensor()
         return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
 
-    return {key: rebuild(detail, value, (key,)) for key, (kind, detail) in summary.items() if kind != "shape"}
+    entry = {}
+    for key, (kind, detail) in summary.items():
+        if kind == "shape":
+            continue
+        if type(detail) is RowsAt or type(detail) is HeldValue:  # (most state: no walk)
+            entry[key] = value(detail, (key,))
+        else:
+            entry[key] = rebuild(detail, value, (key,))
+    return entry

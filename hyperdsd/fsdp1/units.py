@@ -305,6 +305,22 @@ def summarize(entry: dict, per_element: int) -> Summary:
     return out
 
 
+def summary_key(summary: Summary) -> tuple | None:
+    """What tells ``summary`` from another, hashable, for a summary of
+    per-element tensors and held scalars only (None for any other): equal
+    keys, equal summaries. A float goes by its bits (``-0.0`` is not ``0.0``)."""
+    parts = []
+    for key, (kind, detail) in summary.items():
+        if type(detail) is RowsAt:
+            parts.append((key, kind, detail))
+        elif type(detail) is HeldValue and type(detail.value) in (int, float, bool):
+            value = detail.value.hex() if type(detail.value) is float else detail.value
+            parts.append((key, kind, detail.dtype, detail.device, type(detail.value), value))
+        else:
+            return None
+    return tuple(parts)
+
+
 def per_element_paths(summary: Summary) -> list[tuple[tuple, torch.dtype]]:
     """``(path, dtype)`` of each per-element tensor a summary names: ``(key,)``, or ``(key, *where)`` nested."""
     return [

@@ -1267,6 +1267,30 @@ def test_a_summary_sends_0d_state_as_its_value(value):
     assert sent["exp_avg"][0] == "rows"
 
 
+def test_summaries_of_state_stepped_alike_share_a_key_and_no_other_does():
+    """Equal summaries are sent as one object (hyperdsd.fsdp1.units.summary_key):
+    two parameters' state stepped alike share a key; a step that differs in
+    value, sign of zero, dtype or device, a per-element tensor of another
+    dtype, or another key set does not; nested state is not keyed."""
+    from hyperdsd.fsdp1.units import summarize, summary_key
+
+    def key(step, exp_avg=torch.zeros(4), **extra):
+        return summary_key(summarize({"step": step, "exp_avg": exp_avg, **extra}, per_element=4))
+
+    same = key(torch.tensor(3.0))
+    assert same is not None and hash(same) == hash(key(torch.tensor(3.0))) and same == key(torch.tensor(3.0))
+    others = [
+        key(torch.tensor(4.0)),
+        key(torch.tensor(3.0, dtype=torch.float64)),
+        key(torch.tensor(3)),
+        key(torch.tensor(3.0), exp_avg=torch.zeros(4, dtype=torch.bfloat16)),
+        key(torch.tensor(3.0), exp_avg_sq=torch.zeros(4)),
+    ]
+    assert all(other != same for other in others)
+    assert key(torch.tensor(0.0)) != key(torch.tensor(-0.0))
+    assert key(torch.tensor(3.0), nested={"count": torch.tensor(1.0)}) is None
+
+
 def _grouped_one_by_one(codes, columns, positions):
     """The scatter's grouping as a dict of tuples builds it: the oracle."""
     runs: dict = {}

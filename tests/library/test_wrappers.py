@@ -132,3 +132,26 @@ def test_two_wrapper_layouts_in_one_model_are_refused_naming_both(layouts):
         ModelIndex(m)
     with pytest.raises(StateDictError, match="other-box"):
         hyperdsd.get_model_state_dict(m)
+
+
+def test_a_wrapped_models_index_is_kept_while_the_model_and_the_layouts_are_as_they_were(layouts):
+    """The index is kept from one call to the next for a wrapped model too
+    (its layout's modules by position), and built anew once the model's
+    registries or the registered layouts change."""
+    from test_index_cache import assert_same_index, of
+
+    box, _ = layouts
+    m = model()
+    first, built = of(m)
+    assert built == 1 and first.wrapped == [(m[1], "1.")] and first.wrapper is box
+    kept, built = of(m)
+    assert built == 0 and kept is not first
+    assert_same_index(kept, m, ["nothing"])
+    m[1]._packed = nn.Parameter(m[1]._packed.detach().clone())  # another own parameter: registries differ
+    m[1]._packed.box_own = True
+    again, built = of(m)
+    assert built == 1 and id(m[1]._packed) not in set(map(id, again.params))
+    wrappers.register(BoxLayout())  # the same name, another layout object: the walk would read it
+    after, built = of(m)
+    assert built == 1 and after.wrapper is not box
+    assert_same_index(after, m, ["another layout registered"])

@@ -16,9 +16,11 @@ model goes. Registries are compared by the ids of what they hold while every
 module recorded is alive: ids are unique among live objects, so the same ids
 mean the same children and the same parameters shared by the same names (a
 tensor freed and another made at its address is read as the new one). No
-index is kept of a model that FSDP2 holds unsharded or that a wrapper layout
-wraps (:mod:`hyperdsd.wrappers`; the walk reads more than registries there):
-those are built every call.
+index is kept of a model that FSDP2 holds unsharded: it is built every call.
+A wrapper layout's modules (:mod:`hyperdsd.wrappers`) are kept by position,
+while the layouts registered are the same objects: which modules are a
+layout's, which children they hide and which parameters are its own go by
+their classes and the registries' objects, which the fingerprint compares.
 
 A kept index carries the keys of the last flat get made with it
 (:class:`~hyperdsd.state.keys.flat_keys.KeptFlatKeys`, no tensor of the model among them), which
@@ -26,11 +28,12 @@ go with it.
 """
 
 import functools
+import operator
 import weakref
 
 import torch.nn as nn
 
-from ... import _compat
+from ... import _compat, wrappers
 from ...tree import has_none
 from .flat_keys import KeptFlatKeys
 from .hidden import hidden_children
@@ -73,6 +76,9 @@ class _Snapshot:
         self.path_positions = [at[id(m)] for m, _ in index._module_paths.values()]
         self.path_canons = [canon for _, canon in index._module_paths.values()]
         self.renames = index.renames
+        self.layouts = wrappers.registered()
+        self.wrapped = [(at[id(m)], raw) for m, raw in index.wrapped]
+        self.wrapper = index.wrapper
         self.kept_flat_keys = KeptFlatKeys()  # a flat get's keys (see KeptFlatKeys): the model's while it is as it was
 
     def _renaming(self, classes: list[type]) -> set[type]:
@@ -90,6 +96,9 @@ class _Snapshot:
         if not all(map(_compat.fsdp2_resharded, map(modules.__getitem__, self.fsdp2_units))):
             return None  # unsharded since (its parameter objects may have been freed, their ids reused)
         tensors = list(map(held.__getitem__, self.tensor_slots))
+        layouts = wrappers.registered()
+        if len(layouts) != len(self.layouts) or not all(map(operator.is_, layouts, self.layouts)):
+            return None  # another layout registered since: the walk would read other modules as wrapped
         if self._renaming(fingerprint[0]) != self.renaming or any(
             hidden_children(modules[i], self.modifiers_attr) != hidden for i, hidden in self.modifiers
         ):
@@ -104,7 +113,8 @@ class _Snapshot:
         index.tensor_keys, index.tensor_raw_keys = list(self.tensor_keys), list(self.tensor_raw_keys)
         index.params = list(map(tensors.__getitem__, self.param_positions))
         index.first_name = dict(self.first_name)
-        index._sharded, index.wrapped, index.wrapper, index.renames = {}, [], None, self.renames
+        index._sharded, index.renames = {}, self.renames
+        index.wrapped, index.wrapper = [(modules[i], raw) for i, raw in self.wrapped], self.wrapper
         index.kept_flat_keys = self.kept_flat_keys
         return index
 
@@ -147,7 +157,7 @@ def index_of(cls, model: nn.Module, modifiers_attr: str):
         if index is not None:
             return index
     index = cls(model, modifiers_attr)
-    if not index.unsharded and not index.wrapped:
+    if not index.unsharded:
         try:
             snapshot = _SNAPSHOTS[id(model)] = _Snapshot(index, functools.partial(_forget, id(model)))
             index.kept_flat_keys = snapshot.kept_flat_keys
