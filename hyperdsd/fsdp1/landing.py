@@ -288,11 +288,12 @@ class TwinLoad:
         u = self.units[k]
         by_flat_param = u.unit.params is None
         shards = {path: None if f is None else f[0].to(f[1]) for path, f in shards.items()}  # (.to: the same if equal)
+        every = [e for e in entries if e]  # (a flat parameter's: its parameters' entries, any will do)
         for j, p in enumerate(params):
             opt, _ = self.owner.get(id(p), (None, None))
             if opt is None:
                 continue
-            mine = [e for i, e in enumerate(entries) if (by_flat_param or i == j) and e]
+            mine = every if by_flat_param else [e for e in entries[j : j + 1] if e]
             where = (0, u.shard) if by_flat_param else u.unit.in_shard[j]
             if not by_flat_param and (where is None or not where[1]):
                 continue  # none of its elements here: this rank never steps it, and the load has nothing for it
