@@ -68,6 +68,12 @@ def shard_degree(lay: Layout) -> int:
     return int(spec.split("x")[dims.index("shard")])
 
 
+def replicas(lay: Layout) -> int:
+    """How many replicas of each shard the layout keeps (HSDP's replicate dim; 1: none)."""
+    spec, dims = lay.meshes[0]
+    return int(spec.split("x")[dims.index("replicate")]) if "replicate" in dims else 1
+
+
 def traits(name: str) -> dict:
     """What a layout is, as :func:`pick` filters on it."""
     lay = parse_layout(name)
@@ -77,6 +83,7 @@ def traits(name: str) -> dict:
         "pp": lay.pp,
         "mesh_dims": len(lay.dim_names),
         "shard_degree": shard_degree(lay),
+        "replicas": replicas(lay),
         "flat_params": lay.kind.flat_params,
         "strategy": lay.kind.strategy,
     }
@@ -109,7 +116,7 @@ THIRDS = pick(wrapper="fsdp2", mesh_dims=1, shard_degree=3)
 # FSDP2 over four: a 3-row parameter leaves one rank an empty piece.
 QUARTERS = pick(wrapper="fsdp2", mesh_dims=1, shard_degree=4)
 # HSDP: sharded over one dim of a 2-D mesh, replicated over the other.
-HYBRID = pick(wrapper="fsdp2", pp=1, mesh_dims=2)
+HYBRID = pick(wrapper="fsdp2", replicas=2)
 # Pipeline stages: each rank holds its stage's parameters whole.
 STAGES = pick(wrapper="none", pp=2)
 # Pipeline stages, each sharded with FSDP2 over its own ranks.
@@ -121,7 +128,7 @@ FSDP1_FULL = pick(wrapper="fsdp1", strategy="FULL_SHARD", flat_params=False)
 # FSDP1 with flat parameters (use_orig_params=False): the optimizer steps them.
 FSDP1_FLAT_PARAMS = pick(wrapper="fsdp1", flat_params=True)
 # FSDP1's HYBRID_SHARD on a 2-D mesh.
-FSDP1_HYBRID = pick(wrapper="fsdp1", strategy="HYBRID_SHARD")
+FSDP1_HYBRID = pick(wrapper="fsdp1", strategy="HYBRID_SHARD", replicas=2)
 # FSDP1's SHARD_GRAD_OP: parameters stay whole from the forward to the backward.
 FSDP1_SHARD_GRAD_OP = pick(wrapper="fsdp1", strategy="SHARD_GRAD_OP")
 # FSDP1 with the original parameters, each FQN an optimizer parameter of its own.
