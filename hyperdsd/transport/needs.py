@@ -138,10 +138,10 @@ def alike_groups(codes: Sequence[int], columns: Sequence[array], positions: Sequ
         bound *= width
     order = torch.argsort(key, stable=True)
     counts = torch.unique_consecutive(key[order], return_counts=True)[1].tolist()
-    positions = order.tolist()
+    ordered = order.tolist()
     groups, start = [], 0
     for count in counts:
-        groups.append(positions[start : start + count])
+        groups.append(ordered[start : start + count])
         start += count
     groups.sort(key=operator.itemgetter(0))
     return groups if whole else [list(map(positions.__getitem__, group)) for group in groups]
