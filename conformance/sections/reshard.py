@@ -261,8 +261,8 @@ def cases():
 def one_group_if_flat(case: Case) -> Case:
     """FSDP1's flat parameters: the optimizer holds one per unit, so its
     groups cannot go by role: both sides put every parameter in one group."""
-    ends = [p.params[end] for p in case.phases[:1] for end in ("src", "dst")]
-    if not any(parse_layout(name).kind.flat_params for name in ends):
+    params = case.phases[0].params
+    if not any(parse_layout(params[end]).kind.flat_params for end in ("src", "dst")):
         return case
     one = GroupSpec(split=False)
     return replace(case, phases=tuple(replace(p, params={**p.params, "groups": one}) for p in case.phases))

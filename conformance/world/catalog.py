@@ -16,6 +16,8 @@ its reason.
 
 from __future__ import annotations
 
+import functools
+
 from .layouts import Layout, parse_layout
 
 # The layouts picks draw from, in the order their cases run: data parallelism
@@ -74,8 +76,9 @@ def replicas(lay: Layout) -> int:
     return int(spec.split("x")[dims.index("replicate")]) if "replicate" in dims else 1
 
 
+@functools.cache
 def traits(name: str) -> dict:
-    """What a layout is, as :func:`pick` filters on it."""
+    """What a layout is, as :func:`pick` filters on it (one dict per name: read, never changed)."""
     lay = parse_layout(name)
     return {
         "world_size": lay.world_size,
@@ -92,9 +95,9 @@ def traits(name: str) -> dict:
 def pick(**want) -> Pick:
     """The catalog's layouts whose traits (:func:`traits`) are as given; a
     tuple value allows any of its members."""
-    unknown = set(want) - set(traits(CATALOG[0]))
-    if unknown:
-        raise TypeError(f"no layout trait {sorted(unknown)}; traits: {sorted(traits(CATALOG[0]))}")
+    known = traits(CATALOG[0]).keys()
+    if set(want) - known:
+        raise TypeError(f"no layout trait {sorted(set(want) - known)}; traits: {sorted(known)}")
 
     def fits(name: str) -> bool:
         have = traits(name)
