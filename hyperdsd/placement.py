@@ -103,12 +103,15 @@ class DTensorLayout:
         device_type = self.mesh.device_type
         if device_type != local.device.type and not local.is_meta:
             local = local.to(device_type)
-        spec = self._specs.get(local.dtype)
-        if spec is None:
-            spec = self._specs[local.dtype] = _compat.dtensor_spec(
-                self.mesh, self.placements, self.shape, self.stride, local.dtype
-            )
+        spec = self.spec(local.dtype)
         return DTensor.__new__(DTensor, local, spec, requires_grad=local.requires_grad and torch.is_grad_enabled())
+
+    def spec(self, dtype: torch.dtype):
+        """The spec of this layout's DTensors of ``dtype``, one kept per dtype."""
+        spec = self._specs.get(dtype)
+        if spec is None:
+            spec = self._specs[dtype] = _compat.dtensor_spec(self.mesh, self.placements, self.shape, self.stride, dtype)
+        return spec
 
     # One spec per dtype, shared by the DTensors a layout wraps (as FSDP2's parameters share theirs).
     @functools.cached_property

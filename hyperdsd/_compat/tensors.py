@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import operator
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,24 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     if type(t) is DTensor:
         return DTensor.__new__(DTensor, t._local_tensor.detach(), t._spec, requires_grad=False)
     return t.detach()
+
+
+def dtensors_of(locals_: Iterable[torch.Tensor], specs: Iterable) -> list[DTensor]:
+    """A DTensor around each local tensor with its spec, not requiring grad,
+    made as :func:`detached` makes one (an FSDP1 twin's state, many a call)."""
+    new = DTensor.__new__
+    return [new(DTensor, t, spec, requires_grad=False) for t, spec in zip(locals_, specs)]
+
+
+_foreach_clone = getattr(torch, "_foreach_clone", None)
+
+
+def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A clone of each of ``tensors``, each with its own storage: in one call
+    where torch has ``_foreach_clone`` and every one is a plain tensor."""
+    if tensors and _foreach_clone is not None and all(type(t) is torch.Tensor for t in tensors):
+        return list(_foreach_clone(tensors))
+    return [t.clone() for t in tensors]
 
 
 def cloned(t: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,6 @@ load leaves is read from the flat shards at write-back.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .. import _compat
@@ -25,6 +23,7 @@ from ..errors import StateDictError
 from ..state.keys.fqn import ModelIndex
 from ..tree import rebuild
 from . import kept as kept_twins
+from . import stacks
 from . import unit_moves as moves
 from . import units as layout_of
 from .units import (
@@ -78,15 +77,19 @@ class Twin:
             size, index = moves.shard_index(unit)
             mesh = moves.unit_mesh(unit, unit.flat_param.device.type)
             self.units.append(UnitLayout(unit, fqns, aliases, mesh, size, index))
-        if self.lazy_rows or self.stream_rows:
+        # Every unit's rows, of its parameters and of its state, move in one batch (:mod:`.stacks`).
+        owner = {id(p): opt for opt in self.real_optims for g in opt.param_groups for p in g["params"]}
+        batch = stacks.RowsBatch()
+        tickets = None if self.lazy_rows or self.stream_rows else [batch.add(u, [u.unit.local]) for u in self.units]
+        state = self._plan_state(owner, batch) if self.real_optims else []
+        batch.run()
+        if tickets is None:
             rows = [_blank_rows(u, u.unit.local.dtype, self.stream_rows) for u in self.units]
         else:
-            exchange = moves.Exchange()
-            rows = [moves.to_rows(u, u.unit.local, exchange) for u in self.units]
-            exchange.run()
+            rows = [batch.rows(t)[0] for t in tickets]
         self.kept = False
         self.model, self.params, self.index = self._tree(model, real, rows, modifiers_attr)
-        self.optims = self._twin_optimizers() if self.real_optims else ()
+        self.optims = self._twin_optimizers(owner, state, batch) if self.real_optims else ()
 
     def _tree(self, model, real, rows: list, modifiers_attr: str) -> tuple:
         """The twin module, its parameters by unit, and its index: the last
@@ -118,7 +121,7 @@ class Twin:
         the flat parameter, or each original parameter (use_orig_params=True)."""
         return [[u.unit.flat_param] if u.unit.params is None else list(u.unit.params) for u in self.units]
 
-    def _twin_optimizers(self) -> tuple:
+    def _twin_optimizers(self, owner: dict, state: list, batch) -> tuple:
         names = {id(t): fqn for u, twins in zip(self.units, self.params) for fqn, t in zip(u.fqns, twins)}
         expand: dict[int, list] = {}
         for u, twins in zip(self.units, self.params):
@@ -127,9 +130,8 @@ class Twin:
             else:
                 for p, t in zip(u.unit.params, twins):
                     expand[id(p)] = [t]
-        owner = {id(p): opt for opt in self.real_optims for g in opt.param_groups for p in g["params"]}
         twins_of = {id(opt): twin_optimizer(opt, expand, names) for opt in self.real_optims}
-        self._read_state(owner, twins_of)
+        self._fill_state(owner, twins_of, state, batch)
         for opt in self.real_optims:  # parameters FSDP1 does not manage: their state as it is
             twin = twins_of[id(opt)]
             for g in opt.param_groups:
@@ -138,15 +140,16 @@ class Twin:
                         twin.state[p] = opt.state[p]
         return tuple(twins_of[id(opt)] for opt in self.real_optims)
 
-    def _read_state(self, owner: dict, twins_of: dict) -> None:
-        """Each unit's state, unflattened into the twin optimizers: what every
-        rank holds is exchanged first (a rank without an original parameter's
-        elements has no state for it), then per-element state moves to rows."""
+    def _plan_state(self, owner: dict, batch) -> list[tuple]:
+        """What each unit's state is, from every rank's summary (a rank without
+        an original parameter's elements has no state for it), and its rows
+        asked of ``batch`` (unless a load or a full get reads none):
+        per unit, (merged summaries, their paths, the batch's ticket)."""
         per_unit = self.optimizer_params()
         everyone = moves.exchange_by_group(self._summaries(owner, per_unit), [u.unit.pg for u in self.units])
-        exchange = moves.Exchange()  # the rows of every unit's state, filled when it runs (below)
         paths_of: dict[int, list] = {}  # by the summary's id: summaries repeat (see _summaries)
-        for n, (u, params, twins, ranks) in enumerate(zip(self.units, per_unit, self.params, everyone)):
+        planned = []
+        for u, params, ranks in zip(self.units, per_unit, everyone):
             merged = [merge([r[j] for r in ranks]) for j in range(len(params))]
             paths = []
             for j, summary in enumerate(merged):
@@ -161,27 +164,33 @@ class Twin:
                     found.setdefault(path, dtype)
             typed = sorted(found.items(), key=lambda item: str(item[0]))  # (path, dtype): the same on every rank
             self.state_plans.append((targets, typed))
-            if self.lazy_state or self.stream_state:
-                by_key = [_blank_rows(u, dtype, self.stream_state) for _, dtype in typed]
-            else:
-                by_key = self.state_rows(u, targets, typed, exchange)
-            placed: dict[tuple, Any] = {}  # (parameter, path) -> the twin's DTensor of those rows
-            has = [{path for path, _ in named} for named in paths]
+            ticket = None
+            if typed and not (self.lazy_state or self.stream_state):
+                ticket = batch.add(u, [self._shard_state(u, targets, path, dtype) for path, dtype in typed])
+            planned.append((merged, paths, ticket))
+        return planned
+
+    def _fill_state(self, owner: dict, twins_of: dict, planned: list, batch) -> None:
+        """Each unit's state, unflattened into the twin optimizers: per-element
+        state as DTensors of its rows, the rest as this rank (or a holder) has it."""
+        for n, (u, twins, (merged, paths, ticket)) in enumerate(zip(self.units, self.params, planned)):
+            targets, typed = self.state_plans[n]
+            by_key = [_blank_rows(u, dtype, self.stream_state) for _, dtype in typed] if ticket is None else None
+            by_key = by_key if by_key is not None else batch.rows(ticket)
+            flat = u.unit.params is None
+            has = [{path for path, _ in named} for named in (paths[:1] if flat else paths)]
+            placed: dict[tuple, list] = {}  # path -> the twin's DTensor of each parameter's rows (None: no such state)
             for k, ((path, _), rows) in enumerate(zip(typed, by_key)):
-                for i in range(len(twins)):
-                    if path in has[0 if u.unit.params is None else i]:
-                        value = placed[(i, path)] = u.layouts[i].wrap(rows[i])
-                        if self.stream_state:
-                            self.hollow[id(value)] = (n, k, i)
-            for i, twin in enumerate(twins):
-                j = 0 if u.unit.params is None else i
-                summary, (_, p, opt) = merged[j], targets[j]
-                if summary is None:
-                    continue
-                here = u.unit.params is None or (u.unit.in_shard[j] or (0, 0))[1]
-                own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
-                twins_of[id(opt)].state[twin] = _twin_entry(summary, own, lambda path, i=i: placed[(i, path)])
-        exchange.run()
+                held = [i for i in range(len(twins)) if path in has[0 if flat else i]]
+                placed[path] = column = [None] * len(twins)
+                for i, value in zip(held, _wrap_rows(u, rows, held)):
+                    column[i] = value
+                    if self.stream_state:
+                        self.hollow[id(value)] = (n, k, i)
+            entries = _twin_entries(u, merged, targets, placed)
+            for twin, (_, p, opt), entry in zip(twins, targets * len(twins) if flat else targets, entries):
+                if entry is not None:
+                    twins_of[id(opt)].state[twin] = entry
 
     def _summaries(self, owner: dict, per_unit: list) -> list[list]:
         """This rank's summary of each unit's parameters' state (None where it
@@ -267,6 +276,54 @@ def _blank_rows(u: UnitLayout, dtype: torch.dtype, hollow: bool) -> list[torch.T
     if hollow:
         return [torch.zeros((), dtype=dtype, device=device).expand(u.local_shape(i)) for i in range(len(u.fqns))]
     return [torch.empty(u.local_shape(i), dtype=dtype, device=device) for i in range(len(u.fqns))]
+
+
+def _wrap_rows(u: UnitLayout, rows: list[torch.Tensor], held: list[int]) -> list:
+    """DTensors of the rows of the parameters ``held``, each in its parameter's layout."""
+    if not held:
+        return []
+    local = rows[held[0]]
+    if u.mesh.device_type != local.device.type:  # (moved to the mesh's device as DTensorLayout.wrap moves it)
+        return [u.layouts[i].wrap(rows[i]) for i in held]
+    return _compat.dtensors_of([rows[i] for i in held], [u.layouts[i].spec(local.dtype) for i in held])
+
+
+def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> list:
+    """Each of the unit's twin parameters' state entry (None: no state): its
+    per-element state the DTensors ``placed`` (by path, by parameter), the
+    rest this rank's values where it has them (a flat parameter's, shared by
+    all its parameters), else the holders' (in the summary). The 0-d values
+    of entries that hold nothing else nested are copied in one call."""
+    flat = u.unit.params is None
+    entries, held = [], []  # held: (entry, key, value to copy) of 0-d tensors
+    for i in range(len(u.fqns)):
+        j = 0 if flat else i
+        summary, (_, p, opt) = merged[j], targets[j]
+        if summary is None:
+            entries.append(None)
+            continue
+        here = flat or (u.unit.in_shard[j] or (0, 0))[1]
+        own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
+        if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
+            entries.append(_twin_entry(summary, own, lambda path, i=i: placed[path][i]))
+            continue
+        entry = {}
+        for key, (kind, detail) in summary.items():
+            if type(detail) is RowsAt:
+                entry[key] = placed[(key,)][i]
+                continue
+            leaf = own.get(key, detail)
+            if isinstance(leaf, HeldValue):
+                entry[key] = leaf.tensor()
+            elif isinstance(leaf, torch.Tensor):
+                entry[key] = None  # (its place among the keys; its copy below)
+                held.append((entry, key, leaf))
+            else:
+                entry[key] = leaf
+        entries.append(entry)
+    for (entry, key, _), copy in zip(held, _compat.clones([leaf for _, _, leaf in held])):
+        entry[key] = copy
+    return entries
 
 
 def _twin_entry(summary: dict, own: dict, rows_at) -> dict:

@@ -57,6 +57,7 @@ class IndexPlan:
     total: int
     rows_order: torch.Tensor  # rows_at of every rank, one after the other
     on_device: dict = field(default_factory=dict, compare=False, hash=False)
+    stacks: dict = field(default_factory=dict, compare=False, hash=False)  # n -> StackPlan
 
     def on(self, device: torch.device) -> tuple[tuple, tuple, torch.Tensor]:
         """(shard_at, rows_at, rows_order) on ``device``, moved there once."""
@@ -135,3 +136,60 @@ def index_plan(g: Geometry, me: int) -> IndexPlan | None:
         small = shard <= _INDEXED_MAX_SHARD and size * shard < pieces * _INDEXED_MAX_PIECE
         g.plans[me] = _index_plan(g, me, shard) if small else None
     return g.plans[me]
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """One rank's moves for ``n`` alike units at once (one geometry, one
+    group): their flat shards stacked as rows of an ``(n, shard)`` tensor,
+    what goes to rank ``q`` is ``index_select(1, plan.shard_at[q])``, what
+    comes from every rank lands in one buffer by ``dest`` (the received
+    pieces, rank after rank, each ``(n, len(rows_at[r]))``), laid out by
+    local shape: each of ``groups`` ``(start, stop, count, shape)`` is
+    ``count`` rows of one shape back to back, unit after unit, so that one
+    ``unbind`` cuts them all. ``order[u * P + i]``: where unit ``u``'s
+    parameter ``i`` is among the pieces, group after group."""
+
+    n: int
+    total: int
+    dest: torch.Tensor
+    groups: tuple
+    order: tuple
+
+
+def stack_plan(g: Geometry, plan: IndexPlan, me: int, n: int) -> StackPlan:
+    """:class:`StackPlan` of ``n`` units of geometry ``g`` (``plan``, rank ``me``'s), kept with the plan."""
+    hit = plan.stacks.get(n)
+    if hit is not None:
+        return hit
+    shapes = g.shapes[me]
+    members: dict[tuple, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        members.setdefault(tuple(shape), []).append(i)
+    base, groups, first, rank_in, view_base = 0, [], {}, [0] * len(shapes), 0
+    for shape, ids in members.items():
+        per = math.prod(shape)
+        groups.append((base, base + n * len(ids) * per, n * len(ids), shape))
+        for k, i in enumerate(ids):
+            rank_in[i] = k
+        first[shape] = (base, len(ids), per, view_base)
+        base += n * len(ids) * per
+        view_base += n * len(ids)
+    # For each position of one unit's rows (parameter after parameter): where
+    # unit 0 puts it, and how far unit u's is from unit 0's.
+    at, step = [], []
+    for i, numel in enumerate(plan.numels):
+        start, count, per, _ = first[tuple(shapes[i])]
+        at.append(torch.arange(numel, dtype=torch.int64) + start + rank_in[i] * per)
+        step.append(torch.full((numel,), count * per, dtype=torch.int64))
+    at_t = torch.cat(at) if at else torch.empty(0, dtype=torch.int64)
+    step_t = torch.cat(step) if step else torch.empty(0, dtype=torch.int64)
+    units = torch.arange(n, dtype=torch.int64)[:, None]
+    dest = torch.cat([(at_t[r][None, :] + units * step_t[r][None, :]).reshape(-1) for r in plan.rows_at])
+    order = tuple(
+        first[tuple(shapes[i])][3] + u * first[tuple(shapes[i])][1] + rank_in[i]
+        for u in range(n)
+        for i in range(len(shapes))
+    )
+    made = plan.stacks[n] = StackPlan(n, base, dest, tuple(groups), order)
+    return made

@@ -31,8 +31,20 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import _compat
 from ..placement import DTensorLayout, _contiguous_stride
+from ..transport.group import WorldCache
 from ..tree import leaves, rebuild
 from .unit_geometry import Geometry, IndexPlan, geometry, index_plan
+
+# Row layouts by (mesh, global shape), in this world (a layout holds its mesh).
+_layouts = WorldCache()
+
+
+def _row_layout(mesh, shape: torch.Size) -> DTensorLayout:
+    """A parameter's canonical layout: sharded by rows on the mesh's last dim (a 0-d one replicated)."""
+    placements = [Replicate()] * mesh.ndim
+    if len(shape):
+        placements[-1] = Shard(0)
+    return DTensorLayout(mesh, tuple(placements), shape, _contiguous_stride(shape))
 
 
 @dataclass
@@ -54,18 +66,14 @@ class UnitLayout:
     layouts: list[DTensorLayout] = field(default_factory=list)
 
     def __post_init__(self):
-        shard = Shard(0)
-        # One layout per distinct shape: parameters of a shape share it, and the specs it keeps
-        made: dict[tuple, DTensorLayout] = {}
+        # One layout per mesh and shape, kept from call to call: the parameters of
+        # a shape, in every unit, share it and the specs it keeps (as FSDP2's do).
+        made = _layouts.current()
         for shape in self.unit.shapes:
-            layout = made.get(tuple(shape))
-            if layout is None:
-                placements = [Replicate()] * self.mesh.ndim
-                if len(shape):
-                    placements[-1] = shard
-                layout = DTensorLayout(self.mesh, tuple(placements), shape, _contiguous_stride(shape))
-                made[tuple(shape)] = layout
-            self.layouts.append(layout)
+            hit = made.get((id(self.mesh), shape))
+            if hit is None or hit[0] is not self.mesh:
+                hit = made[(id(self.mesh), shape)] = (self.mesh, _row_layout(self.mesh, shape))
+            self.layouts.append(hit[1])
 
     @property
     def shard(self) -> int:

@@ -802,3 +802,55 @@ def _compat_local(t):
 
 def _halved(msd: dict) -> dict:
     return {k: v / 2 if v.is_floating_point() else v for k, v in msd.items()}
+
+
+def stacked_rows_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD", mesh=None):
+    """Alike units' rows moved as stacks (:mod:`hyperdsd.fsdp1.stacks`) equal
+    each unit's moved alone, whole or cut into stacks of two, beside a unit
+    moved piece by piece in the same batch; every piece has its own storage."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    import hyperdsd.api  # noqa: F401  (registers the FSDP1 layout the index reads)
+    import hyperdsd.fsdp1.unit_moves as moves
+    from hyperdsd.fsdp1.stacks import RowsBatch
+    from hyperdsd.fsdp1.twin import Twin
+    from hyperdsd.state.keys.fqn import ModelIndex
+
+    kwargs = {"device_id": CPU, "use_orig_params": uop, "sharding_strategy": ShardingStrategy[strategy]}
+    if mesh is not None:
+        kwargs["device_mesh"] = ctx.mesh(mesh)
+    torch.manual_seed(3)
+    blocks = [nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3, bias=False), nn.Linear(3, 5)) for _ in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = FSDP(nn.Sequential(*[FSDP(b, **kwargs) for b in blocks], nn.Linear(5, 300)), **kwargs)
+    model(torch.randn(2, 5)).sum().backward()  # (FSDP1 sets its units up at the first forward)
+    index = ModelIndex.of(model, "_fqn_modifiers")
+    units = Twin(model, index, (), "_fqn_modifiers").units
+    indexed = [u for u in units if u.index_plan() is not None]
+    assert (len(indexed), len(units)) == (5, 6), f"five units by index, one by pieces? {len(indexed)}, {len(units)}"
+
+    def shards(u):
+        local = u.unit.local.detach()
+        return [local, local * 2 + 1, local.to(torch.float64) - 3]
+
+    alone = [moves.to_rows_many(u, shards(u)) for u in units]
+    per_unit = sum(s.numel() * s.element_size() for s in shards(indexed[0]))
+    for limit, stacked in ((None, 5), (2 * per_unit, 2)):
+        batch = RowsBatch(limit)
+        tickets = [batch.add(u, shards(u)) for u in units]
+        batch.run()
+        got = [batch.rows(t) for t in tickets]
+        plan = indexed[0].index_plan()
+        assert stacked in plan.stacks, f"no stack of {stacked} units was made ({sorted(plan.stacks)})"
+        for u, mine, theirs in zip(units, got, alone):
+            for rows, expected in zip(mine, theirs):
+                assert len(rows) == len(expected) == len(u.fqns)
+                for a, b in zip(rows, expected):
+                    assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), (u.fqns, limit)
+        pieces = [p for rows_of in got for rows in rows_of for p in rows if p.numel()]
+        storages = {p.untyped_storage().data_ptr() for p in pieces}
+        assert len(storages) == len(pieces), "pieces share a storage"
+        assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in pieces)
+    return True

@@ -1,0 +1,96 @@
+"""Rows of many FSDP1 units at once: alike units moved as one stack.
+
+A model's units are mostly alike (blocks of the same shapes, one group). A
+unit of many small parameters moves by index tensors
+(:func:`hyperdsd.fsdp1.unit_moves.to_rows_many`), but unit by unit that is
+a dozen tensor calls per unit and state key, and a new tensor per
+parameter allocated and filled one by one: most of an FSDP1 get of many
+small parameters. :class:`RowsBatch` stacks alike units' flat shards into
+one ``(n, shard)`` tensor and moves the stack as one unit: one
+``index_select`` per peer, one ``index_copy_`` into a buffer laid out by
+local shape (:class:`hyperdsd.fsdp1.unit_geometry.StackPlan`), one
+``unbind`` per shape, and a copy of each piece (its own storage: a value
+kept from a get keeps nothing else alive). Units moved piece by piece (large
+ones) go as before, in the same exchange. Stacks are cut at
+:data:`~hyperdsd.transport.collectives.BUCKET_BYTES` of flat shards, so no
+rank holds more than a bucket's stack in flight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _compat
+from .unit_geometry import stack_plan
+from .unit_moves import Exchange, to_rows_many
+
+
+class RowsBatch:
+    """:func:`~hyperdsd.fsdp1.unit_moves.to_rows_many` of many units, run
+    together. :meth:`add` each unit's flat shards (every rank of a group in
+    the same order), :meth:`run` once, then :meth:`rows` of each ticket."""
+
+    def __init__(self, limit: float | None = None):
+        self.exchange = Exchange(limit)
+        self._stacks: dict[tuple, list] = {}
+        self._rows: list = []
+
+    def add(self, layout, shards: list[torch.Tensor]) -> int:
+        """Ask for this rank's rows of each of ``shards`` (flat shards of the
+        unit ``layout``, all of one device); returns the ticket of :meth:`rows`."""
+        ticket = len(self._rows)
+        shards = [s.detach().reshape(-1) for s in shards]
+        if layout.index_plan() is None or not shards:
+            self._rows.append(to_rows_many(layout, shards, self.exchange))
+            return ticket
+        self._rows.append([None] * len(shards))
+        unit = layout.unit
+        # Alike by value, not by object: every rank must make the same stacks.
+        key = (id(unit.pg), layout.shard, unit.shapes, unit.offsets, tuple(s.dtype for s in shards), shards[0].device)
+        self._stacks.setdefault(key, []).append((ticket, layout, shards))
+        return ticket
+
+    def run(self) -> None:
+        stacks, self._stacks = self._stacks, {}
+        for members in stacks.values():
+            layout = members[0][1]
+            per_unit = sum(layout.shard * s.element_size() for s in members[0][2])
+            step = max(1, int(self.exchange.limit // max(per_unit, 1)))
+            for at in range(0, len(members), step):
+                self._stacked(members[at : at + step])
+        self.exchange.run()
+
+    def rows(self, ticket: int) -> list[list[torch.Tensor]]:
+        """For each flat shard added with ``ticket``: this rank's rows of each of the unit's parameters."""
+        return self._rows[ticket]
+
+    def _stacked(self, members: list) -> None:
+        layout = members[0][1]
+        plan, n = layout.index_plan(), len(members)
+        shard_at, rows_at, _ = plan.on(members[0][2][0].device)
+        outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+        incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+        received = []
+        for k in range(len(members[0][2])):
+            stack = torch.stack([shards[k] for _, _, shards in members])
+            got = [stack.new_empty(n * len(at)) for at in rows_at]
+            for q, at in enumerate(shard_at):
+                outgoing[q].append(stack.index_select(1, at).reshape(-1))
+                incoming[q].append(got[q])
+            received.append(got)
+        sp = stack_plan(layout._geometry, plan, layout.index, n)
+        count = len(layout.fqns)
+
+        def settle() -> None:
+            for k, got in enumerate(received):
+                joined = torch.cat(got)
+                dest = sp.dest if joined.device.type == "cpu" else sp.dest.to(joined.device)
+                buffer = joined.new_empty(sp.total).index_copy_(0, dest, joined)
+                pieces = [p for a, b, c, shape in sp.groups for p in buffer[a:b].view(c, *shape).unbind(0)]
+                pieces = _compat.clones(pieces)  # (each its own storage)
+                ordered = [pieces[j] for j in sp.order]
+                for u, (ticket, _, _) in enumerate(members):
+                    self._rows[ticket][k] = ordered[u * count : (u + 1) * count]
+
+        nbytes = sum(layout.shard * s.element_size() for s in members[0][2]) * n
+        self.exchange.add(layout, outgoing, incoming, nbytes, settle)
