@@ -48,6 +48,14 @@ def dtensors_of(locals_: Iterable[torch.Tensor], specs: Iterable) -> list[DTenso
     return [new(DTensor, t, spec, requires_grad=False) for t, spec in zip(locals_, specs)]
 
 
+def joined_flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened and joined into one new 1-D tensor (``torch.cat``
+    of their flat views, dtypes promoted as it promotes), in one call rather
+    than a ``reshape`` each; not recorded by autograd."""
+    with torch.no_grad():
+        return torch._C._nn.flatten_dense_tensors(tensors)
+
+
 _foreach_clone = getattr(torch, "_foreach_clone", None)
 
 

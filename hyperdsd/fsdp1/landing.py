@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
+from ..state import model as model_state
 from ..state.loading.plan import Prepared
 from ..transport.delivery import Landing
 from ..transport.needs import Need
 from ..tree import leaves, rebuild
+from . import stacks
 from . import unit_moves as moves
 from .twin import Twin
 from .units import UnitLayout, at_path
@@ -164,13 +166,16 @@ class TwinLoad:
         the twin; None: that part was not loaded)."""
         if model_plan is not None:
             only = self._settle_rows(model_plan) if self.twin.lazy_rows else [None] * len(self.units)
-            exchange = moves.Exchange()
+            batch = stacks.ShardsBatch()
             for k, (u, twins, keep) in enumerate(zip(self.units, self.params, only)):
                 keep = set(range(len(twins))) if keep is None else keep
                 keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
                 rows = [_compat.local_tensor(t) for t in twins]
-                moves.to_shard_many(u, [rows], [u.unit.local], only=keep, exchange=exchange)
-            exchange.run()
+                if len(keep) == len(twins):  # (the same on every rank: what some rank loaded, and the plan)
+                    batch.add(u, [rows], [u.unit.local], then=_nothing)
+                else:
+                    moves.to_shard_many(u, [rows], [u.unit.local], only=keep, exchange=batch.exchange)
+            batch.run()
             for u in self.units:
                 if u.unit.unsharded:  # the copy a forward left would go on serving the old values
                     _compat.fsdp1_reshard(u.unit.module)
@@ -183,7 +188,7 @@ class TwinLoad:
         """Lazy rows: for each unit, the parameters some rank loaded (the
         rest of its flat shards stays as it is); where only some ranks did,
         the others' rows are read from the flat shards first."""
-        targets = self.twin.model.state_dict(keep_vars=True)
+        targets, _ = model_state.load_targets(self.twin.model, self.twin.index)
         loaded = {id(targets[raw]) for raw in plan.values if raw in targets}
         mine = [[id(t) in loaded for t in twins] for twins in self.params]
         only = []
@@ -227,16 +232,14 @@ class TwinLoad:
         out: list = [None] * len(self.units)
         for ks in by_pg.values():
             mine = [f for k in ks for f in flags[k]]
-            both = torch.tensor([int(f) for f in mine] + [int(not f) for f in mine], dtype=torch.int32)
+            both = torch.tensor(mine + [not f for f in mine], dtype=torch.int32)
             if self.units[ks[0]].size > 1 and mine:
                 dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.units[ks[0]].unit.pg)
+            read = [bool(x) for x in both.tolist()]  # (as Python values at once: an element at a time cost 1 us)
             at = 0
             for k in ks:
                 n = len(flags[k])
-                out[k] = (
-                    [bool(x) for x in both[at : at + n]],
-                    [bool(x) for x in both[len(mine) + at : len(mine) + at + n]],
-                )
+                out[k] = (read[at : at + n], read[len(mine) + at : len(mine) + at + n])
                 at += n
         return out
 
@@ -248,14 +251,21 @@ class TwinLoad:
                         real_group[key] = value
         managed = set()
         per_unit = list(zip(self.params, self.twin.optimizer_params()))
-        # Units' sharded state moves a bucket at a time, and each unit is written once its own has
-        # come: a rank never holds more than about a bucket of sharded state beside the optimizer's.
-        exchange = moves.Exchange()
+        # Units' sharded state moves a bucket at a time (alike units stacked,
+        # :mod:`.stacks`), and each unit is written once its own has come: a rank
+        # never holds more than about a bucket of sharded state beside the optimizer's.
+        batch = stacks.ShardsBatch()
         for k, (twins, params) in enumerate(per_unit):
             managed.update(id(p) for p in params)
-            entries, shards = self._unit_shards(k, twins, params, exchange)
-            exchange.after(partial(self._write_unit, k, params, entries, shards))
-        exchange.run()
+            entries, found = self._unit_entries(k, twins, params)
+            if k in self.state_landed:  # (some state landed in its flat shards: path by path)
+                shards = {path: self._shard_of(k, path, dtype, entries, batch.exchange) for path, dtype in found}
+                batch.exchange.after(partial(self._write_unit, k, params, entries, shards))
+            else:
+                rows_of = [self._rows_of(k, path, dtype, entries) for path, dtype in found]
+                write = partial(self._write_shards, k, params, entries, found)
+                batch.add(self.units[k], rows_of, [None] * len(found), then=write)
+        batch.run()
         for opt, twin in zip(self.twin.real_optims, self.twin.optims):
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -266,23 +276,28 @@ class TwinLoad:
                     else:
                         opt.state.pop(p, None)
 
-    def _unit_shards(self, k: int, twins: list, params: list, exchange) -> tuple[list, dict]:
-        """Unit ``k``'s twin state entries (one per parameter) and its flat
-        shards of each per-element state path (filled when ``exchange`` runs)."""
+    def _unit_entries(self, k: int, twins: list, params: list) -> tuple[list, list]:
+        """Unit ``k``'s twin state entries (one per parameter), and the path and
+        dtype of each per-element tensor among them (nested too), in order."""
         by_flat_param = self.units[k].unit.params is None
         entries = []
         for i, twin in enumerate(twins):
             opt_twin = self.owner.get(id(params[0 if by_flat_param else i]), (None, None))[1]
             entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
-        found: dict[tuple, torch.dtype] = {}  # path of each per-element tensor (nested too) -> its dtype
+        found: dict[tuple, torch.dtype] = {}
         for e in entries:
-            for path, value in leaves(e or {}):
-                if _per_element(value):
-                    found.setdefault(path, _compat.local_tensor(value).dtype)
-        shards = {}
-        for path, dtype in sorted(found.items(), key=lambda item: str(item[0])):
-            shards[path] = self._shard_of(k, path, dtype, entries, exchange)
-        return entries, shards
+            for key, value in (e or {}).items():
+                if isinstance(value, torch.Tensor):  # (most state: no walk)
+                    if value.dim() > 0:
+                        found.setdefault((key,), _compat.local_tensor(value).dtype)
+                    continue
+                for path, leaf in leaves(value, (key,)):
+                    if _per_element(leaf):
+                        found.setdefault(path, _compat.local_tensor(leaf).dtype)
+        return entries, sorted(found.items(), key=lambda item: str(item[0]))
+
+    def _write_shards(self, k: int, params: list, entries: list, found: list, shards: list) -> None:
+        self._write_unit(k, params, entries, {path: (shard, dtype) for (path, dtype), shard in zip(found, shards)})
 
     def _write_unit(self, k: int, params: list, entries: list, shards: dict) -> None:
         u = self.units[k]
@@ -320,28 +335,35 @@ class TwinLoad:
 
             opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
 
-    def _shard_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list, exchange) -> tuple | None:
-        """This rank's flat shard of the state at ``path`` of unit ``k``, from the
-        twin's ``entries`` (one per parameter; zeros where one has none): what a
-        broadcast landed there already, the rest through ``exchange`` (filled
-        when it runs), with the dtype it is to have. None: it landed in the
-        optimizer's own state, which holds it now."""
+    def _rows_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list) -> list[torch.Tensor]:
+        """This rank's rows of the state at ``path`` of each of unit ``k``'s
+        parameters, from the twin's ``entries`` (zeros where one has none)."""
         u = self.units[k]
-        landed = self.state_landed.get(k, {}).get(path)
-        rows, others = [], set()
+        rows = []
         for i, e in enumerate(entries):
-            value = at_path(e or {}, path)
+            value = e.get(path[0]) if e and len(path) == 1 else at_path(e or {}, path)
             if _per_element(value):
                 rows.append(_compat.local_tensor(value))
-                others.add(i)
             else:
                 rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
-                if landed is not None and i in landed.params and landed.shard is not None:
-                    # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed
-                    for _, a, b in u.held(u.index, [i]):
-                        landed.shard[a - u.index * u.shard : b - u.index * u.shard].zero_()
+        return rows
+
+    def _shard_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list, exchange) -> tuple | None:
+        """This rank's flat shard of the state at ``path`` of unit ``k``, some of
+        which a broadcast landed there already: the rest through ``exchange``
+        (filled when it runs), with the dtype it is to have. None: it landed
+        in the optimizer's own state, which holds it now."""
+        u = self.units[k]
+        landed = self.state_landed.get(k, {}).get(path)
+        rows = self._rows_of(k, path, dtype, entries)
+        others = {i for i, e in enumerate(entries) if _per_element(at_path(e or {}, path))}
         if landed is None:
             return moves.to_shard(u, rows, exchange=exchange), dtype
+        for i in set(range(len(entries))) - others:
+            if i in landed.params and landed.shard is not None:
+                # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed
+                for _, a, b in u.held(u.index, [i]):
+                    landed.shard[a - u.index * u.shard : b - u.index * u.shard].zero_()
         others -= landed.params  # the same on every rank: the plan and its answers are
         if others:  # (never in place: every parameter landed there)
             moves.to_shard_many(u, [rows], [landed.shard], only=others, exchange=exchange)
@@ -361,6 +383,10 @@ def _copy_rows(into: list, rows: list[torch.Tensor]) -> None:
     for target, row in zip(into, rows):
         if target is not None:
             _compat.local_tensor(target).copy_(row)
+
+
+def _nothing(_shards: list) -> None:
+    """What a model's write-back does once a unit's flat shard is written: nothing more."""
 
 
 def _per_element(value: Any) -> bool:

@@ -18,11 +18,13 @@ rank holds more than a bucket's stack in flight.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .. import _compat
 from .unit_geometry import stack_plan
-from .unit_moves import Exchange, to_rows_many
+from .unit_moves import Exchange, to_rows_many, to_shard_many
 
 
 class RowsBatch:
@@ -93,4 +95,87 @@ class RowsBatch:
                     self._rows[ticket][k] = ordered[u * count : (u + 1) * count]
 
         nbytes = sum(layout.shard * s.element_size() for s in members[0][2]) * n
+        self.exchange.add(layout, outgoing, incoming, nbytes, settle)
+
+
+class ShardsBatch:
+    """:func:`~hyperdsd.fsdp1.unit_moves.to_shard_many` of many units, run
+    together (a load's write-back): alike units' rows joined as one
+    ``(n, rows)`` stack, what goes to each rank taken by one
+    ``index_select``, what comes put into the stacked flat shards by one
+    ``index_copy_`` a rank. :meth:`add` each unit (every rank of a group in
+    the same order) with what to do once its flat shards are filled, then
+    :meth:`run` once."""
+
+    def __init__(self, limit: float | None = None):
+        self.exchange = Exchange(limit)
+        self._stacks: dict[tuple, list] = {}
+
+    def add(self, layout, rows_of: list[list[torch.Tensor]], intos: list, then: Callable[[list], None]) -> None:
+        """This rank's flat shard of each of ``rows_of`` (this rank's rows of
+        every parameter of the unit ``layout``), written into the tensor of
+        ``intos`` (its padding left as it is) or a new zero-padded one;
+        ``then(shards)`` once they are filled."""
+        if not rows_of:
+            then([])
+            return
+        if layout.index_plan() is None or not all(rows_of):
+            shards = to_shard_many(layout, rows_of, intos, exchange=self.exchange)
+            self.exchange.after(lambda: then(shards))
+            return
+        unit = layout.unit
+        kinds = tuple((rows[0].dtype, None if into is None else into.dtype) for rows, into in zip(rows_of, intos))
+        device = intos[0].device if intos[0] is not None else rows_of[0][0].device
+        key = (id(unit.pg), layout.shard, unit.shapes, unit.offsets, kinds, device)
+        self._stacks.setdefault(key, []).append((layout, rows_of, intos, then))
+
+    def run(self) -> None:
+        stacks, self._stacks = self._stacks, {}
+        for members in stacks.values():
+            layout = members[0][0]
+            per_unit = sum(layout.shard * rows[0].element_size() for rows in members[0][1])
+            step = max(1, int(self.exchange.limit // max(per_unit, 1)))
+            for at in range(0, len(members), step):
+                self._stacked(members[at : at + step])
+        self.exchange.run()
+
+    def _stacked(self, members: list) -> None:
+        layout = members[0][0]
+        plan, n = layout.index_plan(), len(members)
+        outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+        incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+        landing = []
+        for k in range(len(members[0][1])):
+            into = members[0][2][k]
+            dtype = members[0][1][k][0].dtype
+            device = into.device if into is not None else members[0][1][k][0].device
+            shard_at, rows_at, _ = plan.on(device)
+            mine = _compat.joined_flat([r for _, rows_of, _, _ in members for r in rows_of[k]])
+            mine = mine.to(device=device, dtype=dtype).view(n, -1)
+            got = [mine.new_empty(n * len(at)) for at in shard_at]
+            for q, at in enumerate(rows_at):
+                outgoing[q].append(mine.index_select(1, at).reshape(-1))
+                incoming[q].append(got[q])
+            intos = None if into is None else [intos[k] for _, _, intos, _ in members]
+            landing.append((intos, got, shard_at, dtype, device))
+
+        def settle() -> None:
+            shards = []
+            for intos, got, shard_at, dtype, device in landing:
+                if intos is None:  # new flat shards, zero-padded: the stack's rows
+                    stack = torch.zeros(n, layout.shard, dtype=dtype, device=device)
+                else:  # written into the given ones, their padding as it is
+                    stack = torch.stack([t.view(-1) for t in intos])
+                for at, values in zip(shard_at, got):
+                    stack.index_copy_(1, at, values.view(n, -1).to(stack.dtype))
+                if intos is None:
+                    shards.append(stack.unbind(0))
+                    continue
+                for into, written in zip(intos, stack):
+                    into.view(-1).copy_(written)
+                shards.append(intos)
+            for u, (_, _, _, then) in enumerate(members):
+                then([of_k[u] for of_k in shards])
+
+        nbytes = sum(layout.shard * rows[0].element_size() for rows in members[0][1]) * n
         self.exchange.add(layout, outgoing, incoming, nbytes, settle)

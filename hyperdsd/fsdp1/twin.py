@@ -31,6 +31,7 @@ from .units import (
     RowsAt,
     UnitLayout,
     at_path,
+    blank_rows,
     merge,
     per_element_paths,
     summarize,
@@ -84,7 +85,7 @@ class Twin:
         state = self._plan_state(owner, batch) if self.real_optims else []
         batch.run()
         if tickets is None:
-            rows = [_blank_rows(u, u.unit.local.dtype, self.stream_rows) for u in self.units]
+            rows = blank_rows([(u, u.unit.local.dtype) for u in self.units], self.stream_rows)
         else:
             rows = [batch.rows(t)[0] for t in tickets]
         self.kept = False
@@ -173,10 +174,16 @@ class Twin:
     def _fill_state(self, owner: dict, twins_of: dict, planned: list, batch) -> None:
         """Each unit's state, unflattened into the twin optimizers: per-element
         state as DTensors of its rows, the rest as this rank (or a holder) has it."""
+        asked = [
+            (u, dtype)
+            for u, (_, _, t), (_, typed) in zip(self.units, planned, self.state_plans)
+            if t is None
+            for _, dtype in typed
+        ]
+        blank = iter(blank_rows(asked, self.stream_state))  # (the rows a load or a full get does not read)
         for n, (u, twins, (merged, paths, ticket)) in enumerate(zip(self.units, self.params, planned)):
             targets, typed = self.state_plans[n]
-            by_key = [_blank_rows(u, dtype, self.stream_state) for _, dtype in typed] if ticket is None else None
-            by_key = by_key if by_key is not None else batch.rows(ticket)
+            by_key = [next(blank) for _ in typed] if ticket is None else batch.rows(ticket)
             flat = u.unit.params is None
             has = [{path for path, _ in named} for named in (paths[:1] if flat else paths)]
             placed: dict[tuple, list] = {}  # path -> the twin's DTensor of each parameter's rows (None: no such state)
@@ -268,16 +275,6 @@ def _refuse_unflattenable(u: UnitLayout, j: int, summary) -> None:
             )
 
 
-def _blank_rows(u: UnitLayout, dtype: torch.dtype, hollow: bool) -> list[torch.Tensor]:
-    """Rows of each of the unit's parameters not read now: empty, to be
-    filled, or ``hollow``, stand-ins of one element's memory (a full get's,
-    which gathers from the flat shards instead)."""
-    device = u.unit.local.device
-    if hollow:
-        return [torch.zeros((), dtype=dtype, device=device).expand(u.local_shape(i)) for i in range(len(u.fqns))]
-    return [torch.empty(u.local_shape(i), dtype=dtype, device=device) for i in range(len(u.fqns))]
-
-
 def _wrap_rows(u: UnitLayout, rows: list[torch.Tensor], held: list[int]) -> list:
     """DTensors of the rows of the parameters ``held``, each in its parameter's layout."""
     if not held:
@@ -296,6 +293,7 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
     of entries that hold nothing else nested are copied in one call."""
     flat = u.unit.params is None
     entries, held = [], []  # held: (entry, key, value to copy) of 0-d tensors
+    plain: dict[int, bool] = {}  # by the summary's id (summaries repeat): whether it holds tensors only
     for i in range(len(u.fqns)):
         j = 0 if flat else i
         summary, (_, p, opt) = merged[j], targets[j]
@@ -304,7 +302,10 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
             continue
         here = flat or (u.unit.in_shard[j] or (0, 0))[1]
         own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
-        if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
+        simple = plain.get(id(summary))
+        if simple is None:
+            simple = plain[id(summary)] = summary_key(summary) is not None
+        if not simple:  # (nested, or values other than tensors: the general way)
             entries.append(_twin_entry(summary, own, lambda path, i=i: placed[path][i]))
             continue
         entry = {}

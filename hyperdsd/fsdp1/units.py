@@ -228,6 +228,41 @@ def twin_module(index, units: list[UnitLayout], rows: list[list[torch.Tensor]]) 
     return tree.root, params_of
 
 
+def blank_rows(asked: list[tuple[UnitLayout, torch.dtype]], hollow: bool) -> list[list[torch.Tensor]]:
+    """For each ``(unit, dtype)`` asked, rows of each of the unit's parameters
+    not read now: ``hollow``, stand-ins of one element's memory (a full get's,
+    which gathers from the flat shards instead), else empty, to be filled (a
+    load's): views of one tensor per shape for all of them, cut by one
+    ``unbind`` each, since a load's twin rows are its own and never returned."""
+    if hollow:
+        zeros: dict[tuple, torch.Tensor] = {}
+        out = []
+        for u, dtype in asked:
+            device = u.unit.local.device
+            zero = zeros.get((dtype, device))
+            if zero is None:
+                zero = zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+            out.append([zero.expand(shape) for shape in u.local_shapes()])
+        return out
+    out: list = [None] * len(asked)
+    by_kind: dict[tuple, list[int]] = defaultdict(list)  # (local shapes, dtype, device) -> the asks of it
+    for n, (u, dtype) in enumerate(asked):
+        by_kind[(u.local_shapes(), dtype, u.unit.local.device)].append(n)
+    for (shapes, dtype, device), asks in by_kind.items():
+        at: dict[tuple, list[int]] = defaultdict(list)  # each shape's parameters
+        for i, shape in enumerate(shapes):
+            at[shape].append(i)
+        rows = [[None] * len(shapes) for _ in asks]
+        for shape, ids in at.items():
+            pieces = torch.empty((len(asks) * len(ids), *shape), dtype=dtype, device=device).unbind(0)
+            for r, row in enumerate(rows):
+                for c, i in enumerate(ids, r * len(ids)):
+                    row[i] = pieces[c]
+        for n, row in zip(asks, rows):
+            out[n] = row
+    return out
+
+
 # -- the twin optimizers -------------------------------------------------------
 
 

@@ -81,7 +81,7 @@ def _read_plain(index: ModelIndex) -> dict[str, Any] | None:
     return dict(zip(index.tensor_keys, map(_compat.detached, index.tensors)))
 
 
-def _targets(model: torch.nn.Module, index: ModelIndex) -> tuple[dict[str, Any], dict[str, str]]:
+def load_targets(model: torch.nn.Module, index: ModelIndex) -> tuple[dict[str, Any], dict[str, str]]:
     """``model.state_dict(keep_vars=True)``, and its raw key by canonical key.
 
     Read from the modules directly where that is all it could give and no
@@ -93,7 +93,7 @@ def _targets(model: torch.nn.Module, index: ModelIndex) -> tuple[dict[str, Any],
 
 
 def _targets_now(model: torch.nn.Module, index: ModelIndex) -> dict[str, Any]:
-    """``_targets``' first, read again (a plan is applied to the tensors the modules hold then)."""
+    """``load_targets``' first, read again (a plan is applied to the tensors the modules hold then)."""
     if not index.reads_plainly or index.unsharded:
         return model.state_dict(keep_vars=True)
     targets = {}
@@ -195,12 +195,12 @@ def plan_load(
     verdicts = Verdicts()
     loads_plainly = _PlainLoads(model, index)
     plan.whole = loads_plainly.whole
-    # Read from the modules directly (no extra state, see _targets), every key
+    # Read from the modules directly (no extra state, see load_targets), every key
     # the model's as it is named, every module loading by copying:
     plain = index.reads_plainly and not index.unsharded and not index.renames and loads_plainly.everywhere
     if plain and _planned_in_place(plan, model, index, sd, verdicts):
         return plan, problems
-    targets, raw_of = _targets(model, index)
+    targets, raw_of = load_targets(model, index)
     matched: set[str] = set()
     for key, value in sd.items():
         canon = key if key in raw_of else (_canonical_or_none(index, key) if isinstance(key, str) else None)
@@ -266,7 +266,7 @@ def _planned_in_place(
     if keys == index.tensor_raw_keys:  # (in the model's order: its tensors as the index holds them)
         found = _in_place(keys, list(sd.values()), list(index.tensors), verdicts)
     else:
-        own, _ = _targets(model, index)
+        own, _ = load_targets(model, index)
         same = sd.keys() == own.keys()
         found = _in_place(keys, list(sd.values()), list(map(own.__getitem__, keys)), verdicts) if same else None
     if found is None:

@@ -804,16 +804,18 @@ def _halved(msd: dict) -> dict:
     return {k: v / 2 if v.is_floating_point() else v for k, v in msd.items()}
 
 
-def stacked_rows_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD", mesh=None):
+def stacked_moves_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD", mesh=None):
     """Alike units' rows moved as stacks (:mod:`hyperdsd.fsdp1.stacks`) equal
     each unit's moved alone, whole or cut into stacks of two, beside a unit
-    moved piece by piece in the same batch; every piece has its own storage."""
+    moved piece by piece in the same batch; every piece has its own storage.
+    So do flat shards made back from those rows, new or written into given
+    ones (whose padding stays), and they are the shards the rows came from."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
     import hyperdsd.api  # noqa: F401  (registers the FSDP1 layout the index reads)
     import hyperdsd.fsdp1.unit_moves as moves
-    from hyperdsd.fsdp1.stacks import RowsBatch
+    from hyperdsd.fsdp1.stacks import RowsBatch, ShardsBatch
     from hyperdsd.fsdp1.twin import Twin
     from hyperdsd.state.keys.fqn import ModelIndex
 
@@ -853,4 +855,25 @@ def stacked_rows_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD"
         storages = {p.untyped_storage().data_ptr() for p in pieces}
         assert len(storages) == len(pieces), "pieces share a storage"
         assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in pieces)
+        # And back: flat shards from these rows, new (zero-padded) or written into given ones (padding kept).
+        for into in (False, True):
+            expected = []
+            for u, rows_of in zip(units, got):
+                intos = [torch.full_like(s, 7.0) for s in shards(u)] if into else [None] * 3
+                expected.append(moves.to_shard_many(u, rows_of, intos))
+            batch, written = ShardsBatch(limit), {}
+            intos_of = [[torch.full_like(s, 7.0) for s in shards(u)] if into else [None] * 3 for u in units]
+            for n, (u, rows_of) in enumerate(zip(units, got)):
+                batch.add(u, rows_of, intos_of[n], then=lambda out, n=n: written.__setitem__(n, out))
+            batch.run()
+            assert sorted(written) == list(range(len(units))), "a unit's write-back was not called once"
+            for n, (u, theirs) in enumerate(zip(units, expected)):
+                for j, (a, b) in enumerate(zip(written[n], theirs)):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (u.fqns, limit, into)
+                    assert not into or a is intos_of[n][j], "not written into the given shard"
+                held = torch.zeros(u.shard, dtype=torch.bool)  # this rank's positions of some parameter
+                for _, a, b in u.held(u.index, range(len(u.fqns))):
+                    held[a - u.index * u.shard : b - u.index * u.shard] = True
+                for a, s in zip(written[n], shards(u)):
+                    assert torch.equal(a[held], s[held].to(a.dtype)), "rows and back are not the shards"
     return True

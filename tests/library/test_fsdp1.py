@@ -169,9 +169,9 @@ def test_a_kept_twin_gets_what_a_new_twin_gets_across_changes(pools, uop):
 
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
 def test_alike_units_moved_as_stacks_equal_each_unit_moved_alone(pools, uop):
-    assert run(pools, 2, "stacked_rows_equal_unit_by_unit", uop=uop) == [True, True]
+    assert run(pools, 2, "stacked_moves_equal_unit_by_unit", uop=uop) == [True, True]
 
 
 def test_alike_units_moved_as_stacks_equal_each_unit_moved_alone_on_hybrid_shard(pools):
-    got = run(pools, 4, "stacked_rows_equal_unit_by_unit", uop=False, strategy="HYBRID_SHARD", mesh="2x2")
+    got = run(pools, 4, "stacked_moves_equal_unit_by_unit", uop=False, strategy="HYBRID_SHARD", mesh="2x2")
     assert got == [True] * 4
