@@ -65,6 +65,7 @@ class Twin:
         self.lazy_state = to_load
         self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(path, dtype)]) of its state rows
         self.units: list[UnitLayout] = []
+        places: dict[tuple, tuple] = {}  # by group and device type: (size, index, mesh), asked once
         for module, raw in real.wrapped:  # (``real``: the model's index, listing its FSDP1 modules)
             unit = _compat.fsdp1_unit(module)
             if unit is None:
@@ -75,8 +76,10 @@ class Twin:
                     "(use DDP for replicated training)"
                 )
             fqns, aliases = layout_of.canonical_names(real, raw, unit)
-            size, index = moves.shard_index(unit)
-            mesh = moves.unit_mesh(unit, unit.flat_param.device.type)
+            key = (id(unit.pg), id(unit.mesh), id(unit.replicate_pg), unit.flat_param.device.type)
+            if key not in places:  # (each of torch's group queries costs tens of us)
+                places[key] = (*moves.shard_index(unit), moves.unit_mesh(unit, key[3]))
+            size, index, mesh = places[key]
             self.units.append(UnitLayout(unit, fqns, aliases, mesh, size, index))
         # Every unit's rows, of its parameters and of its state, move in one batch (:mod:`.stacks`).
         owner = {id(p): opt for opt in self.real_optims for g in opt.param_groups for p in g["params"]}
@@ -289,42 +292,53 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
     """Each of the unit's twin parameters' state entry (None: no state): its
     per-element state the DTensors ``placed`` (by path, by parameter), the
     rest this rank's values where it has them (a flat parameter's, shared by
-    all its parameters), else the holders' (in the summary). The 0-d values
-    of entries that hold nothing else nested are copied in one call."""
+    all its parameters), else the holders' (in the summary). Entries of one
+    summary holding nothing nested are made a key at a time, across the
+    parameters, their 0-d values copied in one call."""
     flat = u.unit.params is None
-    entries, held = [], []  # held: (entry, key, value to copy) of 0-d tensors
-    plain: dict[int, bool] = {}  # by the summary's id (summaries repeat): whether it holds tensors only
+    entries: list = [None] * len(u.fqns)
+    alike: dict[int, tuple[dict, list, list]] = {}  # summary id -> (summary, parameters, their own state)
     for i in range(len(u.fqns)):
         j = 0 if flat else i
         summary, (_, p, opt) = merged[j], targets[j]
         if summary is None:
-            entries.append(None)
             continue
         here = flat or (u.unit.in_shard[j] or (0, 0))[1]
         own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
-        simple = plain.get(id(summary))
-        if simple is None:
-            simple = plain[id(summary)] = summary_key(summary) is not None
-        if not simple:  # (nested, or values other than tensors: the general way)
-            entries.append(_twin_entry(summary, own, lambda path, i=i: placed[path][i]))
-            continue
-        entry = {}
-        for key, (kind, detail) in summary.items():
-            if type(detail) is RowsAt:
-                entry[key] = placed[(key,)][i]
+        group = alike.get(id(summary))
+        if group is None:
+            simple = summary_key(summary) is not None
+            if not simple:  # (nested, or values other than tensors: the general way)
+                entries[i] = _twin_entry(summary, own, lambda path, i=i: placed[path][i])
                 continue
-            leaf = own.get(key, detail)
-            if isinstance(leaf, HeldValue):
-                entry[key] = leaf.tensor()
-            elif isinstance(leaf, torch.Tensor):
-                entry[key] = None  # (its place among the keys; its copy below)
-                held.append((entry, key, leaf))
+            group = alike[id(summary)] = (summary, [], [])
+        group[1].append(i)
+        group[2].append(own)
+    for summary, ids, owns in alike.values():
+        keys, columns = [], []
+        for key, (kind, detail) in summary.items():
+            if kind == "shape":
+                continue
+            keys.append(key)
+            if type(detail) is RowsAt:
+                column = placed[(key,)]
+                columns.append([column[i] for i in ids])
             else:
-                entry[key] = leaf
-        entries.append(entry)
-    for (entry, key, _), copy in zip(held, _compat.clones([leaf for _, _, leaf in held])):
-        entry[key] = copy
+                columns.append(_held_copies([own.get(key, detail) for own in owns]))
+        for i, values in zip(ids, zip(*columns)):
+            entries[i] = dict(zip(keys, values))
     return entries
+
+
+def _held_copies(leaves: list) -> list:
+    """A new value for each of ``leaves`` (a key's values across parameters):
+    tensors cloned (in one call), a holder's :class:`HeldValue` made a tensor,
+    anything else as it is."""
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    out = [leaf.tensor() if isinstance(leaf, HeldValue) else leaf for leaf in leaves]
+    for i, copy in zip(tensors, _compat.clones([leaves[i] for i in tensors])):
+        out[i] = copy
+    return out
 
 
 def _twin_entry(summary: dict, own: dict, rows_at) -> dict:

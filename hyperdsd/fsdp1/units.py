@@ -234,15 +234,17 @@ def blank_rows(asked: list[tuple[UnitLayout, torch.dtype]], hollow: bool) -> lis
     which gathers from the flat shards instead), else empty, to be filled (a
     load's): views of one tensor per shape for all of them, cut by one
     ``unbind`` each, since a load's twin rows are its own and never returned."""
-    if hollow:
-        zeros: dict[tuple, torch.Tensor] = {}
+    if hollow:  # (one stand-in per shape, shared: nothing reads or writes it)
+        stand_ins: dict[tuple, list] = {}  # by (local shapes, dtype, device): a unit's stand-ins
         out = []
         for u, dtype in asked:
-            device = u.unit.local.device
-            zero = zeros.get((dtype, device))
-            if zero is None:
-                zero = zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
-            out.append([zero.expand(shape) for shape in u.local_shapes()])
+            key = (u.local_shapes(), dtype, u.unit.local.device)
+            rows = stand_ins.get(key)
+            if rows is None:
+                zero = torch.zeros((), dtype=dtype, device=key[2])
+                by_shape = {shape: zero.expand(shape) for shape in key[0]}
+                rows = stand_ins[key] = [by_shape[shape] for shape in key[0]]
+            out.append(rows)
         return out
     out: list = [None] * len(asked)
     by_kind: dict[tuple, list[int]] = defaultdict(list)  # (local shapes, dtype, device) -> the asks of it
