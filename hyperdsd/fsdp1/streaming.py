@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES
 from ..tree import rebuild
 from . import unit_moves as moves
+from .twin import Twin
 from .units import UnitLayout, at_path
 
 
@@ -158,12 +159,15 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
 def _state_source(u: UnitLayout, targets: list, path: tuple, dtype: torch.dtype):
     """This rank's flat shard of the state at ``path``: the flat parameter's
     own tensor, or each original parameter's, read where it lies (zeros
-    where a parameter has none), not assembled into one."""
+    where a parameter has none), assembled into one only for a unit of
+    many small parameters."""
     device = u.unit.local.device
     if u.unit.params is None:
         _, p, opt = targets[0]
         value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
         return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
+    if u.index_plan() is not None:  # (a unit of many small parameters: joined, to move as one piece)
+        return Twin.shard_state(u, targets, path, dtype)
     base = u.index * u.shard
 
     def cut(i: int, a: int, b: int) -> torch.Tensor:

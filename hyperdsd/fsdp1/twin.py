@@ -170,7 +170,7 @@ class Twin:
             self.state_plans.append((targets, typed))
             ticket = None
             if typed and not (self.lazy_state or self.stream_state):
-                ticket = batch.add(u, [self._shard_state(u, targets, path, dtype) for path, dtype in typed])
+                ticket = batch.add(u, [self.shard_state(u, targets, path, dtype) for path, dtype in typed])
             planned.append((merged, paths, ticket))
         return planned
 
@@ -228,11 +228,11 @@ class Twin:
     def state_rows(self, u: UnitLayout, targets: list, typed: list, exchange=None) -> list[list[torch.Tensor]]:
         """This rank's rows of each state tensor ``typed`` names (path, dtype), in one
         exchange (or as part of ``exchange``: filled when it runs)."""
-        shards = [self._shard_state(u, targets, path, dtype) for path, dtype in typed]
+        shards = [self.shard_state(u, targets, path, dtype) for path, dtype in typed]
         return moves.to_rows_many(u, shards, exchange)
 
     @staticmethod
-    def _shard_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
+    def shard_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
         """This rank's flat shard of the state at ``path``: the flat parameter's own, or
         assembled from the original parameters' pieces (zeros where none)."""
         device = u.unit.local.device
@@ -257,7 +257,7 @@ class Twin:
 
 
 def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tensor) -> torch.Tensor:
-    """:meth:`Twin._shard_state` of original parameters, a piece at a time into ``shard`` (zeros)."""
+    """:meth:`Twin.shard_state` of original parameters, a piece at a time into ``shard`` (zeros)."""
     for j, p, opt in targets:
         value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
         where = u.unit.in_shard[j]

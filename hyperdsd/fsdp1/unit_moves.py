@@ -16,6 +16,7 @@ hundreds of units a collective's latency, not its bytes, was the cost.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import _compat
 from ..errors import StateDictError
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes
 from ..transport.group import WorldCache
@@ -261,6 +263,8 @@ def to_full(
     me, base = layout.index, layout.index * layout.shard
     dest = None if root is None else dist.get_group_rank(layout.unit.pg, root)
     keep = dest is None or dest == me
+    if layout.index_plan() is not None and not any(isinstance(s, Pieces) for s in shards):
+        return _to_full_span(layout, shards, run, dest, exchange)
     held = [layout.held(r, run) for r in range(layout.size)]
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
@@ -281,6 +285,44 @@ def to_full(
                 incoming[q] += [at[i][0][a - at[i][1] : b - at[i][1]] for i, a, b in held[q]]
         result.append(full)
     _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange)
+    return result
+
+
+def _to_full_span(layout, shards: list[torch.Tensor], run: list[int], dest, exchange) -> list[list]:
+    """:func:`to_full` of a unit of many small parameters: each rank sends
+    its part of the span of flat positions the run covers as one piece (the
+    padding between parameters with it), which lands in place in one buffer
+    on each rank that keeps the full tensors; those are then cut from it,
+    each a copy of its own (filled when the move has run)."""
+    me, shard = layout.index, layout.shard
+    keep = dest is None or dest == me
+    offsets, shapes = layout.unit.offsets, layout.unit.shapes
+    lo = min(offsets[i] for i in run)
+    hi = max(offsets[i] + math.prod(shapes[i]) for i in run)
+    spans = [(max(lo, r * shard), min(hi, (r + 1) * shard)) for r in range(layout.size)]
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
+    result, landed = [], []
+    for flat in shards:
+        flat = flat.detach().reshape(-1)
+        a, b = spans[me]
+        for q in range(layout.size):
+            if a < b and (dest is None or q == dest):
+                outgoing[q].append(flat[a - me * shard : b - me * shard])
+        span = flat.new_empty(hi - lo) if keep else None
+        for r, (a, b) in enumerate(spans):
+            if keep and a < b:
+                incoming[r].append(span[a - lo : b - lo])
+        result.append([None] * len(run))
+        landed.append(span)
+
+    def settle() -> None:
+        for full, span in zip(result, landed):
+            if span is not None:
+                views = [span[offsets[i] - lo : offsets[i] - lo + math.prod(shapes[i])].view(shapes[i]) for i in run]
+                full[:] = _compat.clones(views)
+
+    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange, settle)
     return result
 
 

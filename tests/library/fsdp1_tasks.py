@@ -642,9 +642,10 @@ def hooked_broadcast_equals_full_load(ctx, uop: bool):
 
 def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", mesh=None):
     """Units of many small parameters move between flat shards and rows by
-    index tensors, larger ones piece by piece: both give the same sharded
-    and flat gets, and sets (sharded, flat) through either end the same; so
-    do exchanges that run a unit at a time (a bucket of 64 bytes)."""
+    index tensors (and to full tensors as one span a rank), larger ones
+    piece by piece: both give the same sharded, flat and full gets, and sets
+    through either end the same; so do exchanges that run a unit at a time
+    (a bucket of 64 bytes)."""
     import hyperdsd.fsdp1.unit_geometry as geometry
     import hyperdsd.fsdp1.unit_moves as moves
 
@@ -664,7 +665,12 @@ def indexed_moves_equal_piecewise(ctx, uop: bool, strategy: str = "FULL_SHARD", 
 
     source, source_opt = _fsdp1(ctx, 1, uop, strategy, mesh, build=_deep)
     _steps(source, source_opt, 0, 2)
-    for options in (StateDictOptions(), StateDictOptions(flatten_optimizer_state_dict=True)):
+    every = (
+        StateDictOptions(),
+        StateDictOptions(flatten_optimizer_state_dict=True),
+        StateDictOptions(full_state_dict=True),  # (gathered from the flat shards: a span a rank, or piece by piece)
+    )
+    for options in every:
         got = [
             through(indexed, lambda: hyperdsd.get_state_dict(source, source_opt, options=options))
             for indexed in (True, False)
