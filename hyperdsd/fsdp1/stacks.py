@@ -80,19 +80,20 @@ class RowsBatch:
                 outgoing[q].append(stack.index_select(1, at).reshape(-1))
                 incoming[q].append(got[q])
             received.append(got)
-        sp = stack_plan(layout._geometry, plan, layout.index, n)
-        count = len(layout.fqns)
+        cut = stack_plan(plan)
 
         def settle() -> None:
             for k, got in enumerate(received):
-                joined = torch.cat(got)
-                dest = sp.dest if joined.device.type == "cpu" else sp.dest.to(joined.device)
-                buffer = joined.new_empty(sp.total).index_copy_(0, dest, joined)
-                pieces = [p for a, b, c, shape in sp.groups for p in buffer[a:b].view(c, *shape).unbind(0)]
+                joined = torch.cat([g.view(n, -1) for g in got], dim=1)  # (columns: IndexPlan.rows_order)
+                on = joined.device.type != "cpu"
+                by_shape = [joined.index_select(1, cols.to(joined.device) if on else cols) for _, _, cols in cut.groups]
+                pieces = [p for (shape, c, _), t in zip(cut.groups, by_shape) for p in t.view(n * c, *shape).unbind(0)]
                 pieces = _compat.clones(pieces)  # (each its own storage)
-                ordered = [pieces[j] for j in sp.order]
+                first = [0]
+                for shape, c, _ in cut.groups:
+                    first.append(first[-1] + n * c)
                 for u, (ticket, _, _) in enumerate(members):
-                    self._rows[ticket][k] = ordered[u * count : (u + 1) * count]
+                    self._rows[ticket][k] = [pieces[first[g] + u * c + at] for g, c, at in cut.where]
 
         nbytes = sum(layout.shard * s.element_size() for s in members[0][2]) * n
         self.exchange.add(layout, outgoing, incoming, nbytes, settle)

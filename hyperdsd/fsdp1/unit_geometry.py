@@ -6,8 +6,9 @@ each parameter. :func:`geometry` says, for every pair of ranks, which flat
 positions one holds of the other's rows (:class:`Geometry`); it depends on
 the parameters' shapes and offsets alone, so it is computed once for every
 unit alike. :func:`index_plan` turns one rank's part of it into index
-tensors, for units of many small parameters. No collectives, no tensors of
-the model.
+tensors, for units of many small parameters, and :func:`stack_plan` how the
+rows of alike units moved as one stack are cut apart. No collectives, no tensors of the
+model.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class IndexPlan:
     numels: tuple
     total: int
     rows_order: torch.Tensor  # rows_at of every rank, one after the other
+    shapes: tuple  # the shape of this rank's rows of each parameter
     on_device: dict = field(default_factory=dict, compare=False, hash=False)
-    stacks: dict = field(default_factory=dict, compare=False, hash=False)  # n -> StackPlan
+    derived: dict = field(default_factory=dict, compare=False, hash=False)  # made from it once (its StackPlan)
 
     def on(self, device: torch.device) -> tuple[tuple, tuple, torch.Tensor]:
         """(shard_at, rows_at, rows_order) on ``device``, moved there once."""
@@ -87,7 +89,7 @@ def _index_plan(g: Geometry, me: int, shard: int) -> IndexPlan:
         _positions([(cum[i] + a - starts[i], cum[i] + b - starts[i]) for i, a, b in g.pieces[r][me]])
         for r in range(size)
     )
-    return IndexPlan(shard_at, rows_at, numels, cum[-1], torch.cat(rows_at))
+    return IndexPlan(shard_at, rows_at, numels, cum[-1], torch.cat(rows_at), g.shapes[me])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -140,56 +142,39 @@ def index_plan(g: Geometry, me: int) -> IndexPlan | None:
 
 @dataclass(frozen=True)
 class StackPlan:
-    """One rank's moves for ``n`` alike units at once (one geometry, one
-    group): their flat shards stacked as rows of an ``(n, shard)`` tensor,
-    what goes to rank ``q`` is ``index_select(1, plan.shard_at[q])``, what
-    comes from every rank lands in one buffer by ``dest`` (the received
-    pieces, rank after rank, each ``(n, len(rows_at[r]))``), laid out by
-    local shape: each of ``groups`` ``(start, stop, count, shape)`` is
-    ``count`` rows of one shape back to back, unit after unit, so that one
-    ``unbind`` cuts them all. ``order[u * P + i]``: where unit ``u``'s
-    parameter ``i`` is among the pieces, group after group."""
+    """One rank's rows of alike units moved as one stack (their flat shards
+    the rows of an ``(n, shard)`` tensor, what goes to rank ``q`` its
+    ``index_select(1, shard_at[q])``): what comes from every rank, joined
+    along dim 1 rank after rank (:attr:`IndexPlan.rows_order`), is cut by
+    local shape. ``groups``: ``(shape, count, columns)``, the columns of
+    the joined rows that hold the rows of the unit's ``count`` parameters of
+    that shape, parameter after parameter, so that ``index_select(1,
+    columns).view(n * count, *shape).unbind(0)`` gives each unit's in turn;
+    ``where``: each parameter's ``(group, count, place among the group's)``.
+    It does not depend on how many units are stacked."""
 
-    n: int
-    total: int
-    dest: torch.Tensor
     groups: tuple
-    order: tuple
+    where: tuple
 
 
-def stack_plan(g: Geometry, plan: IndexPlan, me: int, n: int) -> StackPlan:
-    """:class:`StackPlan` of ``n`` units of geometry ``g`` (``plan``, rank ``me``'s), kept with the plan."""
-    hit = plan.stacks.get(n)
+def stack_plan(plan: IndexPlan) -> StackPlan:
+    """:class:`StackPlan` of units of ``plan``, kept with it."""
+    hit = plan.derived.get("stack")
     if hit is not None:
         return hit
-    shapes = g.shapes[me]
+    column_of = torch.empty(plan.total, dtype=torch.int64)  # a position in the rows -> its column
+    column_of[plan.rows_order] = torch.arange(plan.total, dtype=torch.int64)
+    starts = [0]
+    for n in plan.numels:
+        starts.append(starts[-1] + n)
     members: dict[tuple, list[int]] = {}
-    for i, shape in enumerate(shapes):
+    for i, shape in enumerate(plan.shapes):
         members.setdefault(tuple(shape), []).append(i)
-    base, groups, first, rank_in, view_base = 0, [], {}, [0] * len(shapes), 0
-    for shape, ids in members.items():
-        per = math.prod(shape)
-        groups.append((base, base + n * len(ids) * per, n * len(ids), shape))
+    groups, where = [], [None] * len(plan.shapes)
+    for g, (shape, ids) in enumerate(members.items()):
+        spans = [torch.arange(starts[i], starts[i + 1], dtype=torch.int64) for i in ids]
+        groups.append((shape, len(ids), column_of[torch.cat(spans)]))
         for k, i in enumerate(ids):
-            rank_in[i] = k
-        first[shape] = (base, len(ids), per, view_base)
-        base += n * len(ids) * per
-        view_base += n * len(ids)
-    # For each position of one unit's rows (parameter after parameter): where
-    # unit 0 puts it, and how far unit u's is from unit 0's.
-    at, step = [], []
-    for i, numel in enumerate(plan.numels):
-        start, count, per, _ = first[tuple(shapes[i])]
-        at.append(torch.arange(numel, dtype=torch.int64) + start + rank_in[i] * per)
-        step.append(torch.full((numel,), count * per, dtype=torch.int64))
-    at_t = torch.cat(at) if at else torch.empty(0, dtype=torch.int64)
-    step_t = torch.cat(step) if step else torch.empty(0, dtype=torch.int64)
-    units = torch.arange(n, dtype=torch.int64)[:, None]
-    dest = torch.cat([(at_t[r][None, :] + units * step_t[r][None, :]).reshape(-1) for r in plan.rows_at])
-    order = tuple(
-        first[tuple(shapes[i])][3] + u * first[tuple(shapes[i])][1] + rank_in[i]
-        for u in range(n)
-        for i in range(len(shapes))
-    )
-    made = plan.stacks[n] = StackPlan(n, base, dest, tuple(groups), order)
+            where[i] = (g, len(ids), k)
+    made = plan.derived["stack"] = StackPlan(tuple(groups), tuple(where))
     return made
