@@ -34,6 +34,7 @@ from .units import (
     blank_rows,
     merge,
     per_element_paths,
+    quick_summary_key,
     summarize,
     summary_key,
     twin_module,
@@ -154,7 +155,7 @@ class Twin:
         paths_of: dict[int, list] = {}  # by the summary's id: summaries repeat (see _summaries)
         planned = []
         for u, params, ranks in zip(self.units, per_unit, everyone):
-            merged = [merge([r[j] for r in ranks]) for j in range(len(params))]
+            merged = [merge(column) for column in zip(*ranks)] if ranks else []
             paths = []
             for j, summary in enumerate(merged):
                 if id(summary) not in paths_of:
@@ -163,7 +164,7 @@ class Twin:
                 paths.append(paths_of[id(summary)])
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
             found: dict[tuple, torch.dtype] = {}
-            for named in paths:
+            for named in {id(named): named for named in paths}.values():  # (each distinct list once)
                 for path, dtype in named:
                     found.setdefault(path, dtype)
             typed = sorted(found.items(), key=lambda item: str(item[0]))  # (path, dtype): the same on every rank
@@ -219,9 +220,13 @@ class Twin:
                     # what it holds, such as Adagrad's state from its constructor, tells nothing)
                     summaries.append(None)
                     continue
-                summary = summarize(entry, numel)
-                key = summary_key(summary)
-                summaries.append(summary if key is None else interned.setdefault(key, summary))
+                key = quick_summary_key(entry, numel)
+                summary = interned.get(key) if key is not None else None
+                if summary is None:
+                    summary = summarize(entry, numel)
+                    key = summary_key(summary)
+                    summary = summary if key is None else interned.setdefault(key, summary)
+                summaries.append(summary)
             mine.append(summaries)
         return mine
 
@@ -242,18 +247,23 @@ class Twin:
             return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
         # The pieces in order, zeros between and after them: one concatenation.
         pieces, at, zeros = [], 0, torch.zeros(u.shard, dtype=dtype, device=device)
+        key = path[0] if len(path) == 1 else None
         for j, p, opt in targets:
             where = u.unit.in_shard[j]
             if where is None or not where[1]:
                 continue
-            value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
+            entry = opt.state.get(p) if opt is not None else None
+            value = (entry.get(key) if key is not None else at_path(entry, path)) if entry else None
             if where[0] < at or (value is not None and value.numel() != where[1]):
                 # (pieces out of order, which FSDP1 never lays; a value that does not fit, refused there)
                 return _shard_by_piece(u, targets, path, zeros)
             pieces += [zeros[: where[0] - at]] if where[0] > at else []
-            pieces.append(zeros[: where[1]] if value is None else value.reshape(-1).to(dtype))
+            pieces.append(zeros[: where[1]] if value is None else value)
             at = where[0] + where[1]
-        return torch.cat(pieces + [zeros[: u.shard - at]]) if pieces else zeros
+        if not pieces:
+            return zeros
+        joined = _compat.joined_flat(pieces + [zeros[: u.shard - at]])  # (flattened in the call)
+        return joined if joined.dtype == dtype else joined.to(dtype)
 
 
 def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tensor) -> torch.Tensor:

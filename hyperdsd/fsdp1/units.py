@@ -367,6 +367,30 @@ def summary_key(summary: Summary) -> tuple | None:
     return tuple(parts)
 
 
+def quick_summary_key(entry: dict, per_element: int) -> tuple | None:
+    """``summary_key(summarize(entry, per_element))`` without making the
+    summary, for an entry of plain tensors only (None for any other, or where
+    the summary would have no key): parameters stepped alike find their
+    shared summary by it."""
+    parts = []
+    for key, value in entry.items():
+        if type(value) is not torch.Tensor:
+            return None
+        dim = value.dim()
+        if dim == 1 and value.numel() == per_element:
+            parts.append((key, "rows", RowsAt(value.dtype)))
+        elif dim == 0 and not value.is_meta:
+            held = value.item()
+            if type(held) not in (int, float, bool):
+                return None
+            parts.append(
+                (key, "value", value.dtype, value.device, type(held), held.hex() if type(held) is float else held)
+            )
+        else:
+            return None
+    return tuple(parts)
+
+
 def per_element_paths(summary: Summary) -> list[tuple[tuple, torch.dtype]]:
     """``(path, dtype)`` of each per-element tensor a summary names: ``(key,)``, or ``(key, *where)`` nested."""
     return [

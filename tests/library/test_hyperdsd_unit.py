@@ -1291,6 +1291,47 @@ def test_summaries_of_state_stepped_alike_share_a_key_and_no_other_does():
     assert key(torch.tensor(3.0), nested={"count": torch.tensor(1.0)}) is None
 
 
+_QUICK_VALUES = [
+    torch.tensor(3.0),
+    torch.tensor(-0.0),
+    torch.tensor(0.0),
+    torch.tensor(float("nan")),
+    torch.tensor(3.0, dtype=torch.float64),
+    torch.tensor(3),
+    torch.tensor(True),
+    torch.tensor(1 + 2j),
+    torch.zeros(4),
+    torch.zeros(4, dtype=torch.bfloat16),
+    torch.zeros(5),
+    torch.zeros(2, 2),
+    torch.empty((), device="meta"),
+    torch.nn.Parameter(torch.zeros(4)),
+    1.5,
+    [torch.zeros(4)],
+    {"count": torch.tensor(1.0)},
+]
+
+
+@hypothesis.settings(deadline=None)
+@hypothesis.given(
+    hypothesis.strategies.dictionaries(
+        hypothesis.strategies.sampled_from(["step", "exp_avg", "exp_avg_sq", "momentum"]),
+        hypothesis.strategies.sampled_from(_QUICK_VALUES),
+    )
+)
+def test_a_summary_key_read_straight_from_an_entry_is_the_summarys(entry):
+    """hyperdsd.fsdp1.units.quick_summary_key, which finds a summary already
+    made for parameters stepped alike, gives the key of the entry's summary
+    wherever it gives one (and gives one for every entry of plain tensors
+    whose summary has a key)."""
+    from hyperdsd.fsdp1.units import quick_summary_key, summarize, summary_key
+
+    quick, full = quick_summary_key(entry, 4), summary_key(summarize(entry, 4))
+    assert quick is None or quick == full
+    plain = all(type(v) is torch.Tensor for v in entry.values())
+    assert quick is not None or not plain or full is None
+
+
 def _grouped_one_by_one(codes, columns, positions):
     """The scatter's grouping as a dict of tuples builds it: the oracle."""
     runs: dict = {}
