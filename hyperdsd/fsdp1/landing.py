@@ -23,7 +23,7 @@ from ..state import model as model_state
 from ..state.loading.plan import Prepared
 from ..transport.delivery import Landing
 from ..transport.needs import Need
-from ..tree import leaves, rebuild
+from ..tree import is_container, leaves, rebuild
 from . import stacks
 from . import unit_moves as moves
 from .twin import Twin
@@ -51,6 +51,7 @@ class TwinLoad:
         self.units, self.params = twin.units, twin.params
         self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
         self.state_landed: dict[int, dict[tuple, _Landed]] = {}  # unit -> path -> what a broadcast delivered
+        self._stand_ins: dict[tuple, torch.Tensor] = {}
         # id of each real parameter an optimizer steps -> (that optimizer, its twin)
         self.owner = {
             id(p): (opt, twin_opt)
@@ -73,7 +74,7 @@ class TwinLoad:
             if plan is not None:
                 plan.expand()  # (a receiver per tensor, each routed on its own)
         if model_plan is not None:
-            targets = self.twin.model.state_dict(keep_vars=True)
+            targets, _ = model_state.load_targets(self.twin.model, self.twin.index)
             for raw, value in model_plan.values.items():
                 hit = where.get(id(targets.get(raw)))
                 if hit is None or getattr(value, "meta", None) is None or raw in model_plan.on_meta:
@@ -89,7 +90,9 @@ class TwinLoad:
                     continue
                 k, i = hit
                 shape = tuple(self.units[k].unit.shapes[i])
-                for path, leaf in leaves(load.entry or {}):
+                entry = load.entry or {}
+                flat = not any(map(is_container, entry.values()))  # (most state: no walk)
+                for path, leaf in (((key,), v) for key, v in entry.items()) if flat else leaves(entry):
                     planned = isinstance(leaf, Prepared) and leaf.meta is not None and leaf.layout is not None
                     if planned and shape and tuple(leaf.meta.shape) == shape:
                         found.setdefault((k, path), {})[i] = leaf
@@ -115,8 +118,17 @@ class TwinLoad:
         self.state_landed.setdefault(k, {})[path] = _Landed(set(leaves_of), shard, in_place)
         for i, leaf in leaves_of.items():
             leaf.landing = self._landing(k, i, *into[i])
-            leaf.local = torch.zeros((), dtype=leaf.meta.dtype, device=leaf.device).expand(leaf.layout.local_shape)
+            leaf.local = self._stand_in(leaf.meta.dtype, leaf.device, leaf.layout.local_shape)
             leaf.dest, leaf.owned = None, True
+
+    def _stand_in(self, dtype: torch.dtype, device, shape: tuple) -> torch.Tensor:
+        """A twin state's stand-in of no memory (one element, expanded), one per
+        kind: nothing reads or writes it, the load lands in the flat shards."""
+        key = (dtype, device, tuple(shape))
+        hit = self._stand_ins.get(key)
+        if hit is None:
+            hit = self._stand_ins[key] = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        return hit
 
     def _in_place(self, k: int, path: tuple, dtype: torch.dtype) -> dict[int, tuple] | None:
         """For each of unit ``k``'s parameters, the optimizer's own state at
@@ -151,10 +163,10 @@ class TwinLoad:
         rank's flat shard from ``offset`` on: the run of its elements the shard
         holds, if any."""
         u = self.units[k]
-        held = u.held(u.index, [i])
-        if not held:
+        held = u.own_spans.get(i)
+        if held is None:
             return Landing(None, None)
-        _, a, b = held[0]
+        a, b = held
         start, base = u.unit.offsets[i], u.index * u.shard + offset
         return Landing(Need.run(a - start, b - start), shard[a - base : b - base])
 
@@ -355,10 +367,9 @@ class TwinLoad:
         in the optimizer's own state, which holds it now."""
         u = self.units[k]
         landed = self.state_landed.get(k, {}).get(path)
-        rows = self._rows_of(k, path, dtype, entries)
         others = {i for i, e in enumerate(entries) if _per_element(at_path(e or {}, path))}
         if landed is None:
-            return moves.to_shard(u, rows, exchange=exchange), dtype
+            return moves.to_shard(u, self._rows_of(k, path, dtype, entries), exchange=exchange), dtype
         for i in set(range(len(entries))) - others:
             if i in landed.params and landed.shard is not None:
                 # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed
@@ -366,6 +377,7 @@ class TwinLoad:
                     landed.shard[a - u.index * u.shard : b - u.index * u.shard].zero_()
         others -= landed.params  # the same on every rank: the plan and its answers are
         if others:  # (never in place: every parameter landed there)
+            rows = self._rows_of(k, path, dtype, entries)
             moves.to_shard_many(u, [rows], [landed.shard], only=others, exchange=exchange)
         if landed.in_place:
             return None

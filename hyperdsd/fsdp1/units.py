@@ -75,10 +75,15 @@ class UnitLayout:
                 hit = made[(id(self.mesh), shape)] = (self.mesh, _row_layout(self.mesh, shape))
             self.layouts.append(hit[1])
 
-    @property
+    @functools.cached_property
     def shard(self) -> int:
         """Elements of each rank's flat shard, padding included."""
         return self.unit.local.numel()
+
+    @functools.cached_property
+    def own_spans(self) -> dict[int, tuple[int, int]]:
+        """``i -> (start, stop)``: the flat positions of parameter ``i`` this rank's flat shard holds (if any)."""
+        return {i: (a, b) for i, a, b in self.held(self.index, range(len(self.fqns)))}
 
     @functools.cached_property
     def _geometry(self) -> Geometry:
