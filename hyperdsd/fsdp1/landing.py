@@ -26,8 +26,9 @@ from ..transport.needs import Need
 from ..tree import is_container, leaves, rebuild
 from . import stacks
 from . import unit_moves as moves
+from .summaries import at_path
 from .twin import Twin
-from .units import UnitLayout, at_path
+from .units import UnitLayout, stand_in
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -118,17 +119,8 @@ class TwinLoad:
         self.state_landed.setdefault(k, {})[path] = _Landed(set(leaves_of), shard, in_place)
         for i, leaf in leaves_of.items():
             leaf.landing = self._landing(k, i, *into[i])
-            leaf.local = self._stand_in(leaf.meta.dtype, leaf.device, leaf.layout.local_shape)
+            leaf.local = stand_in(self._stand_ins, leaf.meta.dtype, leaf.device, leaf.layout.local_shape)
             leaf.dest, leaf.owned = None, True
-
-    def _stand_in(self, dtype: torch.dtype, device, shape: tuple) -> torch.Tensor:
-        """A twin state's stand-in of no memory (one element, expanded), one per
-        kind: nothing reads or writes it, the load lands in the flat shards."""
-        key = (dtype, device, tuple(shape))
-        hit = self._stand_ins.get(key)
-        if hit is None:
-            hit = self._stand_ins[key] = torch.zeros((), dtype=dtype, device=device).expand(shape)
-        return hit
 
     def _in_place(self, k: int, path: tuple, dtype: torch.dtype) -> dict[int, tuple] | None:
         """For each of unit ``k``'s parameters, the optimizer's own state at

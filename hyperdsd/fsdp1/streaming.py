@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES
 from ..tree import rebuild
+from . import full_moves
 from . import unit_moves as moves
+from .summaries import at_path
 from .twin import Twin
-from .units import UnitLayout, at_path
+from .units import UnitLayout
 
 
 def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:
@@ -100,7 +102,7 @@ def _model_values(pack: list[tuple], entries: dict, root_of) -> dict:
         if not keys:
             continue
         root = root_of(keys[0])  # (one unit's keys: the same ranks hold them, and the same root gathers them)
-        full = moves.to_full(u, [u.unit.local], run, root, exchange)[0] if _gathers(u, root) else [None] * len(run)
+        full = full_moves.to_full(u, [u.unit.local], run, root, exchange)[0] if _gathers(u, root) else [None] * len(run)
         gathered.append((u, run, full))
     exchange.run()
     by_fqn = {}
@@ -143,7 +145,7 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
         if not keys or not _gathers(u, root):
             continue
         sources = [_state_source(u, targets, path, dtype) for path, dtype in typed]
-        by_unit[n] = moves.to_full(u, sources, run, root, exchange), run
+        by_unit[n] = full_moves.to_full(u, sources, run, root, exchange), run
     exchange.run()
     by_key = {n: [dict(zip(run, full)) for full in fulls] for n, (fulls, run) in by_unit.items()}
 
@@ -179,4 +181,4 @@ def _state_source(u: UnitLayout, targets: list, path: tuple, dtype: torch.dtype)
         at = a - base - where[0]
         return value.reshape(-1)[at : at + b - a].to(dtype)
 
-    return moves.Pieces(cut, dtype, device)
+    return full_moves.Pieces(cut, dtype, device)

@@ -26,20 +26,8 @@ from . import kept as kept_twins
 from . import stacks
 from . import unit_moves as moves
 from . import units as layout_of
-from .units import (
-    HeldValue,
-    RowsAt,
-    UnitLayout,
-    at_path,
-    blank_rows,
-    merge,
-    per_element_paths,
-    quick_summary_key,
-    summarize,
-    summary_key,
-    twin_module,
-    twin_optimizer,
-)
+from .summaries import HeldValue, RowsAt, at_path, merge, per_element_paths, quick_summary_key, summarize, summary_key
+from .units import UnitLayout, blank_rows, twin_module, twin_optimizer
 
 
 class Twin:

@@ -6,8 +6,8 @@ each parameter (:class:`hyperdsd.fsdp1.units.UnitLayout`). :func:`to_rows`
 and :func:`to_shard` move exactly the elements whose holder and owner
 differ, among the ranks the unit is sharded over (a replica of HYBRID_SHARD
 moves within itself): no rank ever holds more than its shard in either
-layout, plus what is in flight. :func:`to_full` makes full tensors (a
-full get's) straight from the flat shards, on every rank or on a root.
+layout, plus what is in flight (:mod:`.full_moves` makes full tensors
+straight from the flat shards, :mod:`.stacks` moves alike units at once).
 Every rank computes the same plan from the unit's shapes alone.
 :class:`Exchange` runs the moves of many units together, one collective
 per process group and bucket rather than one per unit: on a model of
@@ -16,15 +16,12 @@ hundreds of units a collective's latency, not its bytes, was the cost.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import _compat
 from ..errors import StateDictError
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES, as_bytes
 from ..transport.group import WorldCache
@@ -155,7 +152,7 @@ class Exchange:
             fn()
 
 
-def _run(layout, outgoing, incoming, nbytes: int, exchange: Exchange | None, after=None) -> None:
+def run_or_add(layout, outgoing, incoming, nbytes: int, exchange: Exchange | None, after=None) -> None:
     """Move now, or as part of ``exchange``."""
     if exchange is None:
         _move(layout, outgoing, incoming)
@@ -170,17 +167,6 @@ def to_rows(layout, shard: torch.Tensor, exchange: Exchange | None = None) -> li
     ``flat``, this rank's flat shard of them (the parameter's or a state
     tensor's). A collective over the unit's ranks (or a part of ``exchange``)."""
     return to_rows_many(layout, [shard], exchange)[0]
-
-
-@dataclass
-class Pieces:
-    """A rank's flat shard that is no one tensor (state kept per original
-    parameter): ``cut(i, a, b)`` gives its elements at positions in the flat parameter
-    ``[a, b)``, all of parameter ``i``, of ``dtype``."""
-
-    cut: Callable[[int, int, int], torch.Tensor]
-    dtype: torch.dtype
-    device: torch.device
 
 
 def to_rows_many(layout, shards: list[torch.Tensor], exchange: Exchange | None = None) -> list[list[torch.Tensor]]:
@@ -204,7 +190,7 @@ def to_rows_many(layout, shards: list[torch.Tensor], exchange: Exchange | None =
         for r, plan in enumerate(plans):
             incoming[r] += [views[i][a - starts[i] : b - starts[i]] for i, a, b in plan]
         result.append(out)
-    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange)
+    run_or_add(layout, outgoing, incoming, shard_bytes(layout, [f.dtype for f in shards]), exchange)
     return result
 
 
@@ -233,11 +219,11 @@ def _to_rows_indexed(layout, plan, shards: list[torch.Tensor], exchange) -> list
             rows.index_copy_(0, plan.on(rows.device)[2], torch.cat(got))
             torch.split_with_sizes_copy(rows, plan.numels, out=[t.view(-1) for t in out])
 
-    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange, settle)
+    run_or_add(layout, outgoing, incoming, shard_bytes(layout, [f.dtype for f in shards]), exchange, settle)
     return result
 
 
-def _shard_bytes(layout, dtypes) -> int:
+def shard_bytes(layout, dtypes) -> int:
     """The bytes of flat shards of ``dtypes``: the same on every rank of the unit."""
     return sum(layout.shard * dtype.itemsize for dtype in dtypes)
 
@@ -249,81 +235,6 @@ def _shard_target(layout, rows: list[torch.Tensor], into) -> tuple[torch.dtype, 
     dtype = rows[0].dtype if rows else into.dtype
     device = into.device if into is not None else rows[0].device
     return dtype, device, into if into is not None else torch.zeros(layout.shard, dtype=dtype, device=device)
-
-
-def to_full(
-    layout, shards: list, run: list[int], root: int | None, exchange: Exchange | None = None
-) -> list[list[torch.Tensor | None]]:
-    """The full tensors of the unit's parameters ``run`` (the same list on
-    every rank) from each of ``shards`` (this rank's flat shards, or
-    :class:`Pieces`): on every rank of the unit's group, or with ``root`` (a
-    global rank among them) on the root alone, None elsewhere. Each rank's
-    elements go from its flat shard straight to their place in the full
-    tensors, no rows in between. A collective over the unit's ranks."""
-    me, base = layout.index, layout.index * layout.shard
-    dest = None if root is None else dist.get_group_rank(layout.unit.pg, root)
-    keep = dest is None or dest == me
-    if layout.index_plan() is not None and not any(isinstance(s, Pieces) for s in shards):
-        return _to_full_span(layout, shards, run, dest, exchange)
-    held = [layout.held(r, run) for r in range(layout.size)]
-    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
-    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
-    result = []
-    for shard in shards:
-        if not isinstance(shard, Pieces):
-            shard = shard.detach().reshape(-1)
-            shard = Pieces(lambda i, a, b, shard=shard: shard[a - base : b - base], shard.dtype, shard.device)
-        full = [
-            torch.empty(layout.unit.shapes[i], dtype=shard.dtype, device=shard.device) if keep else None for i in run
-        ]
-        at = {i: (t.view(-1), layout.unit.offsets[i]) for i, t in zip(run, full) if t is not None}
-        mine = [shard.cut(i, a, b) for i, a, b in held[me]]
-        for q in range(layout.size):
-            if dest is None or q == dest:
-                outgoing[q] += mine
-            if keep:
-                incoming[q] += [at[i][0][a - at[i][1] : b - at[i][1]] for i, a, b in held[q]]
-        result.append(full)
-    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange)
-    return result
-
-
-def _to_full_span(layout, shards: list[torch.Tensor], run: list[int], dest, exchange) -> list[list]:
-    """:func:`to_full` of a unit of many small parameters: each rank sends
-    its part of the span of flat positions the run covers as one piece (the
-    padding between parameters with it), which lands in place in one buffer
-    on each rank that keeps the full tensors; those are then cut from it,
-    each a copy of its own (filled when the move has run)."""
-    me, shard = layout.index, layout.shard
-    keep = dest is None or dest == me
-    offsets, shapes = layout.unit.offsets, layout.unit.shapes
-    lo = min(offsets[i] for i in run)
-    hi = max(offsets[i] + math.prod(shapes[i]) for i in run)
-    spans = [(max(lo, r * shard), min(hi, (r + 1) * shard)) for r in range(layout.size)]
-    outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
-    incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
-    result, landed = [], []
-    for flat in shards:
-        flat = flat.detach().reshape(-1)
-        a, b = spans[me]
-        for q in range(layout.size):
-            if a < b and (dest is None or q == dest):
-                outgoing[q].append(flat[a - me * shard : b - me * shard])
-        span = flat.new_empty(hi - lo) if keep else None
-        for r, (a, b) in enumerate(spans):
-            if keep and a < b:
-                incoming[r].append(span[a - lo : b - lo])
-        result.append([None] * len(run))
-        landed.append(span)
-
-    def settle() -> None:
-        for full, span in zip(result, landed):
-            if span is not None:
-                views = [span[offsets[i] - lo : offsets[i] - lo + math.prod(shapes[i])].view(shapes[i]) for i in run]
-                full[:] = _compat.clones(views)
-
-    _run(layout, outgoing, incoming, _shard_bytes(layout, [f.dtype for f in shards]), exchange, settle)
-    return result
 
 
 def to_shard(
@@ -377,7 +288,7 @@ def to_shard_many(
                     for _, a, b in plan:
                         view[a - base : b - base] = land[a - base : b - base]
 
-    _run(layout, outgoing, incoming, _shard_bytes(layout, dtypes), exchange, settle)
+    run_or_add(layout, outgoing, incoming, shard_bytes(layout, dtypes), exchange, settle)
     return result
 
 
@@ -406,7 +317,7 @@ def _to_shard_indexed(layout, plan, rows_of: list[list[torch.Tensor]], intos: li
             for at, values in zip(shard_at, got):
                 view.index_copy_(0, at, values.to(view.dtype))
 
-    _run(layout, outgoing, incoming, _shard_bytes(layout, dtypes), exchange, settle)
+    run_or_add(layout, outgoing, incoming, shard_bytes(layout, dtypes), exchange, settle)
     return result
 
 

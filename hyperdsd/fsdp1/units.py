@@ -32,7 +32,6 @@ from torch.distributed.tensor import Replicate, Shard
 from .. import _compat
 from ..placement import DTensorLayout, _contiguous_stride
 from ..transport.group import WorldCache
-from ..tree import leaves, rebuild
 from .unit_geometry import Geometry, IndexPlan, geometry, index_plan
 
 # Row layouts by (mesh, global shape), in this world (a layout holds its mesh).
@@ -239,18 +238,9 @@ def blank_rows(asked: list[tuple[UnitLayout, torch.dtype]], hollow: bool) -> lis
     which gathers from the flat shards instead), else empty, to be filled (a
     load's): views of one tensor per shape for all of them, cut by one
     ``unbind`` each, since a load's twin rows are its own and never returned."""
-    if hollow:  # (one stand-in per shape, shared: nothing reads or writes it)
-        stand_ins: dict[tuple, list] = {}  # by (local shapes, dtype, device): a unit's stand-ins
-        out = []
-        for u, dtype in asked:
-            key = (u.local_shapes(), dtype, u.unit.local.device)
-            rows = stand_ins.get(key)
-            if rows is None:
-                zero = torch.zeros((), dtype=dtype, device=key[2])
-                by_shape = {shape: zero.expand(shape) for shape in key[0]}
-                rows = stand_ins[key] = [by_shape[shape] for shape in key[0]]
-            out.append(rows)
-        return out
+    if hollow:
+        kept: dict[tuple, torch.Tensor] = {}
+        return [[stand_in(kept, dtype, u.unit.local.device, shape) for shape in u.local_shapes()] for u, dtype in asked]
     out: list = [None] * len(asked)
     by_kind: dict[tuple, list[int]] = defaultdict(list)  # (local shapes, dtype, device) -> the asks of it
     for n, (u, dtype) in enumerate(asked):
@@ -268,6 +258,17 @@ def blank_rows(asked: list[tuple[UnitLayout, torch.dtype]], hollow: bool) -> lis
         for n, row in zip(asks, rows):
             out[n] = row
     return out
+
+
+def stand_in(kept: dict, dtype: torch.dtype, device, shape: tuple) -> torch.Tensor:
+    """A stand-in of one element's memory, expanded to ``shape``, one per kind
+    in ``kept``: a twin's value that nothing reads or writes (a full get
+    gathers from the flat shards, a broadcast load lands in them)."""
+    key = (dtype, device, tuple(shape))
+    hit = kept.get(key)
+    if hit is None:
+        hit = kept[key] = torch.zeros((), dtype=dtype, device=device).expand(shape)
+    return hit
 
 
 # -- the twin optimizers -------------------------------------------------------
@@ -295,129 +296,3 @@ def twin_optimizer(opt: torch.optim.Optimizer, expand: dict[int, list], names: d
 def _param_names(group: dict, params: list) -> list[str]:
     names = list(group.get("param_names") or [])
     return names if len(names) == len(params) else [""] * len(params)
-
-
-# What a rank tells the others of one optimizer parameter's state: by key,
-# ("rows", structure) for per-element state, bare or nested in containers (the
-# value with a :class:`RowsAt` for each per-element tensor: a flat shard's, or
-# an original parameter's piece), ("value", value) for anything else
-# (``step``), ("shape", what) for state that cannot be unflattened. A 0-d
-# tensor in a structure or value is a :class:`HeldValue`.
-Summary = dict
-
-
-@dataclass(frozen=True)
-class RowsAt:
-    """Stands for a per-element tensor in a summary's structure."""
-
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class HeldValue:
-    """Stands for a 0-d tensor (a ``step``) in a summary: its value, dtype and
-    device. Summaries go to every rank pickled, and torch pickles a tensor
-    through a storage archive of its own: about 100 us a tensor sent and
-    received, most of an FSDP1 get of many parameters."""
-
-    value: Any  # the tensor's ``item()``: exact for every value (a NaN's payload aside)
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "HeldValue":
-        return cls(tensor.item(), tensor.dtype, tensor.device)
-
-    def tensor(self) -> torch.Tensor:
-        # (scalar_tensor: half the time of torch.tensor's parsing of a Python value, bit for bit the same)
-        return torch.scalar_tensor(self.value, dtype=self.dtype, device=self.device)
-
-
-def summarize(entry: dict, per_element: int) -> Summary:
-    """What of ``entry`` is per-element state (1-D of ``per_element`` elements), nested or not, and what is not."""
-
-    def per_element_tensor(value) -> bool:
-        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == per_element
-
-    def as_sent(v, _path):
-        if per_element_tensor(v):
-            return RowsAt(v.dtype)
-        return HeldValue.of(v) if type(v) is torch.Tensor and v.dim() == 0 and not v.is_meta else v
-
-    out = {}
-    for key, value in entry.items():
-        tensors = [v for _, v in leaves(value) if isinstance(v, torch.Tensor) and v.dim()]
-        others = [v for v in tensors if not per_element_tensor(v)]
-        if others:  # refused, not passed on with the shard's shapes
-            shape = tuple(others[0].shape)
-            out[key] = ("shape", shape if others[0] is value else f"nested, holding a tensor of shape {shape}")
-        else:
-            out[key] = ("rows" if tensors else "value", rebuild(value, as_sent))
-    return out
-
-
-def summary_key(summary: Summary) -> tuple | None:
-    """What tells ``summary`` from another, hashable, for a summary of
-    per-element tensors and held scalars only (None for any other): equal
-    keys, equal summaries. A float goes by its bits (``-0.0`` is not ``0.0``)."""
-    parts = []
-    for key, (kind, detail) in summary.items():
-        if type(detail) is RowsAt:
-            parts.append((key, kind, detail))
-        elif type(detail) is HeldValue and type(detail.value) in (int, float, bool):
-            value = detail.value.hex() if type(detail.value) is float else detail.value
-            parts.append((key, kind, detail.dtype, detail.device, type(detail.value), value))
-        else:
-            return None
-    return tuple(parts)
-
-
-def quick_summary_key(entry: dict, per_element: int) -> tuple | None:
-    """``summary_key(summarize(entry, per_element))`` without making the
-    summary, for an entry of plain tensors only (None for any other, or where
-    the summary would have no key): parameters stepped alike find their
-    shared summary by it."""
-    parts = []
-    for key, value in entry.items():
-        if type(value) is not torch.Tensor:
-            return None
-        dim = value.dim()
-        if dim == 1 and value.numel() == per_element:
-            parts.append((key, "rows", RowsAt(value.dtype)))
-        elif dim == 0 and not value.is_meta:
-            held = value.item()
-            if type(held) not in (int, float, bool):
-                return None
-            parts.append(
-                (key, "value", value.dtype, value.device, type(held), held.hex() if type(held) is float else held)
-            )
-        else:
-            return None
-    return tuple(parts)
-
-
-def per_element_paths(summary: Summary) -> list[tuple[tuple, torch.dtype]]:
-    """``(path, dtype)`` of each per-element tensor a summary names: ``(key,)``, or ``(key, *where)`` nested."""
-    return [
-        ((key, *where), leaf.dtype)
-        for key, (kind, detail) in summary.items()
-        if kind == "rows"
-        for where, leaf in leaves(detail)
-        if isinstance(leaf, RowsAt)
-    ]
-
-
-def at_path(entry: Any, path: tuple, default: Any = None) -> Any:
-    """The value at ``path`` in a (nested) state entry, or ``default``."""
-    for part in path:
-        try:
-            entry = entry[part]
-        except (KeyError, IndexError, TypeError):
-            return default
-    return entry
-
-
-def merge(summaries: list[Summary | None]) -> Summary | None:
-    """The first rank's summary of those that have state for a parameter (ranks
-    without its elements in their shard have none under use_orig_params=True)."""
-    return next((s for s in summaries if s), None)

@@ -152,14 +152,14 @@ def test_an_optimizer_load_hook_changes_what_a_broadcast_load_writes_as_a_full_l
     assert run(pools, 2, "hooked_broadcast_equals_full_load", uop=uop) == [True, True]
 
 
-@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
-def test_moves_by_index_equal_moves_piece_by_piece(pools, uop):
-    assert run(pools, 2, "indexed_moves_equal_piecewise", uop=uop) == [True, True]
+# (world size, the FSDP1 model's arguments): flat and original parameters on two ranks, HYBRID_SHARD on 2x2
+MOVES = [(2, {"uop": False}), (2, {"uop": True}), (4, {"uop": False, "strategy": "HYBRID_SHARD", "mesh": "2x2"})]
+MOVES_IDS = ["flat-params", "orig-params", "hybrid-shard"]
 
 
-def test_moves_by_index_equal_moves_piece_by_piece_on_hybrid_shard(pools):
-    got = run(pools, 4, "indexed_moves_equal_piecewise", uop=False, strategy="HYBRID_SHARD", mesh="2x2")
-    assert got == [True] * 4
+@pytest.mark.parametrize("world, model", MOVES, ids=MOVES_IDS)
+def test_moves_by_index_equal_moves_piece_by_piece(pools, world, model):
+    assert run(pools, world, "indexed_moves_equal_piecewise", **model) == [True] * world
 
 
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
@@ -167,11 +167,6 @@ def test_a_kept_twin_gets_what_a_new_twin_gets_across_changes(pools, uop):
     assert run(pools, 2, "kept_twin_gets_equal_fresh_ones", uop=uop) == [True, True]
 
 
-@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
-def test_alike_units_moved_as_stacks_equal_each_unit_moved_alone(pools, uop):
-    assert run(pools, 2, "stacked_moves_equal_unit_by_unit", uop=uop) == [True, True]
-
-
-def test_alike_units_moved_as_stacks_equal_each_unit_moved_alone_on_hybrid_shard(pools):
-    got = run(pools, 4, "stacked_moves_equal_unit_by_unit", uop=False, strategy="HYBRID_SHARD", mesh="2x2")
-    assert got == [True] * 4
+@pytest.mark.parametrize("world, model", MOVES, ids=MOVES_IDS)
+def test_alike_units_moved_as_stacks_equal_each_unit_moved_alone(pools, world, model):
+    assert run(pools, world, "stacked_moves_equal_unit_by_unit", **model) == [True] * world

@@ -1254,7 +1254,7 @@ def test_a_summary_sends_0d_state_as_its_value(value):
     a storage archive of its own)."""
     import pickle
 
-    from hyperdsd.fsdp1.units import HeldValue, summarize
+    from hyperdsd.fsdp1.summaries import HeldValue, summarize
 
     summary = summarize({"step": value, "exp_avg": torch.zeros(4), "nested": {"count": value}}, per_element=4)
     sent = pickle.loads(pickle.dumps(summary))
@@ -1268,11 +1268,11 @@ def test_a_summary_sends_0d_state_as_its_value(value):
 
 
 def test_summaries_of_state_stepped_alike_share_a_key_and_no_other_does():
-    """Equal summaries are sent as one object (hyperdsd.fsdp1.units.summary_key):
+    """Equal summaries are sent as one object (hyperdsd.fsdp1.summaries.summary_key):
     two parameters' state stepped alike share a key; a step that differs in
     value, sign of zero, dtype or device, a per-element tensor of another
     dtype, or another key set does not; nested state is not keyed."""
-    from hyperdsd.fsdp1.units import summarize, summary_key
+    from hyperdsd.fsdp1.summaries import summarize, summary_key
 
     def key(step, exp_avg=torch.zeros(4), **extra):
         return summary_key(summarize({"step": step, "exp_avg": exp_avg, **extra}, per_element=4))
@@ -1320,11 +1320,11 @@ _QUICK_VALUES = [
     )
 )
 def test_a_summary_key_read_straight_from_an_entry_is_the_summarys(entry):
-    """hyperdsd.fsdp1.units.quick_summary_key, which finds a summary already
+    """hyperdsd.fsdp1.summaries.quick_summary_key, which finds a summary already
     made for parameters stepped alike, gives the key of the entry's summary
     wherever it gives one (and gives one for every entry of plain tensors
     whose summary has a key)."""
-    from hyperdsd.fsdp1.units import quick_summary_key, summarize, summary_key
+    from hyperdsd.fsdp1.summaries import quick_summary_key, summarize, summary_key
 
     quick, full = quick_summary_key(entry, 4), summary_key(summarize(entry, 4))
     assert quick is None or quick == full
