@@ -845,12 +845,18 @@ def stacked_moves_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD
 
     alone = [moves.to_rows_many(u, shards(u)) for u in units]
     per_unit = sum(s.numel() * s.element_size() for s in shards(indexed[0]))
-    for limit, stacked in ((None, [5]), (2 * per_unit, [2, 2, 1])):
+    two_units = 2 * len(indexed[0].fqns)  # (pieces of two units: a block that holds two)
+    for limit, block, stacked in ((None, None, [5]), (2 * per_unit, None, [2, 2, 1]), (None, two_units, [2, 2, 1])):
         batch, made = RowsBatch(limit), []
         moved = batch._stacked  # (watched: how many units each stack holds)
         batch._stacked = lambda members, moved=moved, made=made: (made.append(len(members)), moved(members))
         tickets = [batch.add(u, shards(u)) for u in units]
-        batch.run()
+        default_block = hyperdsd.blocks.BLOCK
+        hyperdsd.blocks.BLOCK = block or default_block
+        try:
+            batch.run()
+        finally:
+            hyperdsd.blocks.BLOCK = default_block
         assert made == stacked, f"stacks of {made} units, not {stacked}"
         got = [batch.rows(t) for t in tickets]
         for u, mine, theirs in zip(units, got, alone):
