@@ -23,7 +23,7 @@ def test_growth_says_nothing_without_both_sizes(capsys):
 @pytest.mark.parametrize("variant", ["orig-full", "flat-hybrid"])
 def test_the_fsdp1_benchmark_times_each_call_on_both_models(pools, variant):
     """Every mode of tools/benchmarks/bench_fsdp1.py runs on the FSDP1 model and
-    its FSDP2 counterpart (two blocks): a time for each, and a profile when asked."""
+    its FSDP2 counterpart (two blocks): a wall and a CPU time for each, and a profile when asked."""
     from tools.benchmarks import bench_fsdp1
 
     for mode in bench_fsdp1.MODES:
@@ -38,6 +38,7 @@ def test_the_fsdp1_benchmark_times_each_call_on_both_models(pools, variant):
             torch_too=False,
             profile=mode == "set",
         )
-        times, profile = got[0]["times"], got[0]["profile"]
+        times, cpu, profile = got[0]["times"], got[0]["cpu"], got[0]["profile"]
         assert sorted(times) == ["fsdp1", "fsdp2"] and all(len(t) == 1 and t[0] > 0 for t in times.values()), times
+        assert sorted(cpu) == ["fsdp1", "fsdp2"] and all(len(t) == 1 and t[0] > 0 for t in cpu.values()), cpu
         assert ("function calls" in profile) == (mode == "set"), profile[:200]

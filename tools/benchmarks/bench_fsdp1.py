@@ -9,7 +9,10 @@ model and its FSDP2 counterpart (``fully_shard`` per block and root; on the
 on the two (and torch's on FSDP1 where asked), ``--reps`` times each. The
 table gives medians of the slowest rank and FSDP1's time over FSDP2's: the
 target is at most 2x in every call, and per key from 10k to 50k keys within
-1.2x, as FSDP2's (printed after the table where both sizes ran).
+1.2x, as FSDP2's (printed after the table where both sizes ran). The CPU
+columns give the slowest rank's process time in the call, the same way:
+four ranks on two cores wait for each other, and the wall time moves with
+the host more than the work does.
 
     python -m tools.benchmarks.bench_fsdp1 --sizes 4k,10k --reps 3
     python -m tools.benchmarks.bench_fsdp1 --sizes 10k,50k --variants orig-full --modes get,set --reps 3
@@ -101,14 +104,17 @@ def _build(ctx, size: str, variant: str):
     return ctx.cache[key]
 
 
-def _timed(ctx, fn) -> float:
+def _timed(ctx, fn) -> tuple[float, float]:
+    """(wall ms, CPU ms) of ``fn`` on the slowest rank in each: four ranks on
+    fewer cores wait for each other, so a rank's CPU time is the steadier
+    measure of the work a call does."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     got = fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
+    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
     del got
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item() * 1000
+    return elapsed[0].item() * 1000, elapsed[1].item() * 1000
 
 
 def time_pair(
@@ -123,12 +129,15 @@ def time_pair(
         contenders["torch"] = ("torch", m1, o1)
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             impl, model, opt = contenders[name]
             inputs = bench_tasks._prepare(ctx, impl, mode, model, opt)
             with ctx.under_test(name):
-                times[name].append(_timed(ctx, lambda: bench_tasks._op(ctx, impl, mode, model, opt, inputs)))
+                wall, used = _timed(ctx, lambda: bench_tasks._op(ctx, impl, mode, model, opt, inputs))
+            times[name].append(wall)
+            cpu[name].append(used)
             del inputs
     report = ""
     if profile:
@@ -143,7 +152,7 @@ def time_pair(
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
             report = out.getvalue()
-    return {"times": times, "profile": report}
+    return {"times": times, "cpu": cpu, "profile": report}
 
 
 def main() -> None:
@@ -175,7 +184,10 @@ def main() -> None:
         f"torch {torch.__version__}, 4 CPU ranks (gloo), {os.cpu_count()} cores, Linear({WIDTH}, {WIDTH}) blocks "
         f"of {PER_BLOCK} as units, AdamW, {args.reps} repetitions, medians of the slowest rank (ms)"
     )
-    print(f"{'size':>5} {'variant':>13} {'mode':>10} {'FSDP2':>9} {'FSDP1':>9} {'FSDP1/2':>8} {'torch':>9}")
+    print(
+        f"{'size':>5} {'variant':>13} {'mode':>10} {'FSDP2':>9} {'FSDP1':>9} {'FSDP1/2':>8} {'torch':>9}"
+        f" {'CPU2':>8} {'CPU1':>8} {'CPU1/2':>7}"
+    )
     per_key: dict[tuple, float] = {}
     failed = False
     with PoolSet(gloo_timeout_s=900) as pools:
@@ -190,10 +202,12 @@ def main() -> None:
                         failed = True
                         print(f"{size:>5} {variant:>13} {mode:>10}  failed: {outcome.describe()[:300]}", flush=True)
                         continue
-                    t = outcome.values[0]["times"]
+                    t, c = outcome.values[0]["times"], outcome.values[0]["cpu"]
                     two, one = statistics.median(t["fsdp2"]), statistics.median(t["fsdp1"])
                     theirs = f"{statistics.median(t['torch']):9.1f}" if t.get("torch") else f"{'-':>9}"
+                    cpu2, cpu1 = statistics.median(c["fsdp2"]), statistics.median(c["fsdp1"])
                     row = f"{size:>5} {variant:>13} {mode:>10} {two:9.1f} {one:9.1f} {one / two:8.2f} {theirs}"
+                    row += f" {cpu2:8.1f} {cpu1:8.1f} {cpu1 / cpu2:7.2f}"
                     print(row, flush=True)
                     per_key[(size, variant, mode, "fsdp1")] = one / keys_of(size)
                     per_key[(size, variant, mode, "fsdp2")] = two / keys_of(size)
