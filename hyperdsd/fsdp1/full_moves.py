@@ -43,9 +43,9 @@ def to_full(
     tensors, no rows in between. A collective over the unit's ranks."""
     me, base = layout.index, layout.index * layout.shard
     dest = None if root is None else dist.get_group_rank(layout.unit.pg, root)
-    keep = dest is None or dest == me
     if layout.index_plan() is not None and not any(isinstance(s, Pieces) for s in shards):
         return _to_full_span(layout, shards, run, dest, exchange)
+    keep = dest is None or dest == me
     held = [layout.held(r, run) for r in range(layout.size)]
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
     incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]

@@ -359,9 +359,9 @@ class TwinLoad:
         in the optimizer's own state, which holds it now."""
         u = self.units[k]
         landed = self.state_landed.get(k, {}).get(path)
-        others = {i for i, e in enumerate(entries) if _per_element(at_path(e or {}, path))}
         if landed is None:
             return moves.to_shard(u, self._rows_of(k, path, dtype, entries), exchange=exchange), dtype
+        others = {i for i, e in enumerate(entries) if _per_element(at_path(e or {}, path))}
         for i in set(range(len(entries))) - others:
             if i in landed.params and landed.shard is not None:
                 # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed

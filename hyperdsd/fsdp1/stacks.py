@@ -29,14 +29,41 @@ from .unit_geometry import stack_plan
 from .unit_moves import Exchange, to_rows_many, to_shard_many
 
 
-class RowsBatch:
+class _Stacks:
+    """What both batches share: alike units grouped by value (every rank must
+    make the same stacks), each group moved in stacks of at most a bucket of
+    flat shards and a block of pieces a tensor (:func:`_chunks`). A member is
+    ``(layout, tensors, ...)``, ``tensors`` a list whose each item the unit
+    moves one of (a flat shard, or a list of rows)."""
+
+    def __init__(self, limit: float | None = None):
+        self.exchange = Exchange(limit)
+        self._stacks: dict[tuple, list] = {}
+
+    def _join(self, layout, kinds: tuple, device, member: tuple) -> None:
+        unit = layout.unit
+        key = (id(unit.pg), layout.shard, unit.shapes, unit.offsets, kinds, device)
+        self._stacks.setdefault(key, []).append(member)
+
+    def run(self) -> None:
+        stacks, self._stacks = self._stacks, {}
+        for members in stacks.values():
+            layout, per_unit = members[0][0], _unit_bytes(members[0])
+            for at, step in _chunks(len(members), per_unit, len(layout.fqns), self.exchange.limit):
+                self._stacked(members[at : at + step], per_unit)
+        self.exchange.run()
+
+    def _stacked(self, members: list, per_unit: int) -> None:
+        raise NotImplementedError
+
+
+class RowsBatch(_Stacks):
     """:func:`~hyperdsd.fsdp1.unit_moves.to_rows_many` of many units, run
     together. :meth:`add` each unit's flat shards (every rank of a group in
     the same order), :meth:`run` once, then :meth:`rows` of each ticket."""
 
     def __init__(self, limit: float | None = None):
-        self.exchange = Exchange(limit)
-        self._stacks: dict[tuple, list] = {}
+        super().__init__(limit)
         self._rows: list = []
 
     def add(self, layout, shards: list[torch.Tensor]) -> int:
@@ -48,40 +75,31 @@ class RowsBatch:
             self._rows.append(to_rows_many(layout, shards, self.exchange))
             return ticket
         self._rows.append([None] * len(shards))
-        unit = layout.unit
-        # Alike by value, not by object: every rank must make the same stacks.
-        key = (id(unit.pg), layout.shard, unit.shapes, unit.offsets, tuple(s.dtype for s in shards), shards[0].device)
-        self._stacks.setdefault(key, []).append((ticket, layout, shards))
+        self._join(layout, tuple(s.dtype for s in shards), shards[0].device, (layout, shards, ticket))
         return ticket
-
-    def run(self) -> None:
-        stacks, self._stacks = self._stacks, {}
-        for members in stacks.values():
-            layout = members[0][1]
-            per_unit = sum(layout.shard * s.element_size() for s in members[0][2])
-            for at, step in _chunks(len(members), per_unit, len(layout.fqns), self.exchange.limit):
-                self._stacked(members[at : at + step])
-        self.exchange.run()
 
     def rows(self, ticket: int) -> list[list[torch.Tensor]]:
         """For each flat shard added with ``ticket``: this rank's rows of each of the unit's parameters."""
         return self._rows[ticket]
 
-    def _stacked(self, members: list) -> None:
-        layout = members[0][1]
+    def _stacked(self, members: list, per_unit: int) -> None:
+        layout = members[0][0]
         plan, n = layout.index_plan(), len(members)
-        shard_at, rows_at, _ = plan.on(members[0][2][0].device)
+        shard_at, rows_at, _ = plan.on(members[0][1][0].device)
         outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
         incoming: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
         received = []
-        for k in range(len(members[0][2])):
-            stack = torch.stack([shards[k] for _, _, shards in members])
+        for k in range(len(members[0][1])):
+            stack = torch.stack([shards[k] for _, shards, _ in members])
             got = [stack.new_empty(n * len(at)) for at in rows_at]
             for q, at in enumerate(shard_at):
                 outgoing[q].append(stack.index_select(1, at).reshape(-1))
                 incoming[q].append(got[q])
             received.append(got)
         cut = stack_plan(plan)
+        first = [0]  # where each shape's pieces start among a stack's
+        for _, c, _ in cut.groups:
+            first.append(first[-1] + n * c)
 
         def settle() -> None:
             for k, got in enumerate(received):
@@ -90,17 +108,13 @@ class RowsBatch:
                 by_shape = [joined.index_select(1, cols.to(joined.device) if on else cols) for _, _, cols in cut.groups]
                 pieces = [p for (shape, c, _), t in zip(cut.groups, by_shape) for p in t.view(n * c, *shape).unbind(0)]
                 pieces = _compat.clones(pieces)  # (each its own storage)
-                first = [0]
-                for shape, c, _ in cut.groups:
-                    first.append(first[-1] + n * c)
-                for u, (ticket, _, _) in enumerate(members):
+                for u, (_, _, ticket) in enumerate(members):
                     self._rows[ticket][k] = [pieces[first[g] + u * c + at] for g, c, at in cut.where]
 
-        nbytes = sum(layout.shard * s.element_size() for s in members[0][2]) * n
-        self.exchange.add(layout, outgoing, incoming, nbytes, settle)
+        self.exchange.add(layout, outgoing, incoming, per_unit * n, settle)
 
 
-class ShardsBatch:
+class ShardsBatch(_Stacks):
     """:func:`~hyperdsd.fsdp1.unit_moves.to_shard_many` of many units, run
     together (a load's write-back): alike units' rows joined as one
     ``(n, rows)`` stack, what goes to each rank taken by one
@@ -108,10 +122,6 @@ class ShardsBatch:
     ``index_copy_`` a rank. :meth:`add` each unit (every rank of a group in
     the same order) with what to do once its flat shards are filled, then
     :meth:`run` once."""
-
-    def __init__(self, limit: float | None = None):
-        self.exchange = Exchange(limit)
-        self._stacks: dict[tuple, list] = {}
 
     def add(self, layout, rows_of: list[list[torch.Tensor]], intos: list, then: Callable[[list], None]) -> None:
         """This rank's flat shard of each of ``rows_of`` (this rank's rows of
@@ -125,22 +135,11 @@ class ShardsBatch:
             shards = to_shard_many(layout, rows_of, intos, exchange=self.exchange)
             self.exchange.after(lambda: then(shards))
             return
-        unit = layout.unit
         kinds = tuple((rows[0].dtype, None if into is None else into.dtype) for rows, into in zip(rows_of, intos))
         device = intos[0].device if intos[0] is not None else rows_of[0][0].device
-        key = (id(unit.pg), layout.shard, unit.shapes, unit.offsets, kinds, device)
-        self._stacks.setdefault(key, []).append((layout, rows_of, intos, then))
+        self._join(layout, kinds, device, (layout, rows_of, intos, then))
 
-    def run(self) -> None:
-        stacks, self._stacks = self._stacks, {}
-        for members in stacks.values():
-            layout = members[0][0]
-            per_unit = sum(layout.shard * rows[0].element_size() for rows in members[0][1])
-            for at, step in _chunks(len(members), per_unit, len(layout.fqns), self.exchange.limit):
-                self._stacked(members[at : at + step])
-        self.exchange.run()
-
-    def _stacked(self, members: list) -> None:
+    def _stacked(self, members: list, per_unit: int) -> None:
         layout = members[0][0]
         plan, n = layout.index_plan(), len(members)
         outgoing: list[list[torch.Tensor]] = [[] for _ in range(layout.size)]
@@ -178,8 +177,14 @@ class ShardsBatch:
             for u, (_, _, _, then) in enumerate(members):
                 then([of_k[u] for of_k in shards])
 
-        nbytes = sum(layout.shard * rows[0].element_size() for rows in members[0][1]) * n
-        self.exchange.add(layout, outgoing, incoming, nbytes, settle)
+        self.exchange.add(layout, outgoing, incoming, per_unit * n, settle)
+
+
+def _unit_bytes(member: tuple) -> int:
+    """The bytes of flat shards a member's unit moves: one shard per item of
+    its tensors (a flat shard, or a list of rows of the first's dtype)."""
+    layout, tensors = member[0], member[1]
+    return sum(layout.shard * (t if isinstance(t, torch.Tensor) else t[0]).element_size() for t in tensors)
 
 
 def _chunks(n: int, unit_bytes: int, params: int, limit: float) -> list[tuple[int, int]]:

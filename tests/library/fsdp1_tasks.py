@@ -849,7 +849,10 @@ def stacked_moves_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD
     for limit, block, stacked in ((None, None, [5]), (2 * per_unit, None, [2, 2, 1]), (None, two_units, [2, 2, 1])):
         batch, made = RowsBatch(limit), []
         moved = batch._stacked  # (watched: how many units each stack holds)
-        batch._stacked = lambda members, moved=moved, made=made: (made.append(len(members)), moved(members))
+        batch._stacked = lambda members, *rest, moved=moved, made=made: (
+            made.append(len(members)),
+            moved(members, *rest),
+        )
         tickets = [batch.add(u, shards(u)) for u in units]
         default_block = hyperdsd.blocks.BLOCK
         hyperdsd.blocks.BLOCK = block or default_block
