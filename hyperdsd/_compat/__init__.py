@@ -63,6 +63,7 @@ from .tensors import (
     local_tensors,
     root_mesh,
     set_local,
+    unbound_copies,
     version_of,
 )
 
@@ -126,6 +127,7 @@ __all__ = [
     "storage_dtypes",
     "storage_info",
     "tensor_archive",
+    "unbound_copies",
     "unhooked_step",
     "version_of",
 ]

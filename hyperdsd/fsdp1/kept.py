@@ -51,7 +51,9 @@ class Structure(NamedTuple):
 
 def structure(real, units) -> Structure:
     modules = [m for m, _ in real.modules]
-    fingerprint, _, _ = _compat.registries_fingerprint(modules)
+    fingerprint = real.fingerprint  # (a kept index's, read as the cache compared it)
+    if fingerprint is None:
+        fingerprint, _, _ = _compat.registries_fingerprint(modules)
     layout = [
         (u.fqns, u.aliases, tuple(map(tuple, u.unit.shapes)), u.unit.local.dtype, u.size, u.index, id(u.mesh))
         for u in units
@@ -110,11 +112,13 @@ def release(params: list[list]) -> None:
     tensor each, until the next get gives them rows)."""
     empty: dict[tuple, torch.Tensor] = {}
     for twins in params:
+        if not twins:
+            continue
+        local = _compat.local_tensor(twins[0])  # (a unit's parameters: one dtype and device)
+        stand_in = empty.get((local.dtype, local.device))
+        if stand_in is None:
+            stand_in = empty[(local.dtype, local.device)] = torch.empty(0, dtype=local.dtype, device=local.device)
         for twin in twins:
-            local = _compat.local_tensor(twin)
-            stand_in = empty.get((local.dtype, local.device))
-            if stand_in is None:
-                stand_in = empty[(local.dtype, local.device)] = torch.empty(0, dtype=local.dtype, device=local.device)
             _compat.set_local(twin, stand_in)
 
 

@@ -8,9 +8,9 @@ parameter allocated and filled one by one: most of an FSDP1 get of many
 small parameters. :class:`RowsBatch` stacks alike units' flat shards into
 one ``(n, shard)`` tensor and moves the stack as one unit: one
 ``index_select`` per peer, the rows received cut by one ``index_select``
-and one ``unbind`` per local shape
-(:class:`hyperdsd.fsdp1.unit_geometry.StackPlan`), and a copy of each piece
-(its own storage: a value kept from a get keeps nothing else alive).
+and one ``unbind_copy`` per local shape
+(:class:`hyperdsd.fsdp1.unit_geometry.StackPlan`): each piece a copy with
+its own storage (a value kept from a get keeps nothing else alive).
 :class:`ShardsBatch` moves a load's rows back into flat shards so. Units
 moved piece by piece (large ones) go as before, in the same exchange.
 Stacks are cut at :data:`~hyperdsd.transport.collectives.BUCKET_BYTES` of
@@ -106,8 +106,9 @@ class RowsBatch(_Stacks):
                 joined = torch.cat([g.view(n, -1) for g in got], dim=1)  # (columns: IndexPlan.rows_order)
                 on = joined.device.type != "cpu"
                 by_shape = [joined.index_select(1, cols.to(joined.device) if on else cols) for _, _, cols in cut.groups]
-                pieces = [p for (shape, c, _), t in zip(cut.groups, by_shape) for p in t.view(n * c, *shape).unbind(0)]
-                pieces = _compat.clones(pieces)  # (each its own storage)
+                pieces = []  # (each its own storage)
+                for (shape, c, _), t in zip(cut.groups, by_shape):
+                    pieces += _compat.unbound_copies(t.view(n * c, *shape))
                 for u, (_, _, ticket) in enumerate(members):
                     self._rows[ticket][k] = [pieces[first[g] + u * c + at] for g, c, at in cut.where]
 

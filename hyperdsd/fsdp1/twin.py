@@ -173,14 +173,19 @@ class Twin:
             for _, dtype in typed
         ]
         blank = iter(blank_rows(asked, self.stream_state))  # (the rows a load or a full get does not read)
+        sets: dict[int, set] = {}  # by the id of a list of paths (shared: see _plan_state)
         for n, (u, twins, (merged, paths, ticket)) in enumerate(zip(self.units, self.params, planned)):
             targets, typed = self.state_plans[n]
             by_key = [next(blank) for _ in typed] if ticket is None else batch.rows(ticket)
             flat = u.unit.params is None
-            has = [{path for path, _ in named} for named in (paths[:1] if flat else paths)]
+            everyone = range(len(twins))
+            has = [_path_set(named, sets) for named in (paths[:1] if flat else paths)]
             placed: dict[tuple, list] = {}  # path -> the twin's DTensor of each parameter's rows (None: no such state)
             for k, ((path, _), rows) in enumerate(zip(typed, by_key)):
-                held = [i for i in range(len(twins)) if path in has[0 if flat else i]]
+                if flat:  # (one flat parameter's state: every parameter has it, or none)
+                    held = everyone if path in has[0] else ()
+                else:
+                    held = [i for i, named in enumerate(has) if path in named]
                 placed[path] = column = [None] * len(twins)
                 for i, value in zip(held, _wrap_rows(u, rows, held)):
                     column[i] = value
@@ -254,6 +259,14 @@ class Twin:
         return joined if joined.dtype == dtype else joined.to(dtype)
 
 
+def _path_set(named: list, sets: dict) -> set:
+    """The paths of ``named`` (a list of (path, dtype)) as a set, made once per list."""
+    hit = sets.get(id(named))
+    if hit is None:
+        hit = sets[id(named)] = {path for path, _ in named}
+    return hit
+
+
 def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tensor) -> torch.Tensor:
     """:meth:`Twin.shard_state` of original parameters, a piece at a time into ``shard`` (zeros)."""
     for j, p, opt in targets:
@@ -293,20 +306,26 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
     all its parameters), else the holders' (in the summary). Entries of one
     summary holding nothing nested are made a key at a time, across the
     parameters, their 0-d values copied in one call."""
-    flat = u.unit.params is None
-    entries: list = [None] * len(u.fqns)
+    n = len(u.fqns)
+    entries: list = [None] * n
     alike: dict[int, tuple[dict, list, list]] = {}  # summary id -> (summary, parameters, their own state)
-    for i in range(len(u.fqns)):
-        j = 0 if flat else i
-        summary, (_, p, opt) = merged[j], targets[j]
+    if u.unit.params is None:  # a flat parameter: one summary and one entry of its own, for every parameter
+        summary, (_, p, opt) = merged[0], targets[0]
+        if summary is None:
+            return entries
+        own = opt.state.get(p) or {}
+        if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
+            return [_twin_entry(summary, own, lambda path, i=i: placed[path][i]) for i in range(n)]
+        alike[id(summary)] = (summary, range(n), [own] * n)
+    for i, summary in enumerate(merged if u.unit.params is not None else ()):
         if summary is None:
             continue
-        here = flat or (u.unit.in_shard[j] or (0, 0))[1]
+        _, p, opt = targets[i]
+        here = (u.unit.in_shard[i] or (0, 0))[1]
         own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
         group = alike.get(id(summary))
         if group is None:
-            simple = summary_key(summary) is not None
-            if not simple:  # (nested, or values other than tensors: the general way)
+            if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
                 entries[i] = _twin_entry(summary, own, lambda path, i=i: placed[path][i])
                 continue
             group = alike[id(summary)] = (summary, [], [])
@@ -320,7 +339,7 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
             keys.append(key)
             if type(detail) is RowsAt:
                 column = placed[(key,)]
-                columns.append([column[i] for i in ids])
+                columns.append(column if len(ids) == n else [column[i] for i in ids])
             else:
                 columns.append(_held_copies([own.get(key, detail) for own in owns]))
         for i, values in zip(ids, zip(*columns)):

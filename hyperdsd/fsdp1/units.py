@@ -130,11 +130,19 @@ class UnitLayout:
 
 def canonical_names(index, raw_prefix: str, unit: _compat.Fsdp1Unit) -> tuple[list[str], list[tuple[str, int]]]:
     """Canonical FQNs of a unit's parameters and of its tied names; ``raw_prefix``
-    is the FSDP1 module's own raw path (ending in a dot, or empty)."""
-    base = f"{raw_prefix}{_compat.FSDP1_WRAPPED}."
-    fqns = [index.canonical_key(base + name) for name in unit.names]
-    aliases = [(index.canonical_key(base + name), i) for name, i in unit.shared]
-    return fqns, aliases
+    is the FSDP1 module's own raw path (ending in a dot, or empty). Kept
+    with a kept index (its modules as they were: the same names)."""
+    kept = index.kept_for_wrapper
+    key = ("fsdp1-names", raw_prefix, unit.names, unit.shared)
+    hit = kept.get(key) if kept is not None else None
+    if hit is None:
+        base = f"{raw_prefix}{_compat.FSDP1_WRAPPED}."
+        fqns = [index.canonical_key(base + name) for name in unit.names]
+        aliases = [(index.canonical_key(base + name), i) for name, i in unit.shared]
+        hit = (fqns, aliases)
+        if kept is not None:
+            kept[key] = hit
+    return list(hit[0]), list(hit[1])
 
 
 # -- the twin model ------------------------------------------------------------

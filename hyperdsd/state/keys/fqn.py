@@ -32,6 +32,10 @@ class ModelIndex:
     layout's to name: a call works on the model's twin)."""
 
     kept_flat_keys: KeptFlatKeys | None = None  # a kept index's (see index_cache): a flat get's keys
+    # A kept index's (see index_cache): what its wrapper layout works out from the
+    # modules, by the layout's own keys, and the registries' fingerprint the cache read.
+    kept_for_wrapper: dict | None = None
+    fingerprint: list | None = None
 
     def __init__(self, model: nn.Module, modifiers_attr: str = "_fqn_modifiers"):
         self.model = model

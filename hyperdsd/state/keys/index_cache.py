@@ -23,8 +23,9 @@ layout's, which children they hide and which parameters are its own go by
 their classes and the registries' objects, which the fingerprint compares.
 
 A kept index carries the keys of the last flat get made with it
-(:class:`~hyperdsd.state.keys.flat_keys.KeptFlatKeys`, no tensor of the model among them), which
-go with it.
+(:class:`~hyperdsd.state.keys.flat_keys.KeptFlatKeys`, no tensor of the model among them) and
+what a wrapper layout worked out from its modules (``kept_for_wrapper``: FSDP1's units'
+canonical names), which go with it.
 """
 
 import functools
@@ -80,6 +81,7 @@ class _Snapshot:
         self.wrapped = [(at[id(m)], raw) for m, raw in index.wrapped]
         self.wrapper = index.wrapper
         self.kept_flat_keys = KeptFlatKeys()  # a flat get's keys (see KeptFlatKeys): the model's while it is as it was
+        self.kept_for_wrapper: dict = {}  # what a wrapper layout works out from the modules (see ModelIndex)
 
     def _renaming(self, classes: list[type]) -> set[type]:
         return {c for c in set(classes) if callable(getattr(c, self.modifiers_attr, None))}
@@ -115,7 +117,8 @@ class _Snapshot:
         index.first_name = dict(self.first_name)
         index._sharded, index.renames = {}, self.renames
         index.wrapped, index.wrapper = [(modules[i], raw) for i, raw in self.wrapped], self.wrapper
-        index.kept_flat_keys = self.kept_flat_keys
+        index.kept_flat_keys, index.kept_for_wrapper = self.kept_flat_keys, self.kept_for_wrapper
+        index.fingerprint = fingerprint
         return index
 
     # What an index this snapshot made reads when it first needs it (new objects each time).
@@ -160,7 +163,8 @@ def index_of(cls, model: nn.Module, modifiers_attr: str):
     if not index.unsharded:
         try:
             snapshot = _SNAPSHOTS[id(model)] = _Snapshot(index, functools.partial(_forget, id(model)))
-            index.kept_flat_keys = snapshot.kept_flat_keys
+            index.kept_flat_keys, index.kept_for_wrapper = snapshot.kept_flat_keys, snapshot.kept_for_wrapper
+            index.fingerprint = snapshot.fingerprint
         except TypeError:  # (a model that takes no weak reference is indexed every call)
             _SNAPSHOTS.pop(id(model), None)
     return index
