@@ -283,21 +283,28 @@ class TwinLoad:
     def _unit_entries(self, k: int, twins: list, params: list) -> tuple[list, list]:
         """Unit ``k``'s twin state entries (one per parameter), and the path and
         dtype of each per-element tensor among them (nested too), in order."""
-        by_flat_param = self.units[k].unit.params is None
-        entries = []
-        for i, twin in enumerate(twins):
-            opt_twin = self.owner.get(id(params[0 if by_flat_param else i]), (None, None))[1]
-            entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
+        if self.units[k].unit.params is None:  # (every parameter's state in the flat parameter's optimizer)
+            opt_twin = self.owner.get(id(params[0]), (None, None))[1]
+            entries = list(map(opt_twin.state.get, twins)) if opt_twin is not None else [None] * len(twins)
+        else:
+            entries = []
+            for p, twin in zip(params, twins):
+                opt_twin = self.owner.get(id(p), (None, None))[1]
+                entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
         found: dict[tuple, torch.dtype] = {}
-        for e in entries:
-            for key, value in (e or {}).items():
+        present = [e for e in entries if e]
+        for key in dict.fromkeys(key for e in present for key in e):  # a key at a time: a tensor's found once
+            tensor_found = False
+            for e in present:
+                value = e.get(key)
                 if isinstance(value, torch.Tensor):  # (most state: no walk)
-                    if value.dim() > 0:
+                    if not tensor_found and value.dim() > 0:
                         found.setdefault((key,), _compat.local_tensor(value).dtype)
-                    continue
-                for path, leaf in leaves(value, (key,)):
-                    if _per_element(leaf):
-                        found.setdefault(path, _compat.local_tensor(leaf).dtype)
+                        tensor_found = True
+                elif value is not None:
+                    for path, leaf in leaves(value, (key,)):
+                        if _per_element(leaf):
+                            found.setdefault(path, _compat.local_tensor(leaf).dtype)
         return entries, sorted(found.items(), key=lambda item: str(item[0]))
 
     def _write_shards(self, k: int, params: list, entries: list, found: list, shards: list) -> None:

@@ -296,7 +296,10 @@ def _wrap_rows(u: UnitLayout, rows: list[torch.Tensor], held: list[int]) -> list
     local = rows[held[0]]
     if u.mesh.device_type != local.device.type:  # (moved to the mesh's device as DTensorLayout.wrap moves it)
         return [u.layouts[i].wrap(rows[i]) for i in held]
-    return _compat.dtensors_of([rows[i] for i in held], [u.layouts[i].spec(local.dtype) for i in held])
+    specs = u.specs(local.dtype)
+    if len(held) == len(rows):  # (every parameter's: a flat parameter's state, most of all)
+        return _compat.dtensors_of(rows, specs)
+    return _compat.dtensors_of([rows[i] for i in held], [specs[i] for i in held])
 
 
 def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> list:

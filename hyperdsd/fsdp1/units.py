@@ -63,6 +63,7 @@ class UnitLayout:
     size: int  # ranks the flat parameter is sharded over
     index: int  # this rank's place among them
     layouts: list[DTensorLayout] = field(default_factory=list)
+    _specs: dict = field(default_factory=dict, repr=False)  # by dtype: each parameter's DTensor spec
 
     def __post_init__(self):
         # One layout per mesh and shape, kept from call to call: the parameters of
@@ -73,6 +74,13 @@ class UnitLayout:
             if hit is None or hit[0] is not self.mesh:
                 hit = made[(id(self.mesh), shape)] = (self.mesh, _row_layout(self.mesh, shape))
             self.layouts.append(hit[1])
+
+    def specs(self, dtype: torch.dtype) -> list:
+        """Each parameter's DTensor spec for rows of ``dtype`` (listed once a unit and dtype)."""
+        hit = self._specs.get(dtype)
+        if hit is None:
+            hit = self._specs[dtype] = [layout.spec(dtype) for layout in self.layouts]
+        return hit
 
     @functools.cached_property
     def shard(self) -> int:
