@@ -42,3 +42,6 @@ def test_the_fsdp1_benchmark_times_each_call_on_both_models(pools, variant):
         assert sorted(times) == ["fsdp1", "fsdp2"] and all(len(t) == 1 and t[0] > 0 for t in times.values()), times
         assert sorted(cpu) == ["fsdp1", "fsdp2"] and all(len(t) == 1 and t[0] > 0 for t in cpu.values()), cpu
         assert ("function calls" in profile) == (mode == "set"), profile[:200]
+        # The floor of making every value new: timed where FSDP1 must, and only there.
+        assert len(got[0]["new"]) == (mode in bench_fsdp1.NEW_VALUE_MODES), got[0]["new"]
+        assert all(ms > 0 for ms in got[0]["new"]), got[0]["new"]

@@ -14,6 +14,14 @@ columns give the slowest rank's process time in the call, the same way:
 four ranks on two cores wait for each other, and the wall time moves with
 the host more than the work does.
 
+For the sharded gets and sets the ``new`` column is the floor FSDP1's call
+stands on beyond FSDP2's (:func:`_new_values`): the CPU ms, on the same
+rank in the same run, to make each value of FSDP2's get new, a copy with
+its own storage in a new DTensor. FSDP2's get returns the optimizer's own
+tensors and its set of them copies nothing; FSDP1's must make or land
+every value anew. ``CPU1/(2+new)`` is FSDP1's CPU over FSDP2's plus that
+floor: how far FSDP1's call is from the least it could do.
+
     python -m tools.benchmarks.bench_fsdp1 --sizes 4k,10k --reps 3
     python -m tools.benchmarks.bench_fsdp1 --sizes 10k,50k --variants orig-full --modes get,set --reps 3
     python -m tools.benchmarks.bench_fsdp1 --sizes 4k --variants orig-full --modes set --profile
@@ -58,6 +66,8 @@ VARIANTS = {
     "flat-hybrid": (False, "HYBRID_SHARD"),
 }
 MODES = ("get", "set", "full_get", "bcast_set", "flat_get", "flat_set")
+# Calls whose every value FSDP1 must make new, where FSDP2's makes none (see _new_values).
+NEW_VALUE_MODES = ("get", "set", "flat_get", "flat_set")
 
 
 def keys_of(size: str) -> int:
@@ -117,6 +127,34 @@ def _timed(ctx, fn) -> tuple[float, float]:
     return elapsed[0].item() * 1000, elapsed[1].item() * 1000
 
 
+def _new_values(ctx, mode: str, model, opt) -> float:
+    """The slowest rank's CPU ms to make each value of hyperdsd's get of the
+    FSDP2 ``model`` new: a copy with its own storage and, for a DTensor, a
+    new DTensor around it (as hyperdsd's FSDP1 twin makes them).
+
+    FSDP2's get returns the optimizer's own tensors, and its set of what
+    that get returned copies nothing (each value is already where it
+    lands). FSDP1 keeps no tensor in the canonical layout: its get makes
+    every value new, and its load lands every value in new rows before the
+    flat shards. This is that floor, the least FSDP1's call does beyond
+    FSDP2's, measured on the same values in the same run."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    impl = bench_tasks._impl("hyperdsd")
+    options = bench_tasks._options(impl, flatten_optimizer_state_dict=mode.startswith("flat"))
+    values = [t for t in tree_leaves(impl.get_state_dict(model, opt, options=options)) if isinstance(t, torch.Tensor)]
+
+    def made_new():
+        new = DTensor.__new__
+        return [
+            new(DTensor, t._local_tensor.clone(), t._spec, requires_grad=False) if type(t) is DTensor else t.clone()
+            for t in values
+        ]
+
+    return _timed(ctx, made_new)[1]
+
+
 def time_pair(
     ctx, size: str, variant: str, mode: str, reps: int, torch_too: bool, profile: bool, sort="tottime", top=25
 ):
@@ -130,7 +168,10 @@ def time_pair(
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
+    floor: list[float] = []
     for r in range(reps):
+        if mode in NEW_VALUE_MODES:
+            floor.append(_new_values(ctx, mode, m2, o2))
         for name in names[r % len(names) :] + names[: r % len(names)]:
             impl, model, opt = contenders[name]
             inputs = bench_tasks._prepare(ctx, impl, mode, model, opt)
@@ -152,7 +193,7 @@ def time_pair(
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
             report = out.getvalue()
-    return {"times": times, "cpu": cpu, "profile": report}
+    return {"times": times, "cpu": cpu, "new": floor, "profile": report}
 
 
 def main() -> None:
@@ -186,7 +227,7 @@ def main() -> None:
     )
     print(
         f"{'size':>5} {'variant':>13} {'mode':>10} {'FSDP2':>9} {'FSDP1':>9} {'FSDP1/2':>8} {'torch':>9}"
-        f" {'CPU2':>8} {'CPU1':>8} {'CPU1/2':>7}"
+        f" {'CPU2':>8} {'CPU1':>8} {'CPU1/2':>7} {'new':>7} {'CPU1/(2+new)':>12}"
     )
     per_key: dict[tuple, float] = {}
     failed = False
@@ -208,6 +249,10 @@ def main() -> None:
                     cpu2, cpu1 = statistics.median(c["fsdp2"]), statistics.median(c["fsdp1"])
                     row = f"{size:>5} {variant:>13} {mode:>10} {two:9.1f} {one:9.1f} {one / two:8.2f} {theirs}"
                     row += f" {cpu2:8.1f} {cpu1:8.1f} {cpu1 / cpu2:7.2f}"
+                    new = outcome.values[0]["new"]
+                    if new:
+                        floor = statistics.median(new)
+                        row += f" {floor:7.1f} {cpu1 / (cpu2 + floor):12.2f}"
                     print(row, flush=True)
                     per_key[(size, variant, mode, "fsdp1")] = one / keys_of(size)
                     per_key[(size, variant, mode, "fsdp2")] = two / keys_of(size)
