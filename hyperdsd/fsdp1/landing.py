@@ -26,7 +26,7 @@ from ..transport.needs import Need
 from ..tree import is_container, leaves, rebuild
 from . import stacks
 from . import unit_moves as moves
-from .summaries import at_path
+from .summaries import at_path, entry_paths
 from .twin import Twin
 from .units import UnitLayout, stand_in
 
@@ -291,21 +291,7 @@ class TwinLoad:
             for p, twin in zip(params, twins):
                 opt_twin = self.owner.get(id(p), (None, None))[1]
                 entries.append(opt_twin.state.get(twin) if opt_twin is not None else None)
-        found: dict[tuple, torch.dtype] = {}
-        present = [e for e in entries if e]
-        for key in dict.fromkeys(key for e in present for key in e):  # a key at a time: a tensor's found once
-            tensor_found = False
-            for e in present:
-                value = e.get(key)
-                if isinstance(value, torch.Tensor):  # (most state: no walk)
-                    if not tensor_found and value.dim() > 0:
-                        found.setdefault((key,), _compat.local_tensor(value).dtype)
-                        tensor_found = True
-                elif value is not None:
-                    for path, leaf in leaves(value, (key,)):
-                        if _per_element(leaf):
-                            found.setdefault(path, _compat.local_tensor(leaf).dtype)
-        return entries, sorted(found.items(), key=lambda item: str(item[0]))
+        return entries, entry_paths(entries)
 
     def _write_shards(self, k: int, params: list, entries: list, found: list, shards: list) -> None:
         self._write_unit(k, params, entries, {path: (shard, dtype) for (path, dtype), shard in zip(found, shards)})
@@ -315,6 +301,8 @@ class TwinLoad:
         by_flat_param = u.unit.params is None
         shards = {path: None if f is None else f[0].to(f[1]) for path, f in shards.items()}  # (.to: the same if equal)
         every = [e for e in entries if e]  # (a flat parameter's: its parameters' entries, any will do)
+        dests: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for j, p in enumerate(params):
             opt, _ = self.owner.get(id(p), (None, None))
             if opt is None:
@@ -337,14 +325,20 @@ class TwinLoad:
                 if path in shards:
                     piece = shards[path][where[0] : where[0] + where[1]]
                     if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
-                        old[:valid].copy_(piece[:valid])
+                        whole = valid == piece.shape[0]  # (else the padding at the end stays as it is)
+                        dests.append(old if whole else old[:valid])
+                        sources.append(piece if whole else piece[:valid])
                         return old
                     return piece.clone()
                 if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
-                    return old.copy_(value)
+                    dests.append(old)
+                    sources.append(value)
+                    return old
                 return value
 
             opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
+        if dests:  # (each into the optimizer's own tensor, in one call)
+            _compat.copy_each(dests, sources)
 
     def _rows_of(self, k: int, path: tuple, dtype: torch.dtype, entries: list) -> list[torch.Tensor]:
         """This rank's rows of the state at ``path`` of each of unit ``k``'s

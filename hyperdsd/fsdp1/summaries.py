@@ -10,11 +10,13 @@ read once. No collectives, no tensors moved.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._compat import local_tensor as _local
 from ..tree import leaves, rebuild
 
 # What a rank tells the others of one optimizer parameter's state: by key,
@@ -51,6 +53,10 @@ class HeldValue:
     def tensor(self) -> torch.Tensor:
         # (scalar_tensor: half the time of torch.tensor's parsing of a Python value, bit for bit the same)
         return torch.scalar_tensor(self.value, dtype=self.dtype, device=self.device)
+
+
+# One RowsAt per dtype (equal ones are interchangeable): a key made per parameter makes none.
+_rows_at = functools.cache(RowsAt)
 
 
 def summarize(entry: dict, per_element: int) -> Summary:
@@ -103,7 +109,7 @@ def quick_summary_key(entry: dict, per_element: int) -> tuple | None:
             return None
         dim = value.dim()
         if dim == 1 and value.numel() == per_element:
-            parts.append((key, "rows", RowsAt(value.dtype)))
+            parts.append((key, "rows", _rows_at(value.dtype)))
         elif dim == 0 and not value.is_meta:
             held = value.item()
             if type(held) not in (int, float, bool):
@@ -127,6 +133,27 @@ def per_element_paths(summary: Summary) -> list[tuple[tuple, torch.dtype]]:
     ]
 
 
+def entry_paths(entries: list[dict | None]) -> list[tuple[tuple, torch.dtype]]:
+    """``(path, dtype)`` of each per-element (not 0-d) tensor among twin state
+    ``entries`` (nested too, a DTensor's by its local tensor), sorted by path;
+    a key's tensor is found once, not looked at again in every entry."""
+    found: dict[tuple, torch.dtype] = {}
+    present = [e for e in entries if e]
+    for key in dict.fromkeys(key for e in present for key in e):
+        tensor_found = False
+        for e in present:
+            value = e.get(key)
+            if isinstance(value, torch.Tensor):  # (most state: no walk)
+                if not tensor_found and value.dim() > 0:
+                    found.setdefault((key,), _local(value).dtype)
+                    tensor_found = True
+            elif value is not None:
+                for path, leaf in leaves(value, (key,)):
+                    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                        found.setdefault(path, _local(leaf).dtype)
+    return sorted(found.items(), key=lambda item: str(item[0]))
+
+
 def at_path(entry: Any, path: tuple, default: Any = None) -> Any:
     """The value at ``path`` in a (nested) state entry, or ``default``."""
     for part in path:
@@ -140,4 +167,4 @@ def at_path(entry: Any, path: tuple, default: Any = None) -> Any:
 def merge(summaries: list[Summary | None]) -> Summary | None:
     """The first rank's summary of those that have state for a parameter (ranks
     without its elements in their shard have none under use_orig_params=True)."""
-    return next((s for s in summaries if s), None)
+    return next(filter(None, summaries), None)

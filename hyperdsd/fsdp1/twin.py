@@ -143,7 +143,7 @@ class Twin:
         paths_of: dict[int, list] = {}  # by the summary's id: summaries repeat (see _summaries)
         planned = []
         for u, params, ranks in zip(self.units, per_unit, everyone):
-            merged = [merge(column) for column in zip(*ranks)] if ranks else []
+            merged = list(map(merge, zip(*ranks)))
             paths = []
             for j, summary in enumerate(merged):
                 if id(summary) not in paths_of:

@@ -139,18 +139,20 @@ def _new_values(ctx, mode: str, model, opt) -> float:
     flat shards. This is that floor, the least FSDP1's call does beyond
     FSDP2's, measured on the same values in the same run."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_leaves
+
+    from hyperdsd import _compat
+    from hyperdsd.tree import leaves
 
     impl = bench_tasks._impl("hyperdsd")
     options = bench_tasks._options(impl, flatten_optimizer_state_dict=mode.startswith("flat"))
-    values = [t for t in tree_leaves(impl.get_state_dict(model, opt, options=options)) if isinstance(t, torch.Tensor)]
+    values = [t for _, t in leaves(impl.get_state_dict(model, opt, options=options)) if isinstance(t, torch.Tensor)]
+    wrapped = [t for t in values if type(t) is DTensor]
+    plain = [t for t in values if type(t) is not DTensor]
+    locals_ = list(map(_compat.local_tensor, wrapped))
+    specs = list(map(_compat.layout_token, wrapped))  # (each DTensor's spec)
 
     def made_new():
-        new = DTensor.__new__
-        return [
-            new(DTensor, t._local_tensor.clone(), t._spec, requires_grad=False) if type(t) is DTensor else t.clone()
-            for t in values
-        ]
+        return _compat.dtensors_of(_compat.clones(locals_), specs) + _compat.clones(plain)
 
     return _timed(ctx, made_new)[1]
 

@@ -24,8 +24,8 @@ their classes and the registries' objects, which the fingerprint compares.
 
 A kept index carries the keys of the last flat get made with it
 (:class:`~hyperdsd.state.keys.flat_keys.KeptFlatKeys`, no tensor of the model among them) and
-what a wrapper layout worked out from its modules (``kept_for_wrapper``: FSDP1's units'
-canonical names), which go with it.
+what a wrapper layout worked out from its modules (``kept_for_wrapper``: its canonical names,
+say), which go with it.
 """
 
 import functools
