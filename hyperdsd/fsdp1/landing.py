@@ -10,7 +10,6 @@ flat shards, its optimizers' state and their param groups.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -28,7 +27,7 @@ from . import stacks
 from . import unit_moves as moves
 from .summaries import at_path, entry_paths
 from .twin import Twin
-from .units import UnitLayout, stand_in
+from .units import stand_in
 
 _STRUCTURAL = ("params", "param_names")
 
@@ -316,14 +315,15 @@ class TwinLoad:
                 continue
             current = opt.state.get(p) or {}
             # A flat shard's padding belongs to no parameter: a load leaves what the optimizer holds there.
-            valid = self._unpadded(u) if by_flat_param else where[1]
+            valid = u.unpadded if by_flat_param else where[1]
 
             def written(value, path, current=current, where=where, valid=valid):
-                old = at_path(current, path)
-                if path in shards and shards[path] is None:
+                old = current.get(path[0]) if len(path) == 1 else at_path(current, path)
+                shard = shards.get(path, _ABSENT)
+                if shard is None:
                     return old  # landed in place
-                if path in shards:
-                    piece = shards[path][where[0] : where[0] + where[1]]
+                if shard is not _ABSENT:
+                    piece = shard[where[0] : where[0] + where[1]]
                     if isinstance(old, torch.Tensor) and old.shape == piece.shape and old.dtype == piece.dtype:
                         whole = valid == piece.shape[0]  # (else the padding at the end stays as it is)
                         dests.append(old if whole else old[:valid])
@@ -336,7 +336,10 @@ class TwinLoad:
                     return old
                 return value
 
-            opt.state[p] = {key: rebuild(value, written, (key,)) for key, value in mine[0].items()}
+            opt.state[p] = {
+                key: rebuild(value, written, (key,)) if is_container(value) else written(value, (key,))
+                for key, value in mine[0].items()
+            }
         if dests:  # (each into the optimizer's own tensor, in one call)
             _compat.copy_each(dests, sources)
 
@@ -376,11 +379,8 @@ class TwinLoad:
             return None
         return landed.shard, dtype
 
-    @staticmethod
-    def _unpadded(u: UnitLayout) -> int:
-        """Elements of this rank's flat shard that belong to a parameter (the rest pads the last shards)."""
-        total = max((off + math.prod(shape) for off, shape in zip(u.unit.offsets, u.unit.shapes)), default=0)
-        return max(0, min(u.shard, total - u.index * u.shard))
+
+_ABSENT = object()  # (a path no shard was made for)
 
 
 def _copy_rows(into: list, rows: list[torch.Tensor]) -> None:

@@ -88,6 +88,12 @@ class UnitLayout:
         return self.unit.local.numel()
 
     @functools.cached_property
+    def unpadded(self) -> int:
+        """Elements of this rank's flat shard that belong to a parameter (the rest pads the last shards)."""
+        total = max((off + math.prod(shape) for off, shape in zip(self.unit.offsets, self.unit.shapes)), default=0)
+        return max(0, min(self.shard, total - self.index * self.shard))
+
+    @functools.cached_property
     def own_spans(self) -> dict[int, tuple[int, int]]:
         """``i -> (start, stop)``: the flat positions of parameter ``i`` this rank's flat shard holds (if any)."""
         return {i: (a, b) for i, a, b in self.held(self.index, range(len(self.fqns)))}
