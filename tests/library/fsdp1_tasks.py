@@ -720,7 +720,7 @@ def _local_values(sd: tuple[dict, dict]) -> tuple[dict, dict]:
 def kept_twin_gets_equal_fresh_ones(ctx, uop: bool):
     """A get on the kept twin gives what a get on a new twin gives, after each
     change between calls (training, a frozen parameter, a replaced buffer, a
-    set, a full get, a flat get); it takes the last tree where nothing
+    set, a full get, a flat get, a unit renamed); it takes the last tree where nothing
     structural changed; the tree holds no rows between calls; what one get
     returned is not changed by the next; the store lets the model go."""
     import gc
@@ -758,6 +758,8 @@ def kept_twin_gets_equal_fresh_ones(ctx, uop: bool):
         _assert_same(_local_values(got), _local_values(want))
         if name == "frozen":
             assert "0.weight" not in got[0], "a frozen parameter's value in an ignore_frozen_params get"
+        if name == "renamed":
+            assert "tail.0.weight" in got[0] and "3.0.weight" not in got[0], sorted(got[0])[:8]
     later = _local_values(first)
     assert rows and all(torch.equal(later[0][k], first_values[0][k]) for k in rows), "a later call changed a get's rows"
     _assert_same(({}, later[1]), ({}, first_values[1]))
@@ -786,10 +788,17 @@ def _changes(model, optimizer, first, uop: bool) -> list:
         ("flat", lambda: None, {"flatten_optimizer_state_dict": True}),
         ("again", lambda: None, {}),
         ("tree tampered", lambda: _replace_a_twin_parameter(model), {}),
+        # (last: every name below the unit changes, and with them its kept canonical names)
+        ("renamed", lambda: _rename_child(model.module, "3", "tail"), {}),
     ]
     if not uop:
         changes.pop(1)  # (a flat parameter freezes whole)
     return changes
+
+
+def _rename_child(parent: nn.Module, old: str, new: str) -> None:
+    """Register ``parent``'s child ``old`` as ``new``, in its place: every FQN below it changes."""
+    parent._modules = {new if name == old else name: child for name, child in parent._modules.items()}
 
 
 def _replace_a_twin_parameter(model) -> None:
