@@ -148,14 +148,21 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
         by_unit[n] = full_moves.to_full(u, sources, run, root, exchange), run
     exchange.run()
     by_key = {n: [dict(zip(run, full)) for full in fulls] for n, (fulls, run) in by_unit.items()}
+    # Hollow values are shared (see Twin._hollow): each is found by its entry's FQN and its path.
+    spots = {twin.index.fqn_of(twin.params[n][i]): (n, i) for n, run in pack for i in run}
+    key_at = {n: {path: k for k, (path, _) in enumerate(twin.state_plans[n][1])} for n, _ in pack}
 
-    def full(value, _path):
-        if (spot := twin.hollow.get(id(value))) is not None:
-            n, k, i = spot
-            return by_key[n][k][i] if n in by_key else None
-        return value
+    def filled(fqn: str, entry: dict) -> dict:
+        n, i = spots[fqn]
 
-    return {fqn: None if entry is None else rebuild(dict(entry), full) for fqn, entry in entries.items()}
+        def full(value, path):
+            if id(value) in twin.hollow_ids:
+                return by_key[n][key_at[n][path]][i] if n in by_key else None
+            return value
+
+        return rebuild(dict(entry), full)
+
+    return {fqn: None if entry is None else filled(fqn, entry) for fqn, entry in entries.items()}
 
 
 def _state_source(u: UnitLayout, targets: list, path: tuple, dtype: torch.dtype):

@@ -43,7 +43,10 @@ class Twin:
         # state_dict() runs hooks have their rows read, for the hooks to see.
         self.stream_rows = stream
         self.stream_state = stream and bool(self.real_optims) and all(map(_compat.plain_state_dict, self.real_optims))
-        self.hollow: dict[int, tuple[int, int, int]] = {}  # id of a streamed state DTensor -> (unit, key, parameter)
+        # A full get's state stands in hollow: one DTensor per layout and dtype, shared
+        # (the gather fills each entry by its FQN and path: :mod:`hyperdsd.fsdp1.streaming`).
+        self.hollow_ids: set[int] = set()
+        self._hollows: dict[tuple, torch.Tensor] = {}
         # A load overwrites what it loads: the twin's sharded state then starts
         # empty, and what a load leaves is read from the flat shards at write-back
         # only where some rank did not load it (:mod:`hyperdsd.fsdp1.landing`). An optimizer
@@ -181,20 +184,32 @@ class Twin:
             everyone = range(len(twins))
             has = [_path_set(named, sets) for named in (paths[:1] if flat else paths)]
             placed: dict[tuple, list] = {}  # path -> the twin's DTensor of each parameter's rows (None: no such state)
-            for k, ((path, _), rows) in enumerate(zip(typed, by_key)):
+            for (path, _), rows in zip(typed, by_key):
                 if flat:  # (one flat parameter's state: every parameter has it, or none)
                     held = everyone if path in has[0] else ()
                 else:
                     held = [i for i, named in enumerate(has) if path in named]
                 placed[path] = column = [None] * len(twins)
-                for i, value in zip(held, _wrap_rows(u, rows, held)):
+                for i, value in zip(held, (self._hollow if self.stream_state else _wrap_rows)(u, rows, held)):
                     column[i] = value
-                    if self.stream_state:
-                        self.hollow[id(value)] = (n, k, i)
             entries = _twin_entries(u, merged, targets, placed)
             for twin, (_, p, opt), entry in zip(twins, targets * len(twins) if flat else targets, entries):
                 if entry is not None:
                     twins_of[id(opt)].state[twin] = entry
+
+    def _hollow(self, u: UnitLayout, rows: list, held: list[int]) -> list:
+        """A full get's stand-ins for the state rows of the parameters ``held``:
+        nothing reads them, so each layout and dtype has one, shared (no
+        DTensor per value, where a full get holds nothing of its state)."""
+        out = []
+        for i in held:
+            key = (id(u.layouts[i]), rows[i].dtype)
+            value = self._hollows.get(key)
+            if value is None:
+                value = self._hollows[key] = _wrap_rows(u, rows, [i])[0]
+                self.hollow_ids.add(id(value))
+            out.append(value)
+        return out
 
     def _summaries(self, owner: dict, per_unit: list) -> list[list]:
         """This rank's summary of each unit's parameters' state (None where it
