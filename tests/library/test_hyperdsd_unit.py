@@ -1332,6 +1332,35 @@ def test_a_summary_key_read_straight_from_an_entry_is_the_summarys(entry):
     assert quick is not None or not plain or full is None
 
 
+@hypothesis.settings(deadline=None)
+@hypothesis.given(
+    hypothesis.strategies.lists(
+        hypothesis.strategies.one_of(
+            hypothesis.strategies.none(),
+            hypothesis.strategies.dictionaries(
+                hypothesis.strategies.sampled_from(["step", "exp_avg", "exp_avg_sq", "momentum"]),
+                hypothesis.strategies.sampled_from([*_QUICK_VALUES, None, torch.ones(2, 3), (torch.ones(3), 2)]),
+            ),
+        ),
+        max_size=5,
+    )
+)
+def test_a_units_per_element_paths_are_every_entrys_walked(entries):
+    """hyperdsd.fsdp1.summaries.entry_paths, which looks a key's tensor up once
+    for a unit's entries, finds the paths and dtypes a walk of every value of
+    every entry finds (the first entry's dtype where they differ), sorted."""
+    from hyperdsd.fsdp1.summaries import entry_paths
+    from hyperdsd.tree import leaves
+
+    walked: dict = {}
+    for entry in entries:
+        for key, value in (entry or {}).items():
+            for path, leaf in leaves(value, (key,)):
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                    walked.setdefault(path, leaf.dtype)
+    assert entry_paths(entries) == sorted(walked.items(), key=lambda item: str(item[0]))
+
+
 def _grouped_one_by_one(codes, columns, positions):
     """The scatter's grouping as a dict of tuples builds it: the oracle."""
     runs: dict = {}
