@@ -11,7 +11,7 @@ flat shards, its optimizers' state and their param groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from .twin import Twin
 from .units import stand_in
 
 _STRUCTURAL = ("params", "param_names")
+_ABSENT = object()  # (a path no shard was made for)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class TwinLoad:
         self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
         self.state_landed: dict[int, dict[tuple, _Landed]] = {}  # unit -> path -> what a broadcast delivered
         self._stand_ins: dict[tuple, torch.Tensor] = {}
+        self._runs: dict[tuple[int, int], Need] = {}  # (alike units' parameters share their runs)
         # id of each real parameter an optimizer steps -> (that optimizer, its twin)
         self.owner = {
             id(p): (opt, twin_opt)
@@ -75,12 +77,13 @@ class TwinLoad:
                 plan.expand()  # (a receiver per tensor, each routed on its own)
         if model_plan is not None:
             targets, _ = model_state.load_targets(self.twin.model, self.twin.index)
+            flat_view = cache(lambda k: self.units[k].unit.local.view(-1))  # (one view a unit)
             for raw, value in model_plan.values.items():
                 hit = where.get(id(targets.get(raw)))
                 if hit is None or getattr(value, "meta", None) is None or raw in model_plan.on_meta:
                     continue
                 k, i = hit
-                value.landing = self._landing(k, i, self.units[k].unit.local.view(-1))
+                value.landing = self._landing(k, i, flat_view(k))
                 self.landed.add((k, i))
         if optim_plan is not None and not self.twin.load_hooked:  # (load hooks see the twin's state: it stays there)
             found: dict[tuple[int, tuple], dict[int, Prepared]] = {}  # (unit, path) -> per-element leaf by parameter
@@ -159,7 +162,9 @@ class TwinLoad:
             return Landing(None, None)
         a, b = held
         start, base = u.unit.offsets[i], u.index * u.shard + offset
-        return Landing(Need.run(a - start, b - start), shard[a - base : b - base])
+        run = (a - start, b - start)
+        need = self._runs.get(run) or self._runs.setdefault(run, Need.run(*run))
+        return Landing(need, shard[a - base : b - base])
 
     # -- writing back ----------------------------------------------------------
 
@@ -378,9 +383,6 @@ class TwinLoad:
         if landed.in_place:
             return None
         return landed.shard, dtype
-
-
-_ABSENT = object()  # (a path no shard was made for)
 
 
 def _copy_rows(into: list, rows: list[torch.Tensor]) -> None:
