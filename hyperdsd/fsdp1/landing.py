@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache, partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from ..transport.needs import Need
 from ..tree import is_container, leaves, rebuild
 from . import stacks
 from . import unit_moves as moves
-from .summaries import at_path, entry_paths
+from .summaries import at_path, entry_paths, per_element
 from .twin import Twin
 from .units import stand_in
 
@@ -227,7 +226,7 @@ class TwinLoad:
                 continue
             for (path, _), rows in zip(typed, self.twin.state_rows(u, targets, typed, exchange)):
                 values = [at_path(opt_of[id(t)].state[t], path) if here[i] else None for i, t in enumerate(twins)]
-                exchange.after(partial(_copy_rows, [v if _per_element(v) else None for v in values], rows))
+                exchange.after(partial(_copy_rows, [v if per_element(v) else None for v in values], rows))
         exchange.run()
 
     def _anywhere(self, flags: list[list[bool]]) -> list[tuple[list[bool], list[bool]]]:
@@ -355,7 +354,7 @@ class TwinLoad:
         rows = []
         for i, e in enumerate(entries):
             value = e.get(path[0]) if e and len(path) == 1 else at_path(e or {}, path)
-            if _per_element(value):
+            if per_element(value):
                 rows.append(_compat.local_tensor(value))
             else:
                 rows.append(torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device))
@@ -370,7 +369,7 @@ class TwinLoad:
         landed = self.state_landed.get(k, {}).get(path)
         if landed is None:
             return moves.to_shard(u, self._rows_of(k, path, dtype, entries), exchange=exchange), dtype
-        others = {i for i, e in enumerate(entries) if _per_element(at_path(e or {}, path))}
+        others = {i for i, e in enumerate(entries) if per_element(at_path(e or {}, path))}
         for i in set(range(len(entries))) - others:
             if i in landed.params and landed.shard is not None:
                 # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed
@@ -394,7 +393,3 @@ def _copy_rows(into: list, rows: list[torch.Tensor]) -> None:
 
 def _nothing(_shards: list) -> None:
     """What a model's write-back does once a unit's flat shard is written: nothing more."""
-
-
-def _per_element(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0

@@ -133,6 +133,11 @@ def per_element_paths(summary: Summary) -> list[tuple[tuple, torch.dtype]]:
     ]
 
 
+def per_element(value: Any) -> bool:
+    """Whether a twin state value is per-element state (a tensor not 0-d)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
 def entry_paths(entries: list[dict | None]) -> list[tuple[tuple, torch.dtype]]:
     """``(path, dtype)`` of each per-element (not 0-d) tensor among twin state
     ``entries`` (nested too, a DTensor's by its local tensor), sorted by path;
@@ -149,7 +154,7 @@ def entry_paths(entries: list[dict | None]) -> list[tuple[tuple, torch.dtype]]:
                     tensor_found = True
             elif value is not None:
                 for path, leaf in leaves(value, (key,)):
-                    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                    if per_element(leaf):
                         found.setdefault(path, _local(leaf).dtype)
     return sorted(found.items(), key=lambda item: str(item[0]))
 

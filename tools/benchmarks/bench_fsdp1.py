@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import os
 import pstats
@@ -142,6 +141,7 @@ def _new_values(ctx, mode: str, model, opt) -> float:
     from torch.distributed.tensor import DTensor
 
     from hyperdsd import _compat
+    from hyperdsd.api import _working
     from hyperdsd.tree import leaves
 
     impl = bench_tasks._impl("hyperdsd")
@@ -153,16 +153,10 @@ def _new_values(ctx, mode: str, model, opt) -> float:
     specs = list(map(_compat.layout_token, wrapped))  # (each DTensor's spec)
 
     def made_new():
-        # As hyperdsd's calls run (hyperdsd.api._working): no autograd, the cyclic
-        # collector paused (its walks of the process, not the work, cost 0.5 s at 10k).
-        paused = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.no_grad():
-                return _compat.dtensors_of(_compat.clones(locals_), specs) + _compat.clones(plain)
-        finally:
-            if paused:
-                gc.enable()
+        # As hyperdsd's calls run: no autograd, the cyclic collector paused (its
+        # walks of the process, not the work, cost 0.5 s at 10k).
+        with _working():
+            return _compat.dtensors_of(_compat.clones(locals_), specs) + _compat.clones(plain)
 
     return _timed(ctx, made_new)[1]
 
