@@ -10,8 +10,9 @@ flat shards, its optimizers' state and their param groups.
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,10 @@ import torch.distributed as dist
 from .. import _compat
 from ..state import model as model_state
 from ..state.loading.plan import Prepared
-from ..transport.delivery import Landing
-from ..transport.needs import Need
 from ..tree import is_container, leaves, rebuild
 from . import stacks
 from . import unit_moves as moves
+from .places import Places
 from .summaries import at_path, entry_paths, per_element
 from .twin import Twin
 from .units import stand_in
@@ -36,7 +36,7 @@ _ABSENT = object()  # (a path no shard was made for)
 class _Landed:
     """Per-element state at one path of one unit that a broadcast delivered as laid out in a flat parameter's shard."""
 
-    params: set[int]  # the unit's parameters whose pieces landed
+    params: KeysView[int]  # the unit's parameters whose pieces landed
     # Laid out as this rank's flat shard: a buffer, or the flat parameter's own
     # state (in place); None: each original parameter's own state (in place).
     shard: torch.Tensor | None
@@ -52,7 +52,7 @@ class TwinLoad:
         self.landed: set[tuple[int, int]] = set()  # (unit, parameter) a broadcast delivered to the flat shards
         self.state_landed: dict[int, dict[tuple, _Landed]] = {}  # unit -> path -> what a broadcast delivered
         self._stand_ins: dict[tuple, torch.Tensor] = {}
-        self._runs: dict[tuple[int, int], Need] = {}  # (alike units' parameters share their runs)
+        self.places = Places(self.units)
         # id of each real parameter an optimizer steps -> (that optimizer, its twin)
         self.owner = {
             id(p): (opt, twin_opt)
@@ -76,14 +76,17 @@ class TwinLoad:
                 plan.expand()  # (a receiver per tensor, each routed on its own)
         if model_plan is not None:
             targets, _ = model_state.load_targets(self.twin.model, self.twin.index)
-            flat_view = cache(lambda k: self.units[k].unit.local.view(-1))  # (one view a unit)
+            by_unit: dict[int, list[tuple[int, Prepared]]] = {}
             for raw, value in model_plan.values.items():
                 hit = where.get(id(targets.get(raw)))
                 if hit is None or getattr(value, "meta", None) is None or raw in model_plan.on_meta:
                     continue
-                k, i = hit
-                value.landing = self._landing(k, i, flat_view(k))
-                self.landed.add((k, i))
+                by_unit.setdefault(hit[0], []).append((hit[1], value))
+            for k, values in by_unit.items():
+                ids = [i for i, _ in values]
+                for (_, value), landing in zip(values, self.places.in_shard(k, ids, self.units[k].unit.local.view(-1))):
+                    value.landing = landing
+                self.landed.update((k, i) for i in ids)
         if optim_plan is not None and not self.twin.load_hooked:  # (load hooks see the twin's state: it stays there)
             found: dict[tuple[int, tuple], dict[int, Prepared]] = {}  # (unit, path) -> per-element leaf by parameter
             for load in optim_plan.params:
@@ -117,9 +120,13 @@ class TwinLoad:
         else:
             shard = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
             into = dict.fromkeys(range(len(u.fqns)), (shard, 0))
-        self.state_landed.setdefault(k, {})[path] = _Landed(set(leaves_of), shard, in_place)
-        for i, leaf in leaves_of.items():
-            leaf.landing = self._landing(k, i, *into[i])
+        self.state_landed.setdefault(k, {})[path] = _Landed(leaves_of.keys(), shard, in_place)
+        if in_place and shard is None:  # (each original parameter's own state)
+            landings = [self.places.in_own(k, i, *into[i]) for i in leaves_of]
+        else:
+            landings = self.places.in_shard(k, list(leaves_of), shard)
+        for leaf, landing in zip(leaves_of.values(), landings):
+            leaf.landing = landing
             leaf.local = stand_in(self._stand_ins, leaf.meta.dtype, leaf.device, leaf.layout.local_shape)
             leaf.dest, leaf.owned = None, True
 
@@ -150,20 +157,6 @@ class TwinLoad:
                 return None
             out[i] = (mine, where[0])
         return out
-
-    def _landing(self, k: int, i: int, shard: torch.Tensor | None, offset: int = 0) -> Landing:
-        """Where parameter ``i`` of unit ``k`` lands in ``shard``, laid out as this
-        rank's flat shard from ``offset`` on: the run of its elements the shard
-        holds, if any."""
-        u = self.units[k]
-        held = u.own_spans.get(i)
-        if held is None:
-            return Landing(None, None)
-        a, b = held
-        start, base = u.unit.offsets[i], u.index * u.shard + offset
-        run = (a - start, b - start)
-        need = self._runs.get(run) or self._runs.setdefault(run, Need.run(*run))
-        return Landing(need, shard[a - base : b - base])
 
     # -- writing back ----------------------------------------------------------
 
@@ -375,7 +368,7 @@ class TwinLoad:
                 # landed, then dropped (a placeholder state nobody filled): zeros, as if never landed
                 for _, a, b in u.held(u.index, [i]):
                     landed.shard[a - u.index * u.shard : b - u.index * u.shard].zero_()
-        others -= landed.params  # the same on every rank: the plan and its answers are
+        others.difference_update(landed.params)  # the same on every rank: the plan and its answers are
         if others:  # (never in place: every parameter landed there)
             rows = self._rows_of(k, path, dtype, entries)
             moves.to_shard_many(u, [rows], [landed.shard], only=others, exchange=exchange)

@@ -1,0 +1,60 @@
+"""Where a broadcast's pieces land in an FSDP1 unit's flat shard.
+
+A broadcast load sends each rank, of each parameter and per-element state
+tensor, the run of elements its flat shard holds (:mod:`hyperdsd.fsdp1.landing`).
+:class:`Places` works out those runs once per unit and cuts the views they
+land in: a unit's in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..transport.delivery import Landing
+from ..transport.needs import Need
+from .units import UnitLayout
+
+NOWHERE = Landing(None, None)  # (a piece no part of which this rank holds)
+
+
+class Places:
+    """The landings of one load's pieces in its units' flat shards."""
+
+    def __init__(self, units: list[UnitLayout]):
+        self.units = units
+        self._runs: dict[tuple[int, int], Need] = {}  # (alike units' parameters share their runs)
+        self._spans: dict[int, list] = {}  # unit -> its parameters' spans (see spans)
+
+    def spans(self, k: int) -> list[tuple[Need, int, int] | None]:
+        """For each of unit ``k``'s parameters, the run of its elements this
+        rank's flat shard holds and where that lies in the shard, ``(need, lo,
+        hi)``; None where it holds none. Made once a unit."""
+        spans = self._spans.get(k)
+        if spans is None:
+            u = self.units[k]
+            base = u.index * u.shard
+            spans = self._spans[k] = [None] * len(u.fqns)
+            for i, (a, b) in u.own_spans.items():
+                run = (a - u.unit.offsets[i], b - u.unit.offsets[i])
+                need = self._runs.get(run) or self._runs.setdefault(run, Need.run(*run))
+                spans[i] = (need, a - base, b - base)
+        return spans
+
+    def in_shard(self, k: int, ids: list[int], shard: torch.Tensor) -> list[Landing]:
+        """Where each of unit ``k``'s parameters ``ids`` lands in ``shard``, laid
+        out as this rank's flat shard: the run of its elements the shard holds,
+        if any. The views are cut in one call."""
+        spans = self.spans(k)
+        cuts = sorted({x for i in ids if spans[i] is not None for x in spans[i][1:]})
+        starting = dict(zip(cuts, torch.tensor_split(shard, cuts)[1:]))  # (no cut falls inside a run)
+        return [NOWHERE if spans[i] is None else Landing(spans[i][0], starting[spans[i][1]]) for i in ids]
+
+    def in_own(self, k: int, i: int, own: torch.Tensor | None, offset: int) -> Landing:
+        """Where parameter ``i`` of unit ``k`` lands in ``own``, its own state
+        tensor, which starts at ``offset`` in this rank's flat shard."""
+        span = self.spans(k)[i]
+        if span is None:
+            return NOWHERE
+        need, lo, hi = span
+        whole = lo == offset and hi - lo == own.numel()
+        return Landing(need, own if whole else own[lo - offset : hi - offset])
