@@ -1508,3 +1508,43 @@ def test_the_scratch_step_by_kind_of_parameter_gives_what_a_step_over_each_gives
     tensors = [t for entry in got.values() for t in entry.values()]
     assert len({id(t) for t in tensors}) == len(tensors), "parameters share state tensors"
     assert (type(opt) in _PER_PARAMETER) == (which != 4)
+
+
+@hypothesis.settings(deadline=None)
+@hypothesis.given(data=hypothesis.strategies.data())
+def test_a_units_landings_cut_in_one_call_are_each_parameters_own_slice(data):
+    """hyperdsd.fsdp1.places.Places.in_shard, which cuts the views a broadcast
+    lands a unit's pieces in by one tensor_split, gives each parameter the
+    slice of this rank's flat shard that holds its elements (gaps between
+    parameters and padding after them too), and the run of its elements; a
+    parameter the shard holds none of lands nowhere."""
+    from hyperdsd.fsdp1.places import NOWHERE, Places
+    from hyperdsd.transport.needs import Need
+
+    strategies = hypothesis.strategies
+    numels = data.draw(strategies.lists(strategies.integers(1, 9), min_size=1, max_size=8))
+    gaps = data.draw(strategies.lists(strategies.integers(0, 3), min_size=len(numels), max_size=len(numels)))
+    offsets, at = [], 0
+    for numel, gap in zip(numels, gaps):
+        offsets.append(at + gap)
+        at += gap + numel
+    size = data.draw(strategies.integers(1, 4))
+    shard = -(-at // size)
+    index = data.draw(strategies.integers(0, size - 1))
+    lo, hi = index * shard, (index + 1) * shard
+    spans = {
+        i: (max(o, lo), min(o + n, hi)) for i, (o, n) in enumerate(zip(offsets, numels)) if max(o, lo) < min(o + n, hi)
+    }
+    unit = types.SimpleNamespace(
+        index=index, shard=shard, fqns=[f"p{i}" for i in range(len(numels))], own_spans=spans,
+        unit=types.SimpleNamespace(offsets=offsets),
+    )  # fmt: skip
+    ids = data.draw(strategies.permutations(range(len(numels))))
+    buffer = torch.arange(shard, dtype=torch.float32)
+    for i, landing in zip(ids, Places([unit]).in_shard(0, ids, buffer)):
+        if i not in spans:
+            assert landing is NOWHERE
+            continue
+        a, b = spans[i]
+        assert landing.need == Need.run(a - offsets[i], b - offsets[i])
+        assert landing.into.data_ptr() == buffer[a - lo :].data_ptr() and landing.into.numel() == b - a
