@@ -10,7 +10,7 @@ flat shards, its optimizers' state and their param groups.
 
 from __future__ import annotations
 
-from collections.abc import KeysView
+from collections.abc import Iterable, KeysView
 from dataclasses import dataclass
 from functools import partial
 
@@ -89,18 +89,24 @@ class TwinLoad:
                 self.landed.update((k, i) for i in ids)
         if optim_plan is not None and not self.twin.load_hooked:  # (load hooks see the twin's state: it stays there)
             found: dict[tuple[int, tuple], dict[int, Prepared]] = {}  # (unit, path) -> per-element leaf by parameter
+            shapes = [tuple(map(tuple, u.unit.shapes)) for u in self.units]
             for load in optim_plan.params:
                 hit = where.get(id(load.param))
-                if hit is None:
+                if hit is None or not load.entry:
                     continue
                 k, i = hit
-                shape = tuple(self.units[k].unit.shapes[i])
-                entry = load.entry or {}
-                flat = not any(map(is_container, entry.values()))  # (most state: no walk)
-                for path, leaf in (((key,), v) for key, v in entry.items()) if flat else leaves(entry):
-                    planned = isinstance(leaf, Prepared) and leaf.meta is not None and leaf.layout is not None
-                    if planned and shape and tuple(leaf.meta.shape) == shape:
-                        found.setdefault((k, path), {})[i] = leaf
+                shape = shapes[k][i]
+                for key, value in load.entry.items():
+                    if isinstance(value, Prepared):  # (most state: no walk)
+                        pairs: Iterable = (((key,), value),)
+                    elif is_container(value):
+                        pairs = leaves(value, (key,))
+                    else:
+                        continue
+                    for path, leaf in pairs:
+                        planned = isinstance(leaf, Prepared) and leaf.meta is not None and leaf.layout is not None
+                        if planned and shape and tuple(leaf.meta.shape) == shape:
+                            found.setdefault((k, path), {})[i] = leaf
             for (k, path), leaves_of in found.items():
                 self._land_state(k, path, leaves_of)
 
@@ -141,7 +147,9 @@ class TwinLoad:
             opt = self.owner.get(id(p), (None, None))[0]
             value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
             fits = isinstance(value, torch.Tensor) and value.dtype == dtype and value.is_contiguous()
-            return value.view(-1) if fits and value.numel() == numel else None
+            if not fits or value.numel() != numel:
+                return None
+            return value if value.dim() == 1 else value.view(-1)
 
         if u.unit.params is None:
             shard = own(u.unit.flat_param, u.shard)
