@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES
-from ..tree import rebuild
+from ..tree import is_container, rebuild
 from . import full_moves
 from . import unit_moves as moves
 from .summaries import at_path
@@ -152,15 +152,19 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
     spots = {twin.index.fqn_of(twin.params[n][i]): (n, i) for n, run in pack for i in run}
     key_at = {n: {path: k for k, (path, _) in enumerate(twin.state_plans[n][1])} for n, _ in pack}
 
+    hollow = twin.hollow_ids
+
     def filled(fqn: str, entry: dict) -> dict:
         n, i = spots[fqn]
+        fulls, at = by_key.get(n), key_at[n]
 
         def full(value, path):
-            if id(value) in twin.hollow_ids:
-                return by_key[n][key_at[n][path]][i] if n in by_key else None
+            if id(value) in hollow:
+                return fulls[at[path]][i] if fulls is not None else None
             return value
 
-        return rebuild(dict(entry), full)
+        # (most state is flat: a key's value read as it is, a container rebuilt)
+        return {key: rebuild(v, full, (key,)) if is_container(v) else full(v, (key,)) for key, v in entry.items()}
 
     return {fqn: None if entry is None else filled(fqn, entry) for fqn, entry in entries.items()}
 
