@@ -78,10 +78,12 @@ def _reading(model: nn.Module, optims: tuple, opts: StateDictOptions):
             target.release()
 
 
-def _target(model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False) -> wrappers.Twin:
+def _target(
+    model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: frozenset[str] = frozenset()
+) -> wrappers.Twin:
     """What a call reads or loads: the model and optimizers themselves, or
     for a model a wrapper layout wraps (:mod:`.wrappers`) their twin in the
-    canonical layout, which a load writes back into them."""
+    canonical layout, which a load (of the parts ``to_load``) writes back into them."""
     index = ModelIndex.of(model, opts.dsd_fqn_modifiers)
     if index.wrapper is None:
         return wrappers.canonical(model, index, optims)
@@ -210,9 +212,9 @@ class _Load:
     and one all-reduce. Both run in the model's group.
     """
 
-    def __init__(self, model: nn.Module, opts: StateDictOptions, optimizers=()):
+    def __init__(self, model: nn.Module, opts: StateDictOptions, optimizers=(), parts=frozenset(("model", "optim"))):
         self.opts = opts
-        target = _target(model, optimizer_params(optimizers), opts, to_load=True)
+        target = _target(model, optimizer_params(optimizers), opts, to_load=frozenset(parts))
         self.model, self.index, self.optims = target.model, target.index, target.optims
         self.twin_load = target.load  # a wrapped model's: the load lands in its twin and is written back
         self.release = target.release
@@ -266,7 +268,7 @@ class _Load:
 def _load(model: nn.Module, opts: StateDictOptions, optimizers, what: str, parts: dict) -> tuple[list, list]:
     """One load (:class:`_Load`); its plans are released on return. Returns
     the model plan's missing and unexpected keys (none without a model)."""
-    load = _Load(model, opts, optimizers)
+    load = _Load(model, opts, optimizers, parts)
     try:
         load.run(what, parts)
     finally:

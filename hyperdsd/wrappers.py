@@ -33,7 +33,7 @@ nothing is made or copied. A sketch of what a new layout implements::
 
         def twin(self, model, index, optims, modifiers_attr, *, to_load, full):
             ...  # a Twin: model, optimizers and index in the canonical layout,
-            ...  # with a TwinLoad when ``to_load``
+            ...  # with a TwinLoad when ``to_load`` (the parts a load loads)
 """
 
 from __future__ import annotations
@@ -91,11 +91,12 @@ class WrapperLayout:
         layout's own (not a parameter of the model as written)."""
         return False
 
-    def twin(self, model, index, optims: tuple, modifiers_attr: str, *, to_load: bool, full: bool) -> Twin:
+    def twin(self, model, index, optims: tuple, modifiers_attr: str, *, to_load: frozenset[str], full: bool) -> Twin:
         """The twin of ``model`` (``index``: its index, listing this layout's
         modules in :attr:`~hyperdsd.state.keys.fqn.ModelIndex.wrapped`) and of ``optims``:
-        for a load (``to_load``, with a :class:`TwinLoad`) or a get (``full``:
-        a full get, which may gather from the wrapper's layout instead)."""
+        for a load (``to_load``, the parts it loads, ``"model"`` and/or ``"optim"``;
+        with a :class:`TwinLoad`) or a get (``to_load`` empty; ``full``: a full
+        get, which may gather from the wrapper's layout instead)."""
         raise NotImplementedError
 
 

@@ -24,7 +24,9 @@ class FSDP1Layout(wrappers.WrapperLayout):
     def is_own(self, param) -> bool:
         return _compat.is_flat_param(param)
 
-    def twin(self, model, index, optims: tuple, modifiers_attr: str, *, to_load: bool, full: bool) -> wrappers.Twin:
+    def twin(
+        self, model, index, optims: tuple, modifiers_attr: str, *, to_load: frozenset[str], full: bool
+    ) -> wrappers.Twin:
         # (loaded for FSDP1 models only)
         from .landing import TwinLoad
         from .streaming import model_stages, optim_stages

@@ -34,7 +34,7 @@ class Twin:
     """An FSDP1 model and its optimizers, in the canonical layout."""
 
     def __init__(
-        self, model: torch.nn.Module, real, optimizers: tuple, modifiers_attr: str, to_load=False, stream=False
+        self, model: torch.nn.Module, real, optimizers: tuple, modifiers_attr: str, to_load=frozenset(), stream=False
     ):
         self.real_model = model
         self.real_optims = tuple(optimizers)
@@ -53,8 +53,9 @@ class Twin:
         # load reads no parameter values (a scratch step steps zeros like them),
         # but its load hooks, which see the twin, might: the rows are read for them.
         self.load_hooked = any(h.pre or h.post for h in map(_compat.optimizer_load_hooks, self.real_optims))
-        self.lazy_rows = to_load and not self.load_hooked
-        self.lazy_state = to_load
+        self.lazy_rows = bool(to_load) and not self.load_hooked
+        self.lazy_state = bool(to_load)
+        hollow_rows = self.stream_rows or (self.lazy_rows and "model" not in to_load)  # (see blank_rows)
         self.state_plans: list[tuple[list, list]] = []  # per unit: (targets, [(path, dtype)]) of its state rows
         self.units: list[UnitLayout] = []
         places: dict[tuple, tuple] = {}  # by group and device type: (size, index, mesh), asked once
@@ -80,7 +81,7 @@ class Twin:
         state = self._plan_state(owner, batch) if self.real_optims else []
         batch.run()
         if tickets is None:
-            rows = blank_rows([(u, u.unit.local.dtype) for u in self.units], self.stream_rows)
+            rows = blank_rows([(u, u.unit.local.dtype) for u in self.units], hollow_rows)
         else:
             rows = [batch.rows(t)[0] for t in tickets]
         self.kept = False
@@ -277,9 +278,7 @@ class Twin:
 def _path_set(named: list, sets: dict) -> set:
     """The paths of ``named`` (a list of (path, dtype)) as a set, made once per list."""
     hit = sets.get(id(named))
-    if hit is None:
-        hit = sets[id(named)] = {path for path, _ in named}
-    return hit
+    return hit if hit is not None else sets.setdefault(id(named), {path for path, _ in named})
 
 
 def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tensor) -> torch.Tensor:

@@ -257,7 +257,8 @@ def twin_module(index, units: list[UnitLayout], rows: list[list[torch.Tensor]]) 
 def blank_rows(asked: list[tuple[UnitLayout, torch.dtype]], hollow: bool) -> list[list[torch.Tensor]]:
     """For each ``(unit, dtype)`` asked, rows of each of the unit's parameters
     not read now: ``hollow``, stand-ins of one element's memory (a full get's,
-    which gathers from the flat shards instead), else empty, to be filled (a
+    which gathers from the flat shards instead, and the parameters' of a load
+    of optimizer state alone, which reads none), else empty, to be filled (a
     load's): views of one tensor per shape for all of them, cut by one
     ``unbind`` each, since a load's twin rows are its own and never returned."""
     if hollow:

@@ -110,10 +110,10 @@ def test_calls_work_on_the_twin_and_a_load_is_written_back(layouts):
     m = model()
     sd = hyperdsd.get_model_state_dict(m)
     assert list(sd) == ["0.weight", "0.bias", "1.weight", "1.bias"]
-    assert box.twins[-1][1:] == ([m[1]], False, False)
+    assert box.twins[-1][1:] == ([m[1]], frozenset(), False)  # a get's twin: nothing to load
     new = {k: torch.full_like(v, 2.0) for k, v in sd.items()}
     hyperdsd.set_model_state_dict(m, new)
-    assert box.twins[-1][2] is True  # the load's twin
+    assert box.twins[-1][2] == {"model"}  # the load's twin, told what the load loads
     assert torch.equal(m[1]._packed.detach(), torch.full((8,), 2.0))  # written back through the twin's load
     assert torch.equal(m[1]._boxed.weight.detach(), torch.full((2, 3), 2.0))
 
