@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from .. import _compat
 from ..state import model as model_state
@@ -201,7 +200,7 @@ class TwinLoad:
         mine = [[id(t) in loaded for t in twins] for twins in self.params]
         only = []
         exchange = moves.Exchange()
-        for u, twins, here, (some, lacking) in zip(self.units, self.params, mine, self._anywhere(mine)):
+        for u, twins, here, (some, lacking) in zip(self.units, self.params, mine, moves.anywhere(self.units, mine)):
             if any(s and n for s, n in zip(some, lacking)):
                 rows = moves.to_rows(u, u.unit.local, exchange)
                 exchange.after(partial(_copy_rows, [None if h else t for t, h in zip(twins, here)], rows))
@@ -221,7 +220,7 @@ class TwinLoad:
         ]
         exchange = moves.Exchange()
         for u, twins, here, (some, _), (targets, typed) in zip(
-            self.units, self.params, mine, self._anywhere(mine), self.twin.state_plans
+            self.units, self.params, mine, moves.anywhere(self.units, mine), self.twin.state_plans
         ):
             if not typed or not any(some):
                 continue
@@ -229,27 +228,6 @@ class TwinLoad:
                 values = [at_path(opt_of[id(t)].state[t], path) if here[i] else None for i, t in enumerate(twins)]
                 exchange.after(partial(_copy_rows, [v if per_element(v) else None for v in values], rows))
         exchange.run()
-
-    def _anywhere(self, flags: list[list[bool]]) -> list[tuple[list[bool], list[bool]]]:
-        """For each unit's ``flags`` (one per parameter, this rank's): whether
-        any rank of the unit's group has it set, and whether any has it clear
-        (one all-reduce per group)."""
-        by_pg: dict[int, list[int]] = {}
-        for k, u in enumerate(self.units):
-            by_pg.setdefault(id(u.unit.pg), []).append(k)
-        out: list = [None] * len(self.units)
-        for ks in by_pg.values():
-            mine = [f for k in ks for f in flags[k]]
-            both = torch.tensor(mine + [not f for f in mine], dtype=torch.int32)
-            if self.units[ks[0]].size > 1 and mine:
-                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.units[ks[0]].unit.pg)
-            read = [bool(x) for x in both.tolist()]  # (as Python values at once: an element at a time cost 1 us)
-            at = 0
-            for k in ks:
-                n = len(flags[k])
-                out[k] = (read[at : at + n], read[len(mine) + at : len(mine) + at + n])
-                at += n
-        return out
 
     def _write_optimizers(self) -> None:
         for opt, twin in zip(self.twin.real_optims, self.twin.optims):

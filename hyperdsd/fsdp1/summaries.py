@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from .._compat import local_tensor as _local
+from ..errors import StateDictError
 from ..tree import leaves, rebuild
 
 # What a rank tells the others of one optimizer parameter's state: by key,
@@ -173,3 +175,26 @@ def merge(summaries: list[Summary | None]) -> Summary | None:
     """The first rank's summary of those that have state for a parameter (ranks
     without its elements in their shard have none under use_orig_params=True)."""
     return next(filter(None, summaries), None)
+
+
+def refuse_unflattenable(summary: Summary | None, owner_of) -> None:
+    """Raise for state a summary says cannot be unflattened (a tensor not per
+    element); ``owner_of`` names what holds it (a unit's FQNs, or one)."""
+    for key, (kind, detail) in (summary or {}).items():
+        if kind == "shape":
+            what = detail if isinstance(detail, str) else f"of shape {detail}"
+            raise StateDictError(
+                f"optimizer state {key!r} of {owner_of} (an FSDP1 unit) is {what}: only "
+                "per-element and scalar state can be unflattened"
+            )
+
+
+def held_copies(leaves: list) -> list:
+    """A new value for each of ``leaves`` (a key's values across parameters):
+    tensors cloned (in one call), a holder's :class:`HeldValue` made a tensor,
+    anything else as it is."""
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    out = [leaf.tensor() if isinstance(leaf, HeldValue) else leaf for leaf in leaves]
+    for i, copy in zip(tensors, _compat.clones([leaves[i] for i in tensors])):
+        out[i] = copy
+    return out

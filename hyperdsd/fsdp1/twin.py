@@ -26,7 +26,18 @@ from . import kept as kept_twins
 from . import stacks
 from . import unit_moves as moves
 from . import units as layout_of
-from .summaries import HeldValue, RowsAt, at_path, merge, per_element_paths, quick_summary_key, summarize, summary_key
+from .summaries import (
+    HeldValue,
+    RowsAt,
+    at_path,
+    held_copies,
+    merge,
+    per_element_paths,
+    quick_summary_key,
+    refuse_unflattenable,
+    summarize,
+    summary_key,
+)
 from .units import UnitLayout, blank_rows, twin_module, twin_optimizer
 
 
@@ -151,7 +162,7 @@ class Twin:
             paths = []
             for j, summary in enumerate(merged):
                 if id(summary) not in paths_of:
-                    _refuse_unflattenable(u, j, summary)
+                    refuse_unflattenable(summary, u.fqns if u.unit.params is None else u.fqns[j])
                     paths_of[id(summary)] = per_element_paths(summary or {})
                 paths.append(paths_of[id(summary)])
             targets = [(j, p, owner.get(id(p))) for j, p in enumerate(params)]
@@ -291,18 +302,6 @@ def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tens
     return shard
 
 
-def _refuse_unflattenable(u: UnitLayout, j: int, summary) -> None:
-    """Raise for state a summary says cannot be unflattened (a tensor not per element)."""
-    for key, (kind, detail) in (summary or {}).items():
-        if kind == "shape":
-            what = detail if isinstance(detail, str) else f"of shape {detail}"
-            owner_of = u.fqns if u.unit.params is None else u.fqns[j]
-            raise StateDictError(
-                f"optimizer state {key!r} of {owner_of} (an FSDP1 unit) is {what}: only "
-                "per-element and scalar state can be unflattened"
-            )
-
-
 def _wrap_rows(u: UnitLayout, rows: list[torch.Tensor], held: list[int]) -> list:
     """DTensors of the rows of the parameters ``held``, each in its parameter's layout."""
     if not held:
@@ -358,21 +357,10 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
                 column = placed[(key,)]
                 columns.append(column if len(ids) == n else [column[i] for i in ids])
             else:
-                columns.append(_held_copies([own.get(key, detail) for own in owns]))
+                columns.append(held_copies([own.get(key, detail) for own in owns]))
         for i, values in zip(ids, zip(*columns)):
             entries[i] = dict(zip(keys, values))
     return entries
-
-
-def _held_copies(leaves: list) -> list:
-    """A new value for each of ``leaves`` (a key's values across parameters):
-    tensors cloned (in one call), a holder's :class:`HeldValue` made a tensor,
-    anything else as it is."""
-    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    out = [leaf.tensor() if isinstance(leaf, HeldValue) else leaf for leaf in leaves]
-    for i, copy in zip(tensors, _compat.clones([leaves[i] for i in tensors])):
-        out[i] = copy
-    return out
 
 
 def _twin_entry(summary: dict, own: dict, rows_at) -> dict:

@@ -340,3 +340,25 @@ def exchange_by_group(objs: list[Any], pgs: list[Any]) -> list[list[Any]]:
         for j, k in enumerate(ks):
             out[k] = [e[j] for e in everyone]
     return out
+
+
+def anywhere(units: list, flags: list[list[bool]]) -> list[tuple[list[bool], list[bool]]]:
+    """For each unit's ``flags`` (one per parameter, this rank's): whether
+    any rank of the unit's group has it set, and whether any has it clear
+    (one all-reduce per group)."""
+    by_pg: dict[int, list[int]] = {}
+    for k, u in enumerate(units):
+        by_pg.setdefault(id(u.unit.pg), []).append(k)
+    out: list = [None] * len(units)
+    for ks in by_pg.values():
+        mine = [f for k in ks for f in flags[k]]
+        both = torch.tensor(mine + [not f for f in mine], dtype=torch.int32)
+        if units[ks[0]].size > 1 and mine:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=units[ks[0]].unit.pg)
+        read = [bool(x) for x in both.tolist()]  # (as Python values at once: an element at a time cost 1 us)
+        at = 0
+        for k in ks:
+            n = len(flags[k])
+            out[k] = (read[at : at + n], read[len(mine) + at : len(mine) + at + n])
+            at += n
+    return out
