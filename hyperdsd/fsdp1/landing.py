@@ -108,6 +108,23 @@ class TwinLoad:
                             found.setdefault((k, path), {})[i] = leaf
             for (k, path), leaves_of in found.items():
                 self._land_state(k, path, leaves_of)
+            if self.twin.hollow_state:
+                self._make_real(optim_plan, where)
+
+    def _make_real(self, plan, where: dict[int, tuple[int, int]]) -> None:
+        """A hollow twin's state (:attr:`Twin.hollow_state`): a per-element value loaded but not
+        landed in the flat shards gets rows of its own, in its entry and as its receiver's dest."""
+        for load in plan.params:
+            hit, entry = where.get(id(load.param)), load.opt.state.get(load.param)
+            if hit is None or not entry or not load.entry:
+                continue  # (not a twin parameter's, or nothing loaded or held)
+            for key, value in entry.items():
+                leaf = load.entry.get(key)
+                if id(value) not in self.twin.hollow_ids or getattr(leaf, "landing", None) is not None:
+                    continue
+                entry[key] = real = self.twin.real_rows(*hit, value.dtype)
+                if isinstance(leaf, Prepared) and leaf.dest is not None:
+                    leaf.dest = real if leaf.dest is value else _compat.local_tensor(real)
 
     def _land_state(self, k: int, path: tuple, leaves_of: dict[int, Prepared]) -> None:
         """Land the per-element state at ``path`` of unit ``k``'s parameters
@@ -179,7 +196,7 @@ class TwinLoad:
                 keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
                 rows = [_compat.local_tensor(t) for t in twins]
                 if len(keep) == len(twins):  # (the same on every rank: what some rank loaded, and the plan)
-                    batch.add(u, [rows], [u.unit.local], then=_nothing)
+                    batch.add(u, [rows], [u.unit.local], then=lambda _shards: None)  # (written: no more)
                 else:
                     moves.to_shard_many(u, [rows], [u.unit.local], only=keep, exchange=batch.exchange)
             batch.run()
@@ -219,15 +236,25 @@ class TwinLoad:
             for twins in self.params
         ]
         exchange = moves.Exchange()
-        for u, twins, here, (some, _), (targets, typed) in zip(
-            self.units, self.params, mine, moves.anywhere(self.units, mine), self.twin.state_plans
+        for k, (u, twins, here, (some, _), (targets, typed)) in enumerate(
+            zip(self.units, self.params, mine, moves.anywhere(self.units, mine), self.twin.state_plans)
         ):
             if not typed or not any(some):
                 continue
             for (path, _), rows in zip(typed, self.twin.state_rows(u, targets, typed, exchange)):
-                values = [at_path(opt_of[id(t)].state[t], path) if here[i] else None for i, t in enumerate(twins)]
-                exchange.after(partial(_copy_rows, [v if per_element(v) else None for v in values], rows))
+                entries = [opt_of[id(t)].state[t] if here[i] else None for i, t in enumerate(twins)]
+                exchange.after(partial(self._refilled, k, path, entries, rows))
         exchange.run()
+
+    def _refilled(self, k: int, path: tuple, entries: list, rows: list[torch.Tensor]) -> None:
+        """Copy each of ``rows`` into the per-element value at ``path`` of its twin entry (None: not
+        refilled); a hollow one, shared, is replaced there by its own (hollow state is never nested)."""
+        for i, (entry, row) in enumerate(zip(entries, rows)):
+            value = at_path(entry, path) if entry is not None else None
+            if id(value) in self.twin.hollow_ids:
+                entry[path[0]] = self.twin.real_rows(k, i, value.dtype, row)
+            elif per_element(value):
+                _compat.local_tensor(value).copy_(row)
 
     def _write_optimizers(self) -> None:
         for opt, twin in zip(self.twin.real_optims, self.twin.optims):
@@ -368,7 +395,3 @@ def _copy_rows(into: list, rows: list[torch.Tensor]) -> None:
     for target, row in zip(into, rows):
         if target is not None:
             _compat.local_tensor(target).copy_(row)
-
-
-def _nothing(_shards: list) -> None:
-    """What a model's write-back does once a unit's flat shard is written: nothing more."""

@@ -26,8 +26,7 @@ from ..tree import is_container, rebuild
 from . import full_moves
 from . import unit_moves as moves
 from .summaries import at_path
-from .twin import Twin
-from .units import UnitLayout
+from .units import UnitLayout, shard_state
 
 
 def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:
@@ -180,7 +179,7 @@ def _state_source(u: UnitLayout, targets: list, path: tuple, dtype: torch.dtype)
         value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
         return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
     if u.index_plan() is not None:  # (a unit of many small parameters: joined, to move as one piece)
-        return Twin.shard_state(u, targets, path, dtype)
+        return shard_state(u, targets, path, dtype)
     base = u.index * u.shard
 
     def cut(i: int, a: int, b: int) -> torch.Tensor:

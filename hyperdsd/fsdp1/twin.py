@@ -21,6 +21,7 @@ import torch
 from .. import _compat
 from ..errors import StateDictError
 from ..state.keys.fqn import ModelIndex
+from ..transport import group as groups
 from ..tree import rebuild
 from . import kept as kept_twins
 from . import stacks
@@ -38,7 +39,7 @@ from .summaries import (
     summarize,
     summary_key,
 )
-from .units import UnitLayout, blank_rows, twin_module, twin_optimizer
+from .units import UnitLayout, blank_rows, shard_state, twin_module, twin_optimizer
 
 
 class Twin:
@@ -97,6 +98,11 @@ class Twin:
             rows = [batch.rows(t)[0] for t in tickets]
         self.kept = False
         self.model, self.params, self.index = self._tree(model, real, rows, modifiers_attr)
+        # A broadcast load lands per-element state in the flat shards (:meth:`TwinLoad.land`, called
+        # wherever the model's group has peers): the twin's stands in hollow, and what a load does not
+        # land gets rows of its own there. Load hooks see the twin's state: it is real for them.
+        broadcast = "broadcast" in to_load and not self.load_hooked
+        self.hollow_state = broadcast and groups.of_params(self.index.params).has_peers
         self.optims = self._twin_optimizers(owner, state, batch) if self.real_optims else ()
 
     def _tree(self, model, real, rows: list, modifiers_attr: str) -> tuple:
@@ -174,24 +180,29 @@ class Twin:
             self.state_plans.append((targets, typed))
             ticket = None
             if typed and not (self.lazy_state or self.stream_state):
-                ticket = batch.add(u, [self.shard_state(u, targets, path, dtype) for path, dtype in typed])
+                ticket = batch.add(u, [shard_state(u, targets, path, dtype) for path, dtype in typed])
             planned.append((merged, paths, ticket))
         return planned
 
     def _fill_state(self, owner: dict, twins_of: dict, planned: list, batch) -> None:
         """Each unit's state, unflattened into the twin optimizers: per-element
         state as DTensors of its rows, the rest as this rank (or a holder) has it."""
-        asked = [
-            (u, dtype)
-            for u, (_, _, t), (_, typed) in zip(self.units, planned, self.state_plans)
-            if t is None
-            for _, dtype in typed
+        # (nested state is never hollow: what stands in is made real by its key)
+        hollow = [
+            self.stream_state or (self.hollow_state and all(len(p) == 1 for p, _ in typed))
+            for _, typed in self.state_plans
         ]
-        blank = iter(blank_rows(asked, self.stream_state))  # (the rows a load or a full get does not read)
+        asked = [
+            (n, u, d)
+            for n, (u, (_, _, t), (_, typed)) in enumerate(zip(self.units, planned, self.state_plans))
+            if t is None
+            for _, d in typed
+        ]
+        blank = [iter(blank_rows([(u, d) for n, u, d in asked if hollow[n] is h], h)) for h in (False, True)]
         sets: dict[int, set] = {}  # by the id of a list of paths (shared: see _plan_state)
         for n, (u, twins, (merged, paths, ticket)) in enumerate(zip(self.units, self.params, planned)):
             targets, typed = self.state_plans[n]
-            by_key = [next(blank) for _ in typed] if ticket is None else batch.rows(ticket)
+            by_key = [next(blank[hollow[n]]) for _ in typed] if ticket is None else batch.rows(ticket)
             flat = u.unit.params is None
             everyone = range(len(twins))
             has = [_path_set(named, sets) for named in (paths[:1] if flat else paths)]
@@ -202,7 +213,7 @@ class Twin:
                 else:
                     held = [i for i, named in enumerate(has) if path in named]
                 placed[path] = column = [None] * len(twins)
-                for i, value in zip(held, (self._hollow if self.stream_state else _wrap_rows)(u, rows, held)):
+                for i, value in zip(held, (self._hollow if hollow[n] else _wrap_rows)(u, rows, held)):
                     column[i] = value
             entries = _twin_entries(u, merged, targets, placed)
             for twin, (_, p, opt), entry in zip(twins, targets * len(twins) if flat else targets, entries):
@@ -210,9 +221,9 @@ class Twin:
                     twins_of[id(opt)].state[twin] = entry
 
     def _hollow(self, u: UnitLayout, rows: list, held: list[int]) -> list:
-        """A full get's stand-ins for the state rows of the parameters ``held``:
-        nothing reads them, so each layout and dtype has one, shared (no
-        DTensor per value, where a full get holds nothing of its state)."""
+        """Stand-ins for the state rows of the parameters ``held`` (a full get's,
+        or a broadcast load's): nothing reads them, so each layout and dtype has
+        one, shared (no DTensor per value, where the call holds none of its state)."""
         out = []
         for i in held:
             key = (id(u.layouts[i]), rows[i].dtype)
@@ -222,6 +233,14 @@ class Twin:
                 self.hollow_ids.add(id(value))
             out.append(value)
         return out
+
+    def real_rows(self, k: int, i: int, dtype: torch.dtype, row: torch.Tensor | None = None) -> torch.Tensor:
+        """A DTensor of parameter ``i`` of unit ``k``'s own rows (``row``, or
+        zeros): for a value that stood in hollow."""
+        u = self.units[k]
+        rows = [None] * len(u.fqns)
+        rows[i] = row if row is not None else torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device)
+        return _wrap_rows(u, rows, [i])[0]
 
     def _summaries(self, owner: dict, per_unit: list) -> list[list]:
         """This rank's summary of each unit's parameters' state (None where it
@@ -253,53 +272,14 @@ class Twin:
     def state_rows(self, u: UnitLayout, targets: list, typed: list, exchange=None) -> list[list[torch.Tensor]]:
         """This rank's rows of each state tensor ``typed`` names (path, dtype), in one
         exchange (or as part of ``exchange``: filled when it runs)."""
-        shards = [self.shard_state(u, targets, path, dtype) for path, dtype in typed]
+        shards = [shard_state(u, targets, path, dtype) for path, dtype in typed]
         return moves.to_rows_many(u, shards, exchange)
-
-    @staticmethod
-    def shard_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
-        """This rank's flat shard of the state at ``path``: the flat parameter's own, or
-        assembled from the original parameters' pieces (zeros where none)."""
-        device = u.unit.local.device
-        if u.unit.params is None:
-            _, p, opt = targets[0]
-            value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
-            return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
-        # The pieces in order, zeros between and after them: one concatenation.
-        pieces, at, zeros = [], 0, torch.zeros(u.shard, dtype=dtype, device=device)
-        key = path[0] if len(path) == 1 else None
-        for j, p, opt in targets:
-            where = u.unit.in_shard[j]
-            if where is None or not where[1]:
-                continue
-            entry = opt.state.get(p) if opt is not None else None
-            value = (entry.get(key) if key is not None else at_path(entry, path)) if entry else None
-            if where[0] < at or (value is not None and value.numel() != where[1]):
-                # (pieces out of order, which FSDP1 never lays; a value that does not fit, refused there)
-                return _shard_by_piece(u, targets, path, zeros)
-            pieces += [zeros[: where[0] - at]] if where[0] > at else []
-            pieces.append(zeros[: where[1]] if value is None else value)
-            at = where[0] + where[1]
-        if not pieces:
-            return zeros
-        joined = _compat.joined_flat(pieces + [zeros[: u.shard - at]])  # (flattened in the call)
-        return joined if joined.dtype == dtype else joined.to(dtype)
 
 
 def _path_set(named: list, sets: dict) -> set:
     """The paths of ``named`` (a list of (path, dtype)) as a set, made once per list."""
     hit = sets.get(id(named))
     return hit if hit is not None else sets.setdefault(id(named), {path for path, _ in named})
-
-
-def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tensor) -> torch.Tensor:
-    """:meth:`Twin.shard_state` of original parameters, a piece at a time into ``shard`` (zeros)."""
-    for j, p, opt in targets:
-        value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
-        where = u.unit.in_shard[j]
-        if value is not None and where is not None and where[1]:
-            shard[where[0] : where[0] + where[1]] = value.reshape(-1)
-    return shard
 
 
 def _wrap_rows(u: UnitLayout, rows: list[torch.Tensor], held: list[int]) -> list:

@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from .. import _compat
 from ..placement import DTensorLayout, _contiguous_stride
 from ..transport.group import WorldCache
+from .summaries import at_path
 from .unit_geometry import Geometry, IndexPlan, geometry, index_plan
 
 # Row layouts by (mesh, global shape), in this world (a layout holds its mesh).
@@ -319,3 +320,42 @@ def twin_optimizer(opt: torch.optim.Optimizer, expand: dict[int, list], names: d
 def _param_names(group: dict, params: list) -> list[str]:
     names = list(group.get("param_names") or [])
     return names if len(names) == len(params) else [""] * len(params)
+
+
+def shard_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tensor:
+    """This rank's flat shard of the state at ``path``: the flat parameter's own, or
+    assembled from the original parameters' pieces (zeros where none)."""
+    device = u.unit.local.device
+    if u.unit.params is None:
+        _, p, opt = targets[0]
+        value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
+        return value if value is not None else torch.zeros(u.shard, dtype=dtype, device=device)
+    # The pieces in order, zeros between and after them: one concatenation.
+    pieces, at, zeros = [], 0, torch.zeros(u.shard, dtype=dtype, device=device)
+    key = path[0] if len(path) == 1 else None
+    for j, p, opt in targets:
+        where = u.unit.in_shard[j]
+        if where is None or not where[1]:
+            continue
+        entry = opt.state.get(p) if opt is not None else None
+        value = (entry.get(key) if key is not None else at_path(entry, path)) if entry else None
+        if where[0] < at or (value is not None and value.numel() != where[1]):
+            # (pieces out of order, which FSDP1 never lays; a value that does not fit, refused there)
+            return _shard_by_piece(u, targets, path, zeros)
+        pieces += [zeros[: where[0] - at]] if where[0] > at else []
+        pieces.append(zeros[: where[1]] if value is None else value)
+        at = where[0] + where[1]
+    if not pieces:
+        return zeros
+    joined = _compat.joined_flat(pieces + [zeros[: u.shard - at]])  # (flattened in the call)
+    return joined if joined.dtype == dtype else joined.to(dtype)
+
+
+def _shard_by_piece(u: UnitLayout, targets: list, path: tuple, shard: torch.Tensor) -> torch.Tensor:
+    """:func:`shard_state` of original parameters, a piece at a time into ``shard`` (zeros)."""
+    for j, p, opt in targets:
+        value = at_path(opt.state.get(p) or {}, path) if opt is not None else None
+        where = u.unit.in_shard[j]
+        if value is not None and where is not None and where[1]:
+            shard[where[0] : where[0] + where[1]] = value.reshape(-1)
+    return shard

@@ -575,13 +575,22 @@ def optimizer_broadcast_traffic(ctx, fsdp: int, uop: bool = True, strategy: str 
     return meter.payload, share + largest
 
 
-def broadcast_equals_full_load(ctx, uop: bool, fresh_target: bool):
+def broadcast_equals_full_load(ctx, uop: bool, fresh_target: bool, unlanded: bool = False):
     """A broadcast load lands state straight in the flat layout (into the
     optimizer's own state where it fits): it ends as a full load of the same
     dicts does, here with one parameter's entry a never-stepped template (it
     ends fresh: landed, then dropped) and the others real state. The
     optimizer's template is not zeros, so what lands for the dropped entry
-    shows if it stays."""
+    shows if it stays. ``unlanded``: the state lands nowhere straight (as if
+    it could not), so it is received through the twin, whose state stood in
+    hollow (shared) until the load gave each value rows of its own."""
+    if unlanded:  # (patched for this task alone: the rank's process runs others after it)
+        from unittest import mock
+
+        from hyperdsd.fsdp1 import landing
+
+        with mock.patch.object(landing.TwinLoad, "_land_state", lambda self, k, path, leaves_of: None):
+            return broadcast_equals_full_load(ctx, uop, fresh_target)
 
     def make(seed):
         model, _ = _fsdp1(ctx, seed, uop)

@@ -148,6 +148,14 @@ def test_a_broadcast_load_ends_as_a_full_load_of_the_same_dicts(pools, uop, fres
 
 
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_broadcast_loads_state_that_lands_nowhere_straight_gets_rows_of_its_own(pools, uop):
+    """A broadcast load's twin state stands in hollow, one tensor shared by many
+    values; what does not land in the flat shards is received into rows of its
+    own, and ends as a full load of the same dicts."""
+    assert run(pools, 2, "broadcast_equals_full_load", uop=uop, fresh_target=False, unlanded=True) == [True, True]
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
 def test_an_optimizer_load_hook_changes_what_a_broadcast_load_writes_as_a_full_loads(pools, uop):
     assert run(pools, 2, "hooked_broadcast_equals_full_load", uop=uop) == [True, True]
 

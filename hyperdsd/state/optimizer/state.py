@@ -107,8 +107,9 @@ def _loaded(value: Any, existing: Any) -> Any:
     they fit (planned, or ``existing``) or made new; containers rebuilt
     around their loaded leaves; anything else copied."""
     if isinstance(value, Prepared):
-        if value.landing is not None:  # delivered elsewhere (a wrapper layout's own): keep its stand-in
-            return materialize(value)
+        if value.landing is not None:  # delivered elsewhere (a wrapper layout's own): a stand-in stays
+            alike = isinstance(existing, torch.Tensor) and existing.dtype == value.dtype
+            return existing if alike and existing.shape == value.meta.shape else materialize(value)
         if value.dest is not None:  # planned to fit (checked when planned)
             return copy_into(value.dest, value)
         return copy_into(existing, value) if fits(existing, value) else materialize(value)
