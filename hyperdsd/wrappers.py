@@ -33,7 +33,7 @@ nothing is made or copied. A sketch of what a new layout implements::
 
         def twin(self, model, index, optims, modifiers_attr, *, to_load, full):
             ...  # a Twin: model, optimizers and index in the canonical layout,
-            ...  # with a TwinLoad when ``to_load`` (the parts a load loads)
+            ...  # with a TwinLoad when ``to_load`` (what a load loads, and how)
 """
 
 from __future__ import annotations
@@ -94,7 +94,9 @@ class WrapperLayout:
     def twin(self, model, index, optims: tuple, modifiers_attr: str, *, to_load: frozenset[str], full: bool) -> Twin:
         """The twin of ``model`` (``index``: its index, listing this layout's
         modules in :attr:`~hyperdsd.state.keys.fqn.ModelIndex.wrapped`) and of ``optims``:
-        for a load (``to_load``, the parts it loads, ``"model"`` and/or ``"optim"``;
+        for a load (``to_load``, the parts it loads, ``"model"`` and/or ``"optim"``,
+        and ``"broadcast"`` where rank 0's dicts are sent to the others, whose
+        :meth:`TwinLoad.land` is then called if the model's group has peers;
         with a :class:`TwinLoad`) or a get (``to_load`` empty; ``full``: a full
         get, which may gather from the wrapper's layout instead)."""
         raise NotImplementedError
