@@ -214,7 +214,7 @@ class _Load:
 
     def __init__(self, model: nn.Module, opts: StateDictOptions, optimizers=(), parts=frozenset(("model", "optim"))):
         self.opts = opts
-        how = {"broadcast"} if opts.broadcast_from_rank0 else set()  # (the twin then plans against rank 0's)
+        how = {"broadcast"} if opts.broadcast_from_rank0 else set()  # (rank 0's dicts, sent to the others)
         target = _target(model, optimizer_params(optimizers), opts, to_load=frozenset(parts) | how)
         self.model, self.index, self.optims = target.model, target.index, target.optims
         self.twin_load = target.load  # a wrapped model's: the load lands in its twin and is written back
