@@ -151,16 +151,17 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
     spots = {twin.index.fqn_of(twin.params[n][i]): (n, i) for n, run in pack for i in run}
     key_at = {n: {path: k for k, (path, _) in enumerate(twin.state_plans[n][1])} for n, _ in pack}
 
-    hollow = twin.hollow_ids
+    hollow, me = twin.hollow_ids, dist.get_rank()
 
     def filled(fqn: str, entry: dict) -> dict:
         n, i = spots[fqn]
         fulls, at = by_key.get(n), key_at[n]
+        kept = root_of(fqn) in (None, me)  # (the twin's other tensors are the optimizer's: copied where handed out)
 
         def full(value, path):
             if id(value) in hollow:
                 return fulls[at[path]][i] if fulls is not None else None
-            return value
+            return value.clone() if kept and isinstance(value, torch.Tensor) else value
 
         # (most state is flat: a key's value read as it is, a container rebuilt)
         return {key: rebuild(v, full, (key,)) if is_container(v) else full(v, (key,)) for key, v in entry.items()}

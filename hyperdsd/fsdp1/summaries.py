@@ -189,11 +189,11 @@ def refuse_unflattenable(summary: Summary | None, owner_of) -> None:
             )
 
 
-def held_copies(leaves: list) -> list:
+def held_copies(leaves: list, copies: bool = True) -> list:
     """A new value for each of ``leaves`` (a key's values across parameters):
-    tensors cloned (in one call), a holder's :class:`HeldValue` made a tensor,
-    anything else as it is."""
-    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors cloned (in one call; as they are without ``copies``), a holder's
+    :class:`HeldValue` made a tensor, anything else as it is."""
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)] if copies else []
     out = [leaf.tensor() if isinstance(leaf, HeldValue) else leaf for leaf in leaves]
     for i, copy in zip(tensors, _compat.clones([leaves[i] for i in tensors])):
         out[i] = copy

@@ -215,7 +215,8 @@ class Twin:
                 placed[path] = column = [None] * len(twins)
                 for i, value in zip(held, (self._hollow if hollow[n] else _wrap_rows)(u, rows, held)):
                     column[i] = value
-            entries = _twin_entries(u, merged, targets, placed)
+            # (a full get's gather copies what its rank hands out: :mod:`hyperdsd.fsdp1.streaming`)
+            entries = _twin_entries(u, merged, targets, placed, copies=not (self.stream_state and typed))
             for twin, (_, p, opt), entry in zip(twins, targets * len(twins) if flat else targets, entries):
                 if entry is not None:
                     twins_of[id(opt)].state[twin] = entry
@@ -295,7 +296,7 @@ def _wrap_rows(u: UnitLayout, rows: list[torch.Tensor], held: list[int]) -> list
     return _compat.dtensors_of([rows[i] for i in held], [specs[i] for i in held])
 
 
-def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> list:
+def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict, copies: bool = True) -> list:
     """Each of the unit's twin parameters' state entry (None: no state): its
     per-element state the DTensors ``placed`` (by path, by parameter), the
     rest this rank's values where it has them (a flat parameter's, shared by
@@ -311,7 +312,7 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
             return entries
         own = opt.state.get(p) or {}
         if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
-            return [_twin_entry(summary, own, lambda path, i=i: placed[path][i]) for i in range(n)]
+            return [_twin_entry(summary, own, lambda path, i=i: placed[path][i], copies) for i in range(n)]
         alike[id(summary)] = (summary, range(n), [own] * n)
     for i, summary in enumerate(merged if u.unit.params is not None else ()):
         if summary is None:
@@ -322,7 +323,7 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
         group = alike.get(id(summary))
         if group is None:
             if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
-                entries[i] = _twin_entry(summary, own, lambda path, i=i: placed[path][i])
+                entries[i] = _twin_entry(summary, own, lambda path, i=i: placed[path][i], copies)
                 continue
             group = alike[id(summary)] = (summary, [], [])
         group[1].append(i)
@@ -337,13 +338,13 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict) -> l
                 column = placed[(key,)]
                 columns.append(column if len(ids) == n else [column[i] for i in ids])
             else:
-                columns.append(held_copies([own.get(key, detail) for own in owns]))
+                columns.append(held_copies([own.get(key, detail) for own in owns], copies))
         for i, values in zip(ids, zip(*columns)):
             entries[i] = dict(zip(keys, values))
     return entries
 
 
-def _twin_entry(summary: dict, own: dict, rows_at) -> dict:
+def _twin_entry(summary: dict, own: dict, rows_at, copies: bool = True) -> dict:
     """A twin parameter's state entry: per-element state (nested too) as the
     twin's rows, ``rows_at(path)``; the rest this rank's own values where it
     has them, else the holders' (``summary``'s)."""
@@ -354,7 +355,7 @@ def _twin_entry(summary: dict, own: dict, rows_at) -> dict:
         leaf = at_path(own, path, leaf)
         if isinstance(leaf, HeldValue):
             return leaf.tensor()
-        return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+        return leaf.clone() if copies and isinstance(leaf, torch.Tensor) else leaf
 
     entry = {}
     for key, (kind, detail) in summary.items():

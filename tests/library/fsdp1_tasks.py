@@ -911,3 +911,21 @@ def stacked_moves_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD
                 for a, s in zip(written[n], shards(u)):
                     assert torch.equal(a[held], s[held].to(a.dtype)), "rows and back are not the shards"
     return True
+
+
+def full_get_hands_out_copies(ctx, uop: bool, cpu: bool):
+    """A full get gathers per-element state from the flat shards; the rest (steps) is
+    copied where a rank hands it out: no value is the optimizer's own tensor, nor
+    shares its storage with another key's (a flat parameter's step serves many)."""
+    model, optimizer = _fsdp1(ctx, 0, uop)
+    _steps(model, optimizer, 0, 2)
+    _, osd = hyperdsd.get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))
+    own = {v.data_ptr() for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)}
+    seen: set[int] = set()
+    state = osd.get("state", {})  # (rank 0 alone holds it with cpu_offload)
+    for fqn, entry in state.items():
+        for key, value in entry.items():
+            assert value.data_ptr() not in own, f"{fqn}'s {key} is the optimizer's own tensor"
+            assert value.data_ptr() not in seen, f"{fqn}'s {key} shares its storage with another key's"
+            seen.add(value.data_ptr())
+    return len(state)

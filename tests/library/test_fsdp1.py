@@ -155,6 +155,14 @@ def test_a_broadcast_loads_state_that_lands_nowhere_straight_gets_rows_of_its_ow
     assert run(pools, 2, "broadcast_equals_full_load", uop=uop, fresh_target=False, unlanded=True) == [True, True]
 
 
+@pytest.mark.parametrize("cpu", [False, True], ids=["every-rank", "rank0-cpu"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
+def test_a_full_get_hands_out_copies_of_what_it_does_not_gather(pools, uop, cpu):
+    """Every key's step is its own tensor where a rank hands it out (rank 0 alone with cpu_offload)."""
+    held = run(pools, 2, "full_get_hands_out_copies", uop=uop, cpu=cpu)
+    assert held[0] > 0 and (held[1] > 0) == (not cpu), held
+
+
 @pytest.mark.parametrize("uop", [False, True], ids=["flat-params", "orig-params"])
 def test_an_optimizer_load_hook_changes_what_a_broadcast_load_writes_as_a_full_loads(pools, uop):
     assert run(pools, 2, "hooked_broadcast_equals_full_load", uop=uop) == [True, True]
