@@ -21,6 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from .. import _compat
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES
 from ..tree import is_container, rebuild
 from . import full_moves
@@ -152,6 +153,7 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
     key_at = {n: {path: k for k, (path, _) in enumerate(twin.state_plans[n][1])} for n, _ in pack}
 
     hollow, me = twin.hollow_ids, dist.get_rank()
+    copied: list[tuple[dict, str]] = []  # (an entry handed out, its key): the twin's tensor there, copied below
 
     def filled(fqn: str, entry: dict) -> dict:
         n, i = spots[fqn]
@@ -163,10 +165,23 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
                 return fulls[at[path]][i] if fulls is not None else None
             return value.clone() if kept and isinstance(value, torch.Tensor) else value
 
-        # (most state is flat: a key's value read as it is, a container rebuilt)
-        return {key: rebuild(v, full, (key,)) if is_container(v) else full(v, (key,)) for key, v in entry.items()}
+        out = {}
+        for key, v in entry.items():  # (most state is flat: a key's value read as it is, a container rebuilt)
+            if is_container(v):
+                out[key] = rebuild(v, full, (key,))
+                continue
+            if id(v) in hollow:
+                out[key] = full(v, (key,))
+                continue
+            out[key] = v
+            if kept and isinstance(v, torch.Tensor):
+                copied.append((out, key))
+        return out
 
-    return {fqn: None if entry is None else filled(fqn, entry) for fqn, entry in entries.items()}
+    values = {fqn: None if entry is None else filled(fqn, entry) for fqn, entry in entries.items()}
+    for (out, key), copy in zip(copied, _compat.clones([out[key] for out, key in copied])):  # (in one call)
+        out[key] = copy
+    return values
 
 
 def _state_source(u: UnitLayout, targets: list, path: tuple, dtype: torch.dtype):
