@@ -191,10 +191,19 @@ def refuse_unflattenable(summary: Summary | None, owner_of) -> None:
 
 def held_copies(leaves: list, copies: bool = True) -> list:
     """A new value for each of ``leaves`` (a key's values across parameters):
-    tensors cloned (in one call; as they are without ``copies``), a holder's
-    :class:`HeldValue` made a tensor, anything else as it is."""
+    tensors cloned (in one call), a holder's :class:`HeldValue` made a tensor,
+    anything else as it is. Without ``copies`` (the caller copies what it hands
+    out) tensors stay as they are and each held value is made one tensor, shared."""
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)] if copies else []
-    out = [leaf.tensor() if isinstance(leaf, HeldValue) else leaf for leaf in leaves]
+    made: dict[int, torch.Tensor] = {}
+
+    def held(leaf: HeldValue) -> torch.Tensor:
+        if copies:
+            return leaf.tensor()
+        hit = made.get(id(leaf))
+        return hit if hit is not None else made.setdefault(id(leaf), leaf.tensor())
+
+    out = [held(leaf) if isinstance(leaf, HeldValue) else leaf for leaf in leaves]
     for i, copy in zip(tensors, _compat.clones([leaves[i] for i in tensors])):
         out[i] = copy
     return out
