@@ -141,7 +141,6 @@ class TwinLoad:
             shard = into[0][0] if u.unit.params is None else None
         else:
             shard = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
-            into = dict.fromkeys(range(len(u.fqns)), (shard, 0))
         self.state_landed.setdefault(k, {})[path] = _Landed(leaves_of.keys(), shard, in_place)
         if in_place and shard is None:  # (each original parameter's own state)
             landings = [self.places.in_own(k, i, *into[i]) for i in leaves_of]

@@ -101,7 +101,7 @@ class Twin:
         # A broadcast load lands per-element state in the flat shards (:meth:`TwinLoad.land`, called
         # wherever the model's group has peers): the twin's stands in hollow, and what a load does not
         # land gets rows of its own there. Load hooks see the twin's state: it is real for them.
-        broadcast = "broadcast" in to_load and not self.load_hooked
+        broadcast = "broadcast" in to_load and bool(self.real_optims) and not self.load_hooked
         self.hollow_state = broadcast and groups.of_params(self.index.params).has_peers
         self.optims = self._twin_optimizers(owner, state, batch) if self.real_optims else ()
 
@@ -189,7 +189,7 @@ class Twin:
         state as DTensors of its rows, the rest as this rank (or a holder) has it."""
         # (nested state is never hollow: what stands in is made real by its key)
         hollow = [
-            self.stream_state or (self.hollow_state and all(len(p) == 1 for p, _ in typed))
+            bool(self.stream_state or (self.hollow_state and all(len(p) == 1 for p, _ in typed)))
             for _, typed in self.state_plans
         ]
         asked = [
@@ -198,7 +198,7 @@ class Twin:
             if t is None
             for _, d in typed
         ]
-        blank = [iter(blank_rows([(u, d) for n, u, d in asked if hollow[n] is h], h)) for h in (False, True)]
+        blank = [iter(blank_rows([(u, d) for n, u, d in asked if hollow[n] == h], h)) for h in (False, True)]
         sets: dict[int, set] = {}  # by the id of a list of paths (shared: see _plan_state)
         for n, (u, twins, (merged, paths, ticket)) in enumerate(zip(self.units, self.params, planned)):
             targets, typed = self.state_plans[n]
@@ -239,9 +239,8 @@ class Twin:
         """A DTensor of parameter ``i`` of unit ``k``'s own rows (``row``, or
         zeros): for a value that stood in hollow."""
         u = self.units[k]
-        rows = [None] * len(u.fqns)
-        rows[i] = row if row is not None else torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device)
-        return _wrap_rows(u, rows, [i])[0]
+        row = row if row is not None else torch.zeros(u.local_shape(i), dtype=dtype, device=u.unit.local.device)
+        return u.layouts[i].wrap(row)
 
     def _summaries(self, owner: dict, per_unit: list) -> list[list]:
         """This rank's summary of each unit's parameters' state (None where it
