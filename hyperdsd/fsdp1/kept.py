@@ -55,7 +55,7 @@ def structure(real, units) -> Structure:
     if fingerprint is None:
         fingerprint, _, _ = _compat.registries_fingerprint(modules)
     layout = [
-        (u.fqns, u.aliases, tuple(map(tuple, u.unit.shapes)), u.unit.local.dtype, u.size, u.index, id(u.mesh))
+        (u.fqns, u.aliases, u.unit.shapes, u.unit.local.dtype, u.size, u.index, id(u.mesh))  # (shapes: torch.Size)
         for u in units
     ]
     extra = [i for i, m in enumerate(modules) if _compat.has_extra_state(m)]

@@ -88,13 +88,12 @@ class TwinLoad:
                 self.landed.update((k, i) for i in ids)
         if optim_plan is not None and not self.twin.load_hooked:  # (load hooks see the twin's state: it stays there)
             found: dict[tuple[int, tuple], dict[int, Prepared]] = {}  # (unit, path) -> per-element leaf by parameter
-            shapes = [tuple(map(tuple, u.unit.shapes)) for u in self.units]
             for load in optim_plan.params:
                 hit = where.get(id(load.param))
                 if hit is None or not load.entry:
                     continue
                 k, i = hit
-                shape = shapes[k][i]
+                shape = self.units[k].unit.shapes[i]  # (a torch.Size)
                 for key, value in load.entry.items():
                     if isinstance(value, Prepared):  # (most state: no walk)
                         pairs: Iterable = (((key,), value),)
@@ -169,16 +168,12 @@ class TwinLoad:
         if u.unit.params is None:
             shard = own(u.unit.flat_param, u.shard)
             return None if shard is None else dict.fromkeys(range(len(u.fqns)), (shard, 0))
-        out = {}
-        for i, p in enumerate(u.unit.params):
-            where = u.unit.in_shard[i]
-            if where is None or not where[1]:
-                out[i] = (None, 0)  # none of its elements here: nothing lands
-                continue
-            mine = own(p, where[1])
+        out = dict.fromkeys(range(len(u.fqns)), (None, 0))  # (none of its elements here: nothing lands)
+        for i, start, numel in u.here:
+            mine = own(u.unit.params[i], numel)
             if mine is None:
                 return None
-            out[i] = (mine, where[0])
+            out[i] = (mine, start)
         return out
 
     # -- writing back ----------------------------------------------------------
@@ -311,14 +306,15 @@ class TwinLoad:
         every = [e for e in entries if e]  # (a flat parameter's: its parameters' entries, any will do)
         dests: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        for j, p in enumerate(params):
+        # (use_orig_params=True: a parameter with none of its elements here is never stepped
+        # by this rank, and the load has nothing for it)
+        for j, start, numel in ((0, 0, u.shard),) if by_flat_param else u.here:
+            p = params[j]
             opt, _ = self.owner.get(id(p), (None, None))
             if opt is None:
                 continue
             mine = every if by_flat_param else [e for e in entries[j : j + 1] if e]
-            where = (0, u.shard) if by_flat_param else u.unit.in_shard[j]
-            if not by_flat_param and (where is None or not where[1]):
-                continue  # none of its elements here: this rank never steps it, and the load has nothing for it
+            where = (start, numel)
             if not mine:
                 opt.state.pop(p, None)
                 continue

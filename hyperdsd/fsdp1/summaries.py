@@ -191,19 +191,20 @@ def refuse_unflattenable(summary: Summary | None, owner_of) -> None:
 
 def held_copies(leaves: list, copies: bool = True) -> list:
     """A new value for each of ``leaves`` (a key's values across parameters):
-    tensors cloned (in one call), a holder's :class:`HeldValue` made a tensor,
-    anything else as it is. Without ``copies`` (the caller copies what it hands
-    out) tensors stay as they are and each held value is made one tensor, shared."""
-    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)] if copies else []
+    tensors cloned, a holder's :class:`HeldValue` made a tensor, anything else
+    as it is. Each held value is made a tensor once; with ``copies`` every
+    parameter's is a clone of it, made with the tensors' clones in one call.
+    Without ``copies`` (the caller copies what it hands out) tensors stay as
+    they are and parameters of one held value share its one tensor."""
     made: dict[int, torch.Tensor] = {}
 
     def held(leaf: HeldValue) -> torch.Tensor:
-        if copies:
-            return leaf.tensor()
         hit = made.get(id(leaf))
         return hit if hit is not None else made.setdefault(id(leaf), leaf.tensor())
 
-    out = [held(leaf) if isinstance(leaf, HeldValue) else leaf for leaf in leaves]
-    for i, copy in zip(tensors, _compat.clones([leaves[i] for i in tensors])):
-        out[i] = copy
+    out = [held(leaf) if type(leaf) is HeldValue else leaf for leaf in leaves]
+    if copies:
+        tensors = [i for i, value in enumerate(out) if isinstance(value, torch.Tensor)]
+        for i, copy in zip(tensors, _compat.clones([out[i] for i in tensors])):
+            out[i] = copy
     return out

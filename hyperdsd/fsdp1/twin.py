@@ -203,12 +203,13 @@ class Twin:
         for n, (u, twins, (merged, paths, ticket)) in enumerate(zip(self.units, self.params, planned)):
             targets, typed = self.state_plans[n]
             by_key = [next(blank[hollow[n]]) for _ in typed] if ticket is None else batch.rows(ticket)
-            flat = u.unit.params is None
+            # (one flat parameter's state, or original parameters' all alike: every parameter has a path, or none)
+            alike = u.unit.params is None or all(named is paths[0] for named in paths)
             everyone = range(len(twins))
-            has = [_path_set(named, sets) for named in (paths[:1] if flat else paths)]
+            has = [_path_set(named, sets) for named in (paths[:1] if alike else paths)]
             placed: dict[tuple, list] = {}  # path -> the twin's DTensor of each parameter's rows (None: no such state)
             for (path, _), rows in zip(typed, by_key):
-                if flat:  # (one flat parameter's state: every parameter has it, or none)
+                if alike:
                     held = everyone if path in has[0] else ()
                 else:
                     held = [i for i, named in enumerate(has) if path in named]
@@ -217,7 +218,8 @@ class Twin:
                     column[i] = value
             # (a full get's gather copies what its rank hands out: :mod:`hyperdsd.fsdp1.streaming`)
             entries = _twin_entries(u, merged, targets, placed, copies=not (self.stream_state and typed))
-            for twin, (_, p, opt), entry in zip(twins, targets * len(twins) if flat else targets, entries):
+            owners = targets * len(twins) if u.unit.params is None else targets  # (a flat parameter's, every one's)
+            for twin, (_, p, opt), entry in zip(twins, owners, entries):
                 if entry is not None:
                     twins_of[id(opt)].state[twin] = entry
 
@@ -247,25 +249,30 @@ class Twin:
         holds none). Equal summaries are one object: parameters stepped alike
         have equal ones, and the exchange pickles each object once."""
         interned: dict = {}
+
+        def summary_of(p, numel: int):
+            opt = owner.get(id(p))
+            entry = opt.state.get(p) if opt is not None else None
+            if not entry:
+                return None
+            key = quick_summary_key(entry, numel)
+            summary = interned.get(key) if key is not None else None
+            if summary is None:
+                summary = summarize(entry, numel)
+                key = summary_key(summary)
+                summary = summary if key is None else interned.setdefault(key, summary)
+            return summary
+
         mine = []
         for u, params in zip(self.units, per_unit):
-            summaries = []
-            for j, p in enumerate(params):
-                opt = owner.get(id(p))
-                entry = opt.state.get(p) if opt is not None else None
-                numel = u.shard if u.unit.params is None else (u.unit.in_shard[j] or (0, 0))[1]
-                if not entry or (u.unit.params is not None and not numel):
-                    # (use_orig_params=True: a rank without the parameter's elements never steps it;
-                    # what it holds, such as Adagrad's state from its constructor, tells nothing)
-                    summaries.append(None)
-                    continue
-                key = quick_summary_key(entry, numel)
-                summary = interned.get(key) if key is not None else None
-                if summary is None:
-                    summary = summarize(entry, numel)
-                    key = summary_key(summary)
-                    summary = summary if key is None else interned.setdefault(key, summary)
-                summaries.append(summary)
+            if u.unit.params is None:
+                mine.append([summary_of(params[0], u.shard)])
+                continue
+            # (use_orig_params=True: a rank without the parameter's elements never steps it;
+            # what it holds, such as Adagrad's state from its constructor, tells nothing)
+            summaries = [None] * len(params)
+            for j, _, numel in u.here:
+                summaries[j] = summary_of(params[j], numel)
             mine.append(summaries)
         return mine
 
@@ -313,12 +320,12 @@ def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict, copi
         if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
             return [_twin_entry(summary, own, lambda path, i=i: placed[path][i], copies) for i in range(n)]
         alike[id(summary)] = (summary, range(n), [own] * n)
+    stepped = {i for i, _, _ in u.here} if u.unit.params is not None else ()
     for i, summary in enumerate(merged if u.unit.params is not None else ()):
         if summary is None:
             continue
         _, p, opt = targets[i]
-        here = (u.unit.in_shard[i] or (0, 0))[1]
-        own = (opt.state.get(p) or {}) if here else {}  # a rank that never steps it: the holders' values
+        own = (opt.state.get(p) or {}) if i in stepped else {}  # a rank that never steps it: the holders' values
         group = alike.get(id(summary))
         if group is None:
             if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)

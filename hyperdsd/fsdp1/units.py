@@ -97,7 +97,17 @@ class UnitLayout:
     @functools.cached_property
     def own_spans(self) -> dict[int, tuple[int, int]]:
         """``i -> (start, stop)``: the flat positions of parameter ``i`` this rank's flat shard holds (if any)."""
-        return {i: (a, b) for i, a, b in self.held(self.index, range(len(self.fqns)))}
+        base = self.index * self.shard  # (FSDP1's own account of its shard, as :attr:`here`)
+        return {i: (base + start, base + start + numel) for i, start, numel in self.here}
+
+    @functools.cached_property
+    def here(self) -> tuple[tuple[int, int, int], ...]:
+        """``(i, start, numel)`` of each parameter with elements in this rank's
+        flat shard, by position, as FSDP1 accounts for them. Under
+        use_orig_params=True these are the parameters this rank steps, whose
+        state it holds: at many small parameters, a few of the unit's."""
+        spans = [(i, w[0], w[1]) for i, w in enumerate(self.unit.in_shard) if w is not None and w[1]]
+        return tuple(sorted(spans, key=lambda span: span[1]))
 
     @functools.cached_property
     def _geometry(self) -> Geometry:
@@ -333,18 +343,15 @@ def shard_state(u: UnitLayout, targets: list, path: tuple, dtype) -> torch.Tenso
     # The pieces in order, zeros between and after them: one concatenation.
     pieces, at, zeros = [], 0, torch.zeros(u.shard, dtype=dtype, device=device)
     key = path[0] if len(path) == 1 else None
-    for j, p, opt in targets:
-        where = u.unit.in_shard[j]
-        if where is None or not where[1]:
-            continue
+    for j, start, numel in u.here:
+        _, p, opt = targets[j]
         entry = opt.state.get(p) if opt is not None else None
         value = (entry.get(key) if key is not None else at_path(entry, path)) if entry else None
-        if where[0] < at or (value is not None and value.numel() != where[1]):
-            # (pieces out of order, which FSDP1 never lays; a value that does not fit, refused there)
+        if value is not None and value.numel() != numel:  # (a value that does not fit: refused there)
             return _shard_by_piece(u, targets, path, zeros)
-        pieces += [zeros[: where[0] - at]] if where[0] > at else []
-        pieces.append(zeros[: where[1]] if value is None else value)
-        at = where[0] + where[1]
+        pieces += [zeros[: start - at]] if start > at else []
+        pieces.append(zeros[:numel] if value is None else value)
+        at = start + numel
     if not pieces:
         return zeros
     joined = _compat.joined_flat(pieces + [zeros[: u.shard - at]])  # (flattened in the call)
