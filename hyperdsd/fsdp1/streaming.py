@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from ..transport.collectives import BUCKET_BYTES, DIRECT_BYTES
@@ -178,7 +179,15 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
                 copied.append((out, key))
         return out
 
-    values = {fqn: None if entry is None else filled(fqn, entry) for fqn, entry in entries.items()}
+    def kept_nothing(fqn: str, entry: dict) -> bool:
+        # (another rank's key whose state is all gathered here: nothing of it is left to gather with the rest)
+        if root_of(fqn) in (None, me):
+            return False
+        return all(id(v) in hollow or (type(v) is not DTensor and not is_container(v)) for v in entry.values())
+
+    values = {
+        fqn: None if entry is None or kept_nothing(fqn, entry) else filled(fqn, entry) for fqn, entry in entries.items()
+    }
     for (out, key), copy in zip(copied, _compat.clones([out[key] for out, key in copied])):  # (in one call)
         out[key] = copy
     return values
