@@ -183,7 +183,7 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
         # (another rank's key whose state is all gathered here: nothing of it is left to gather with the rest)
         if root_of(fqn) in (None, me):
             return False
-        return all(id(v) in hollow or (type(v) is not DTensor and not is_container(v)) for v in entry.values())
+        return all(id(v) in hollow or not (isinstance(v, DTensor) or is_container(v)) for v in entry.values())
 
     values = {
         fqn: None if entry is None or kept_nothing(fqn, entry) else filled(fqn, entry) for fqn, entry in entries.items()

@@ -203,7 +203,7 @@ class Twin:
         for n, (u, twins, (merged, paths, ticket)) in enumerate(zip(self.units, self.params, planned)):
             targets, typed = self.state_plans[n]
             by_key = [next(blank[hollow[n]]) for _ in typed] if ticket is None else batch.rows(ticket)
-            # (one flat parameter's state, or original parameters' all alike: every parameter has a path, or none)
+            # (one flat parameter's state, or original parameters' of one list of paths: each path held by all, or none)
             alike = u.unit.params is None or all(named is paths[0] for named in paths)
             everyone = range(len(twins))
             has = [_path_set(named, sets) for named in (paths[:1] if alike else paths)]
