@@ -142,13 +142,16 @@ class TwinLoad:
             shard = torch.zeros(u.shard, dtype=dtype, device=u.unit.local.device)
         self.state_landed.setdefault(k, {})[path] = _Landed(leaves_of.keys(), shard, in_place)
         if in_place and shard is None:  # (each original parameter's own state)
-            landings = [self.places.in_own(k, i, *into[i]) for i in leaves_of]
+            landings = self.places.in_own(k, leaves_of, into)
         else:
             landings = self.places.in_shard(k, list(leaves_of), shard)
+        made: dict[tuple, torch.Tensor] = {}  # (a stand-in by layout, dtype and device: a few a unit)
         for leaf, landing in zip(leaves_of.values(), landings):
-            leaf.landing = landing
-            leaf.local = stand_in(self._stand_ins, leaf.meta.dtype, leaf.device, leaf.layout.local_shape)
-            leaf.dest, leaf.owned = None, True
+            kind = (id(leaf.layout), leaf.meta.dtype, leaf.device)
+            local = made.get(kind)
+            if local is None:
+                local = made[kind] = stand_in(self._stand_ins, *kind[1:], leaf.layout.local_shape)
+            leaf.landing, leaf.local, leaf.dest, leaf.owned = landing, local, None, True
 
     def _in_place(self, k: int, path: tuple, dtype: torch.dtype) -> dict[int, tuple] | None:
         """For each of unit ``k``'s parameters, the optimizer's own state at

@@ -49,12 +49,17 @@ class Places:
         starting = dict(zip(cuts, torch.tensor_split(shard, cuts)[1:]))  # (no cut falls inside a run)
         return [NOWHERE if spans[i] is None else Landing(spans[i][0], starting[spans[i][1]]) for i in ids]
 
-    def in_own(self, k: int, i: int, own: torch.Tensor | None, offset: int) -> Landing:
-        """Where parameter ``i`` of unit ``k`` lands in ``own``, its own state
-        tensor, which starts at ``offset`` in this rank's flat shard."""
-        span = self.spans(k)[i]
-        if span is None:
-            return NOWHERE
-        need, lo, hi = span
-        whole = lo == offset and hi - lo == own.numel()
-        return Landing(need, own if whole else own[lo - offset : hi - offset])
+    def in_own(self, k: int, ids, into: dict[int, tuple]) -> list[Landing]:
+        """Where each of unit ``k``'s parameters ``ids`` lands in its own state
+        tensor: ``into[i]`` is that tensor and where it starts in this rank's flat shard."""
+        spans = self.spans(k)
+        out = []
+        for i in ids:
+            span = spans[i]
+            if span is None:
+                out.append(NOWHERE)
+                continue
+            (need, lo, hi), (own, offset) = span, into[i]
+            whole = lo == offset and hi - lo == own.numel()
+            out.append(Landing(need, own if whole else own[lo - offset : hi - offset]))
+        return out
