@@ -148,49 +148,53 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
         sources = [_state_source(u, targets, path, dtype) for path, dtype in typed]
         by_unit[n] = full_moves.to_full(u, sources, run, root, exchange), run
     exchange.run()
-    by_key = {n: [dict(zip(run, full)) for full in fulls] for n, (fulls, run) in by_unit.items()}
     # Hollow values are shared (see Twin._hollow): each is found by its entry's FQN and its path.
     spots = {twin.index.fqn_of(twin.params[n][i]): (n, i) for n, run in pack for i in run}
-    key_at = {n: {path: k for k, (path, _) in enumerate(twin.state_plans[n][1])} for n, _ in pack}
-
+    full_at = {  # unit -> path -> parameter -> its full tensor (None where this rank keeps none)
+        n: {path: dict(zip(run, fulls[k])) for k, (path, _) in enumerate(twin.state_plans[n][1])}
+        for n, (fulls, run) in by_unit.items()
+    }
     hollow, me = twin.hollow_ids, dist.get_rank()
     copied: list[tuple[dict, str]] = []  # (an entry handed out, its key): the twin's tensor there, copied below
 
-    def filled(fqn: str, entry: dict) -> dict:
-        n, i = spots[fqn]
-        fulls, at = by_key.get(n), key_at[n]
-        kept = root_of(fqn) in (None, me)  # (the twin's other tensors are the optimizer's: copied where handed out)
+    def filled(entry: dict, n: int, i: int, kept: bool) -> dict:
+        at = full_at.get(n)
 
         def full(value, path):
             if id(value) in hollow:
-                return fulls[at[path]][i] if fulls is not None else None
+                return at[path][i] if at is not None else None
             return value.clone() if kept and isinstance(value, torch.Tensor) else value
 
         out = {}
         for key, v in entry.items():  # (most state is flat: a key's value read as it is, a container rebuilt)
-            if is_container(v):
-                out[key] = rebuild(v, full, (key,))
-                continue
             if id(v) in hollow:
-                out[key] = full(v, (key,))
-                continue
-            out[key] = v
-            if kept and isinstance(v, torch.Tensor):
-                copied.append((out, key))
+                out[key] = at[(key,)][i] if at is not None else None
+            elif is_container(v):
+                out[key] = rebuild(v, full, (key,))
+            else:
+                out[key] = v
+                if kept and isinstance(v, torch.Tensor):
+                    copied.append((out, key))
         return out
 
-    def kept_nothing(fqn: str, entry: dict) -> bool:
+    values: dict = {}
+    for fqn, entry in entries.items():
+        n, i = spots[fqn]
+        # (the twin's other tensors are the optimizer's: copied where handed out)
+        kept = entry is not None and root_of(fqn) in (None, me)
         # (another rank's key whose state is all gathered here: nothing of it is left to gather with the rest)
-        if root_of(fqn) in (None, me):
-            return False
-        return all(id(v) in hollow or not (isinstance(v, DTensor) or is_container(v)) for v in entry.values())
-
-    values = {
-        fqn: None if entry is None or kept_nothing(fqn, entry) else filled(fqn, entry) for fqn, entry in entries.items()
-    }
+        if entry is None or (not kept and all(id(v) in hollow or not _gathered_later(v) for v in entry.values())):
+            values[fqn] = None
+        else:
+            values[fqn] = filled(entry, n, i, kept)
     for (out, key), copy in zip(copied, _compat.clones([out[key] for out, key in copied])):  # (in one call)
         out[key] = copy
     return values
+
+
+def _gathered_later(value) -> bool:
+    """Whether a twin entry's value holds what the gather takes with the rest: a DTensor, or a container."""
+    return isinstance(value, DTensor) or is_container(value)
 
 
 def _state_source(u: UnitLayout, targets: list, path: tuple, dtype: torch.dtype):
