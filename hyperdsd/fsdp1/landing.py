@@ -185,22 +185,22 @@ class TwinLoad:
         """Write what the twin now holds into the FSDP1 model and optimizers
         (after a load, whose plans are given, has been agreed and applied to
         the twin; None: that part was not loaded)."""
-        # (a broadcast that landed every parameter in its flat shards, on every rank alike, has no rows to move)
-        if model_plan is not None and len(self.landed) < sum(map(len, self.params)):
-            only = self._settle_rows(model_plan) if self.twin.lazy_rows else [None] * len(self.units)
-            batch = stacks.ShardsBatch()
-            for k, (u, twins, keep) in enumerate(zip(self.units, self.params, only)):
-                keep = set(range(len(twins))) if keep is None else keep
-                keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
-                if not keep:  # (the same on every rank: what some rank loaded, and the plan)
-                    continue
-                rows = [_compat.local_tensor(t) for t in twins]
-                if len(keep) == len(twins):
-                    batch.add(u, [rows], [u.unit.local], then=lambda _shards: None)  # (written: no more)
-                else:
-                    moves.to_shard_many(u, [rows], [u.unit.local], only=keep, exchange=batch.exchange)
-            batch.run()
         if model_plan is not None:
+            # (a broadcast that landed every parameter in its flat shards, on every rank alike, has no rows to move)
+            if len(self.landed) < sum(map(len, self.params)):
+                only = self._settle_rows(model_plan) if self.twin.lazy_rows else [None] * len(self.units)
+                batch = stacks.ShardsBatch()
+                for k, (u, twins, keep) in enumerate(zip(self.units, self.params, only)):
+                    keep = set(range(len(twins))) if keep is None else keep
+                    keep = {i for i in keep if (k, i) not in self.landed}  # in their flat shards already
+                    if not keep:  # (the same on every rank: what some rank loaded, and the plan)
+                        continue
+                    rows = [_compat.local_tensor(t) for t in twins]
+                    if len(keep) == len(twins):
+                        batch.add(u, [rows], [u.unit.local], then=lambda _shards: None)  # (written: no more)
+                    else:
+                        moves.to_shard_many(u, [rows], [u.unit.local], only=keep, exchange=batch.exchange)
+                batch.run()
             for u in self.units:
                 if u.unit.unsharded:  # the copy a forward left would go on serving the old values
                     _compat.fsdp1_reshard(u.unit.module)

@@ -2,8 +2,7 @@
 
 A broadcast load sends each rank, of each parameter and per-element state
 tensor, the run of elements its flat shard holds (:mod:`hyperdsd.fsdp1.landing`).
-:class:`Places` works out those runs once per unit and cuts the views they
-land in: a unit's in one call.
+:class:`Places` works out those runs once per unit and the views they land in.
 """
 
 from __future__ import annotations
@@ -43,11 +42,9 @@ class Places:
     def in_shard(self, k: int, ids: list[int], shard: torch.Tensor) -> list[Landing]:
         """Where each of unit ``k``'s parameters ``ids`` lands in ``shard``, laid
         out as this rank's flat shard: the run of its elements the shard holds,
-        if any. The views are cut in one call."""
+        if any. (A slice each: one ``tensor_split`` at the runs' ends took half as long again.)"""
         spans = self.spans(k)
-        cuts = sorted({x for i in ids if spans[i] is not None for x in spans[i][1:]})
-        starting = dict(zip(cuts, torch.tensor_split(shard, cuts)[1:]))  # (no cut falls inside a run)
-        return [NOWHERE if spans[i] is None else Landing(spans[i][0], starting[spans[i][1]]) for i in ids]
+        return [NOWHERE if spans[i] is None else Landing(spans[i][0], shard[spans[i][1] : spans[i][2]]) for i in ids]
 
     def in_own(self, k: int, ids, into: dict[int, tuple]) -> list[Landing]:
         """Where each of unit ``k``'s parameters ``ids`` lands in its own state

@@ -1512,9 +1512,9 @@ def test_the_scratch_step_by_kind_of_parameter_gives_what_a_step_over_each_gives
 
 @hypothesis.settings(deadline=None)
 @hypothesis.given(data=hypothesis.strategies.data())
-def test_a_units_landings_cut_in_one_call_are_each_parameters_own_slice(data):
+def test_a_units_landings_are_each_parameters_own_slice(data):
     """hyperdsd.fsdp1.places.Places.in_shard, which cuts the views a broadcast
-    lands a unit's pieces in by one tensor_split, gives each parameter the
+    lands a unit's pieces in, gives each parameter the
     slice of this rank's flat shard that holds its elements (gaps between
     parameters and padding after them too), and the run of its elements; a
     parameter the shard holds none of lands nowhere."""

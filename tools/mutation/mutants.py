@@ -765,8 +765,8 @@ MUTANTS += (
     Mutant(
         "landings-cut-at-starts-only",
         "hyperdsd.fsdp1.places.Places.in_shard",
-        "cuts = sorted({x for i in ids if spans[i] is not None for x in spans[i][1:]})",
-        "cuts = sorted({x for i in ids if spans[i] is not None for x in spans[i][1:2]})",
+        "Landing(spans[i][0], shard[spans[i][1] : spans[i][2]])",
+        "Landing(spans[i][0], shard[spans[i][1] :])",
         "a broadcast's landings in an FSDP1 flat shard are cut where each parameter's run starts, not where it "
         "stops: a run's view runs on over the gap or padding after it",
         ("OPT-RT-1[fsdp1-4-flat-adamw-bcast]", "OPT-RT-1[fsdp1-2-adamw-bcast]"),
