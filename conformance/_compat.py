@@ -348,47 +348,13 @@ def sharded_tensor_pieces(value) -> list | None:
     return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
 
 
-def dtensor_block(value) -> tuple[int, ...] | None:
-    """Where a DTensor's local tensor starts in its global tensor (one offset
-    per dim), where the local tensor is one block of it (placements Shard and
-    Replicate, each tensor dim sharded once at most, chunks as ``torch.chunk``
-    cuts them); None otherwise (a strided shard, a partial value). The suite
-    gathers many small DTensors at once with it (one object exchange, not a
-    collective each). Worked out here, not by DTensor's private checkpointing
-    helper: that costs a tenth of a millisecond a tensor."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    placements = value.placements
-    if any(type(p) not in (Shard, Replicate) for p in placements):
-        return None
-    dims = [p.dim for p in placements if type(p) is Shard]
-    if len(dims) != len(set(dims)):
-        return None
-    mesh, shape, local_shape = value.device_mesh, value.shape, value._local_tensor.shape
-    coordinate = mesh.get_coordinate()
-    start = [0] * len(shape)
-    for mesh_dim, p in enumerate(placements):
-        if type(p) is Shard:
-            size, parts = shape[p.dim], mesh.size(mesh_dim)
-            chunk = -(-size // parts)
-            start[p.dim] = min(coordinate[mesh_dim] * chunk, size)
-            if local_shape[p.dim] != min(chunk, size - start[p.dim]):
-                return None
-    return tuple(start)
-
-
-def copied(t: torch.Tensor) -> torch.Tensor:
-    """``t.detach().clone()``. A DTensor's through DTensor's op dispatcher
-    costs two dispatches (tens of microseconds, seconds for a many-key model's
-    snapshot, SPEC SCALE); the private constructor makes the same DTensor, its
-    spec shared, around a copy of the local tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if type(t) is DTensor:
-        return DTensor.__new__(DTensor, t._local_tensor.detach().clone(), t._spec, requires_grad=False)
-    return t.detach().clone()
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor as it holds it (``to_local()`` is an autograd function: a cost per tensor)."""
     return t._local_tensor
+
+
+def dtensor_like(value, local_tensor: torch.Tensor):
+    """A DTensor laid out as the DTensor ``value`` around ``local_tensor``. DTensor's public constructor
+    (``from_local``) costs a dispatch and checks, tens of microseconds, seconds for a many-key model's
+    snapshot (SPEC SCALE); the private one makes the same DTensor, its spec shared."""
+    return type(value).__new__(type(value), local_tensor, value._spec, requires_grad=False)

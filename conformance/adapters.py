@@ -17,6 +17,13 @@ the layouts, the options; default: everything) and name its DCP load path (a
 load planner factory; a module names it as ``DCP_LOAD_PLANNER``; default:
 none, DCP's default planner).
 
+A stack with a distributed tensor of its own (SPEC §1, 1.6) also says how
+the suite reads its values (``tensors``, a
+:class:`conformance.tensors.TensorProtocol`; default torch's DTensor), what
+context its optimizers run in (``training``), how it builds its own mesh from
+the suite's description (``mesh``), and its own checkpoint functions for the
+``dcp`` mode (``save_checkpoint``, ``load_checkpoint``; default DCP).
+
 A pass is the implementation's own (SPEC §4). An adapter whose functions are
 not the implementation's own wraps each call into the implementation in
 ``with iut_call():``; an error a clause expects counts only when it is raised
@@ -141,10 +148,11 @@ def rank_device(model=None):
     computes on (``--device``: ``cuda:<local rank>``, ...; the CPU by default).
     Adapters use it to place what they gather or load."""
     import torch
-    from torch.distributed.tensor import DTensor
+
+    from . import tensors
 
     for p in model.parameters() if model is not None else ():
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = tensors.local(p)
         if local.device.type != "meta":
             return local.device
     return _RANK_DEVICE[0] if _RANK_DEVICE else torch.device("cpu")
@@ -206,6 +214,24 @@ class Adapter:
     get_state_dict: Callable | None = None
     set_state_dict: Callable | None = None
     combined: bool | None = None
+    # A stack of its own (SPEC §1, 1.6). ``tensors``: how the suite reads its
+    # distributed values (a conformance.tensors.TensorProtocol; None: torch's
+    # DTensor). ``training``: a context (called with no arguments) the suite
+    # enters wherever it builds or steps optimizers, or loads a model's own
+    # state dict, for a stack whose tensors take part in plain torch ops only
+    # under its own dispatch rules; None: none. ``mesh``: builds the stack's own
+    # mesh from a conformance.tensors.MeshDescription, once per mesh and rank,
+    # on every rank of the mesh alike; ``shard`` then receives what it
+    # returns; None: torch's DeviceMesh. ``save_checkpoint(state_dict, *,
+    # checkpoint_id, process_group)`` and ``load_checkpoint(state_dict, *,
+    # checkpoint_id, process_group)`` (which fills ``state_dict`` in place, as
+    # dcp.load does, or returns the dict it loaded): the stack's own checkpoint,
+    # which the ``dcp`` mode uses instead of torch.distributed.checkpoint; both or neither.
+    tensors: Any = None
+    training: Callable[[], Any] | None = None
+    mesh: Callable[[Any], Any] | None = None
+    save_checkpoint: Callable | None = None
+    load_checkpoint: Callable | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.profiles) - set(PROFILES)
@@ -236,6 +262,10 @@ class Adapter:
                 f"adapter {self.name!r} gives {given or 'none'} of the combined functions {list(COMBINED)}: "
                 "give both to declare combined, or neither"
             )
+        if (self.save_checkpoint is None) != (self.load_checkpoint is None):
+            raise AdapterError(
+                f"adapter {self.name!r} gives one of save_checkpoint and load_checkpoint: give both, or neither (DCP)"
+            )
         self.profiles = frozenset(self.profiles)
         self.get_modes, self.load_modes = gets, loads
         self.modes = frozenset(m for m in MODES if m in loads and GET_OF[m] in gets)
@@ -264,8 +294,10 @@ class Adapter:
         return out
 
     def declaration(self) -> dict:
-        """What the implementation declares, as data every report prints."""
-        return {
+        """What the implementation declares, as data every report prints. A
+        stack of its own (1.6) adds its tensor type and checkpoint; a torch
+        stack's declaration reads as it did before."""
+        out = {
             "get_modes": [m for m in GET_MODES if m in self.get_modes],
             "load_modes": [m for m in MODES if m in self.load_modes],
             "layouts": [x for x in LAYOUT_CAPABILITIES if x in self.layouts],
@@ -273,6 +305,11 @@ class Adapter:
             "profiles": sorted(self.profiles),
             "combined": self.combined,
         }
+        if self.tensors is not None:
+            out["tensors"] = getattr(self.tensors, "name", type(self.tensors).__name__)
+        if self.save_checkpoint is not None:
+            out["checkpoint"] = "own"
+        return out
 
 
 @dataclass(frozen=True)
@@ -302,6 +339,10 @@ def describe_declaration(decl: dict) -> str:
     )
     if "combined" in decl:
         line += f"; combined {'yes' if decl['combined'] else 'no'}"
+    if "tensors" in decl:
+        line += f"; tensors {decl['tensors']}"
+    if "checkpoint" in decl:
+        line += f"; checkpoint {decl['checkpoint']}"
     return line
 
 

@@ -33,18 +33,16 @@ def _dtype(dtype: torch.dtype) -> str:
 
 
 def describe(t: torch.Tensor, fqn: str | None = None) -> str:
-    """``<DTensor '0.weight' shape=(8, 8) float32 cpu placements=(Shard(dim=0),) local=(2, 8)>``."""
-    from torch.distributed.tensor import DTensor
+    """``<DTensor '0.weight' shape=(8, 8) float32 cpu placements=(Shard(dim=0),) local=(2, 8)>``;
+    any distributed value is named by its layout (``conformance.tensors``)."""
+    from .. import tensors
 
     kind = type(t).__name__
     named = f" {fqn!r}" if fqn else ""
-    parts = [f"shape={tuple(t.shape)}", _dtype(t.dtype)]
-    if isinstance(t, DTensor):
-        local = t.to_local()
-        parts += [str(local.device), f"placements={tuple(t.placements)}", f"local={tuple(local.shape)}"]
-    else:
-        parts.append(str(t.device))
-    if isinstance(t, torch.nn.Parameter) and not isinstance(t, DTensor) and kind != "Parameter":
+    distributed = tensors.is_distributed(t)
+    parts = [f"shape={tuple(tensors.global_shape(t))}", _dtype(t.dtype)]
+    parts.append(tensors.describe_layout(t) if distributed else str(t.device))
+    if isinstance(t, torch.nn.Parameter) and not distributed and kind != "Parameter":
         kind += "(Parameter)"
     return f"<{kind}{named} {' '.join(parts)}>"
 

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.tensor import DTensor
 
-from .. import _compat, nested
+from .. import _compat, nested, tensors
 from . import packed
 from .naming import describe, show
 
@@ -47,8 +46,8 @@ def check(condition: bool, message: str) -> None:
 
 
 def clone_tree(obj: Any) -> Any:
-    """A deep copy of a state dict's containers and tensors (DTensors stay DTensors)."""
-    return nested.rebuild(obj, lambda leaf, _path: _compat.copied(leaf) if isinstance(leaf, torch.Tensor) else leaf)
+    """A deep copy of a state dict's containers and tensors (distributed values stay distributed)."""
+    return nested.rebuild(obj, lambda leaf, _path: tensors.copied(leaf) if isinstance(leaf, torch.Tensor) else leaf)
 
 
 class FqnOf(dict):
@@ -82,16 +81,28 @@ def snapshot(setup, copy: bool = True) -> dict:
             for p in group["params"]:
                 entry = opt.state.get(p)
                 if entry:  # an empty entry is the same as none
-                    state[fqn_of[p]] = own(dict(entry))
+                    state[fqn_of[p]] = own(held_entry(entry, p))
     return {"params": params, "state": state, "groups": groups}
+
+
+def held_entry(entry, param) -> dict:
+    """An optimizer's state entry for ``param`` as the suite reads it: each
+    tensor as the implementation's stack says its optimizers hold them
+    (``TensorProtocol.held``: plain local shards read as distributed like
+    their parameter, where a stack keeps them so)."""
+    protocol = tensors.current()
+    if type(protocol).held is tensors.TensorProtocol.held:  # read as held: no walk
+        return dict(entry)
+    return nested.rebuild(dict(entry), lambda v, _path: protocol.held(v, param) if isinstance(v, torch.Tensor) else v)
 
 
 def _as_is(obj: Any) -> Any:
     return obj
 
 
-# Tensor types compared as they are (any other may be a ShardedTensor, compared by its shards).
-_ORDINARY = frozenset({torch.Tensor, torch.nn.Parameter, DTensor})
+# Tensor types compared as they are (any other, not distributed, may be a
+# ShardedTensor, compared by its shards).
+_ORDINARY = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def describe_tensor_difference(
@@ -102,7 +113,8 @@ def describe_tensor_difference(
     ``atol`` (absolute)."""
     if not isinstance(actual, torch.Tensor):
         return f"{where}: expected a tensor, got {type(actual).__name__}"
-    ordinary = type(expected) in _ORDINARY and type(actual) in _ORDINARY
+    distributed = tensors.is_distributed(expected), tensors.is_distributed(actual)
+    ordinary = any(distributed) or (type(expected) in _ORDINARY and type(actual) in _ORDINARY)
     pieces = (
         (None, None) if ordinary else (_compat.sharded_tensor_pieces(expected), _compat.sharded_tensor_pieces(actual))
     )
@@ -118,14 +130,13 @@ def describe_tensor_difference(
             if d:
                 return d
         return None
-    if isinstance(expected, DTensor) != isinstance(actual, DTensor):
+    if distributed[0] != distributed[1]:
         return f"{where}: expected {type(expected).__name__}, got {type(actual).__name__}"
-    if isinstance(expected, DTensor):
-        if tuple(expected.placements) != tuple(actual.placements):
-            return f"{where}: placements {tuple(actual.placements)}, expected {tuple(expected.placements)}"
-        if expected.device_mesh is not actual.device_mesh and expected.device_mesh != actual.device_mesh:
-            return f"{where}: mesh {actual.device_mesh}, expected {expected.device_mesh}"
-        expected, actual = _compat.local(expected), _compat.local(actual)
+    if distributed[0]:
+        d = _layout_difference(expected, actual, where)
+        if d:
+            return d
+        expected, actual = tensors.local(expected), tensors.local(actual)
     if expected.dtype != actual.dtype:
         return f"{where}: dtype {actual.dtype}, expected {expected.dtype}"
     if expected.shape != actual.shape:
@@ -146,6 +157,21 @@ def describe_tensor_difference(
     idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape)) if err.dim() else ()
     tol = "bitwise" if rtol == 0.0 else f"rtol {rtol:g}, atol {atol:.3g}"
     return f"{where}: values differ ({tol}): max abs error {err.max().item():.3e} at index {idx}"
+
+
+def _layout_difference(expected, actual, where: str) -> str | None:
+    """How two distributed values are laid out differently (SPEC 1.6: by global
+    shape, placements and mesh, whatever their class), or None."""
+    if tensors.placements(expected) != tensors.placements(actual):
+        return f"{where}: placements {tensors.placements(actual)}, expected {tensors.placements(expected)}"
+    if tensors.mesh(expected) != tensors.mesh(actual):
+        return f"{where}: mesh {tensors.mesh(actual)}, expected {tensors.mesh(expected)}"
+    if tensors.global_shape(expected) != tensors.global_shape(actual):
+        return (
+            f"{where}: global shape {tuple(tensors.global_shape(actual))}, "
+            f"expected {tuple(tensors.global_shape(expected))}"
+        )
+    return None
 
 
 def diff_values(
@@ -204,36 +230,37 @@ def diff_snapshots(expected: dict, actual: dict, rtol: float = 0.0, parts=("para
 
 
 def full_snapshot(setup) -> dict:
-    """Like :func:`snapshot`, with every DTensor gathered into a full tensor.
+    """Like :func:`snapshot`, with every distributed value gathered into a full tensor.
 
     Used across layouts (resharding), where local shards cannot be compared.
     Collective: every rank of the setup's model must call it.
     """
 
-    gathered = setup.gathered()  # a layout without DTensors gathers its own way (FSDP1)
+    gathered = setup.gathered()  # a layout without distributed parameters gathers its own way (FSDP1)
     if gathered is not None:
         return gathered
     snap = snapshot(setup)
-    tensors = gather_dtensors({"params": snap["params"], "state": snap["state"]}, setup.group)
-    return {**tensors, "groups": snap["groups"]}
+    whole = gather_distributed({"params": snap["params"], "state": snap["state"]}, setup.group)
+    return {**whole, "groups": snap["groups"]}
 
 
-def gather_dtensors(tree: dict, group=None) -> dict:
-    """``tree`` with every DTensor replaced by its full tensor, on every rank
-    of ``group`` (None: the world; each must call it, with its own tree).
+def gather_distributed(tree: dict, group=None) -> dict:
+    """``tree`` with every distributed value replaced by its full tensor, on
+    every rank of ``group`` (None: the world; each must call it, with its own tree).
 
     One object exchange for all of them, not a collective each (a model of
     thousands of parameters, SPEC SCALE): each rank sends the blocks of the
-    global tensors its DTensors hold locally and where each starts, and
-    assembles its own DTensors' full values from everyone's. A DTensor whose
-    local tensor is not one block of the global one gathers itself
-    (``full_tensor``), in the same order on every rank of its mesh."""
+    global tensors its values hold locally and where each starts, and
+    assembles its own values' full tensors from everyone's. A value whose
+    local part is not one block of the global one gathers itself
+    (``TensorProtocol.full``), in the same order on every rank of its mesh."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     mine = {}
     for path, leaf in nested.leaves(tree):
-        if isinstance(leaf, DTensor):
-            start = _compat.dtensor_block(leaf)
+        if tensors.is_distributed(leaf):
+            start = tensors.block_start(leaf, rank)
             if start is not None:
-                mine[path] = (start, _compat.local(leaf))
+                mine[path] = (start, tensors.local(leaf))
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         # The local tensors in one buffer (a pickle each would cost more than the rest).
@@ -247,49 +274,54 @@ def gather_dtensors(tree: dict, group=None) -> dict:
         everyone = [dict(zip(part["paths"], zip(part["starts"], packed.unblob(part)))) for part in received]
 
     def full(leaf, path):
-        if not isinstance(leaf, DTensor):
+        if not tensors.is_distributed(leaf):
             return leaf
         if path not in mine:
-            return leaf.full_tensor()
-        out = torch.empty(leaf.shape, dtype=leaf.dtype)
+            return tensors.full(leaf)
+        out = torch.empty(tensors.global_shape(leaf), dtype=leaf.dtype)
         for part in everyone:
             start, local = part.get(path, (None, None))
             if start is not None:
                 out[tuple(slice(at, at + n) for at, n in zip(start, local.shape))] = local
-        return out.to(leaf.to_local().device)
+        return out.to(tensors.local(leaf).device)
 
     return nested.rebuild(tree, full)
 
 
 def layout_problems(state: dict, params: dict, where: str, *, local: bool) -> list[str]:
-    """Where state tensors shaped like a DTensor parameter (nested ones
-    included) are not laid out like it: a DTensor of the parameter's global
-    shape, mesh and placements, and with ``local``, its local shape and device.
-    0-d tensors (``step``) may be anything."""
+    """Where state tensors shaped like a distributed parameter (nested ones
+    included) are not laid out like it: a distributed value of the
+    parameter's global shape, mesh and placements, and with ``local``, its
+    local shape and device. 0-d tensors (``step``) may be anything."""
     problems = []
+    noun = tensors.current().name
     for fqn, entry in state.items():
         p = params.get(fqn)
-        if not isinstance(p, DTensor):
+        if not tensors.is_distributed(p):
             continue
         for path, v in nested.leaves(entry):
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
             at = f"{where}[{fqn!r}]{nested.where(path)}"
-            if not isinstance(v, DTensor):
-                problems.append(f"{at}: a {type(v).__name__}, expected a DTensor like its parameter")
+            if not tensors.is_distributed(v):
+                problems.append(f"{at}: a {type(v).__name__}, expected a {noun} like its parameter")
                 continue
-            if v.shape != p.shape:
-                problems.append(f"{at}: global shape {tuple(v.shape)}, the parameter's is {tuple(p.shape)}")
-            if v.device_mesh != p.device_mesh:
-                problems.append(f"{at}: mesh {v.device_mesh}, the parameter's is {p.device_mesh}")
-            if tuple(v.placements) != tuple(p.placements):
-                problems.append(f"{at}: placements {tuple(v.placements)}, the parameter's are {tuple(p.placements)}")
-            if local and v.to_local().shape != p.to_local().shape:
+            if tensors.global_shape(v) != tensors.global_shape(p):
                 problems.append(
-                    f"{at}: local shape {tuple(v.to_local().shape)}, the parameter's is {tuple(p.to_local().shape)}"
+                    f"{at}: global shape {tuple(tensors.global_shape(v))}, "
+                    f"the parameter's is {tuple(tensors.global_shape(p))}"
                 )
-            if local and v.to_local().device != p.to_local().device:
-                problems.append(f"{at}: on {v.to_local().device}, the parameter on {p.to_local().device}")
+            if tensors.mesh(v) != tensors.mesh(p):
+                problems.append(f"{at}: mesh {tensors.mesh(v)}, the parameter's is {tensors.mesh(p)}")
+            if tensors.placements(v) != tensors.placements(p):
+                problems.append(
+                    f"{at}: placements {tensors.placements(v)}, the parameter's are {tensors.placements(p)}"
+                )
+            mine, theirs = tensors.local(v), tensors.local(p)
+            if local and mine.shape != theirs.shape:
+                problems.append(f"{at}: local shape {tuple(mine.shape)}, the parameter's is {tuple(theirs.shape)}")
+            if local and mine.device != theirs.device:
+                problems.append(f"{at}: on {mine.device}, the parameter on {theirs.device}")
     return problems
 
 

@@ -34,8 +34,8 @@ from .registry import Case
 
 __all__ = ["CaseContext", "NotApplicable"]
 
-# Adapter members that run the IUT's code.
-_IUT_CALLS = frozenset(FUNCTIONS + COMBINED) | {"options", "shard"}
+# Adapter members that run the IUT's code (a stack's own mesh and checkpoint too, SPEC 1.6).
+_IUT_CALLS = frozenset(FUNCTIONS + COMBINED) | {"options", "shard", "mesh", "save_checkpoint", "load_checkpoint"}
 
 
 def _handed(name: str, args: tuple, kwargs: dict) -> tuple | None:

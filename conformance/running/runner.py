@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 from hyperdsd.testing import REGIONS, Executor, RankContext, Status, Task, TaskOutcome
 
+from .. import tensors
 from ..adapters import Adapter, load_adapter, set_rank_device
 from ..judging.naming import cut, name_tensors
 from .generated import case_from_source
@@ -43,7 +44,9 @@ def run_phase(
     else:
         case = by_id()[case_id]
     set_rank_device(ctx.device)
-    c = CaseContext(ctx, case, phase, load_adapter(impl), workdir, deadline_s)
+    adapter = load_adapter(impl)
+    tensors.use(adapter.tensors)  # how this rank reads the implementation's distributed values (SPEC 1.6)
+    c = CaseContext(ctx, case, phase, adapter, workdir, deadline_s)
     spec = case.phases[phase]
     try:
         return spec.fn(c, **spec.params)

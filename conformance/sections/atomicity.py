@@ -4,8 +4,8 @@ rank, before changing anything."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from .. import tensors
 from ..judging.oracle import canonical, check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
 from ..running.cases import grid, make_case
 from ..running.clauses import Clause
@@ -95,18 +95,13 @@ def _corrupt(osd, kind: str, fqn: str, flat: bool):
 
 def _reshape(value):
     """The same kind of tensor with one more row: the wrong shape."""
-    if isinstance(value, DTensor):
-        local = value.to_local()
+    if tensors.is_distributed(value):
+        local = tensors.local(value)
         bigger = torch.zeros((local.shape[0] + 1, *local.shape[1:]), dtype=local.dtype)
-        shape = torch.Size((value.shape[0] + value.device_mesh.size(), *value.shape[1:]))
-        return DTensor.from_local(
-            bigger, value.device_mesh, value.placements, run_check=False, shape=shape, stride=_contiguous(shape)
-        )
+        rows = tensors.global_shape(value)
+        shape = torch.Size((rows[0] + tensors.mesh(value).size(), *rows[1:]))
+        return tensors.like(value, bigger, shape)
     return torch.zeros((value.shape[0] + 1, *value.shape[1:]), dtype=value.dtype)
-
-
-def _contiguous(shape) -> tuple:
-    return torch.empty(shape, device="meta").stride()
 
 
 def atom_bad_input(c, layout, mode, kind, which):

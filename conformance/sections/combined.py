@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from ..adapters import iut_call
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, expect_error, fail_if, snapshot
 from ..running.cases import grid
 from ..running.clauses import Clause
@@ -63,14 +61,8 @@ def _to_load(c, setup, saved: modes.Saved) -> tuple:
             ),
             saved.mode,
         )
-        with c.under_test("dcp.load into the template get_state_dict returned"), iut_call():
-            dcp.load(
-                {"model": msd, "optim": osd},
-                checkpoint_id=saved.path,
-                planner=modes.dcp_planner(c.iut),
-                process_group=setup.group,
-            )
-        return msd, osd
+        loaded = modes.dcp_load(c, saved.path, {"model": msd, "optim": osd}, setup.group, saved.batched)
+        return loaded["model"], loaded["optim"]
     if saved.mode in BROADCAST and not setup.is_root:
         return {}, {}
     if saved.path:  # bcast on the root, file on every rank

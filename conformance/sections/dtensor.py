@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from .. import tensors
 from ..judging.oracle import check, diff_values, fail_if, layout_problems, snapshot
 from ..running.case_context import NotApplicable
 from ..running.cases import grid, make_case
@@ -92,26 +92,13 @@ def dt_4(c, layout, mode, pinned):
                 for entry in opt.state.values():
                     for key in ("exp_avg", "exp_avg_sq"):
                         t = entry[key]
-                        local = t.to_local() if isinstance(t, DTensor) else t
-                        pinned_local = local.pin_memory()
-                        entry[key] = (
-                            DTensor.from_local(
-                                pinned_local,
-                                t.device_mesh,
-                                t.placements,
-                                run_check=False,
-                                shape=t.shape,
-                                stride=t.stride(),
-                            )
-                            if isinstance(t, DTensor)
-                            else pinned_local
-                        )
+                        entry[key] = tensors.like(t, tensors.local(t).pin_memory())
     before = {}
     for opt in b.optimizers:
         for p, entry in opt.state.items():
             for key, t in entry.items():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    local = t.to_local() if isinstance(t, DTensor) else t
+                    local = tensors.local(t)
                     before[(id(p), key)] = (
                         t,
                         local.untyped_storage().data_ptr(),
@@ -127,7 +114,7 @@ def dt_4(c, layout, mode, pinned):
                 if old is None:
                     continue
                 where = f"state[{fqn_of[p]!r}][{key!r}]"
-                local = t.to_local() if isinstance(t, DTensor) else t
+                local = tensors.local(t)
                 if t is not old[0]:
                     problems.append(f"{where}: replaced by a new tensor object")
                 elif local.untyped_storage().data_ptr() != old[1]:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from .. import nested
+from .. import nested, tensors
 from ..judging.oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
 from ..running.cases import grid, make_case
 from ..running.clauses import Clause
@@ -139,8 +138,7 @@ def _kinds(state, params: dict, where: str, *, local: bool) -> list[str]:
         if value.dtype != p.dtype:
             problems.append(f"{at}: dtype {value.dtype}, the sharded parameter's is {p.dtype}")
         if local:
-            mine = value.to_local() if isinstance(value, DTensor) else value
-            theirs = p.to_local() if isinstance(p, DTensor) else p
+            mine, theirs = tensors.local(value), tensors.local(p)
             if mine.device != theirs.device:
                 problems.append(f"{at}: on {mine.device}, the parameter on {theirs.device}")
             elif mine.device.type == "cpu" and mine.is_pinned() != theirs.is_pinned():

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from .. import tensors
 from ..judging import fsdp1
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_values, expect_error, fail_if
@@ -161,14 +161,14 @@ def model_3(c, layout, cfg=None):
     box = [largest_full]
     dist.broadcast_object_list(box, src=0)
     largest_full = box[0]
-    flat_shards = parse_layout(layout).wrapper == "fsdp1"  # FSDP1 holds plain flat shards, not DTensors
+    flat_shards = parse_layout(layout).wrapper == "fsdp1"  # FSDP1 holds plain flat shards, not distributed values
     share = fsdp1.share_bytes(b.model) if flat_shards else share_bytes(b.module.state_dict())
     with ReceiveMeter() as meter:
         c.iut.set_model_state_dict(b.model, data["model"], options=set_options(c.iut, "bcast"))
     fail_if(diff_values(want, _model_view(b), "model"), "broadcast load: values differ")
     if not flat_shards:
-        not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
-        check(not not_dt, f"parameters are no longer DTensors after the load: {not_dt[:5]}")
+        not_dt = [f for f, p in b.named_parameters() if not tensors.is_distributed(p)]
+        check(not not_dt, f"parameters are no longer distributed after the load: {not_dt[:5]}")
     if c.rank != 0:
         limit = max(largest_full, 1 << 20)
         check(meter.calls > 0, "no torch.distributed call delivered rank 0's tensors; the transfer cannot be checked")
@@ -188,9 +188,8 @@ def model_3(c, layout, cfg=None):
 
 def share_bytes(state: dict) -> int:
     """The bytes a rank holds of a model's state dict: the local shard of
-    each DTensor, each other tensor whole (what it loads into)."""
-    tensors = (v for v in state.values() if isinstance(v, torch.Tensor))
-    return sum(v.to_local().nbytes if isinstance(v, DTensor) else v.nbytes for v in tensors)
+    each distributed value, each other tensor whole (what it loads into)."""
+    return sum(tensors.local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def receive_bound(share: int, in_flight: int) -> int:
@@ -218,8 +217,8 @@ def model_4(c, layout, mode):
     fail_if(diff_values(want, got, "model"), f"{mode}: loading into a meta-initialised model gave other values")
     lay = parse_layout(layout)
     if lay.world_size != 1 and lay.wrapper != "fsdp1":  # FSDP1 holds plain flat shards
-        not_dt = [f for f, p in b.named_parameters() if not isinstance(p, DTensor)]
-        check(not not_dt, f"parameters are not DTensors after the load: {not_dt[:5]}")
+        not_dt = [f for f, p in b.named_parameters() if not tensors.is_distributed(p)]
+        check(not not_dt, f"parameters are not distributed after the load: {not_dt[:5]}")
 
 
 def cases():

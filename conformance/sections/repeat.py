@@ -23,11 +23,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from hyperdsd.testing import region_of
 
-from .. import _compat
+from .. import tensors
 from ..adapters import raised_by_iut
 from ..judging.oracle import clone_tree, diff_snapshots, diff_values, fail_if, snapshot
 from ..running.cases import grid
@@ -77,7 +76,7 @@ def copy_state(src: Setup, dst: Setup, scale: float = 1.0) -> None:
     mine = dict(dst.named_parameters())
     with torch.no_grad():
         for fqn, p in src.named_parameters():
-            _local(mine[fqn]).copy_(_local(p) * scale)
+            tensors.local(mine[fqn]).copy_(tensors.local(p) * scale)
             mine[fqn].requires_grad_(p.requires_grad)
     fqn_of = src.fqn_of()
     for a, b in zip(src.optimizers, dst.optimizers, strict=True):
@@ -89,15 +88,11 @@ def copy_state(src: Setup, dst: Setup, scale: float = 1.0) -> None:
                     b.state[mine[fqn_of[p]]] = _scaled(a.state[p], scale)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return _compat.local(t) if isinstance(t, DTensor) else t
-
-
 def _scaled(entry: dict, scale: float) -> dict:
     out = clone_tree(dict(entry))
     for key, value in out.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step":
-            _local(value).mul_(scale)
+            tensors.local(value).mul_(scale)
     return out
 
 

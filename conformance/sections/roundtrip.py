@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from .. import nested
+from .. import nested, tensors
 from ..judging.meter import ReceiveMeter
 from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
 from ..running.cases import grid, make_case
@@ -169,8 +168,8 @@ def rt_3(c, layout, opt):
         return
     problems = []
     for path, value in _tensors(osd.get("state", {})):
-        if isinstance(value, DTensor):
-            problems.append(f"optim{path}: a DTensor, expected a full tensor")
+        if tensors.is_distributed(value):
+            problems.append(f"optim{path}: a {type(value).__name__}, expected a full tensor")
         elif value.device.type != "cpu":
             problems.append(f"optim{path}: on {value.device}, expected cpu")
     problems += diff_values(want, osd.get("state", {}), "optim['state']")
@@ -182,7 +181,7 @@ def _nbytes(v) -> int:
 
 
 def _full(v):
-    return v.full_tensor() if isinstance(v, DTensor) else v
+    return tensors.full(v)
 
 
 def _cpu(state):

@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from .. import _compat
+from .. import tensors
 from ..judging import packed
 from ..judging.oracle import (
     diff_snapshots,
@@ -133,11 +132,11 @@ def own_state(setup: Setup, state: dict) -> None:
             continue
         own = {}
         for key, value in entry.items():
-            value = _compat.copied(value)
+            value = tensors.copied(value)
             if key == "step":
                 value += 5
             else:
-                (_compat.local(value) if isinstance(value, DTensor) else value).mul_(0.5)
+                tensors.local(value).mul_(0.5)
             own[key] = value
         opt.state[params[fqn]] = own
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from .. import _compat, nested
+from .. import _compat, nested, tensors
 from ..judging.oracle import diff_snapshots, fail_if, layout_problems, snapshot
 from ..running.cases import grid, make_case
 from ..running.clauses import Clause
@@ -147,8 +146,8 @@ def _not_full(held: dict, shapes: dict, cpu: bool) -> list[str]:
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
             at = f"get[{fqn!r}]{nested.where(path)}"
-            if isinstance(v, DTensor):
-                problems.append(f"{at}: a DTensor, expected a full tensor")
+            if tensors.is_distributed(v):
+                problems.append(f"{at}: a {type(v).__name__}, expected a full tensor")
             elif tuple(v.shape) != shape:
                 problems.append(f"{at}: shape {tuple(v.shape)}, expected the parameter's {shape}")
             elif cpu and v.device.type != "cpu":
@@ -166,10 +165,12 @@ def _fsdp1_sharded(held: dict, shapes: dict) -> list[str]:
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
             at = f"get[{fqn!r}]{nested.where(path)}"
-            if not isinstance(v, DTensor) and _compat.sharded_tensor_pieces(v) is None:
+            if not tensors.is_distributed(v) and _compat.sharded_tensor_pieces(v) is None:
                 problems.append(f"{at}: a plain {type(v).__name__}, expected one sharded like its parameter")
-            elif tuple(v.size()) != shapes.get(fqn):
-                problems.append(f"{at}: global shape {tuple(v.size())}, its parameter's is {shapes.get(fqn)}")
+            elif tuple(tensors.global_shape(v)) != shapes.get(fqn):
+                problems.append(
+                    f"{at}: global shape {tuple(tensors.global_shape(v))}, its parameter's is {shapes.get(fqn)}"
+                )
     return problems
 
 
@@ -179,7 +180,7 @@ def _scalars(held: dict) -> dict:
     for fqn, entry in held.items():
         for path, v in nested.leaves(entry):
             at = f"[{fqn!r}]{nested.where(path)}"
-            if isinstance(v, DTensor):
+            if tensors.is_distributed(v):
                 continue
             if isinstance(v, torch.Tensor):
                 if v.dim() == 0:

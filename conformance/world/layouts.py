@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from hyperdsd.testing import NotApplicable
 
-from .. import _compat
+from .. import _compat, tensors
 from . import policies
 from .models import ModelConfig
 
@@ -183,8 +183,25 @@ def _unsharded(setup) -> None:
     pass
 
 
+def stack_mesh(setup, mesh):
+    """``mesh`` (torch's ``DeviceMesh``) as the adapter's ``shard`` takes it:
+    the stack's own mesh, built from its description once per rank, where the
+    adapter builds meshes (``Adapter.mesh``, SPEC 1.6); torch's otherwise.
+    Every rank of the layout shards alike, so every rank of ``mesh`` asks for
+    it at the same point."""
+    if setup.c.adapter.mesh is None:
+        return mesh
+    description = tensors.MeshDescription.of(mesh)
+    key = ("stack-mesh", description)
+    cache = setup.c.rank_ctx.cache
+    if key not in cache:
+        cache[key] = setup.c.iut.mesh(description)
+    return cache[key]
+
+
 def _blocks_and_root(setup, mesh) -> None:
     shard, policy = setup.c.iut.shard, setup.layout.policy
+    mesh = stack_mesh(setup, mesh)
     refusal = _compat.cpu_reshard_refusal() if policies.reshards(policy) and setup.device.type == "cpu" else ""
     if refusal:
         raise NotApplicable(refusal)
@@ -214,7 +231,7 @@ def _dense_children(setup, *, skip: tuple[str, ...]) -> None:
     """Every module but the experts' own fully sharded over the world, each on
     its own (the root is not: it would take over the parameters the layout
     placed itself)."""
-    shard, mesh, module = setup.c.iut.shard, setup.mesh, setup.module
+    shard, mesh, module = setup.c.iut.shard, stack_mesh(setup, setup.mesh), setup.module
     for block in module.layers.values():
         shard(block, mesh=mesh)
     for name in ("tok", "norm", "head", "aux"):
@@ -243,8 +260,10 @@ def _router_replicated(setup) -> None:
 
 
 def _place(module: nn.Module, mesh, placements) -> None:
+    """The suite distributes ``module``'s weight itself, as the stack under test's value (``from_torch``)."""
     with torch.no_grad():
-        module.weight = nn.Parameter(_compat.distribute_locally(module.weight.detach(), mesh, placements))
+        placed = _compat.distribute_locally(module.weight.detach(), mesh, placements)
+        module.weight = nn.Parameter(tensors.from_torch(placed))
 
 
 def _experts(cfg: ModelConfig, setup) -> ModelConfig:

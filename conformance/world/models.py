@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from .. import _compat
+from .. import tensors
 
 
 @dataclass(frozen=True)
@@ -153,28 +152,31 @@ class ExtraStateBlock(Block):
 
 
 class _DataParallelWeight(torch.autograd.Function):
-    """A weight a layout distributed itself (a DTensor that no FSDP manages):
-    gathered whole for the forward; its gradient averaged over every rank of
-    the world (each computed it on its own rows of the batch), as FSDP and
-    DDP average theirs, then cut to this rank's piece. Deterministic: one
+    """A weight a layout distributed itself (a distributed value that no FSDP
+    manages): gathered whole for the forward; its gradient averaged over every
+    rank of the world (each computed it on its own rows of the batch), as FSDP
+    and DDP average theirs, then cut to this rank's block. Deterministic: one
     all-reduce leaves the same sum on every rank."""
 
     @staticmethod
-    def forward(ctx, weight: DTensor) -> torch.Tensor:
-        ctx.mesh, ctx.placements = weight.device_mesh, weight.placements
-        return weight.full_tensor()
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight
+        return tensors.full(weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> DTensor:
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
         dist.all_reduce(grad)
         grad = grad / dist.get_world_size()
-        return _compat.distribute_locally(grad, ctx.mesh, ctx.placements)
+        weight = ctx.weight
+        start, rows = tensors.block_start(weight, dist.get_rank()), tensors.local(weight).shape
+        block = grad[tuple(slice(at, at + n) for at, n in zip(start, rows))]
+        return tensors.like(weight, block.contiguous())
 
 
 def whole(weight: torch.Tensor) -> torch.Tensor:
     """The weight a forward computes with (FSDP hands over plain tensors; see above for the rest)."""
-    return _DataParallelWeight.apply(weight) if isinstance(weight, DTensor) else weight
+    return _DataParallelWeight.apply(weight) if tensors.is_distributed(weight) else weight
 
 
 class Router(nn.Module):

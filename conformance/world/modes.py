@@ -140,10 +140,15 @@ def save(
         edit(osd)
     saved = Saved(mode, model_ref=clone_tree(setup.module.state_dict()) if model == "reference" else None)
     if mode in ("dcp", "flat_dcp"):
-        saved.path, saved.batched = _path(c, setup, f"dcp-{mode}"), batched
+        saved.path = _path(c, setup, f"dcp-{mode}")
+        state = {k: v for k, v in (("model", msd), ("optim", osd)) if v is not None}
+        if iut.save_checkpoint is not None:  # the stack's own checkpoint (SPEC 1.6)
+            iut.save_checkpoint(state, checkpoint_id=saved.path, process_group=setup.group)
+            return saved
+        saved.batched = batched
         with c.under_test("dcp.save of the state dicts get returned"):
             dcp.save(
-                {k: v for k, v in (("model", msd), ("optim", osd)) if v is not None},
+                state,
                 checkpoint_id=saved.path,
                 storage_writer=BatchedWriter(saved.path) if batched else None,
                 process_group=setup.group,
@@ -161,20 +166,27 @@ def save(
 
 def load_reference_model(setup, state: dict, strict: bool = True) -> None:
     """Load the model's own state dict the model's own way (no implementation involved)."""
-    with torch.no_grad():
+    with torch.no_grad(), setup.stepping():
         setup.module.load_state_dict(clone_tree(state), strict=strict)
 
 
 def save_reference_model(c, setup, name: str = "model-ref") -> None:
-    """The model's own state dict through DCP, for a load on another layout."""
-    dcp.save({"model": setup.module.state_dict()}, checkpoint_id=_path(c, setup, name), process_group=setup.group)
+    """The model's own state dict through DCP (or the stack's own checkpoint), for a load on another layout."""
+    state, path = {"model": setup.module.state_dict()}, _path(c, setup, name)
+    if c.iut.save_checkpoint is not None:
+        c.iut.save_checkpoint(state, checkpoint_id=path, process_group=setup.group)
+    else:
+        dcp.save(state, checkpoint_id=path, process_group=setup.group)
 
 
 def load_reference_model_from(c, setup, name: str = "model-ref") -> None:
-    state = setup.module.state_dict()
-    dcp.load({"model": state}, checkpoint_id=_path(c, setup, name), process_group=setup.group)
-    with torch.no_grad():
-        setup.module.load_state_dict(state)
+    state, path = {"model": setup.module.state_dict()}, _path(c, setup, name)
+    if c.iut.load_checkpoint is not None:
+        state = c.iut.load_checkpoint(state, checkpoint_id=path, process_group=setup.group) or state
+    else:
+        dcp.load(state, checkpoint_id=path, process_group=setup.group)
+    with torch.no_grad(), setup.stepping():
+        setup.module.load_state_dict(state["model"])
 
 
 def dcp_planner(iut):
@@ -209,11 +221,11 @@ def load(
         tmpl_opts = get_options(iut, saved.mode)
         if iut_model:
             msd = iut.get_model_state_dict(setup.model, options=tmpl_opts)
-            _dcp_load(c, setup, saved, {"model": msd})
+            msd = dcp_load(c, saved.path, {"model": msd}, setup.group, saved.batched)["model"]
             keys = iut.set_model_state_dict(setup.model, msd, options=opts)
         if optim:
             osd = iut.get_optimizer_state_dict(setup.model, optims, options=tmpl_opts)
-            _dcp_load(c, setup, saved, {"optim": osd})
+            osd = dcp_load(c, saved.path, {"optim": osd}, setup.group, saved.batched)["optim"]
             iut.set_optimizer_state_dict(setup.model, optims, osd, options=opts)
         return keys
     if saved.mode == "bcast":
@@ -238,17 +250,16 @@ def load(
     return keys
 
 
-def _dcp_load(c, setup, saved: Saved, template: dict) -> None:
-    """``dcp.load`` of ``saved`` into ``template`` (a get's), with the implementation's load planner."""
-    reader = BatchedReader(saved.path) if saved.batched else None
+def dcp_load(c, path: str, template: dict, group, batched: bool = False) -> dict:
+    """``dcp.load`` of the checkpoint at ``path`` into ``template`` (a get's), with the implementation's
+    load planner, or the stack's own ``load_checkpoint`` (SPEC 1.6); what was loaded."""
+    if c.iut.load_checkpoint is not None:
+        loaded = c.iut.load_checkpoint(template, checkpoint_id=path, process_group=group)
+        return loaded if isinstance(loaded, dict) else template
+    reader = BatchedReader(path) if batched else None
     with c.under_test("dcp.load into the template get returned"), iut_call():
-        dcp.load(
-            template,
-            checkpoint_id=saved.path,
-            storage_reader=reader,
-            planner=dcp_planner(c.iut),
-            process_group=setup.group,
-        )
+        dcp.load(template, checkpoint_id=path, storage_reader=reader, planner=dcp_planner(c.iut), process_group=group)
+    return template
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ Deterministic: two runs from the same state end bitwise equal.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .. import tensors
 
 
 class Preconditioned(torch.optim.Optimizer):
@@ -37,7 +38,7 @@ class Preconditioned(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "beta": beta, "beta2": beta2, "eps": eps, "weight_decay": weight_decay})
 
     def _init_state(self, p: torch.Tensor) -> dict:
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = tensors.local(p)
         return {
             "step": torch.tensor(0.0),
             "momentum": torch.zeros_like(p),

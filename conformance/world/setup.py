@@ -9,6 +9,8 @@ equal.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -93,12 +95,25 @@ class Setup:
             named = [(n, p) for n, p in self.named_parameters() if trainable is None or trainable(n)]
             all_groups = by_role or param_groups(named, groups)
             chunks = [all_groups] if n_optimizers == 1 else [all_groups[:1], all_groups[1:]]
-            self.optimizers = [OPTIMIZERS[optimizer](chunk) for chunk in chunks]
-            if scheduler:
-                self.schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8) for o in self.optimizers]
+            with self.stepping():
+                self.optimizers = [OPTIMIZERS[optimizer](chunk) for chunk in chunks]
+                if scheduler:
+                    self.schedulers = [
+                        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8) for o in self.optimizers
+                    ]
         self._pipeline = None
 
     # -- structure -------------------------------------------------------
+    def stepping(self):
+        """The stack's own context (``Adapter.training``, SPEC 1.6), around
+        what the suite does to optimizers and parameters outside a forward and
+        backward: building optimizers, stepping them, loading a model's own
+        state dict. Entered around each such operation alone, never nested
+        (a stack's context need not nest), and never around a call into the
+        implementation. None declared: no context."""
+        training = self.c.adapter.training
+        return training() if training is not None else contextlib.nullcontext()
+
     @property
     def group(self):
         """The process group of the model's ranks (None: the whole world)."""
@@ -190,11 +205,12 @@ class Setup:
 
     def step(self) -> None:
         """The optimizers' and schedulers' step after the gradients are in; the data moves on."""
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for sched in self.schedulers:
-            sched.step()
+        with self.stepping():
+            for opt in self.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            for sched in self.schedulers:
+                sched.step()
         self.steps_done += 1
 
     def _pipeline_step(self, tokens, targets) -> None:
@@ -238,7 +254,7 @@ class Setup:
 
     def load_own_state(self, state: dict) -> None:
         """Put back what :meth:`own_state` copied (consumes it)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.stepping():
             self.module.load_state_dict(state["model"])
         for opt, (per_param, groups) in zip(self.optimizers, state["optimizers"], strict=True):
             opt.state.clear()

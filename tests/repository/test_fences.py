@@ -277,3 +277,49 @@ def test_fsdp1_is_named_only_in_its_package_its_shims_and_where_it_is_registered
     registry = FSDP1_REGISTRY.read_text()
     assert len(_names_fsdp1(FSDP1_REGISTRY)) == 2 and "wrappers.register(FSDP1Layout())" in registry
     assert _names_fsdp1(ROOT / "hyperdsd" / "fsdp1" / "twin.py")  # (the check reads what it should)
+
+
+# -- distributed values: the suite knows torch's DTensor in one place (SPEC 1.6) -----
+
+PROTOCOL = ROOT / "conformance" / "tensors.py"
+IMPLEMENTATIONS = ROOT / "conformance" / "examples"  # stand-in stacks: implementations, not the suite
+
+
+def dtensor_uses(source: str) -> list[tuple[int, str]]:
+    """Where a source names torch's DTensor class: imports it, or reads it as an attribute."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "DTensor" for a in node.names):
+            found.append((node.lineno, f"from {node.module} import DTensor"))
+        elif isinstance(node, ast.Attribute) and node.attr == "DTensor":
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_suite_reads_distributed_values_only_through_its_protocol():
+    """A distributed value is judged by what it holds, whatever its class: every oracle, snapshot, message
+    and mode asks conformance.tensors, and only that module knows torch's DTensor."""
+    offenders = []
+    for path in sorted((ROOT / "conformance").rglob("*.py")):
+        if path == PROTOCOL or IMPLEMENTATIONS in path.parents:
+            continue
+        offenders += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in dtensor_uses(path.read_text())]
+    assert offenders == [], "torch's DTensor named outside conformance/tensors.py:\n" + "\n".join(offenders)
+    assert dtensor_uses(PROTOCOL.read_text())  # the check reads what it should
+
+
+def test_the_protocol_fence_sees_what_it_guards():
+    caught = [
+        "from torch.distributed.tensor import DTensor, Shard",
+        "from torch.distributed.tensor import Shard, DTensor as DT",
+        "ok = isinstance(v, torch.distributed.tensor.DTensor)",
+    ]
+    for sample in caught:
+        assert dtensor_uses(sample), sample
+    allowed = [
+        "from torch.distributed.tensor import Shard, Replicate",
+        "if tensors.is_distributed(v): pass",
+        '"""a DTensor in a docstring"""',
+    ]
+    for sample in allowed:
+        assert not dtensor_uses(sample), sample

@@ -157,10 +157,11 @@ def gathered_dtensors_are_full_tensors(ctx, mesh_spec: str) -> list[str]:
     what its own ``full_tensor()`` gives: uneven and empty shards, a dim
     other than 0, 2-D meshes, a strided layout it leaves to full_tensor."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from conformance import _compat
-    from conformance.judging.oracle import gather_dtensors
+    from conformance import tensors
+    from conformance.judging.oracle import gather_distributed
 
     mesh = ctx.mesh(mesh_spec)
     torch.manual_seed(0)
@@ -174,9 +175,9 @@ def gathered_dtensors_are_full_tensors(ctx, mesh_spec: str) -> list[str]:
     }
     if mesh.ndim == 2:  # the same tensor dim sharded on both mesh dims: not one block a rank, gathered by full_tensor
         tree["twice"] = distribute_tensor(torch.randn(9, 2), mesh, [Shard(0), Shard(0)])
-        if _compat.dtensor_block(tree["twice"]) is not None:
+        if tensors.block_start(tree["twice"], dist.get_rank()) is not None:
             return ["a tensor dim sharded twice was taken for one block"]
-    got = gather_dtensors(tree)
+    got = gather_distributed(tree)
     problems = []
     for path, value in [(("rows", k), v) for k, v in tree["rows"].items()] + [
         (("cols",), tree["cols"]),
