@@ -5,4 +5,4 @@ implementation of the ``torch.distributed.checkpoint.state_dict`` API.
 """
 
 __version__ = "0.5.0"
-SPEC_VERSION = "1.5"
+SPEC_VERSION = "1.6"
