@@ -105,13 +105,13 @@ def get_model_state_dict(
 
 def _model_only(model: nn.Module, opts: StateDictOptions) -> dict[str, Any]:
     with _reading(model, (), opts) as target:
-        return _model_state(target.model, target.index, opts, target.model_stages)
+        return _model_state(target.model, target.index, opts, target.model_rounds)
 
 
-def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions, stages=None) -> dict[str, Any]:
+def _model_state(model: nn.Module, index: ModelIndex, opts: StateDictOptions, rounds=None) -> dict[str, Any]:
     sd = model_state.read_state(model, index, opts.ignore_frozen_params)
     if opts.full_state_dict:
-        return consolidate.full_model(sd, groups.of_params(index.params), cpu=opts.cpu_offload, stages=stages)
+        return consolidate.full_model(sd, groups.of_params(index.params), cpu=opts.cpu_offload, rounds=rounds)
     return consolidate.offload(sd) if opts.cpu_offload else sd
 
 
@@ -132,16 +132,16 @@ def get_optimizer_state_dict(
 
 def _optimizers_only(model: nn.Module, optims: tuple, opts: StateDictOptions) -> dict[str, Any]:
     with _reading(model, optims, opts) as target:
-        return _optimizer_state(target.index, target.optims, opts, stages=target.optim_stages)
+        return _optimizer_state(target.index, target.optims, opts, rounds=target.optim_rounds)
 
 
 def _optimizer_state(
-    index: ModelIndex, optims, opts: StateDictOptions, *, to_load: bool = False, stages=None
+    index: ModelIndex, optims, opts: StateDictOptions, *, to_load: bool = False, rounds=None
 ) -> dict[str, Any]:
     nested = optim_state.read_state(index, optims, to_load=to_load)
     if opts.full_state_dict:
         group = groups.of_params(index.params)
-        nested = consolidate.full_optimizer(nested, group, cpu=opts.cpu_offload, stages=stages)
+        nested = consolidate.full_optimizer(nested, group, cpu=opts.cpu_offload, rounds=rounds)
     elif opts.cpu_offload:
         nested = consolidate.offload(nested)
     if opts.flatten_optimizer_state_dict and nested:
@@ -166,8 +166,8 @@ def get_state_dict(
 def _both(model: nn.Module, optims: tuple, opts: StateDictOptions, to_load: bool = False) -> tuple[dict, dict]:
     with _reading(model, optims, opts) as target:
         return (
-            _model_state(target.model, target.index, opts, target.model_stages),
-            _optimizer_state(target.index, target.optims, opts, to_load=to_load, stages=target.optim_stages),
+            _model_state(target.model, target.index, opts, target.model_rounds),
+            _optimizer_state(target.index, target.optims, opts, to_load=to_load, rounds=target.optim_rounds),
         )
 
 

@@ -58,15 +58,15 @@ class Twin:
     """What a call reads or loads in place of a model and its optimizers.
 
     ``index`` is the twin model's :class:`~hyperdsd.state.keys.fqn.ModelIndex`;
-    ``model_stages`` and ``optim_stages`` (or None) let a full get gather
-    from the wrapper's own layout (see :func:`hyperdsd.transport.consolidate.full_model`);
+    ``model_rounds`` and ``optim_rounds`` (or None) let a full get gather
+    from the wrapper's own layout, a round of keys at a time (see :func:`hyperdsd.transport.consolidate.full_model`);
     ``load`` (a load's twin only) takes a load on from the twin."""
 
     model: Any
     optims: tuple
     index: Any
-    model_stages: Any = None
-    optim_stages: Any = None
+    model_rounds: Any = None
+    optim_rounds: Any = None
     load: TwinLoad | None = None
     release: Callable[[], None] | None = None  # called when the call is done with the twin
 

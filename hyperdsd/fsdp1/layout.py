@@ -2,7 +2,7 @@
 ``FullyShardedDataParallel`` instances, the child each wraps is hidden from
 FQNs, its flat parameters are its own, and a call works on the model's
 twin (:mod:`.twin`), a full get gathering from the flat shards
-(:mod:`.streaming`), a load written back into them (:mod:`.landing`)."""
+(:mod:`.streaming`), a load landed and written back into them (:mod:`.load`)."""
 
 from __future__ import annotations
 
@@ -28,17 +28,17 @@ class FSDP1Layout(wrappers.WrapperLayout):
         self, model, index, optims: tuple, modifiers_attr: str, *, to_load: frozenset[str], full: bool
     ) -> wrappers.Twin:
         # (loaded for FSDP1 models only)
-        from .landing import TwinLoad
-        from .streaming import model_stages, optim_stages
-        from .twin import Twin
+        from .load import FSDP1Load
+        from .streaming import model_rounds, optim_rounds
+        from .twin import FSDP1Twin
 
-        twin = Twin(model, index, optims, modifiers_attr, to_load=to_load, stream=full and not to_load)
+        twin = FSDP1Twin(model, index, optims, modifiers_attr, to_load=to_load, stream=full and not to_load)
         return wrappers.Twin(
             twin.model,
             twin.optims,
             twin.index,
-            model_stages(twin),
-            optim_stages(twin),
-            TwinLoad(twin) if to_load else None,
+            model_rounds(twin),
+            optim_rounds(twin),
+            FSDP1Load(twin) if to_load else None,
             twin.release,
         )

@@ -1,15 +1,15 @@
 """A full get of an FSDP1 model, gathered from its flat shards run by run.
 
-A full get's twin (:class:`hyperdsd.fsdp1.twin.Twin` with ``stream``) reads no
+A full get's twin (:class:`hyperdsd.fsdp1.twin.FSDP1Twin` with ``stream``) reads no
 rows: its parameters and per-element optimizer state stand in hollow. The
 gather (:func:`hyperdsd.transport.consolidate.full_entries`) takes them in
-stages, each a run of one unit's parameters of about one gather bucket's
+rounds, each a run of one unit's parameters of about one gather bucket's
 share of a rank: every rank sends what its flat shards hold of them
 straight to their place in the full tensors (one exchange over the unit's
 group). Reading rows first moved the state twice, once to rows and once
 to the root, and held a copy of a rank's whole state; now each element
 moves once, from where FSDP1 keeps it, and a rank holds nothing of its own
-state beyond what is in flight. Every rank makes the same stages from the
+state beyond what is in flight. Every rank makes the same rounds from the
 units' shapes alone and takes them in the same order.
 """
 
@@ -34,7 +34,7 @@ from .units import UnitLayout, shard_state
 def _runs(u: UnitLayout, itemsize: int) -> list[list[int]]:
     """The unit's parameters in runs of about one gather bucket's share of a
     rank's bytes (``itemsize`` an element), at least one parameter each;
-    :func:`_packed` then puts runs of several units in one stage."""
+    :func:`_packed` then puts runs of several units in one round."""
     budget = max(BUCKET_BYTES // u.size, 1)
     runs: list[list[int]] = []
     size = 0
@@ -55,40 +55,40 @@ def _gathers(u: UnitLayout, root: int | None) -> bool:
 
 
 def _packed(runs: list[tuple], size_of) -> list[list[tuple]]:
-    """Consecutive ``runs`` ((unit, run, ...), of any units) in stages of about
+    """Consecutive ``runs`` ((unit, run, ...), of any units) in rounds of about
     one gather bucket's share of a rank (``size_of(*item)`` bytes), at least
-    one run each: a stage's runs move in one exchange, not one per unit.
+    one run each: a round's runs move in one exchange, not one per unit.
     Runs of a rank's 1 MiB or more are not packed."""
-    stages: list[list[tuple]] = []
+    rounds: list[list[tuple]] = []
     size = 0
     for item in runs:
         u = item[0]
         nbytes = size_of(*item)
-        # (runs of large parameters keep a stage each, as unpacked: their exchanges cost their bytes)
-        if not stages or size + nbytes > max(BUCKET_BYTES // u.size, 1) or max(size, nbytes) >= DIRECT_BYTES:
-            stages.append([])
+        # (runs of large parameters keep a round each, as unpacked: their exchanges cost their bytes)
+        if not rounds or size + nbytes > max(BUCKET_BYTES // u.size, 1) or max(size, nbytes) >= DIRECT_BYTES:
+            rounds.append([])
             size = 0
-        stages[-1].append(item)
+        rounds[-1].append(item)
         size += nbytes
-    return stages
+    return rounds
 
 
 def _run_bytes(u: UnitLayout, run: list[int], itemsize: int) -> int:
     return sum(-(-math.prod(u.unit.shapes[i]) // u.size) for i in run) * itemsize
 
 
-def model_stages(twin) -> list | None:
-    """The model's stages: ``(keys, fill)``, ``fill(entries, root_of)`` giving
+def model_rounds(twin) -> list | None:
+    """The model's rounds: ``(keys, fill)``, ``fill(entries, root_of)`` giving
     the entries of those keys full (None on ranks that keep none of them);
     None when the twin's rows are read."""
     if not twin.stream_rows:
         return None
     runs = [(u, run) for u in twin.units for run in _runs(u, u.unit.local.dtype.itemsize)]
-    stages = []
+    rounds = []
     for pack in _packed(runs, lambda u, run: _run_bytes(u, run, u.unit.local.dtype.itemsize)):
         keys = [key for u, run in pack for key in _model_keys(u, run)]
-        stages.append((keys, partial(_model_values, pack)))
-    return stages
+        rounds.append((keys, partial(_model_values, pack)))
+    return rounds
 
 
 def _model_keys(u: UnitLayout, run: list[int]) -> list[str]:
@@ -96,7 +96,7 @@ def _model_keys(u: UnitLayout, run: list[int]) -> list[str]:
 
 
 def _model_values(pack: list[tuple], entries: dict, root_of) -> dict:
-    exchange = moves.Exchange(limit=math.inf)  # (a stage is one bucket already)
+    exchange = moves.Exchange(limit=math.inf)  # (a round is one bucket already)
     gathered = []
     for u, run in pack:
         keys = [key for key in _model_keys(u, run) if key in entries]
@@ -115,8 +115,8 @@ def _model_values(pack: list[tuple], entries: dict, root_of) -> dict:
     return {key: by_fqn[key] for key in entries}
 
 
-def optim_stages(twin) -> list | None:
-    """:func:`model_stages` for the optimizers' state, keyed by the FQNs the
+def optim_rounds(twin) -> list | None:
+    """:func:`model_rounds` for the optimizers' state, keyed by the FQNs the
     twin optimizers give their parameters (units without per-element state
     on any rank have none)."""
     if not twin.stream_state:
@@ -129,15 +129,15 @@ def optim_stages(twin) -> list | None:
             continue
         itemsize[n] = sum(dtype.itemsize for _, dtype in typed)
         runs += [(u, run, n) for run in _runs(u, itemsize[n])]
-    stages = []
+    rounds = []
     for pack in _packed(runs, lambda u, run, n: _run_bytes(u, run, itemsize[n])):
         keys = [twin.index.fqn_of(twin.params[n][i]) for _, run, n in pack for i in run]
-        stages.append((keys, partial(_state_values, twin, [(n, run) for _, run, n in pack])))
-    return stages
+        rounds.append((keys, partial(_state_values, twin, [(n, run) for _, run, n in pack])))
+    return rounds
 
 
 def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
-    exchange = moves.Exchange(limit=math.inf)  # (a stage is one bucket already)
+    exchange = moves.Exchange(limit=math.inf)  # (a round is one bucket already)
     by_unit = {}
     for n, run in pack:
         u, (targets, typed) = twin.units[n], twin.state_plans[n]
@@ -148,7 +148,7 @@ def _state_values(twin, pack: list[tuple], entries: dict, root_of) -> dict:
         sources = [_state_source(u, targets, path, dtype) for path, dtype in typed]
         by_unit[n] = full_moves.to_full(u, sources, run, root, exchange), run
     exchange.run()
-    # Hollow values are shared (see Twin._hollow): each is found by its entry's FQN and its path.
+    # Hollow values are shared (see FSDP1Twin._hollow): each is found by its entry's FQN and its path.
     spots = {twin.index.fqn_of(twin.params[n][i]): (n, i) for n, run in pack for i in run}
     full_at = {  # unit -> path -> parameter -> its full tensor (None where this rank keeps none)
         n: {path: dict(zip(run, fulls[k])) for k, (path, _) in enumerate(twin.state_plans[n][1])}

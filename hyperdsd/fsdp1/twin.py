@@ -1,15 +1,16 @@
 """FSDP1 models through a twin in hyperdsd's canonical layout.
 
-:class:`Twin` reads an FSDP1 model and its optimizers into a twin (see
-:mod:`hyperdsd.fsdp1.units`): each original parameter a DTensor sharded by
-rows on the unit's mesh, its optimizer state per original parameter
-(unflattened from the flat parameter's under ``use_orig_params=False``),
-keyed by canonical FQN. Gets read the twin as they read an FSDP2 model (a
-full get takes its tensors from the flat shards: :mod:`hyperdsd.fsdp1.streaming`); a
-set plans, checks and agrees against the twin, loads into it, and only then
-writes what changed into FSDP1's flat shards, its optimizers' state and their
-param groups (:mod:`hyperdsd.fsdp1.landing`). Reading changes nothing: every
-tensor of the twin that stands for a flat parameter's state is new. A set's twin does not
+:class:`FSDP1Twin` reads an FSDP1 model and its optimizers into a twin (see
+:mod:`hyperdsd.fsdp1.units`, :mod:`.twin_tree` and :mod:`.twin_entries`):
+each original parameter a DTensor sharded by rows on the unit's mesh, its
+optimizer state per original parameter (unflattened from the flat
+parameter's under ``use_orig_params=False``), keyed by canonical FQN. Gets
+read the twin as they read an FSDP2 model (a full get takes its tensors from
+the flat shards: :mod:`hyperdsd.fsdp1.streaming`); a set plans, checks and
+agrees against the twin, loads into it, and only then writes what changed
+into FSDP1's flat shards, its optimizers' state and their param groups
+(:mod:`hyperdsd.fsdp1.load`). Reading changes nothing: every tensor of the
+twin that stands for a flat parameter's state is new. A set's twin does not
 read what the load overwrites: its rows start empty, and what some rank's
 load leaves is read from the flat shards at write-back.
 """
@@ -22,16 +23,11 @@ from .. import _compat
 from ..errors import StateDictError
 from ..state.keys.fqn import ModelIndex
 from ..transport import group as groups
-from ..tree import rebuild
 from . import kept as kept_twins
-from . import stacks
+from . import stacks, unit_groups
 from . import unit_moves as moves
 from . import units as layout_of
 from .summaries import (
-    HeldValue,
-    RowsAt,
-    at_path,
-    held_copies,
     merge,
     per_element_paths,
     quick_summary_key,
@@ -39,10 +35,12 @@ from .summaries import (
     summarize,
     summary_key,
 )
-from .units import UnitLayout, blank_rows, shard_state, twin_module, twin_optimizer
+from .twin_entries import twin_entries
+from .twin_tree import twin_module
+from .units import UnitLayout, blank_rows, shard_state, twin_optimizer
 
 
-class Twin:
+class FSDP1Twin:
     """An FSDP1 model and its optimizers, in the canonical layout."""
 
     def __init__(
@@ -61,7 +59,8 @@ class Twin:
         self._hollows: dict[tuple, torch.Tensor] = {}
         # A load overwrites what it loads: the twin's sharded state then starts
         # empty, and what a load leaves is read from the flat shards at write-back
-        # only where some rank did not load it (:mod:`hyperdsd.fsdp1.landing`). An optimizer
+        # only where some rank did not load it (:mod:`hyperdsd.fsdp1.model_writeback`,
+        # :mod:`hyperdsd.fsdp1.state_refill`). An optimizer
         # load reads no parameter values (a scratch step steps zeros like them),
         # but its load hooks, which see the twin, might: the rows are read for them.
         self.load_hooked = any(h.pre or h.post for h in map(_compat.optimizer_load_hooks, self.real_optims))
@@ -83,7 +82,7 @@ class Twin:
             fqns, aliases = layout_of.canonical_names(real, raw, unit)
             key = (id(unit.pg), id(unit.mesh), id(unit.replicate_pg), unit.flat_param.device.type)
             if key not in places:  # (each of torch's group queries costs tens of us)
-                places[key] = (*moves.shard_index(unit), moves.unit_mesh(unit, key[3]))
+                places[key] = (*unit_groups.shard_index(unit), unit_groups.unit_mesh(unit, key[3]))
             size, index, mesh = places[key]
             self.units.append(UnitLayout(unit, fqns, aliases, mesh, size, index))
         # Every unit's rows, of its parameters and of its state, move in one batch (:mod:`.stacks`).
@@ -98,7 +97,7 @@ class Twin:
             rows = [batch.rows(t)[0] for t in tickets]
         self.kept = False
         self.model, self.params, self.index = self._tree(model, real, rows, modifiers_attr)
-        # A broadcast load lands per-element state in the flat shards (:meth:`TwinLoad.land`, called
+        # A broadcast load lands per-element state in the flat shards (:meth:`.load.FSDP1Load.land`, called
         # wherever the model's group has peers): the twin's stands in hollow, and what a load does not
         # land gets rows of its own there. Load hooks see the twin's state: it is real for them.
         broadcast = "broadcast" in to_load and bool(self.real_optims) and not self.load_hooked
@@ -160,7 +159,7 @@ class Twin:
         asked of ``batch`` (unless a load or a full get reads none):
         per unit, (merged summaries, their paths, the batch's ticket)."""
         per_unit = self.optimizer_params()
-        everyone = moves.exchange_by_group(self._summaries(owner, per_unit), [u.unit.pg for u in self.units])
+        everyone = unit_groups.exchange_by_group(self._summaries(owner, per_unit), [u.unit.pg for u in self.units])
         paths_of: dict[int, list] = {}  # by the summary's id: summaries repeat (see _summaries)
         planned = []
         for u, params, ranks in zip(self.units, per_unit, everyone):
@@ -217,7 +216,7 @@ class Twin:
                 for i, value in zip(held, (self._hollow if hollow[n] else _wrap_rows)(u, rows, held)):
                     column[i] = value
             # (a full get's gather copies what its rank hands out: :mod:`hyperdsd.fsdp1.streaming`)
-            entries = _twin_entries(u, merged, targets, placed, copies=not (self.stream_state and typed))
+            entries = twin_entries(u, merged, targets, placed, copies=not (self.stream_state and typed))
             owners = targets * len(twins) if u.unit.params is None else targets  # (a flat parameter's, every one's)
             for twin, (_, p, opt), entry in zip(twins, owners, entries):
                 if entry is not None:
@@ -300,75 +299,3 @@ def _wrap_rows(u: UnitLayout, rows: list[torch.Tensor], held: list[int]) -> list
     if len(held) == len(rows):  # (every parameter's: a flat parameter's state, most of all)
         return _compat.dtensors_of(rows, specs)
     return _compat.dtensors_of([rows[i] for i in held], [specs[i] for i in held])
-
-
-def _twin_entries(u: UnitLayout, merged: list, targets: list, placed: dict, copies: bool = True) -> list:
-    """Each of the unit's twin parameters' state entry (None: no state): its
-    per-element state the DTensors ``placed`` (by path, by parameter), the
-    rest this rank's values where it has them (a flat parameter's, shared by
-    all its parameters), else the holders' (in the summary). Entries of one
-    summary holding nothing nested are made a key at a time, across the
-    parameters, their 0-d values copied in one call."""
-    n = len(u.fqns)
-    entries: list = [None] * n
-    alike: dict[int, tuple[dict, list, list]] = {}  # summary id -> (summary, parameters, their own state)
-    if u.unit.params is None:  # a flat parameter: one summary and one entry of its own, for every parameter
-        summary, (_, p, opt) = merged[0], targets[0]
-        if summary is None:
-            return entries
-        own = opt.state.get(p) or {}
-        if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
-            return [_twin_entry(summary, own, lambda path, i=i: placed[path][i], copies) for i in range(n)]
-        alike[id(summary)] = (summary, range(n), [own] * n)
-    stepped = {i for i, _, _ in u.here} if u.unit.params is not None else ()
-    for i, summary in enumerate(merged if u.unit.params is not None else ()):
-        if summary is None:
-            continue
-        _, p, opt = targets[i]
-        own = (opt.state.get(p) or {}) if i in stepped else {}  # a rank that never steps it: the holders' values
-        group = alike.get(id(summary))
-        if group is None:
-            if summary_key(summary) is None:  # (nested, or values other than tensors: the general way)
-                entries[i] = _twin_entry(summary, own, lambda path, i=i: placed[path][i], copies)
-                continue
-            group = alike[id(summary)] = (summary, [], [])
-        group[1].append(i)
-        group[2].append(own)
-    for summary, ids, owns in alike.values():
-        keys, columns = [], []
-        for key, (kind, detail) in summary.items():
-            if kind == "shape":
-                continue
-            keys.append(key)
-            if type(detail) is RowsAt:
-                column = placed[(key,)]
-                columns.append(column if len(ids) == n else [column[i] for i in ids])
-            else:
-                columns.append(held_copies([own.get(key, detail) for own in owns], copies))
-        for i, values in zip(ids, zip(*columns)):
-            entries[i] = dict(zip(keys, values))
-    return entries
-
-
-def _twin_entry(summary: dict, own: dict, rows_at, copies: bool = True) -> dict:
-    """A twin parameter's state entry: per-element state (nested too) as the
-    twin's rows, ``rows_at(path)``; the rest this rank's own values where it
-    has them, else the holders' (``summary``'s)."""
-
-    def value(leaf, path):
-        if isinstance(leaf, RowsAt):
-            return rows_at(path)
-        leaf = at_path(own, path, leaf)
-        if isinstance(leaf, HeldValue):
-            return leaf.tensor()
-        return leaf.clone() if copies and isinstance(leaf, torch.Tensor) else leaf
-
-    entry = {}
-    for key, (kind, detail) in summary.items():
-        if kind == "shape":
-            continue
-        if type(detail) is RowsAt or type(detail) is HeldValue:  # (most state: no walk)
-            entry[key] = value(detail, (key,))
-        else:
-            entry[key] = rebuild(detail, value, (key,))
-    return entry

@@ -41,14 +41,14 @@ def offload(value: Any) -> Any:
 
 
 def full_entries(
-    entries: dict[str, Any], group: Group, *, root_only: bool, cpu: bool, stages: list | None = None
+    entries: dict[str, Any], group: Group, *, root_only: bool, cpu: bool, rounds: list | None = None
 ) -> tuple[dict[str, Any], dict[str, int] | None]:
     """Gather every DTensor in ``entries`` (values: tensors, or containers of them).
 
     Returns the entries this rank keeps (all of them, or with ``root_only``
     those it is root of) and, when the ranks of ``group`` hold different
     keys, the root of each key (None when every rank holds the same keys).
-    ``stages`` (a wrapper layout's twin's, the same on every rank): ``(keys, fill)``
+    ``rounds`` (a wrapper layout's twin's, the same on every rank): ``(keys, fill)``
     pairs, taken one after the other before the rest is gathered:
     ``fill(entries, root_of)`` gathers those keys' entries itself, each to
     ``root_of(key)`` (None: to every rank), and gives them full (None where
@@ -66,9 +66,9 @@ def full_entries(
             return None
         return roots[key] if roots is not None else group.root
 
-    values = dict(entries) if stages else entries
-    for stage_keys, fill in stages or ():
-        part = {k: entries[k] for k in stage_keys if k in entries}
+    values = dict(entries) if rounds else entries
+    for round_keys, fill in rounds or ():
+        part = {k: entries[k] for k in round_keys if k in entries}
         if part:
             values.update(fill(part, root_of))
     gatherer = Gatherer(cpu=cpu)
@@ -119,10 +119,10 @@ def _kept(leaf: Any, cpu: bool) -> Any:
     return _to_cpu(leaf) if cpu and isinstance(leaf, torch.Tensor) else leaf
 
 
-def full_model(sd: dict[str, Any], group: Group, *, cpu: bool, stages: list | None = None) -> dict[str, Any]:
+def full_model(sd: dict[str, Any], group: Group, *, cpu: bool, rounds: list | None = None) -> dict[str, Any]:
     """The model's full state dict: on every rank, or with ``cpu`` on the root only."""
     root_only = cpu and group.has_peers
-    kept, roots = full_entries(sd, group, root_only=root_only, cpu=cpu, stages=stages)
+    kept, roots = full_entries(sd, group, root_only=root_only, cpu=cpu, rounds=rounds)
     if root_only and roots is not None:
         received = collectives.send_to_root(kept if not group.is_root else None, group)
         if not group.is_root:
@@ -132,17 +132,17 @@ def full_model(sd: dict[str, Any], group: Group, *, cpu: bool, stages: list | No
     return kept if not root_only or group.is_root else {}
 
 
-def full_optimizer(nested: dict, group: Group, *, cpu: bool, stages: list | None = None) -> dict:
+def full_optimizer(nested: dict, group: Group, *, cpu: bool, rounds: list | None = None) -> dict:
     """The optimizers' full state dict (nested): on every rank, or with ``cpu`` on the root only."""
     root_only = cpu and group.has_peers
     state, groups = nested["state"], nested["param_groups"]
     if not root_only:
-        kept, _ = full_entries(state, group, root_only=False, cpu=cpu, stages=stages)
+        kept, _ = full_entries(state, group, root_only=False, cpu=cpu, rounds=rounds)
         return {"state": kept, "param_groups": groups}
     # Roots are decided over every FQN this rank knows, stateless ones included.
     names = list(dict.fromkeys([*state, *(f for g in groups for f in g["params"])]))
     entries = {name: state.get(name) for name in names}
-    kept, roots = full_entries(entries, group, root_only=True, cpu=True, stages=stages)
+    kept, roots = full_entries(entries, group, root_only=True, cpu=True, rounds=rounds)
     mine = {"state": {k: v for k, v in kept.items() if v is not None}, "param_groups": []}
     if roots is None:
         mine["param_groups"] = groups if group.is_root else []

@@ -52,7 +52,7 @@ class Receiver(Protocol):
     def copied_into(self) -> torch.Tensor | None: ...
 
 
-class Column(Protocol):
+class ColumnOfReceivers(Protocol):
     """Receivers by column (``hyperdsd.state.loading.plan.ReceiverColumn`` is one):
     each of ``metas``' pieces lands in the local tensor beside it in ``dests``."""
 
@@ -78,7 +78,7 @@ def users_of(users: Users, i: int) -> tuple[Receiver, ...]:
 
 
 def needs_for(
-    prepared: list[Receiver], metas: Metas, columns: Sequence[Column] = ()
+    prepared: list[Receiver], metas: Metas, columns: Sequence[ColumnOfReceivers] = ()
 ) -> tuple[Sequence[Need | None], Users, set[int], list | None]:
     """What this rank needs of each of the root's tensors (a list, or packed
     already: :class:`~.needs.PackedNeeds`), who uses each, which arrive whole
@@ -151,7 +151,7 @@ def _each_once(prepared: list[Receiver], needs: list, users: Users, regions: dic
     return True
 
 
-def _columns_once(columns: Sequence[Column], n: int) -> tuple[PackedNeeds, Users, set[int], list] | None:
+def _columns_once(columns: Sequence[ColumnOfReceivers], n: int) -> tuple[PackedNeeds, Users, set[int], list] | None:
     """:func:`needs_for` where every receiver is a column's: each of the root's
     tensors lands in one tensor (the ``dests`` returned), no layout cuts its
     own region; None otherwise. The needs come packed, as the ranks send them."""

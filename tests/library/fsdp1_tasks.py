@@ -341,7 +341,7 @@ def partial_load(ctx, uop: bool, broadcast: bool):
     leaves some of it)."""
     import hyperdsd.fsdp1.twin
 
-    class Eager(hyperdsd.fsdp1.twin.Twin):
+    class Eager(hyperdsd.fsdp1.twin.FSDP1Twin):
         def __init__(self, model, index, optimizers, modifiers_attr, to_load=False, stream=False):
             super().__init__(model, index, optimizers, modifiers_attr)
 
@@ -356,15 +356,15 @@ def partial_load(ctx, uop: bool, broadcast: bool):
         part_msd, part_osd = {}, {}
     options = StateDictOptions(strict=False, full_state_dict=True, broadcast_from_rank0=broadcast)
     ends = []
-    for twin in (hyperdsd.fsdp1.twin.Twin, Eager):
+    for twin in (hyperdsd.fsdp1.twin.FSDP1Twin, Eager):
         model, opt = _fsdp1(ctx, 1, uop)
         _steps(model, opt, 50, 1)
-        lazy, hyperdsd.fsdp1.twin.Twin = hyperdsd.fsdp1.twin.Twin, twin
+        lazy, hyperdsd.fsdp1.twin.FSDP1Twin = hyperdsd.fsdp1.twin.FSDP1Twin, twin
         try:
             hyperdsd.set_model_state_dict(model, part_msd, options=options)
             hyperdsd.set_optimizer_state_dict(model, opt, part_osd, options=options)
         finally:
-            hyperdsd.fsdp1.twin.Twin = lazy
+            hyperdsd.fsdp1.twin.FSDP1Twin = lazy
         ends.append(_full(model, opt))
     _assert_same(*ends)
     return True
@@ -381,7 +381,7 @@ def streamed_full_get(
     import hyperdsd.fsdp1.twin
     from hyperdsd.transport.collectives import BUCKET_BYTES
 
-    class Eager(hyperdsd.fsdp1.twin.Twin):
+    class Eager(hyperdsd.fsdp1.twin.FSDP1Twin):
         def __init__(self, model, index, optimizers, modifiers_attr, to_load=False, stream=False):
             super().__init__(model, index, optimizers, modifiers_attr, to_load=to_load)
 
@@ -406,8 +406,8 @@ def streamed_full_get(
     before = _snapshot(model, optimizer)
     ends = []
     # Rows read first; gathered from the flat shards in runs of a unit each, of about 48 bytes a rank each
-    for twin, bucket in ((Eager, None), (hyperdsd.fsdp1.twin.Twin, None), (hyperdsd.fsdp1.twin.Twin, 96)):
-        streamed, hyperdsd.fsdp1.twin.Twin = hyperdsd.fsdp1.twin.Twin, twin
+    for twin, bucket in ((Eager, None), (hyperdsd.fsdp1.twin.FSDP1Twin, None), (hyperdsd.fsdp1.twin.FSDP1Twin, 96)):
+        streamed, hyperdsd.fsdp1.twin.FSDP1Twin = hyperdsd.fsdp1.twin.FSDP1Twin, twin
         default, hyperdsd.fsdp1.streaming.BUCKET_BYTES = hyperdsd.fsdp1.streaming.BUCKET_BYTES, bucket or BUCKET_BYTES
         try:
             both = hyperdsd.get_state_dict(model, optimizer, options=options)
@@ -416,7 +416,7 @@ def streamed_full_get(
                 hyperdsd.get_optimizer_state_dict(model, optimizer, options=options),
             )
         finally:
-            hyperdsd.fsdp1.twin.Twin, hyperdsd.fsdp1.streaming.BUCKET_BYTES = streamed, default
+            hyperdsd.fsdp1.twin.FSDP1Twin, hyperdsd.fsdp1.streaming.BUCKET_BYTES = streamed, default
         ends.append((both, apart))
     assert _equal(before, _snapshot(model, optimizer)), "the get changed the model"
     (eager_both, eager_apart), *streamed_ends = ends
@@ -589,7 +589,7 @@ def broadcast_equals_full_load(ctx, uop: bool, fresh_target: bool, unlanded: boo
 
         from hyperdsd.fsdp1 import landing
 
-        with mock.patch.object(landing.TwinLoad, "_land_state", lambda self, k, path, leaves_of: None):
+        with mock.patch.object(landing.BroadcastLanding, "_land_state", lambda self, k, path, leaves_of: None):
             return broadcast_equals_full_load(ctx, uop, fresh_target)
 
     def make(seed):
@@ -840,7 +840,7 @@ def stacked_moves_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD
     import hyperdsd.api  # noqa: F401  (registers the FSDP1 layout the index reads)
     import hyperdsd.fsdp1.unit_moves as moves
     from hyperdsd.fsdp1.stacks import RowsBatch, ShardsBatch
-    from hyperdsd.fsdp1.twin import Twin
+    from hyperdsd.fsdp1.twin import FSDP1Twin
     from hyperdsd.state.keys.fqn import ModelIndex
 
     kwargs = {"device_id": CPU, "use_orig_params": uop, "sharding_strategy": ShardingStrategy[strategy]}
@@ -853,7 +853,7 @@ def stacked_moves_equal_unit_by_unit(ctx, uop: bool, strategy: str = "FULL_SHARD
         model = FSDP(nn.Sequential(*[FSDP(b, **kwargs) for b in blocks], nn.Linear(5, 300)), **kwargs)
     model(torch.randn(2, 5)).sum().backward()  # (FSDP1 sets its units up at the first forward)
     index = ModelIndex.of(model, "_fqn_modifiers")
-    units = Twin(model, index, (), "_fqn_modifiers").units
+    units = FSDP1Twin(model, index, (), "_fqn_modifiers").units
     indexed = [u for u in units if u.index_plan() is not None]
     assert (len(indexed), len(units)) == (5, 6), f"five units by index, one by pieces? {len(indexed)}, {len(units)}"
 

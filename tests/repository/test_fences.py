@@ -254,6 +254,42 @@ def test_no_hyperdsd_module_or_function_outgrows_its_cap():
     assert not too_long, f"over {MODULE_LINES} lines a module, {FUNCTION_LINES} a function:\n" + "\n".join(too_long)
 
 
+# -- names: one class name, one thing ----------------------------------------------
+
+
+def class_definitions(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Each class name defined in ``sources`` (path -> source), at any depth -> ``path:line`` of each definition."""
+    found: dict[str, list[str]] = {}
+    for path, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(f"{path}:{node.lineno}")
+    return found
+
+
+def defined_twice(found: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {name: places for name, places in found.items() if len(places) > 1}
+
+
+def test_no_class_name_is_defined_twice_in_hyperdsd():
+    """One name per thing: two classes of one name (a Protocol and an unrelated class, say) are read, and
+    searched for, as one."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "hyperdsd").rglob("*.py"))}
+    found = class_definitions(sources)
+    doubled = [f"{name}: {', '.join(places)}" for name, places in sorted(defined_twice(found).items())]
+    assert doubled == [], "class names defined more than once in hyperdsd/:\n" + "\n".join(doubled)
+    assert {"Twin", "TwinLoad", "FSDP1Twin", "FSDP1Load"} <= set(found)  # (the check reads what it should)
+
+
+def test_the_class_name_fence_sees_what_it_guards():
+    sources = {
+        "a.py": "class Twin:\n    pass\n\n\nclass Load: ...\n",
+        "b.py": "def make():\n    class Twin(Protocol): ...\n",  # (nested: still a second Twin)
+        "c.py": "class Other: ...\n\n\nTwin = Other\nLoad = 1\n",  # (names bound otherwise: not classes)
+    }
+    assert defined_twice(class_definitions(sources)) == {"Twin": ["a.py:1", "b.py:2"]}
+
+
 # -- wrapper layouts: FSDP1 is hyperdsd/fsdp1/'s ------------------------------------
 
 FSDP1_NAMES = ("fsdp1", "fullyshardeddataparallel")

@@ -45,7 +45,7 @@ from ..loading.plan import ReceiverColumn, TensorMeta
 from .input import TargetGroup
 
 
-class Column(NamedTuple):
+class StateColumn(NamedTuple):
     """One state key's values across a group's parameters, checked (:meth:`EntryValues.columns`)."""
 
     key: str
@@ -74,7 +74,7 @@ class EntryValues:
         # where a step lands: beside its parameter only in capturable and fused groups (_target_device)
         self.step_on_param = bool(target.group.get("capturable") or target.group.get("fused"))
 
-    def columns(self, params: list, entries: list[dict], owns: list[dict]) -> list[Column] | None:
+    def columns(self, params: list, entries: list[dict], owns: list[dict]) -> list[StateColumn] | None:
         """Each key's column of ``entries`` checked against ``owns``, the
         optimizer's own entries (of ``params``, one to one), each distinct
         signature judged once: None where the entries do not all hold the
@@ -106,11 +106,11 @@ class EntryValues:
             verdicts = verdicts_of(signatures, self.verdicts, judge)
             if verdicts is None:
                 return None
-            columns.append(Column(key, mine[1], values, existing, verdicts))
+            columns.append(StateColumn(key, mine[1], values, existing, verdicts))
         return columns
 
     @staticmethod
-    def copies(columns: list[Column]) -> Pairs | None:
+    def copies(columns: list[StateColumn]) -> Pairs | None:
         """(destination, source) local tensors that load the columns' values (tensors)
         into their tensors: the pairs that are not the same memory already; None
         where one would not land as it is."""
@@ -122,7 +122,7 @@ class EntryValues:
             copies += pairs
         return copies
 
-    def received(self, params: list, columns: list[Column], loads: list) -> list[ReceiverColumn] | None:
+    def received(self, params: list, columns: list[StateColumn], loads: list) -> list[ReceiverColumn] | None:
         """The columns' stand-ins (a broadcast's), each to be received into the
         tensor it replaces, as receiver columns of ``loads`` (one per parameter
         of ``params``); None where one's local shape is not that tensor's (the
