@@ -16,8 +16,7 @@ from ..exploring.findings import Exploration, Finding, Verdict, describe_finding
 from ..exploring.strategy import ExploreUsageError, choices, parse_budget
 from ..running.generated import clause_cases
 from ..running.runner import Runner
-from ..world.layouts import parse_layout
-from ..world.scenario import DRAWN_LAYOUTS, Scenario
+from ..world.scenario import DRAWN, Scenario
 from .common import DEFAULT_IMPL, UsageError, as_command, check_device, int_list, positive
 
 
@@ -167,7 +166,7 @@ def run_command(args, adapter, runner: Runner, info) -> int:
         if args.json:
             _write(args.json, info, impl, None, [Finding(verdict)] if verdict.bad else [], verdict)
         return 1 if verdict.bad else 0
-    ws = args.world_sizes or sorted({parse_layout(x).world_size for x in DRAWN_LAYOUTS})
+    ws = args.world_sizes or sorted({lay.world_size for lay in DRAWN.values()})
     ch = choices(adapter, ws)
     budget = parse_budget(args.budget)
     print(

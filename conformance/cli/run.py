@@ -220,7 +220,6 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     from hyperdsd.testing import WorldLost
 
     from ..reporting.console import ConsoleReporter
-    from ..reporting.reports import RunInfo
     from ..running.runner import Runner
 
     executor = _executor(args)
@@ -228,18 +227,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
         executor.close()
         raise UsageError(f"-x/--exitfirst is not supported here: {executor.exitfirst_refusal}")
     reporter = executor.reporter
-    world_sizes = sorted({w for c in cases for w in c.world_sizes if not executor.unfit([w])})
-    info = RunInfo(
-        adapter.name,
-        adapter.version,
-        adapter.spec,
-        world_sizes,
-        sorted({m for c in cases for m in c.meshes}),
-        launcher=executor.launcher,
-        device=args.device,
-        backend=args.backend,
-        declaration=adapter.declaration(),
-    )
+    info = _run_info(args, cases, adapter, executor)
     console = ConsoleReporter(len(cases) * args.repeat, verbose=args.verbose)
     results: list = []
     start = time.monotonic()
@@ -300,7 +288,28 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     executor.close()
     if not reporter:
         return 0
-    elapsed = time.monotonic() - start
+    return _finish(args, adapter, info, runs, len(cases), console, warnings, time.monotonic() - start)
+
+
+def _run_info(args, cases, adapter, executor):
+    """What every report's header says of this run."""
+    from ..reporting.reports import RunInfo
+
+    return RunInfo(
+        adapter.name,
+        adapter.version,
+        adapter.spec,
+        sorted({w for c in cases for w in c.world_sizes if not executor.unfit([w])}),
+        sorted({m for c in cases for m in c.meshes}),
+        launcher=executor.launcher,
+        device=args.device,
+        backend=args.backend,
+        declaration=adapter.declaration(),
+    )
+
+
+def _finish(args, adapter, info, runs: list[list], n_cases: int, console, warnings, elapsed: float) -> int:
+    """The summary and the reports of a finished run (a soak's verdict changes too); the exit status."""
     last = runs[-1]
     soak = None
     if args.repeat > 1:
@@ -311,8 +320,7 @@ def _run_cases(args, cases, adapter, xfails, warnings) -> int:
     console.finish(last, elapsed, warnings)
     if soak is not None:
         console.write(
-            f"soak: {len(cases)} cases run {args.repeat} times; "
-            f"{len(soak['changed'])} changed their verdict between runs"
+            f"soak: {n_cases} cases run {args.repeat} times; {len(soak['changed'])} changed their verdict between runs"
         )
     _report(args, adapter, info, last, warnings, elapsed, soak=soak)
     return 1 if any(r.unexpected for r in last) or (soak and soak["changed"]) else 0

@@ -99,7 +99,7 @@ def explore(
     max_rounds: int | None = None,
 ) -> Exploration:
     """Draw, run and shrink scenarios until ``budget_s`` is spent."""
-    from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+    from hypothesis import given, reject
     from hypothesis import seed as hypothesis_seed
 
     report = Exploration(seed, budget_s, list(world_sizes))
@@ -135,17 +135,7 @@ def explore(
                 found_this_round.append(sig)
             raise _deviation(verdict)
 
-        test = settings(
-            database=None,
-            deadline=None,
-            max_examples=ROUND_EXAMPLES,
-            phases=(Phase.generate, Phase.shrink),
-            suppress_health_check=list(HealthCheck),
-            report_multiple_bugs=True,
-            verbosity=Verbosity.quiet,
-            print_blob=False,
-            derandomize=False,
-        )(hypothesis_seed(round_seed)(given(scenarios)(prop)))
+        test = _round_settings()(hypothesis_seed(round_seed)(given(scenarios)(prop)))
         raised: list[_Deviation] = []
         try:
             test()
@@ -153,31 +143,47 @@ def explore(
             # Ctrl-C or SIGTERM: what this round saw, unshrunk, and the report so far.
             report.interrupted = True
             for sig in found_this_round:
-                if sig not in known:
-                    seen = [v for v in scenario_runner.verdicts.values() if v.signature == sig]
-                    known.add(sig)
-                    finding = Finding(min(seen, key=lambda v: len(v.scenario.to_json())), shrunk=False)
-                    report.findings.append(finding)
-                    if on_finding is not None:
-                        on_finding(finding)
+                seen = [v for v in scenario_runner.verdicts.values() if v.signature == sig]
+                _record(report, known, min(seen, key=lambda v: len(v.scenario.to_json())), on_finding, shrunk=False)
             break
         except BaseException as exc:  # noqa: BLE001 - hypothesis raises what the test raised, grouped
             raised = _deviations_in(exc)
             if not raised:
                 raise
         for dev in raised:
-            sig = dev.verdict.signature
-            if sig in known:
-                continue
-            known.add(sig)
-            finding = Finding(dev.verdict)
-            report.findings.append(finding)
-            if on_finding is not None:
-                on_finding(finding)
+            _record(report, known, dev.verdict, on_finding)
         if time.monotonic() >= stop_at:
             break
     report.elapsed_s = time.monotonic() - start
     return report
+
+
+def _round_settings():
+    """A round's hypothesis settings: generate and shrink, nothing kept between runs, quiet."""
+    from hypothesis import HealthCheck, Phase, Verbosity, settings
+
+    return settings(
+        database=None,
+        deadline=None,
+        max_examples=ROUND_EXAMPLES,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=True,
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+        derandomize=False,
+    )
+
+
+def _record(report: Exploration, known: set, verdict, on_finding, shrunk: bool = True) -> None:
+    """A finding of a cause not known yet, once."""
+    if verdict.signature in known:
+        return
+    known.add(verdict.signature)
+    finding = Finding(verdict, shrunk=shrunk)
+    report.findings.append(finding)
+    if on_finding is not None:
+        on_finding(finding)
 
 
 def _deviations_in(exc: BaseException) -> list[_Deviation]:

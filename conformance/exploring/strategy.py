@@ -8,12 +8,13 @@ import re
 from dataclasses import dataclass, replace
 
 from ..adapters import MODES
+from ..modes import mode_of
 from ..running.generated import scenario_case
 from ..running.runner import undeclared
-from ..world.layouts import parse_layout
 from ..world.loops import POINTS
 from ..world.policies import VARIANTS
 from ..world.scenario import (
+    DRAWN,
     DRAWN_LAYOUTS,
     DTYPES,
     EXTRA_STATE,
@@ -60,7 +61,7 @@ def choices(adapter, world_sizes) -> Choices:
     allowed = set(world_sizes)
     modes_of = []
     for layout in DRAWN_LAYOUTS:
-        if parse_layout(layout).world_size not in allowed:
+        if DRAWN[layout].world_size not in allowed:
             continue
         modes = tuple(
             m for m in MODES if not undeclared(adapter, scenario_case(Scenario(layout=layout, mode=m), "OPT-RT-1"))
@@ -85,65 +86,35 @@ def strategy(ch: Choices):
     @st.composite
     def scenarios(draw):
         layout = draw(st.sampled_from(ch.layouts))
-        mode = draw(st.sampled_from(ch.modes(layout)))
-        optimizer = draw(st.sampled_from(ch.optimizers))
-        pp = parse_layout(layout).pp
-        n_layers = draw(st.integers(max(1, pp), 3))
-        dim = draw(st.integers(1, 9))
-        hidden = draw(st.integers(1, 12))
-        vocab = draw(st.integers(2, 16))
-        aux_out = draw(st.integers(1, 5))
-        dtype = draw(st.sampled_from(DTYPES))
+        f = {"layout": layout, "mode": draw(st.sampled_from(ch.modes(layout)))}
+        f["optimizer"] = draw(st.sampled_from(ch.optimizers))
+        pp = DRAWN[layout].pp
+        f["n_layers"] = draw(st.integers(max(1, pp), 3))
+        f["dim"], f["hidden"] = draw(st.integers(1, 9)), draw(st.integers(1, 12))
+        f["vocab"], f["aux_out"] = draw(st.integers(2, 16)), draw(st.integers(1, 5))
+        f["dtype"] = draw(st.sampled_from(DTYPES))
         # Every draw is made whatever the others gave, and ignored where it
         # does not apply: the choices stay aligned, so hypothesis can turn
         # one off (a pipeline, one group) without shifting the rest.
-        tie = draw(st.booleans()) and pp == 1
-        lazy, frozen, adapter, router = (draw(st.booleans()) for _ in range(4))
-        extra_state = draw(st.sampled_from(EXTRA_STATE))
-        one_group = draw(st.booleans())
-        empty_at = tuple(sorted(draw(st.sets(st.integers(0, 5), max_size=3))))
-        router_group = draw(st.booleans()) and router and not one_group
-        custom_fields = draw(st.booleans())
-        scale = draw(st.sampled_from((1.0, 0.5, 2.0)))
-        scheduler = draw(st.booleans())
-        before = draw(st.sampled_from((1, 2, 0, 3)))
-        after = draw(st.sampled_from((1, 2)))
-        warm = draw(st.sampled_from((0, 1, 2)))
-        reshard = draw(st.booleans())
-        target = draw(st.sampled_from(ch.layouts))
+        f["tie"] = draw(st.booleans()) and pp == 1
+        f["lazy"], f["frozen"], f["adapter"], f["router"] = (draw(st.booleans()) for _ in range(4))
+        f["extra_state"] = draw(st.sampled_from(EXTRA_STATE))
+        f["one_group"] = draw(st.booleans())
+        f["empty_at"] = tuple(sorted(draw(st.sets(st.integers(0, 5), max_size=3))))
+        f["router_group"] = draw(st.booleans()) and f["router"] and not f["one_group"]
+        f["custom_fields"] = draw(st.booleans())
+        f["scale"] = draw(st.sampled_from((1.0, 0.5, 2.0)))
+        f["scheduler"] = draw(st.booleans())
+        f["before"], f["after"] = draw(st.sampled_from((1, 2, 0, 3))), draw(st.sampled_from((1, 2)))
+        f["warm"] = draw(st.sampled_from((0, 1, 2)))
+        reshard, target = draw(st.booleans()), draw(st.sampled_from(ch.layouts))
         model_keys = draw(st.sampled_from(MODEL_KEYS))
-        group_order = draw(st.sampled_from(GROUP_ORDERS))
+        f["group_order"] = draw(st.sampled_from(GROUP_ORDERS))
         policy = draw(st.sampled_from(("",) + ch.policies))
         loop_point = draw(st.sampled_from(("",) + tuple(POINTS)))
         freeze_after = draw(st.booleans())
-        s = Scenario(
-            layout=layout,
-            mode=mode,
-            optimizer=optimizer,
-            vocab=vocab,
-            dim=dim,
-            hidden=hidden,
-            n_layers=n_layers,
-            aux_out=aux_out,
-            dtype=dtype,
-            tie=tie,
-            lazy=lazy,
-            frozen=frozen,
-            adapter=adapter,
-            router=router,
-            extra_state=extra_state,
-            one_group=one_group,
-            empty_at=empty_at,
-            router_group=router_group,
-            custom_fields=custom_fields,
-            scale=scale,
-            scheduler=scheduler,
-            before=before,
-            after=after,
-            warm=warm,
-            group_order=group_order,
-        )
-        if model_keys and mode in MODEL_KEYS_MODES and pp == 1:
+        s = Scenario(**f)
+        if model_keys and mode_of(f["mode"]) in MODEL_KEYS_MODES and pp == 1:
             s = replace(s, model_keys=model_keys)
         for extra in ({"policy": policy}, {"loop_point": loop_point}, {"freeze_after": freeze_after}):
             drawn = replace(s, **extra)

@@ -40,6 +40,9 @@ RECEIVES = {
 }
 _SHOWN = 3
 
+# What a flat optimizer dict is noted as (its keys in place of state and groups).
+_FLAT_KEYS = "flat keys"
+
 
 def _type(obj: Any) -> str:
     return "None" if obj is None else type(obj).__name__
@@ -136,7 +139,7 @@ class Received:
                     + (f", and keys outside a flat layout: {_some(bad)}" if bad else " (it is empty)")
                 )
                 return
-            r.optim = ("flat", frozenset(keys))
+            r.optim = (_FLAT_KEYS, frozenset(keys))
             return
         state, groups = sd.get("state"), sd.get("param_groups")
         if not isinstance(state, Mapping):
@@ -243,7 +246,7 @@ def _key_problems(r: _Result) -> list[str]:
     if r.optim is not None:
         stepped = [params.get(k, set()) for p in _optimizer_params(r.optimizers) for k in flats.get(id(p), [id(p)])]
         stepped_names = set().union(*stepped) if stepped else set()
-        if r.optim[0] == "flat":
+        if r.optim[0] is _FLAT_KEYS:
             outside = [k for k in r.optim[1] if not any(k.split(".", 1)[1].startswith(n + ".") for n in stepped_names)]
             if outside:
                 out.append(f"flat keys naming no parameter the optimizer steps: {_some(outside)}")

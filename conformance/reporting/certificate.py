@@ -20,7 +20,6 @@ from .. import spec
 from ..adapters import PROFILES
 from ..running.registry import all_cases
 from ..running.results import CaseResult
-from ..world.layouts import family
 from .html import render_html
 from .reports import RunInfo, coverage, coverage_line, declaration_line, to_json, write_json, write_junit
 
@@ -101,9 +100,9 @@ def matrix(results: list[CaseResult]) -> tuple[list[str], list[str], dict]:
     for r in results:
         if r.case.clause not in clauses:
             clauses.append(r.case.clause)
-        if r.case.layout not in layouts:
-            layouts.append(r.case.layout)
-        cells[(r.case.clause, r.case.layout)][r.status] += 1
+        if r.case.layout.name not in layouts:
+            layouts.append(r.case.layout.name)
+        cells[(r.case.clause, r.case.layout.name)][r.status] += 1
     return clauses, layouts, cells
 
 
@@ -129,7 +128,7 @@ def write_report(
     data["verdict"] = verdict(data["level"], info.declaration)
     texts = spec.clauses()
     data["clauses"] = {c: texts.get(c, "") for c in dict.fromkeys(r.case.clause for r in results)}
-    data["layout_families"] = {layout: family(layout) for layout in dict.fromkeys(r.case.layout for r in results)}
+    data["layout_families"] = {r.case.layout.name: r.case.layout.family for r in results}
     write_json(os.path.join(directory, "report.json"), data)
     write_junit(os.path.join(directory, "junit.xml"), info, results, elapsed_s)
     with open(os.path.join(directory, "report.md"), "w", encoding="utf-8") as f:

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from hyperdsd.testing import Status
 
 from ..running.results import STATUSES, CaseResult
-from ..world.layouts import FAMILIES, family
+from ..world.layouts import FAMILIES
 from . import deviations
 from .reports import RunInfo, coverage, declaration_line, fault_counts, summary_counts, time_by_section
 
@@ -246,7 +246,7 @@ def family_table(results: list[CaseResult]) -> list[str]:
         return ["(no cases ran)"]
     cells: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
     for r in results:
-        cells[r.case.clause][family(r.case.layout)][r.status] += 1
+        cells[r.case.clause][r.case.layout.family][r.status] += 1
     families = [f for f in (*FAMILIES, "other") if any(f in row for row in cells.values())]
     cw = max(len("clause"), *(len(c) for c in cells))
     widths = [max(len(_HEADS[f]), *(len(_cell(row.get(f, Counter()))) for row in cells.values())) for f in families]
@@ -267,7 +267,7 @@ def _where_not_passed(results: list[CaseResult]) -> list[str]:
     bad: dict[str, Counter] = defaultdict(Counter)
     for r in results:
         if r.status.unexpected:
-            bad[r.case.clause][r.case.layout] += 1
+            bad[r.case.clause][r.case.layout.name] += 1
     if not bad:
         return []
     out = ["", "failed or errored, by clause and layout:"]

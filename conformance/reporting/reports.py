@@ -115,7 +115,7 @@ def to_json(
             {
                 "id": r.case.id,
                 "clause": r.case.clause,
-                "layout": r.case.layout,
+                "layout": r.case.layout.name,
                 "profile": r.case.profile,
                 "status": r.status.value,
                 "duration_s": round(r.duration_s, 4),
@@ -165,7 +165,7 @@ def write_junit(path: str, info: RunInfo, results: list[CaseResult], elapsed_s: 
         tc = ET.SubElement(suite, "testcase", classname=r.case.clause, name=r.case.id, time=f"{r.duration_s:.3f}")
         tprops = ET.SubElement(tc, "properties")
         ET.SubElement(tprops, "property", name="status", value=r.status.value)
-        ET.SubElement(tprops, "property", name="layout", value=r.case.layout)
+        ET.SubElement(tprops, "property", name="layout", value=r.case.layout.name)
         text = f"{r.message}\n\nrepro: {r.repro}\n\n{r.details}".strip()
         if r.status == Status.FAILED:
             ET.SubElement(tc, "failure", message=_first_line(r.message)).text = text

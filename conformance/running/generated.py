@@ -21,7 +21,6 @@ import json
 import os
 from functools import lru_cache
 
-from ..world.layouts import parse_layout
 from ..world.scenario import Scenario
 from . import clauses
 from .cases import DEFAULT_DEADLINE_S, Case, Phase
@@ -53,15 +52,15 @@ def scenario_case(s: Scenario, clause: str, tag: str | None = None) -> Case:
     if declared.check is None:
         raise ValueError(f"no scenario check for clause {clause!r}")
     fn, params = declared.check(s)
-    lay = parse_layout(s.where)
+    lay = s.built_on
     return Case(
         id=case_id,
         clause=clause,
-        layout=s.where,
+        layout=lay,
         phases=(Phase(lay.world_size, fn, params),),
         deadline_s=DEFAULT_DEADLINE_S,
         meshes=lay.mesh_specs,
-        mode=s.mode,
+        mode=s.kind,
         source=source,
     )
 

@@ -5,31 +5,39 @@ from __future__ import annotations
 
 import torch
 
-from .. import tensors
-from ..judging.oracle import canonical, check, clone_tree, expect_error, expect_unchanged, optimizer_view, snapshot
-from ..running.cases import grid, make_case
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import (
+from ..kit import (
     BASE,
     DATA_PARALLEL,
     ENDS,
     FSDP1_FULL,
     FSDP1_FULL_SHARD,
     FSDP1_HYBRID,
+    GHOST,
     HALVED,
     HYBRID,
     ONE_RANK,
     QUARTERS,
     SHARDED,
     STAGES,
+    Clause,
+    GroupSpec,
+    Setup,
+    canonical,
+    check,
+    clone_tree,
+    expect_error,
+    expect_unchanged,
+    get_options,
+    grid,
+    make_case,
+    optimizer_view,
+    optimizers_arg,
+    saving,
+    set_options,
+    snapshot,
+    wrong_shape,
 )
-from ..world.layouts import parse_layout
-from ..world.models import GroupSpec
-from ..world.modes import get_options, optimizers_arg, set_options
-from ..world.setup import Setup
 
-GHOST = "ghost.weight"
 TARGET = "layers.1.fc1.weight"  # a parameter every layout's rank 0 ... (pp: stage 0) holds
 
 
@@ -37,8 +45,8 @@ def _source(c, layout, mode):
     """A trained setup's state dict, and a stepped target to load it into."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    if mode == "file":  # every rank reads the file rank 0 saved (a full_cpu get)
-        osd = modes.read_full(modes.save(c, a, mode, model=None).path)["optim"]
+    if mode.every_rank_reads:  # every rank reads the file rank 0 saved (a full_cpu get)
+        osd = saving.read_full(saving.save(c, a, mode, model=None).path)["optim"]
     else:
         osd = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode)))
     b = Setup(c, layout, "adamw", seed=1)
@@ -74,9 +82,9 @@ def _corrupt(osd, kind: str, fqn: str, flat: bool):
         key = f"state.{fqn}.exp_avg" if flat else None
         if flat:
             value = osd[key]
-            osd[key] = _reshape(value)
+            osd[key] = wrong_shape(value)
         else:
-            osd["state"][fqn]["exp_avg"] = _reshape(osd["state"][fqn]["exp_avg"])
+            osd["state"][fqn]["exp_avg"] = wrong_shape(osd["state"][fqn]["exp_avg"])
         return [fqn, "exp_avg"]
     if kind == "non_tensor":
         if flat:
@@ -93,21 +101,10 @@ def _corrupt(osd, kind: str, fqn: str, flat: bool):
     raise ValueError(kind)
 
 
-def _reshape(value):
-    """The same kind of tensor with one more row: the wrong shape."""
-    if tensors.is_distributed(value):
-        local = tensors.local(value)
-        bigger = torch.zeros((local.shape[0] + 1, *local.shape[1:]), dtype=local.dtype)
-        rows = tensors.global_shape(value)
-        shape = torch.Size((rows[0] + tensors.mesh(value).size(), *rows[1:]))
-        return tensors.like(value, bigger, shape)
-    return torch.zeros((value.shape[0] + 1, *value.shape[1:]), dtype=value.dtype)
-
-
 def atom_bad_input(c, layout, mode, kind, which):
     osd, b = _source(c, layout, mode)
     fqn = _owned(b)
-    names = _corrupt(osd, kind, fqn, flat=(mode == "flat"))
+    names = _corrupt(osd, kind, fqn, flat=mode.flat)
     before = optimizer_view(b)
     expect_error(
         lambda: c.iut.set_optimizer_state_dict(
@@ -171,7 +168,7 @@ def atom_1_groups(c, layout, mode, kind):
     target_groups = GroupSpec.for_seed(1, empty_at=(1,)) if kind == "missing_empty_group" else None
     b = Setup(c, layout, "adamw", seed=1, groups=target_groups)
     b.train(1)
-    names = (_regroup_flat if mode == "flat" else _regroup)(osd, kind, b)
+    names = (_regroup_flat if mode.flat else _regroup)(osd, kind, b)
     before = optimizer_view(b)
     exc = expect_error(
         lambda: c.iut.set_optimizer_state_dict(
@@ -198,7 +195,7 @@ def atom_1_dcp_groups(c, layout, kind):
     last = (99,)  # after every other group
     a = Setup(c, layout, "adamw", groups=GroupSpec.for_seed(0, empty_at=last) if kind == "extra_empty_group" else None)
     a.train(2)
-    saved = modes.save(c, a, "dcp", model=None)
+    saved = saving.save(c, a, "dcp", model=None)
     b = Setup(
         c,
         layout,
@@ -210,7 +207,7 @@ def atom_1_dcp_groups(c, layout, kind):
     odd = max(len(a.optimizers[0].param_groups), len(b.optimizers[0].param_groups)) - 1
     before = optimizer_view(b)
     expect_error(
-        lambda: modes.load(c, b, saved, model=False),
+        lambda: saving.load(c, b, saved, model=False),
         names=[f"param_groups.{odd}"],
         what=f"OPT-ATOM-1: DCP load with {kind.replace('_', ' ')} (strict=True)",
     )
@@ -243,18 +240,18 @@ def atom_3(c, layout, target):
 def atom_4(c, layout, mode):
     """Bad input on one rank only: every rank raises, none is left waiting, nothing changes."""
     osd, b = _source(c, layout, mode)
-    bad_rank = 0 if mode in ("full_cpu", "bcast") else c.world_size - 1
-    if mode in ("full_cpu", "bcast") and c.rank != 0:
+    bad_rank = 0 if mode.broadcast else c.world_size - 1
+    if mode.broadcast and c.rank != 0:
         osd = {}
     if c.rank == bad_rank:
         fqn = _owned(b)
-        if mode in ("full_cpu", "bcast"):
+        if mode.broadcast:
             # A bad tensor in the middle of rank 0's dict.
             keys = list(osd["state"])
             fqn = keys[len(keys) // 2]
-            osd["state"][fqn]["exp_avg"] = _reshape(osd["state"][fqn]["exp_avg"])
+            osd["state"][fqn]["exp_avg"] = wrong_shape(osd["state"][fqn]["exp_avg"])
         else:
-            _corrupt(osd, "wrong_shape", fqn, flat=(mode == "flat"))
+            _corrupt(osd, "wrong_shape", fqn, flat=mode.flat)
     before = optimizer_view(b)
     expect_error(
         lambda: c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), osd, options=set_options(c.iut, mode)),
@@ -265,43 +262,22 @@ def atom_4(c, layout, mode):
     )
 
 
+def _bad(clause: str, layout, mode: str, kind: str):
+    """A case of ``clause`` setting a dict with one bad input of ``kind``."""
+    return make_case(clause, layout, atom_bad_input, mode=mode, variant=kind, kind=kind, which=clause)
+
+
 def cases():
     # The consolidated file (SPEC §2 ``file``): what a full-state-only library loads.
     for layout in ENDS:
-        yield make_case(
-            "OPT-ATOM-1",
-            layout,
-            atom_bad_input,
-            mode="file",
-            variant="unknown_fqn",
-            kind="unknown_fqn",
-            which="OPT-ATOM-1",
-        )
+        yield _bad("OPT-ATOM-1", layout, "file", "unknown_fqn")
         for kind in ("wrong_shape", "non_tensor"):
-            yield make_case(
-                "OPT-ATOM-2", layout, atom_bad_input, mode="file", variant=kind, kind=kind, which="OPT-ATOM-2"
-            )
+            yield _bad("OPT-ATOM-2", layout, "file", kind)
     yield from grid("OPT-ATOM-4", HALVED | QUARTERS, atom_4, modes=("file",), deadline_s=30)
     for layout in ENDS | HYBRID | STAGES:
         for mode in ("sharded", "flat"):
-            yield make_case(
-                "OPT-ATOM-1",
-                layout,
-                atom_bad_input,
-                mode=mode,
-                variant="unknown_fqn",
-                kind="unknown_fqn",
-                which="OPT-ATOM-1",
-            )
-        yield make_case(
-            "OPT-ATOM-1",
-            layout,
-            atom_bad_input,
-            mode="sharded",
-            variant="unknown_group",
-            kind="unknown_group",
-            which="OPT-ATOM-1",
-        )
+            yield _bad("OPT-ATOM-1", layout, mode, "unknown_fqn")
+        yield _bad("OPT-ATOM-1", layout, "sharded", "unknown_group")
     for layout in ENDS | STAGES:
         for mode, kinds in GROUP_KINDS.items():
             for kind in kinds:
@@ -311,44 +287,16 @@ def cases():
     yield from grid("OPT-ATOM-1", ENDS, atom_1_dcp_groups, modes=("dcp",), variants=dcp_kinds)
     for layout in ONE_RANK | SHARDED - HALVED:
         for mode in ("sharded", "flat", "full"):
-            yield make_case(
-                "OPT-ATOM-2",
-                layout,
-                atom_bad_input,
-                mode=mode,
-                variant="wrong_shape",
-                kind="wrong_shape",
-                which="OPT-ATOM-2",
-            )
-            yield make_case(
-                "OPT-ATOM-2",
-                layout,
-                atom_bad_input,
-                mode=mode,
-                variant="non_tensor",
-                kind="non_tensor",
-                which="OPT-ATOM-2",
-            )
+            yield _bad("OPT-ATOM-2", layout, mode, "wrong_shape")
+            yield _bad("OPT-ATOM-2", layout, mode, "non_tensor")
         for kind in ("no_state", "group_without_params"):
-            yield make_case(
-                "OPT-ATOM-2", layout, atom_bad_input, mode="sharded", variant=kind, kind=kind, which="OPT-ATOM-2"
-            )
+            yield _bad("OPT-ATOM-2", layout, "sharded", kind)
     for layout in FSDP1_FULL_SHARD | FSDP1_HYBRID:  # FSDP1 (SPEC §2, 1.3)
         for mode in ("sharded", "full"):
-            yield make_case(
-                "OPT-ATOM-1",
-                layout,
-                atom_bad_input,
-                mode=mode,
-                variant="unknown_fqn",
-                kind="unknown_fqn",
-                which="OPT-ATOM-1",
-            )
+            yield _bad("OPT-ATOM-1", layout, mode, "unknown_fqn")
             # (OPT-ATOM-2's bad value goes under the FQN of one of the optimizer's parameters: a flat one has none)
-            for kind in ("wrong_shape", "non_tensor") if not parse_layout(layout).kind.flat_params else ():
-                yield make_case(
-                    "OPT-ATOM-2", layout, atom_bad_input, mode=mode, variant=kind, kind=kind, which="OPT-ATOM-2"
-                )
+            for kind in ("wrong_shape", "non_tensor") if not layout.kind.flat_params else ():
+                yield _bad("OPT-ATOM-2", layout, mode, kind)
     targets = {target: {"target": target} for target in ("optim", "model")}
     yield from grid("OPT-ATOM-3", DATA_PARALLEL | HALVED | STAGES | FSDP1_FULL, atom_3, variants=targets, deadline_s=30)
     yield from grid(

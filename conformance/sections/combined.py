@@ -14,18 +14,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, expect_error, fail_if, snapshot
-from ..running.cases import grid
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import FSDP1_FULL_SHARD, HALVED, HYBRID, ONE_RANK, REPLICATED, SHARDED_STAGES
+from ..kit import (
+    FSDP1_FULL_SHARD,
+    GHOST,
+    HALVED,
+    HYBRID,
+    MODES,
+    ONE_RANK,
+    REPLICATED,
+    SHARDED_STAGES,
+    Clause,
+    check,
+    clone_tree,
+    diff_snapshots,
+    diff_values,
+    expect_error,
+    fail_if,
+    grid,
+    resuming,
+    saving,
+    snapshot,
+)
 
 API_LAYOUTS = ONE_RANK | REPLICATED | HALVED | HYBRID | SHARDED_STAGES
 OPT = "adamw"
 BEFORE, AFTER = 1, 1
-# Loads in which the root alone holds the full dicts; the other ranks pass {}.
-BROADCAST = ("full_cpu", "bcast")
-GHOST = "ghost.weight"  # a key no model of the suite has
 
 
 def _pair(got, mode: str) -> tuple:
@@ -41,44 +54,44 @@ def _pair(got, mode: str) -> tuple:
 def _gets(c, setup, mode: str) -> tuple:
     """The two separate gets and the combined one, in ``mode``'s get options:
     ((model, optim), what get_state_dict returned)."""
-    opts = modes.get_options(c.iut, mode)
-    optims = modes.optimizers_arg(setup)
+    opts = saving.get_options(c.iut, mode)
+    optims = saving.optimizers_arg(setup)
     model = clone_tree(c.iut.get_model_state_dict(setup.model, options=opts))
     optim = clone_tree(c.iut.get_optimizer_state_dict(setup.model, optims, options=opts))
     return (model, optim), c.iut.get_state_dict(setup.model, optims, options=opts)
 
 
-def _to_load(c, setup, saved: modes.Saved) -> tuple:
+def _to_load(c, setup, saved: saving.Saved) -> tuple:
     """The dicts each rank passes to ``set_state_dict``, as users of the
-    combined functions load ``saved`` (``modes.load``'s modes): the DCP
+    combined functions load ``saved`` (``saving.load``'s modes): the DCP
     template from the target's own ``get_state_dict``, loaded through the
     implementation's DCP load path; ``{}`` for both on the ranks other than
     the root of a broadcast."""
-    if saved.mode in ("dcp", "flat_dcp"):
+    if saved.mode.through_dcp:
         msd, osd = _pair(
             c.iut.get_state_dict(
-                setup.model, modes.optimizers_arg(setup), options=modes.get_options(c.iut, saved.mode)
+                setup.model, saving.optimizers_arg(setup), options=saving.get_options(c.iut, saved.mode)
             ),
             saved.mode,
         )
-        loaded = modes.dcp_load(c, saved.path, {"model": msd, "optim": osd}, setup.group, saved.batched)
+        loaded = saving.dcp_load(c, saved.path, {"model": msd, "optim": osd}, setup.group, saved.batched)
         return loaded["model"], loaded["optim"]
-    if saved.mode in BROADCAST and not setup.is_root:
+    if saved.mode.broadcast and not setup.is_root:
         return {}, {}
     if saved.path:  # bcast on the root, file on every rank
-        data = modes.read_full(saved.path)
+        data = saving.read_full(saved.path)
         return data["model"], data["optim"]
     return clone_tree(saved.model), clone_tree(saved.optim)
 
 
 def _set(c, setup, msd, osd, mode: str) -> None:
-    strict = not (mode == "file" and setup.layout.pp > 1)  # a consolidated file holds every stage
+    strict = mode.strict_on(setup.layout.pp > 1)  # a consolidated file holds every stage
     c.iut.set_state_dict(
         setup.model,
-        modes.optimizers_arg(setup),
+        saving.optimizers_arg(setup),
         model_state_dict=msd,
         optim_state_dict=osd,
-        options=modes.set_options(c.iut, mode, strict=strict),
+        options=saving.set_options(c.iut, mode, strict=strict),
     )
 
 
@@ -104,10 +117,10 @@ def api_1(c, layout, opt, mode):
     it (the other ranks of a broadcast passing empty dicts), every rank
     returns, and K more steps equal the uninterrupted run, or, where they do
     not, a resume through the two set functions (then OPT-RT-1 fails)."""
-    how = modes.recipe(layout, opt)
-    kept = modes.trained_source(c, how, BEFORE, after=AFTER)
+    how = resuming.recipe(layout, opt)
+    kept = resuming.trained_source(c, how, BEFORE, after=AFTER)
     seen = {}
-    get_mode = modes.effective(mode, kept.setup)
+    get_mode = saving.effective(mode, kept.setup)
     saved = kept.save(c, mode, model="iut", first=lambda s: seen.update(gets=_gets(c, s, get_mode)))
     (model, optim), got = seen["gets"]
     got_model, got_optim = _pair(got, get_mode)
@@ -122,16 +135,16 @@ def api_1(c, layout, opt, mode):
     _set(c, b, msd, osd, saved.mode)
     _every_rank_returned(c, b)
     b.train(AFTER)
-    differences = diff_snapshots(*modes.comparable(mode, b, kept.expected, snapshot(b)))
+    differences = diff_snapshots(*saving.comparable(mode, b, kept.expected, snapshot(b)))
     if not _anywhere(b, bool(differences)):
         return
     # A resume through the two set functions that differs alike is OPT-RT-1's deviation, not this clause's.
     separate = how.build(c, 1)
     separate.set_steps_done(BEFORE)
-    modes.load(c, separate, saved)
+    saving.load(c, separate, saved)
     separate.train(AFTER)
     fail_if(
-        diff_snapshots(*modes.comparable(mode, b, snapshot(separate), snapshot(b))),
+        diff_snapshots(*saving.comparable(mode, b, snapshot(separate), snapshot(b))),
         f"{mode}: after resuming through set_state_dict, the run differs from the uninterrupted one and from "
         "a resume through set_model_state_dict and set_optimizer_state_dict",
     )
@@ -143,11 +156,11 @@ def api_1_strict(c, layout, opt, mode):
     set_model_state_dict does (MODEL-2); in a broadcast the root's dict has
     it. An unexpected key, not a missing one: a full load that fills missing
     keys from the model is MODEL-2's deviation, whichever function loads."""
-    how = modes.recipe(layout, opt)
-    saved = modes.trained_source(c, how, BEFORE).save(c, mode, model="iut")
+    how = resuming.recipe(layout, opt)
+    saved = resuming.trained_source(c, how, BEFORE).save(c, mode, model="iut")
     b = how.build(c, 1)
     msd, osd = _to_load(c, b, saved)
-    if not (saved.mode in BROADCAST and not b.is_root):
+    if not (saved.mode.broadcast and not b.is_root):
         check(isinstance(msd, dict), f"{mode}: the model dict to load is a {type(msd).__name__}: {str(msd)[:300]}")
         msd[GHOST] = torch.zeros(2)
     expect_error(
@@ -159,8 +172,8 @@ def api_1_strict(c, layout, opt, mode):
 
 
 def cases():
-    yield from grid("API-1", API_LAYOUTS | FSDP1_FULL_SHARD, api_1, opts=(OPT,), modes=modes.MODES)
-    yield from grid("API-1", HALVED, api_1_strict, opts=(OPT,), modes=modes.MODES, variants={"strict": {}})
+    yield from grid("API-1", API_LAYOUTS | FSDP1_FULL_SHARD, api_1, opts=(OPT,), modes=MODES)
+    yield from grid("API-1", HALVED, api_1_strict, opts=(OPT,), modes=MODES, variants={"strict": {}})
 
 
 CLAUSES = {"API-1": Clause(combined=True)}

@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from .. import tensors
-from ..judging.oracle import check, diff_values, fail_if, layout_problems, snapshot
-from ..running.case_context import NotApplicable
-from ..running.cases import grid, make_case
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import ENDS, FSDP1_FULL_SHARD, HALVED, HYBRID, SHARDED
-from ..world.models import ModelConfig
-from ..world.modes import get_options, optimizers_arg
-from ..world.setup import Setup
+from ..kit import (
+    ENDS,
+    FSDP1_FULL_SHARD,
+    HALVED,
+    HYBRID,
+    MODES,
+    SHARDED,
+    Clause,
+    ModelConfig,
+    NotApplicable,
+    Setup,
+    check,
+    diff_values,
+    fail_if,
+    get_options,
+    grid,
+    layout_problems,
+    make_case,
+    optimizers_arg,
+    saving,
+    snapshot,
+    tensors,
+)
 
 
 def dt_1(c, layout, opt):
@@ -29,10 +42,10 @@ def dt_2(c, layout, mode):
     """After set, state of DTensor parameters is DTensor: mesh, placements, local shape, device; step keeps its type."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    saved = modes.save(c, a, mode)
+    saved = saving.save(c, a, mode)
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     got = snapshot(b)
     params = dict(b.named_parameters())
     problems = layout_problems(got["state"], params, "state", local=True)
@@ -56,14 +69,14 @@ def dt_3(c, layout, mode):
         any(v.dtype == torch.float32 for e in want["state"].values() for k, v in e.items() if k != "step"),
         "setup error: no fp32 state",
     )
-    saved = modes.save(c, a, mode)
+    saved = saving.save(c, a, mode)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     b.train(1)  # bf16 state of its own, to be replaced
-    if mode == "dcp":
+    if mode.through_dcp:
         # DCP copies into the template it is given, in the template's dtype:
         # a resuming job has the same fp32 moments as the one that saved.
         _moments_to_fp32(b)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     got = snapshot(b)
     fail_if(diff_values(want["state"], got["state"], "state"), f"{mode}: state dtypes or values were not kept")
 
@@ -82,7 +95,7 @@ def dt_4(c, layout, mode, pinned):
         raise NotApplicable("pinned host memory needs an accelerator; this machine has none")
     a = Setup(c, layout, "adamw")
     a.train(2)
-    saved = modes.save(c, a, mode)
+    saved = saving.save(c, a, mode)
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1)
     b.train(1)
@@ -104,7 +117,7 @@ def dt_4(c, layout, mode, pinned):
                         local.untyped_storage().data_ptr(),
                         local.is_pinned() if pinned else False,
                     )
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     problems = []
     fqn_of = b.fqn_of()
     for opt in b.optimizers:
@@ -129,14 +142,14 @@ def cases():
     yield from grid("OPT-DT-1", SHARDED, dt_1, opts=("adamw", "adam_amsgrad", "sgd", "adagrad"), modes=("sharded",))
     # Optional: FSDP over tensor parallelism (strided shards), the one such layout.
     yield make_case("OPT-DT-1", "fsdp2xtp2", dt_1, opt="adamw", mode="sharded", profile="tp")
-    yield from grid("OPT-DT-2", SHARDED - HALVED, dt_2, opts=("adamw",), modes=modes.MODES)
+    yield from grid("OPT-DT-2", SHARDED - HALVED, dt_2, opts=("adamw",), modes=MODES)
     # Optional: FSDP over tensor parallelism, as above.
     yield from grid(
         "OPT-DT-2", ("fsdp2xtp2",), dt_2, opts=("adamw",), modes=("sharded", "full", "bcast", "dcp"), profile="tp"
     )
-    yield from grid("OPT-DT-3", ENDS | HYBRID | FSDP1_FULL_SHARD, dt_3, opts=("adamw",), modes=modes.MODES)
+    yield from grid("OPT-DT-3", ENDS | HYBRID | FSDP1_FULL_SHARD, dt_3, opts=("adamw",), modes=MODES)
     for layout in ENDS | HYBRID:
-        for mode in modes.MODES:
+        for mode in MODES:
             yield make_case("OPT-DT-4", layout, dt_4, opt="adamw", mode=mode, profile="inplace", pinned=False)
         yield make_case(
             "OPT-DT-4", layout, dt_4, opt="adamw", mode="sharded", variant="pinned", profile="inplace", pinned=True

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from ..judging.oracle import check, diff_values, fail_if, snapshot
-from ..running.cases import grid
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import DATA_PARALLEL, ENDS, FSDP1_FULL_SHARD, HYBRID, SHARDED_STAGES, STAGES
-from ..world.models import GroupSpec
-from ..world.setup import Setup
+from ..kit import (
+    DATA_PARALLEL,
+    ENDS,
+    FSDP1_FULL_SHARD,
+    HYBRID,
+    MODES,
+    SHARDED_STAGES,
+    STAGES,
+    Clause,
+    GroupSpec,
+    Setup,
+    check,
+    diff_values,
+    fail_if,
+    grid,
+    resuming,
+    saving,
+    snapshot,
+)
 
 EMPTY_AT = (0, 2, 9)  # first, in the middle, last
 
@@ -23,7 +35,7 @@ def empty_1(c, layout, opt, mode, n_optimizers=1, empty_at=EMPTY_AT, cfg=None, s
     whether its parameters are split by role (a generated scenario's)."""
     spec = GroupSpec(empty_at=empty_at, split=split)
     model = {"cfg": cfg} if cfg is not None else {}
-    kept = modes.trained_source(c, modes.recipe(layout, opt, groups=spec, n_optimizers=n_optimizers, **model), 2)
+    kept = resuming.trained_source(c, resuming.recipe(layout, opt, groups=spec, n_optimizers=n_optimizers, **model), 2)
     saved = kept.save(c, mode)
     want = snapshot(kept.setup)
     # The target's empty groups carry values of their own, so that a load
@@ -32,7 +44,7 @@ def empty_1(c, layout, opt, mode, n_optimizers=1, empty_at=EMPTY_AT, cfg=None, s
     b = Setup(c, layout, opt, seed=1, groups=target_groups, n_optimizers=n_optimizers, cfg=cfg)
     b.set_steps_done(2)
     own = snapshot(b)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     got = snapshot(b)
     check(
         len(got["groups"]) == len(want["groups"]),
@@ -46,7 +58,7 @@ def empty_1(c, layout, opt, mode, n_optimizers=1, empty_at=EMPTY_AT, cfg=None, s
         if w["params"] != g["params"]:
             problems.append(f"groups[{i}]['params'] = {g['params']}, expected {w['params']} (order of groups changed)")
         # In the flat layout an empty group has no FQN to travel with: it keeps its own values (OPT-EMPTY-2).
-        expected = o if not w["params"] and not modes.carries_empty_groups(mode, b) else w
+        expected = o if not w["params"] and not saving.effective(mode, b).carries_empty_groups else w
         problems += diff_values(
             {k: v for k, v in expected.items() if k != "params"},
             {k: v for k, v in g.items() if k != "params"},
@@ -60,10 +72,10 @@ def empty_2(c, layout, opt, target_empty):
     """Flat layout: the target's empty groups keep their values, whatever their number; nothing raises."""
     a = Setup(c, layout, opt, groups=GroupSpec(empty_at=(0, 9)))
     a.train(2)
-    saved = modes.save(c, a, "flat")
+    saved = saving.save(c, a, "flat")
     b = Setup(c, layout, opt, seed=1, groups=GroupSpec(empty_at=target_empty, scale=3.0))
     own = snapshot(b)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     got = snapshot(b)
     empties = [(i, g) for i, g in enumerate(own["groups"]) if not g["params"]]
     problems = diff_values([g for _, g in empties], [got["groups"][i] for i, _ in empties], "empty groups")
@@ -72,11 +84,9 @@ def empty_2(c, layout, opt, target_empty):
 
 
 def cases():
-    yield from grid(
-        "OPT-EMPTY-1", DATA_PARALLEL | STAGES | SHARDED_STAGES, empty_1, opts=("adamw", "sgd"), modes=modes.MODES
-    )
+    yield from grid("OPT-EMPTY-1", DATA_PARALLEL | STAGES | SHARDED_STAGES, empty_1, opts=("adamw", "sgd"), modes=MODES)
     # FSDP1 (SPEC §2, 1.3)
-    yield from grid("OPT-EMPTY-1", FSDP1_FULL_SHARD, empty_1, opts=("adamw",), modes=modes.MODES)
+    yield from grid("OPT-EMPTY-1", FSDP1_FULL_SHARD, empty_1, opts=("adamw",), modes=MODES)
     yield from grid(
         "OPT-EMPTY-1",
         ENDS,
@@ -103,9 +113,9 @@ CLAUSES = {
         check=lambda s: (
             empty_1,
             {
-                "layout": s.where,
+                "layout": s.built_on,
                 "opt": s.optimizer,
-                "mode": s.mode,
+                "mode": s.kind,
                 "empty_at": s.empty_at,
                 "cfg": s.cfg(),
                 "split": not s.one_group,

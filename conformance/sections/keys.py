@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..judging.oracle import WRAPPER_SEGMENTS, canonical, check, diff_snapshots, fail_if, snapshot
-from ..running.cases import grid, loads, make_case
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import (
+from ..kit import (
     BASE,
     DATA_PARALLEL,
     ENDS,
@@ -17,21 +13,28 @@ from ..world.catalog import (
     FSDP1_FULL_SHARD,
     FSDP1_ORIGINAL,
     HALVED,
-    HYBRID,
     ONE_RANK,
     REPLICATED,
     SHARDED_STAGES,
+    WRAPPER_SEGMENTS,
+    WRAPPERS,
+    Clause,
+    ModelConfig,
+    Setup,
+    canonical,
+    check,
+    diff_snapshots,
+    fail_if,
+    get_options,
+    grid,
+    loads,
+    make_case,
+    optimizers_arg,
+    reordered,
+    resuming,
+    saving,
+    snapshot,
 )
-from ..world.models import ModelConfig, reordered
-from ..world.modes import get_options, optimizers_arg
-from ..world.setup import Setup
-
-WRAPPERS = {  # layout -> wrapper variants
-    ONE_RANK.one(): (("compile",), ("checkpoint",), ("checkpoint", "compile")),
-    REPLICATED.one(): ((), ("compile",)),
-    HALVED.one(): (("checkpoint",),),
-    HYBRID.one(): (("checkpoint",),),
-}
 
 
 def aliases(setup) -> dict:
@@ -47,7 +50,7 @@ def keys_1(c, layout, opt, mode):
     s = Setup(c, layout, opt)
     s.train(2)
     osd = c.iut.get_optimizer_state_dict(s.model, optimizers_arg(s), options=get_options(c.iut, mode))
-    if mode == "full_cpu" and c.rank != 0:  # rank 0 holds it all (OPT-RT-3 judges the rest)
+    if mode.on_root and c.rank != 0:  # rank 0 holds it all (OPT-RT-3 judges the rest)
         return
     model_keys = {canonical(k) for k in s.module.state_dict()}  # what get_model_state_dict must return (MODEL-1)
     check(
@@ -89,8 +92,8 @@ def keys_regrouped(c, layout, opt, mode, how, before=1, after=1, warm=0):
     parameters) in another order (``how``'s groups have ``target_reverse``):
     each group's fields follow its parameters' FQNs, never its position, and
     K more steps equal the uninterrupted run with its groups in that order."""
-    r = modes.resume(c, how, mode, before=before, after=after, warm=warm)
-    want, got = modes.comparable(
+    r = resuming.resume(c, how, mode, before=before, after=after, warm=warm)
+    want, got = saving.comparable(
         mode, r.resumed, {**r.expected, "groups": reordered(r.expected["groups"])}, snapshot(r.resumed)
     )
     fail_if(
@@ -101,7 +104,7 @@ def keys_regrouped(c, layout, opt, mode, how, before=1, after=1, warm=0):
 
 def keys_2(c, layout, mode, wrappers):
     """No wrapper prefix in any optimizer key; the dict loads back into a wrapped model."""
-    r = modes.resume(c, modes.recipe(layout, wrappers=wrappers), mode)
+    r = resuming.resume(c, resuming.recipe(layout, wrappers=wrappers), mode)
     osd = c.iut.get_optimizer_state_dict(r.source.model, optimizers_arg(r.source), options=get_options(c.iut, mode))
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)), "a wrapped model does not resume like the uninterrupted run"
@@ -113,16 +116,16 @@ def keys_2(c, layout, mode, wrappers):
 
 def keys_3(c, layout, mode):
     """A tied parameter appears once in optimizer state; loading keeps the tie."""
-    r = modes.resume(c, modes.recipe(layout, cfg=ModelConfig(tie=True)), mode)
+    r = resuming.resume(c, resuming.recipe(layout, cfg=ModelConfig(tie=True)), mode)
     a, b = r.source, r.resumed
     check(a.module.head.weight is a.module.tok.embedding.weight, "setup error: the model is not tied")
     osd = c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_options(c.iut, mode))
     check(b.module.head.weight is b.module.tok.embedding.weight, "loading untied the tied parameters")
     fail_if(diff_snapshots(r.expected, snapshot(b)), "a tied model does not resume like the uninterrupted run")
     tied = ("tok.embedding.weight", "head.weight")
-    if mode in ("full_cpu", "bcast", "file") and c.rank != 0:  # rank 0 holds it all (OPT-RT-3 judges the rest)
+    if mode.on_root and c.rank != 0:  # rank 0 holds it all (OPT-RT-3 judges the rest)
         return
-    if mode == "flat":
+    if mode.flat:
         appear = {f for f in tied if any(k.startswith(f"state.{f}.") for k in osd)}
         in_groups = {f for f in tied if any(k.startswith(f"param_groups.{f}.") for k in osd)}
     else:
@@ -140,7 +143,7 @@ def keys_3(c, layout, mode):
 
 def keys_4(c, layout, mode):
     """Two optimizers over disjoint parameters: one merged dict, split back by group."""
-    r = modes.resume(c, modes.recipe(layout, n_optimizers=2), mode)
+    r = resuming.resume(c, resuming.recipe(layout, n_optimizers=2), mode)
     a = r.source
     osd = c.iut.get_optimizer_state_dict(a.model, a.optimizers, options=get_options(c.iut, mode))
     fail_if(
@@ -149,7 +152,7 @@ def keys_4(c, layout, mode):
     )
     # FSDP1: a rank's shard of a parameter may be empty, and hold no state; the dict has every one's.
     gathered = a.gathered()
-    if mode in ("sharded", "full", "dcp") or (mode == "full_cpu" and c.rank == 0 and a.layout.pp == 1):
+    if not mode.flat and (not mode.on_root or (c.rank == 0 and a.layout.pp == 1)):
         if gathered is not None:
             stateful = {fqn for fqn, entry in gathered["state"].items() if entry}
         else:
@@ -211,7 +214,7 @@ def cases():
 
 def _explore_regrouped(s):
     # The target's groups in another order: only this check builds it so.
-    how = modes.recipe(s.where, s.optimizer, cfg=s.cfg(), groups=replace(s.groups(), target_reverse=True))
+    how = resuming.recipe(s.built_on, s.optimizer, cfg=s.cfg(), groups=replace(s.groups(), target_reverse=True))
     return keys_regrouped, s.trained_args(before=s.before, after=s.after, warm=s.warm, how=how)
 
 

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import torch
 
-from .. import nested, tensors
-from ..judging.oracle import diff_snapshots, diff_values, fail_if, grads_view, snapshot
-from ..running.cases import grid, make_case
-from ..running.clauses import Clause
-from ..world import loops, modes, policies
-from ..world.catalog import (
+from ..kit import (
     DATA_PARALLEL,
     FSDP1_FULL_SHARD,
     FSDP1_SHARD_GRAD_OP,
     HALVED,
     HYBRID,
+    MODES,
     QUARTERS,
     SHARDED_STAGES,
+    Clause,
+    Layout,
+    diff_snapshots,
+    diff_values,
+    fail_if,
+    grads_view,
+    grid,
+    loops,
+    make_case,
+    modes,
+    nested,
+    policies,
+    resuming,
+    saving,
+    snapshot,
+    tensors,
 )
-from ..world.layouts import parse_layout
 
 # Every layout runs every mode and each of its points (the point rotates with the mode).
 LOOP_LAYOUTS = DATA_PARALLEL | HALVED | SHARDED_STAGES
@@ -35,18 +46,15 @@ def _sharding_changes(before: list, after: list) -> list[str]:
     return [f"the module now holds another tensor as {name!r}" for name in changed[:6]] or ["parameters added or gone"]
 
 
-# Modes whose checkpoint only a resume can read back: their state is judged by the resume.
-_RESUME_JUDGES = ("dcp", "flat_dcp")
-
-
-def _dicts(c, setup, saved: modes.Saved) -> tuple | None:
-    """The model and optimizer dicts a save holds (None for DCP: the resume judges those)."""
-    if saved.mode in _RESUME_JUDGES:
+def _dicts(c, setup, saved: saving.Saved) -> tuple | None:
+    """The model and optimizer dicts a save holds (None for DCP, whose checkpoint only a resume reads
+    back: the resume judges those)."""
+    if saved.mode.through_dcp:
         return None
     if saved.path:  # bcast, file: rank 0's file
         if not setup.is_root:
             return {}, {}
-        data = modes.read_full(saved.path)
+        data = saving.read_full(saved.path)
         return data.get("model"), data.get("optim")
     return saved.model, saved.optim
 
@@ -58,18 +66,18 @@ def loop_1(c, layout, mode, point, before=BEFORE, after=AFTER, how=None):
     checkpoint it gave resumes like the uninterrupted run. ``how``: the
     recipe to build (a generated scenario's), instead of the base model."""
     pt = loops.POINTS[point]
-    how = how or modes.recipe(layout, "adamw")
+    how = how or resuming.recipe(layout, "adamw")
     expected = loops.uninterrupted(c, how, before, pt, after)
     ref = None
-    if mode not in _RESUME_JUDGES:  # a get right after the step, to compare with; DCP's the resume judges
-        at_rest = modes.trained_source(c, how, before)
-        ref = _dicts(c, at_rest.setup, at_rest.save(c, "full_cpu" if mode in ("bcast", "file") else mode, model="iut"))
+    if not mode.through_dcp:  # a get right after the step, to compare with; DCP's the resume judges
+        at_rest = resuming.trained_source(c, how, before)
+        ref = _dicts(c, at_rest.setup, at_rest.save(c, modes.mode_of(mode.get), model="iut"))
 
     a = how.build(c, 0)
     a.train(before)
     loops.reach(a, pt)
     was, grads, sharding = snapshot(a), grads_view(a), loops.sharding_state(a)
-    saved = modes.save(c, a, mode, model="iut")
+    saved = saving.save(c, a, mode, model="iut")
     fail_if(diff_snapshots(was, snapshot(a)), f"{mode}: a get {pt.what} changed the parameters or the optimizer")
     fail_if(diff_values(grads, grads_view(a), "grad"), f"{mode}: a get {pt.what} changed the gradients")
     fail_if(
@@ -90,12 +98,12 @@ def loop_1(c, layout, mode, point, before=BEFORE, after=AFTER, how=None):
 
     b = how.build(c, 1)
     b.set_steps_done(before)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     with c.after_iut(b.model, "the step after the load"):
         pt.replay(b)
     b.train(after - 1)
     fail_if(
-        diff_snapshots(*modes.comparable(mode, b, expected, snapshot(b))),
+        diff_snapshots(*saving.comparable(mode, b, expected, snapshot(b))),
         f"{mode}: resuming from a checkpoint taken {pt.what} differs from the uninterrupted run",
     )
 
@@ -105,19 +113,19 @@ def loop_2(c, layout, mode, point, before=BEFORE, after=AFTER, warm=WARM, how=No
     its own and stopped there; the loop drops the step it was in, and the
     next steps use the loaded values (no stale unsharded copy survives)."""
     pt = loops.POINTS[point]
-    how = how or modes.recipe(layout, "adamw")
-    kept = modes.trained_source(c, how, before, after=after)
+    how = how or resuming.recipe(layout, "adamw")
+    kept = resuming.trained_source(c, how, before, after=after)
     saved = kept.save(c, mode, model="iut")
     b = how.build(c, 1)
-    modes.warm_up(b, warm)
+    resuming.warm_up(b, warm)
     loops.reach(b, pt)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     with c.after_iut(b.model, "dropping the interrupted step"):
         pt.abandon(b)
     b.set_steps_done(before)
     b.train(after)
     fail_if(
-        diff_snapshots(*modes.comparable(mode, b, kept.expected, snapshot(b))),
+        diff_snapshots(*saving.comparable(mode, b, kept.expected, snapshot(b))),
         f"{mode}: after a set {pt.what}, the run differs from the uninterrupted one from the checkpoint",
     )
 
@@ -150,38 +158,35 @@ def loop_3(c, layout, mode, before=BEFORE, how=None):
     """Under an FSDP2 policy: the state dicts hold the sharded parameters'
     own dtype and device, a load puts values where the policy keeps them,
     and the resumed run equals the uninterrupted one."""
-    how = how or modes.recipe(layout, "adamw")
-    kept = modes.trained_source(c, how, before, after=1)
+    how = how or resuming.recipe(layout, "adamw")
+    kept = resuming.trained_source(c, how, before, after=1)
     saved = kept.save(c, mode, model="iut")
     params = dict(kept.setup.named_parameters())
     got = _dicts(c, kept.setup, saved)
     if got is not None:
-        local = mode in ("sharded", "flat")
+        local = not mode.full
         fail_if(
             _kinds(got[0], params, "model", local=local) + _kinds(got[1], params, "optim", local=local),
-            f"{mode}: under {policies.VARIANTS[layout.partition('.')[2]]}, get's state is not the sharded parameters'",
+            f"{mode}: under {policies.VARIANTS[layout.policy]}, get's state is not the sharded parameters'",
         )
     b = how.build(c, 1)
     b.set_steps_done(before)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     mine = dict(b.named_parameters())
     state = {fqn: dict(o.state.get(p, {})) for o in b.optimizers for fqn, p in mine.items() if p in o.state}
     fail_if(_kinds(state, mine, "optimizer.state", local=True), f"{mode}: a load put state where the policy does not")
     b.train(1)
     fail_if(
-        diff_snapshots(*modes.comparable(mode, b, kept.expected, snapshot(b))),
+        diff_snapshots(*saving.comparable(mode, b, kept.expected, snapshot(b))),
         f"{mode}: under the policy, the resumed run differs from the uninterrupted one",
     )
 
 
-def _rotation(layout: str, applies) -> list[tuple[str, str]]:
+def _rotation(layout: Layout, applies) -> list[tuple[str, str]]:
     """(mode, point) pairs: every mode once, the layout's points in turn."""
-    from ..world.layouts import parse_layout
-
-    lay = parse_layout(layout)
-    points = [name for name, p in loops.POINTS.items() if applies(p)(lay) is None]
-    offset = sum(map(ord, layout))
-    return [(mode, points[(offset + j) % len(points)]) for j, mode in enumerate(modes.MODES)]
+    points = [name for name, p in loops.POINTS.items() if applies(p)(layout) is None]
+    offset = sum(map(ord, layout.name))
+    return [(mode, points[(offset + j) % len(points)]) for j, mode in enumerate(MODES)]
 
 
 def cases():
@@ -195,20 +200,20 @@ def cases():
             for mode, point in _rotation(layout, applies):
                 yield make_case(clause, layout, fn, mode=mode, variant=point, point=point)
         if clause == "LOOP-1":  # SHARD_GRAD_OP keeps the parameters an evaluation forward gathered: every mode
-            yield from grid(clause, FSDP1_SHARD_GRAD_OP, fn, modes=modes.MODES, variants={"eval": {"point": "eval"}})
+            yield from grid(clause, FSDP1_SHARD_GRAD_OP, fn, modes=MODES, variants={"eval": {"point": "eval"}})
         for layout in HALVED:
-            for mode in modes.MODES:  # parameters left unsharded by an evaluation forward, in every mode
+            for mode in MODES:  # parameters left unsharded by an evaluation forward, in every mode
                 if (layout, mode, "eval") not in made:
                     yield make_case(clause, layout, fn, mode=mode, variant="eval", point="eval")
         # Each policy at the points where it matters (what forward leaves unsharded), modes in turn.
         for i, variant in enumerate(policies.VARIANTS):
             for j, point in enumerate(("eval", "unshard")):
-                mode = modes.MODES[(2 * i + j) % len(modes.MODES)]
+                mode = MODES[(2 * i + j) % len(MODES)]
                 yield make_case(clause, _sweep(variant), fn, mode=mode, variant=point, point=point)
     for i, variant in enumerate(policies.VARIANTS):
-        for mode in modes.MODES:  # each policy in every mode
+        for mode in MODES:  # each policy in every mode
             yield make_case("LOOP-3", _sweep(variant), loop_3, mode=mode)
-        mode = modes.MODES[i % len(modes.MODES)]  # and on 4 ranks and the 2-D mesh, modes in turn
+        mode = MODES[i % len(MODES)]  # and on 4 ranks and the 2-D mesh, modes in turn
         if _sweep(variant) != f"{QUARTERS.one()}.{variant}":
             yield make_case("LOOP-3", f"{QUARTERS.one()}.{variant}", loop_3, mode=mode)
         yield make_case("LOOP-3", f"{HYBRID.one()}.{variant}", loop_3, mode=mode)
@@ -221,12 +226,12 @@ def _sweep(variant: str) -> str:
 
 
 def _loop_args(s) -> dict:
-    return {"layout": s.where, "mode": s.mode, "how": s.recipe(), "before": s.before}
+    return {"layout": s.built_on, "mode": s.kind, "how": s.recipe(), "before": s.before}
 
 
 def _rolls_back(s) -> bool:
     """A warm target that LOOP-2 can set mid-loop (a loop point it can roll back to)."""
-    return bool(s.warm) and loops.POINTS[s.loop_point].rollback(parse_layout(s.layout)) is None
+    return bool(s.warm) and loops.POINTS[s.loop_point].rollback(s.built_on) is None
 
 
 CLAUSES = {

@@ -15,20 +15,27 @@ from __future__ import annotations
 import os
 import time
 
-from ..judging.oracle import diff_snapshots, fail_if, snapshot
-from ..running.cases import grid
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.layouts import parse_layout, serving
-from ..world.setup import Setup
-from .reshard import resharded_case
-from .state import check_get, check_loaded
+from ..kit import (
+    MODES,
+    Clause,
+    Setup,
+    check_get,
+    check_loaded,
+    diff_snapshots,
+    fail_if,
+    grid,
+    move,
+    resharded_case,
+    resuming,
+    serving,
+    snapshot,
+)
 
 OPT = "adamw"
 # Resharding to another ep x dp split, to plain FSDP, and from replicated
 # sub-meshes to another world size. Named: layouts with experts or replicated
 # sub-meshes of their own are outside the catalog, and each move is the case.
-RESHARD = (("fsdp4+ep2x2", "fsdp4+ep4x1"), ("fsdp4+ep2x2", "fsdp4+ep1"), ("fsdp4+rep2", "fsdp2+ep1"))
+RESHARD = (move("fsdp4+ep2x2", "fsdp4+ep4x1"), move("fsdp4+ep2x2", "fsdp4+ep1"), move("fsdp4+rep2", "fsdp2+ep1"))
 DEADLINE_S = 30.0
 # How long the ranks of one part wait for the other's, at least: longer
 # than the case's deadline, so that a hang is reported where it is (in the
@@ -40,8 +47,8 @@ def resume_checked(c, layout: str, mode: str):
     """Resume ``layout``'s model in ``mode``: what get returns and what set
     loads keep each tensor's own mesh and placements; the run continues
     bitwise like the uninterrupted one."""
-    r = modes.resume(
-        c, modes.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded
+    r = resuming.resume(
+        c, resuming.recipe(layout, OPT), mode, on_saving=lambda s: check_get(c, s, mode), on_loaded=check_loaded
     )
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
@@ -59,7 +66,7 @@ def mesh_2(c, layout, mode):
     """Each model resumes with only its own ranks calling, one part after the
     other, the part without rank 0 first."""
     Setup(c, layout, OPT, with_optimizer=False)  # every rank builds every part's mesh (a collective)
-    spans = parse_layout(layout).spans
+    spans = layout.spans
     for part in reversed(range(len(spans))):
         done = c.path(f"part{part}-done")
         if c.rank not in spans[part]:
@@ -82,10 +89,10 @@ def _wait_for(path: str, ranks: tuple[int, ...], wait_s: float) -> None:
 
 
 def cases():
-    yield from grid("OPT-MESH-1", serving("OPT-MESH-1"), mesh_1, opts=(OPT,), modes=modes.MODES)
-    for src, dst in RESHARD:
-        yield resharded_case("OPT-MESH-1", src, dst, OPT, "dcp")
-    yield from grid("OPT-MESH-2", serving("OPT-MESH-2"), mesh_2, opts=(OPT,), modes=modes.MODES, deadline_s=DEADLINE_S)
+    yield from grid("OPT-MESH-1", serving("OPT-MESH-1"), mesh_1, opts=(OPT,), modes=MODES)
+    for moved in RESHARD:
+        yield resharded_case("OPT-MESH-1", moved, OPT, "dcp")
+    yield from grid("OPT-MESH-2", serving("OPT-MESH-2"), mesh_2, opts=(OPT,), modes=MODES, deadline_s=DEADLINE_S)
 
 
 CLAUSES = {"OPT-MESH-1": Clause(), "OPT-MESH-2": Clause()}

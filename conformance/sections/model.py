@@ -7,14 +7,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .. import tensors
-from ..judging import fsdp1
-from ..judging.meter import ReceiveMeter
-from ..judging.oracle import check, clone_tree, diff_values, expect_error, fail_if
-from ..running.cases import grid, make_case
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import (
+from ..kit import (
     BASE,
     DATA_PARALLEL,
     FSDP1_FULL,
@@ -23,16 +16,31 @@ from ..world.catalog import (
     FSDP1_SHARD_GRAD_OP,
     HALVED,
     HYBRID,
+    MODES,
     ONE_RANK,
     QUARTERS,
     SHARDED,
     THIRDS,
+    WRAPPERS,
+    Clause,
+    Layout,
+    ModelConfig,
+    ReceiveMeter,
+    Setup,
+    ToyModel,
+    check,
+    clone_tree,
+    diff_values,
+    expect_error,
+    fail_if,
+    fsdp1,
+    get_options,
+    grid,
+    make_case,
+    saving,
+    set_options,
+    tensors,
 )
-from ..world.layouts import parse_layout
-from ..world.models import ModelConfig, ToyModel
-from ..world.modes import get_options, set_options
-from ..world.setup import Setup
-from .keys import WRAPPERS
 
 
 def _model_view(s) -> dict:
@@ -53,12 +61,12 @@ def model_1(c, layout, mode, wrappers=(), tie=False, cfg=None):
         plain.keep_stage(a.stage, a.layout.pp)
     expected_keys = list(plain.state_dict())
     msd = c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode))
-    rank0_holds_all = mode in ("full_cpu", "bcast", "file")
+    rank0_holds_all = mode.on_root
     want_keys = _all_ranks_keys(expected_keys) if rank0_holds_all else expected_keys  # a collective: every rank
     want = _model_view(a)
-    saved = modes.save(c, a, mode, model="iut", optim=False)
+    saved = saving.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, wrappers=wrappers, cfg=cfg)
-    modes.load(c, b, saved, optim=False)
+    saving.load(c, b, saved, optim=False)
     fail_if(diff_values(want, _model_view(b), "model"), f"{mode}: the model does not round-trip")
     if not rank0_holds_all or c.rank == 0:
         fail_if(
@@ -85,18 +93,18 @@ def model_5(c, layout, mode, kind, cfg=None):
     msd = c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode))
     want = {k: v for k, v in _model_view(a).items() if k.endswith("_extra_state")}
     check(want, "setup error: the model has no extra state")
-    if mode not in ("full_cpu", "bcast", "file") or c.rank == 0:
+    if not mode.on_root or c.rank == 0:
         fail_if(
             diff_values(want, {k: msd[k] for k in want if k in msd}, "model")
             + [f"{k}: missing from get's dict" for k in want if k not in msd],
             f"{mode}: get lost extra state",
         )
-    saved = modes.save(c, a, mode, model="iut", optim=False)
+    saved = saving.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
     blocks = {name: _unwrapped(blk) for name, blk in b.module.layers.items()}
     for block in blocks.values():
         block.index = -1  # extra state must come back from the checkpoint
-    modes.load(c, b, saved, optim=False)
+    saving.load(c, b, saved, optim=False)
     got_index = {name: blk.index for name, blk in blocks.items()}
     check(all(int(n) == i for n, i in got_index.items()), f"{mode}: {kind} extra state was not restored: {got_index}")
     fail_if(
@@ -115,12 +123,12 @@ def model_2(c, layout, mode, strict, cfg=None):
     """Missing and unexpected keys: strict raises naming them; strict=False returns them.
     ``cfg``: another model than the base one (a generated scenario's); its last block loses a key."""
     a = Setup(c, layout, "adamw", cfg=cfg)
-    if mode == "file":  # every rank reads the file rank 0 saved
-        msd = modes.read_full(modes.save(c, a, mode, model="iut", optim=False).path)["model"]
+    if mode.every_rank_reads:  # every rank reads the file rank 0 saved
+        msd = saving.read_full(saving.save(c, a, mode, model="iut", optim=False).path)["model"]
     else:
         msd = clone_tree(c.iut.get_model_state_dict(a.model, options=get_options(c.iut, mode)))
     gone = f"layers.{a.cfg.n_layers - 1}.fc2.bias"
-    if mode != "bcast" or c.rank == 0:  # bcast: only rank 0's dict is read (the others got {})
+    if not mode.broadcast or c.rank == 0:  # a broadcast reads only rank 0's dict (the others got {})
         msd.pop(gone)
         msd["ghost.weight"] = torch.zeros(2)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
@@ -152,16 +160,16 @@ def model_3(c, layout, cfg=None):
     a = Setup(c, layout, "adamw", cfg=cfg)
     a.train(1)
     want = _model_view(a)
-    saved = modes.save(c, a, "bcast", model="iut", optim=False)
+    saved = saving.save(c, a, "bcast", model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, cfg=cfg)
-    data = modes.read_full(saved.path) if c.rank == 0 else {"model": {}}
+    data = saving.read_full(saved.path) if c.rank == 0 else {"model": {}}
     largest_full = max(
         (v.numel() * v.element_size() for v in data["model"].values() if isinstance(v, torch.Tensor)), default=0
     )
     box = [largest_full]
     dist.broadcast_object_list(box, src=0)
     largest_full = box[0]
-    flat_shards = parse_layout(layout).wrapper == "fsdp1"  # FSDP1 holds plain flat shards, not distributed values
+    flat_shards = layout.wrapper == "fsdp1"  # FSDP1 holds plain flat shards, not distributed values
     share = fsdp1.share_bytes(b.model) if flat_shards else share_bytes(b.module.state_dict())
     with ReceiveMeter() as meter:
         c.iut.set_model_state_dict(b.model, data["model"], options=set_options(c.iut, "bcast"))
@@ -208,21 +216,20 @@ def model_4(c, layout, mode):
     a = Setup(c, layout, "adamw")
     a.train(1)
     want = _model_view(a)
-    saved = modes.save(c, a, mode, model="iut", optim=False)
+    saved = saving.save(c, a, mode, model="iut", optim=False)
     b = Setup(c, layout, "adamw", seed=1, meta=True, with_optimizer=False)
-    modes.load(c, b, saved, optim=False)
+    saving.load(c, b, saved, optim=False)
     got = _model_view(b)
     on_meta = [k for k, v in got.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
     check(not on_meta, f"still on the meta device after loading: {on_meta[:5]}")
     fail_if(diff_values(want, got, "model"), f"{mode}: loading into a meta-initialised model gave other values")
-    lay = parse_layout(layout)
-    if lay.world_size != 1 and lay.wrapper != "fsdp1":  # FSDP1 holds plain flat shards
+    if layout.world_size != 1 and layout.wrapper != "fsdp1":  # FSDP1 holds plain flat shards
         not_dt = [f for f, p in b.named_parameters() if not tensors.is_distributed(p)]
         check(not not_dt, f"parameters are not distributed after the load: {not_dt[:5]}")
 
 
 def cases():
-    yield from grid("MODEL-1", BASE, model_1, modes=modes.MODES)
+    yield from grid("MODEL-1", BASE, model_1, modes=MODES)
     for layout, variants in WRAPPERS.items():
         for wrappers in [w for w in variants if w]:
             for mode in ("sharded", "full"):
@@ -237,7 +244,7 @@ def cases():
         variants={"tied": {"tie": True}},
     )
     # FSDP1 (SPEC §2, 1.3): every mode on both kinds of parameters, two on the others; wrappers.
-    yield from grid("MODEL-1", FSDP1_FULL_SHARD, model_1, modes=modes.MODES)
+    yield from grid("MODEL-1", FSDP1_FULL_SHARD, model_1, modes=MODES)
     yield from grid("MODEL-1", FSDP1_HYBRID, model_1, modes=("sharded", "bcast"))
     yield from grid("MODEL-1", FSDP1_SHARD_GRAD_OP, model_1, modes=("full", "dcp"))
     yield from grid(
@@ -254,10 +261,10 @@ def cases():
     yield from grid("MODEL-1", ("fsdp2xtp2",), model_1, modes=("sharded", "full", "bcast", "dcp"), profile="tp")
     for layout in HALVED:
         for kind in ("tensor", "dict", "object"):
-            for mode in modes.MODES:
+            for mode in MODES:
                 yield make_case("MODEL-5", layout, model_5, mode=mode, variant=kind, kind=kind)
     for i, layout in enumerate(FSDP1_FULL_SHARD):  # FSDP1 (SPEC §2, 1.3): every mode, kinds in turn
-        for j, mode in enumerate(modes.MODES):
+        for j, mode in enumerate(MODES):
             kind = ("tensor", "dict", "object")[(i + j) % 3]
             yield make_case("MODEL-5", layout, model_5, mode=mode, variant=kind, kind=kind)
     yield from grid("MODEL-2", DATA_PARALLEL, model_2, modes=("sharded", "full", "bcast", "file"), variants=strictness)
@@ -267,36 +274,35 @@ def cases():
     yield from grid("MODEL-4", (SHARDED - THIRDS) | FSDP1_FULL_SHARD, model_4, modes=("full", "bcast"))
 
 
-def _sharded(layout: str) -> bool:
+def _sharded(layout: Layout) -> bool:
     """Whether FSDP2 shards the model over more than one rank: a broadcast
     load there must send each rank its own shard, not the whole (MODEL-3)."""
-    lay = parse_layout(layout)
-    return lay.wrapper == "fsdp2" and lay.world_size > 1
+    return layout.wrapper == "fsdp2" and layout.world_size > 1
 
 
 CLAUSES = {
     "MODEL-1": Clause(
         contains=lambda s: True,
-        check=lambda s: (model_1, {"layout": s.where, "mode": s.mode, "cfg": s.cfg()}),
+        check=lambda s: (model_1, {"layout": s.built_on, "mode": s.kind, "cfg": s.cfg()}),
         rank=60,
     ),
     "MODEL-2": Clause(
         contains=lambda s: bool(s.model_keys),
         check=lambda s: (
             model_2,
-            {"layout": s.where, "mode": s.mode, "strict": s.model_keys == "strict", "cfg": s.cfg()},
+            {"layout": s.built_on, "mode": s.kind, "strict": s.model_keys == "strict", "cfg": s.cfg()},
         ),
         rank=30,
     ),
     "MODEL-3": Clause(
-        contains=lambda s: s.mode == "bcast" and _sharded(s.layout),
-        check=lambda s: (model_3, {"layout": s.where, "cfg": s.cfg()}),
+        contains=lambda s: s.kind.broadcast and s.kind.file and _sharded(s.built_on),
+        check=lambda s: (model_3, {"layout": s.built_on, "cfg": s.cfg()}),
         rank=10,
     ),
     "MODEL-4": Clause(),
     "MODEL-5": Clause(
         contains=lambda s: bool(s.extra_state),
-        check=lambda s: (model_5, {"layout": s.where, "mode": s.mode, "kind": s.extra_state, "cfg": s.cfg()}),
+        check=lambda s: (model_5, {"layout": s.built_on, "mode": s.kind, "kind": s.extra_state, "cfg": s.cfg()}),
         rank=20,
     ),
 }

@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot, without_empty_groups
-from ..running.cases import grid
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import ENDS, SHARDED_STAGES, STAGES
-from ..world.models import GroupSpec
-from ..world.modes import get_options, optimizers_arg, set_options
-from ..world.setup import Setup
+from ..kit import (
+    ENDS,
+    SHARDED_STAGES,
+    STAGES,
+    Clause,
+    GroupSpec,
+    Layout,
+    Setup,
+    check,
+    clone_tree,
+    diff_snapshots,
+    diff_values,
+    fail_if,
+    get_options,
+    grid,
+    optimizers_arg,
+    resuming,
+    saving,
+    set_options,
+    snapshot,
+    without_empty_groups,
+)
 
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 
@@ -38,11 +52,11 @@ def mpmd_1(c, layout, opt):
                     not common,
                     f"stages {stage} (rank {r}) and {stage2} (rank {r2}) share flat keys: {sorted(common)[:5]}",
                 )
-    saved = modes.save(c, a, "dcp")
+    saved = saving.save(c, a, "dcp")
     want = snapshot(a)
     b = Setup(c, layout, opt, seed=1)
     b.set_steps_done(2)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     fail_if(diff_snapshots(want, snapshot(b)), "after a DCP round trip of the flat dicts, a rank's optimizer differs")
     a.train(1)
     b.train(1)
@@ -58,7 +72,7 @@ def mpmd_2(c, layout, opt, empty_on_last):
         return GroupSpec(scale=1.0 + stage, empty_at=(9,) if empty_on_last and stage else ())
 
     stage = _stage(c, layout)
-    r = modes.resume(c, modes.recipe(layout, opt, groups=spec(stage)), "dcp")
+    r = resuming.resume(c, resuming.recipe(layout, opt, groups=spec(stage)), "dcp")
     # Stages go through DCP in the flat layout: an empty group keeps its own values (OPT-EMPTY-2).
     fail_if(
         diff_snapshots(without_empty_groups(r.expected), without_empty_groups(snapshot(r.resumed))),
@@ -66,11 +80,8 @@ def mpmd_2(c, layout, opt, empty_on_last):
     )
 
 
-def _stage(c, layout) -> int:
-    from ..world.layouts import parse_layout
-
-    lay = parse_layout(layout)
-    return c.mesh(lay.mesh, lay.dim_names).get_coordinate()[0]
+def _stage(c, layout: Layout) -> int:
+    return c.mesh(layout.mesh, layout.dim_names).get_coordinate()[0]
 
 
 def mpmd_3(c, layout, opt):

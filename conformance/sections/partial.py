@@ -12,25 +12,7 @@ set names them (the checkpoint's groups do not list them).
 
 from __future__ import annotations
 
-import os
-import pickle
-
-from torch.distributed.checkpoint import FileSystemReader
-
-from ..judging.oracle import (
-    check,
-    diff_snapshots,
-    diff_values,
-    expect_error,
-    expect_unchanged,
-    fail_if,
-    optimizer_view,
-    snapshot,
-)
-from ..running.cases import grid, make_case
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import (
+from ..kit import (
     BASE,
     DATA_PARALLEL,
     ENDS,
@@ -39,18 +21,42 @@ from ..world.catalog import (
     FSDP1_HYBRID,
     HALVED,
     HYBRID,
+    MODES,
     ONE_RANK,
     QUARTERS,
     SHARDED_STAGES,
     STAGES,
     THIRDS,
+    Clause,
+    GroupSpec,
+    ModelConfig,
+    Setup,
+    check,
+    diff_snapshots,
+    diff_values,
+    drop_from_dict,
+    drop_from_metadata,
+    expect_error,
+    expect_unchanged,
+    fail_if,
+    get_options,
+    grid,
+    make_case,
+    moves,
+    only_layers,
+    optimizer_view,
+    optimizers_arg,
+    reshard,
+    resharded_case,
+    resuming,
+    saving,
+    set_options,
+    snapshot,
 )
-from ..world.models import GroupSpec, ModelConfig
-from ..world.modes import get_options, optimizers_arg, set_options
-from ..world.setup import Setup
-from . import reshard
 
 ADAPTER = ["adapter.weight", "adapter.bias"]
+# Frozen after training: a fine-tune that stops training the first block.
+FROZEN_AFTER = ("layers.0.fc1.weight", "layers.0.fc1.bias")
 
 
 def part_1(c, layout, mode, strict, same_hparams=False):
@@ -61,44 +67,31 @@ def part_1(c, layout, mode, strict, same_hparams=False):
     from what the checkpoint holds; only the load path can tell that the
     checkpoint never listed them (a path that counts the template's own
     fields as loaded lists them, and strict=True passes)."""
-    kept = modes.trained_source(c, modes.recipe(layout), 2)
+    kept = resuming.trained_source(c, resuming.recipe(layout), 2)
     saved = kept.save(c, mode)
     want = snapshot(kept.setup)
-    b = Setup(
-        c,
-        layout,
-        "adamw",
-        seed=1,
-        cfg=ModelConfig(adapter=True),
-        groups=GroupSpec.for_seed(0) if same_hparams else None,
-    )
+    groups = GroupSpec.for_seed(0) if same_hparams else None
+    b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(adapter=True), groups=groups)
     b.set_steps_done(2)
     mine = [f for f in ADAPTER if f in dict(b.named_parameters())]
     if strict:
         before = optimizer_view(b)
-        names = ADAPTER
         expect_error(
-            lambda: modes.load(c, b, saved, strict=True, model=False),
-            names=names if mine else [],
+            lambda: saving.load(c, b, saved, strict=True, model=False),
+            names=ADAPTER if mine else [],
             what="OPT-PART-1: strict=True with parameters the checkpoint lacks",
         )
         expect_unchanged(before, optimizer_view(b), "OPT-PART-1: the failed strict load changed the optimizer")
         return
-    modes.load(c, b, saved, strict=False)
+    saving.load(c, b, saved, strict=False)
     got = snapshot(b)
-    problems = []
-    for fqn in mine:
-        if fqn in got["state"]:
-            problems.append(
-                f"state[{fqn!r}]: present, expected fresh (absent) state for a parameter the checkpoint lacks"
-            )
-    shared = {k: v for k, v in got["state"].items() if k not in ADAPTER}
-    problems += diff_values(want["state"], shared, "state")
-    problems += diff_values(
-        {k: v for k, v in want["params"].items()},
-        {k: v for k, v in got["params"].items() if k not in ADAPTER},
-        "params",
-    )
+    problems = [
+        f"state[{fqn!r}]: present, expected fresh (absent) state for a parameter the checkpoint lacks"
+        for fqn in mine
+        if fqn in got["state"]
+    ]
+    problems += diff_values(want["state"], {k: v for k, v in got["state"].items() if k not in ADAPTER}, "state")
+    problems += diff_values(want["params"], {k: v for k, v in got["params"].items() if k not in ADAPTER}, "params")
     fail_if(problems, "OPT-PART-1: strict=False did not load the rest, or touched the new parameters")
     b.train(1)  # training goes on; the adapter gets state of its own
     if mine:
@@ -107,7 +100,7 @@ def part_1(c, layout, mode, strict, same_hparams=False):
 
 def part_2(c, layout, mode):
     """Lazy state: parameters that never had a gradient have no state, before and after."""
-    kept = modes.trained_source(c, modes.recipe(layout, cfg=ModelConfig(lazy_aux=True)), 2)
+    kept = resuming.trained_source(c, resuming.recipe(layout, cfg=ModelConfig(lazy_aux=True)), 2)
     a = kept.setup
     lazy = [f for f, p in a.named_parameters() if p.requires_grad and not a.optimizers[0].state.get(p)]
     check(bool(lazy) or a.layout.pp > 1, "setup error: no lazy parameter")
@@ -115,7 +108,7 @@ def part_2(c, layout, mode):
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(lazy_aux=True))
     b.set_steps_done(2)
-    modes.load(c, b, saved, strict=True)
+    saving.load(c, b, saved, strict=True)
     fail_if(
         diff_snapshots(want, snapshot(b)),
         "OPT-PART-2: the loaded optimizer does not reproduce the source (lazy state included)",
@@ -124,20 +117,20 @@ def part_2(c, layout, mode):
 
 def part_3(c, layout, mode):
     """Freezing after training: ignore_frozen_params drops them from the model dict, never their optimizer state."""
-    frozen = ["layers.0.fc1.weight", "layers.0.fc1.bias"]
+    frozen = list(FROZEN_AFTER)
     a = Setup(c, layout, "adamw", cfg=ModelConfig(frozen=True))
     a.train(2)
     a.freeze(frozen)
     opts = get_options(c.iut, mode, ignore_frozen_params=True)
     msd = c.iut.get_model_state_dict(a.model, options=opts)
-    if mode != "full_cpu" or c.rank == 0:
+    if not mode.on_root or c.rank == 0:
         leaked = [f for f in frozen + ["frozen.weight", "frozen.bias"] if f in msd]
         check(not leaked, f"OPT-PART-3: ignore_frozen_params kept frozen parameters {leaked}")
-    saved = modes.save(c, a, mode, options={"ignore_frozen_params": True})
+    saved = saving.save(c, a, mode, options={"ignore_frozen_params": True})
     want = snapshot(a)
     b = Setup(c, layout, "adamw", seed=1, cfg=ModelConfig(frozen=True))
     b.freeze(frozen)
-    modes.load(c, b, saved, options={"ignore_frozen_params": True}, model=False)
+    saving.load(c, b, saved, options={"ignore_frozen_params": True}, model=False)
     got = snapshot(b)
     problems = [f"state[{f!r}]: dropped" for f in frozen if f in want["state"] and f not in got["state"]]
     problems += diff_values(want["state"], got["state"], "state")
@@ -148,36 +141,30 @@ def part_3_step0(c, layout, mode):
     """A parameter frozen from the start never has optimizer state: resuming
     from a checkpoint taken before the first step (as training scripts save
     at step 0) leaves it without any, and runs like the uninterrupted run."""
-    r = modes.resume(c, modes.recipe(layout, cfg=ModelConfig(frozen=True)), mode, before=0)
+    r = resuming.resume(c, resuming.recipe(layout, cfg=ModelConfig(frozen=True)), mode, before=0)
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
         f"OPT-PART-3: {mode}: after resuming from a step-0 checkpoint, the run differs from the uninterrupted one",
     )
 
 
-# Frozen after training: a fine-tune that stops training the first block.
-FROZEN_AFTER = ("layers.0.fc1.weight", "layers.0.fc1.bias")
-
-
 def part_3_resume(c, layout, mode, *, how=None, before=2, after=1, warm=0):
-    """Parameters frozen after training keep the state they had: a checkpoint
-    taken after freezing them, loaded into a fresh optimizer (whose get gives
-    DCP a template without their state) or a warm one, holds that state and
-    trains on like the uninterrupted run."""
-    how = how or modes.recipe(layout)
+    """Parameters frozen after training keep their state: a checkpoint taken after freezing them, loaded into a
+    fresh optimizer (whose get gives DCP a template without it) or a warm one, trains on like the uninterrupted run."""
+    how = how or resuming.recipe(layout)
     a = how.build(c, 0)
     a.train(before)
     a.freeze(FROZEN_AFTER)
     had = [f for f in FROZEN_AFTER if f in snapshot(a)["state"]]
-    saved = modes.save(c, a, mode)
+    saved = saving.save(c, a, mode)
     a.train(after)
     want = snapshot(a)
     b = how.build(c, 1)
     if warm:
-        modes.warm_up(b, warm)
+        resuming.warm_up(b, warm)
     b.freeze(FROZEN_AFTER)
     b.set_steps_done(before)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     loaded = snapshot(b)["state"]
     fail_if(
         [f"state[{f!r}]: dropped" for f in had if f not in loaded],
@@ -186,14 +173,14 @@ def part_3_resume(c, layout, mode, *, how=None, before=2, after=1, warm=0):
     )
     b.train(after)
     fail_if(
-        diff_snapshots(*modes.comparable(mode, b, want, snapshot(b))),
+        diff_snapshots(*saving.comparable(mode, b, want, snapshot(b))),
         f"OPT-PART-3: {mode}: resumed with parameters frozen after training, the run differs from the uninterrupted",
     )
 
 
 def part_4(c, layout, mode):
     """An optimizer over a subset of the parameters round-trips."""
-    r = modes.resume(c, modes.recipe(layout, trainable=only_layers), mode)
+    r = resuming.resume(c, resuming.recipe(layout, trainable=only_layers), mode)
     fail_if(
         diff_snapshots(r.expected, snapshot(r.resumed)),
         "OPT-PART-4: an optimizer over some parameters does not resume like the uninterrupted run",
@@ -205,7 +192,7 @@ def part_6_file(c, layout, fqn, key):
     every rank raises naming the FQN and the key; nothing changes."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    osd = modes.read_full(modes.save(c, a, "file", model=None).path)["optim"]
+    osd = saving.read_full(saving.save(c, a, "file", model=None).path)["optim"]
     check(key in osd["state"].get(fqn, {}), f"setup error: the checkpoint has no state[{fqn!r}][{key!r}]")
     del osd["state"][fqn][key]
     b = Setup(c, layout, "adamw", seed=1)
@@ -217,10 +204,6 @@ def part_6_file(c, layout, fqn, key):
         what=f"OPT-PART-6: a file without state[{fqn!r}][{key!r}]",
     )
     expect_unchanged(before, optimizer_view(b), "OPT-PART-6: the failed load changed the optimizer")
-
-
-def only_layers(fqn: str) -> bool:
-    return fqn.startswith("layers.")
 
 
 def is_router(fqn: str) -> bool:
@@ -246,12 +229,12 @@ def part_5(c, layout, own_group):
         any(is_router(f) for f, _ in a.named_parameters()) and not stateful_routers(a),
         "setup error: the routers are not lazy",
     )
-    saved = modes.save(c, a, "dcp")
+    saved = saving.save(c, a, "dcp")
     want = snapshot(a)
     a.train(1)
     b = router_setup(c, layout, 1, own_group)
     b.set_steps_done(2)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     stale = [
         f"state[{f!r}]: present after the load; the checkpoint has none (the router never had a gradient)"
         for f in stateful_routers(b)
@@ -262,30 +245,6 @@ def part_5(c, layout, own_group):
         diff_snapshots(snapshot(a), snapshot(b)),
         "OPT-PART-5: training after the resume differs from the uninterrupted run",
     )
-
-
-def drop_from_metadata(c, path: str, keys: list[str]) -> None:
-    """Rewrite a DCP checkpoint's metadata without ``keys`` (rank 0), as a
-    checkpoint with partly missing state would read."""
-    if c.rank == 0:
-        metadata = FileSystemReader(path).read_metadata()
-        absent = [k for k in keys if k not in metadata.state_dict_metadata]
-        check(not absent, f"setup error: the checkpoint has no {absent}")
-        for key in keys:
-            del metadata.state_dict_metadata[key]
-        with open(os.path.join(path, ".metadata"), "wb") as f:  # DCP's metadata file, a pickled Metadata
-            pickle.dump(metadata, f)
-    c.barrier()
-
-
-def drop_from_dict(saved, fqn: str, key: str) -> None:
-    """Take ``state[fqn][key]`` out of a state dict kept in memory (nested or
-    flat), where this rank holds it (``full_cpu``: the root alone)."""
-    osd = saved.optim
-    if f"state.{fqn}.{key}" in osd:
-        del osd[f"state.{fqn}.{key}"]
-    elif fqn in osd.get("state", {}):
-        del osd["state"][fqn][key]
 
 
 # The warm targets' own steps (OPT-PART-6 holds for a stepped optimizer too).
@@ -300,19 +259,19 @@ def part_6(c, layout, fqn, key, mode="dcp", warm=False):
     the target's own values beside the checkpoint's without a word."""
     a = Setup(c, layout, "adamw")
     a.train(2)
-    saved = modes.save(c, a, mode, model=None)
-    if mode == "dcp":
+    saved = saving.save(c, a, mode, model=None)
+    if mode.through_dcp:
         drop_from_metadata(c, saved.path, [f"optim.state.{fqn}.{key}"])
     else:
         drop_from_dict(saved, fqn, key)
     b = Setup(c, layout, "adamw", seed=1)
     if warm:
-        modes.warm_up(b, WARM)
+        resuming.warm_up(b, WARM)
     b.set_steps_done(2)
     before = optimizer_view(b)
     target = "a stepped optimizer" if warm else "a fresh optimizer"
     expect_error(
-        lambda: modes.load(c, b, saved, model=False),
+        lambda: saving.load(c, b, saved, model=False),
         names=[fqn, key],
         what=f"OPT-PART-6: a checkpoint without state[{fqn!r}][{key!r}], loaded into {target}",
     )
@@ -374,7 +333,7 @@ def cases():
     )
     # (Lazy state and subsets go by original parameter: a flat parameter has a gradient when any of its
     # parts has one, and an optimizer holds it whole, so FSDP1 runs them with original parameters.)
-    yield from grid("OPT-PART-2", DATA_PARALLEL | THIRDS | SHARDED_STAGES | FSDP1_FULL, part_2, modes=modes.MODES)
+    yield from grid("OPT-PART-2", DATA_PARALLEL | THIRDS | SHARDED_STAGES | FSDP1_FULL, part_2, modes=MODES)
     yield from grid(
         "OPT-PART-3", ONE_RANK | HALVED | QUARTERS | HYBRID, part_3, modes=("sharded", "full", "flat", "dcp")
     )
@@ -387,7 +346,7 @@ def cases():
     yield from grid("OPT-PART-3", FSDP1_FULL, part_3, modes=("sharded", "full", "flat", "dcp"))
     yield from grid("OPT-PART-3", FSDP1_FULL, part_3_resume, modes=("dcp", "full_cpu"), variants=fresh_warm)
     # A frozen parameter in a checkpoint taken before the first step.
-    yield from grid("OPT-PART-3", ENDS, part_3_step0, modes=modes.MODES, variants={"step0": {}})
+    yield from grid("OPT-PART-3", ENDS, part_3_step0, modes=MODES, variants={"step0": {}})
     # Frozen after training, resumed.
     yield from grid(
         "OPT-PART-3",
@@ -404,13 +363,9 @@ def cases():
     )
     routers = {"shared": {"own_group": False}, "group": {"own_group": True}}
     yield from grid("OPT-PART-5", BASE, part_5, modes=("dcp",), variants=routers)
-    for src, dst in (
-        (QUARTERS.one(), HALVED.one()),
-        (HALVED.one(), HYBRID.one()),
-        (SHARDED_STAGES.one(), STAGES.one()),
-    ):
+    for move in moves((QUARTERS, HALVED), (HALVED, HYBRID), (SHARDED_STAGES, STAGES)):
         for variant in reshard.ROUTERS:
-            yield reshard.resharded_case("OPT-PART-5", src, dst, "adamw", "dcp", lazy=variant)
+            yield resharded_case("OPT-PART-5", move, "adamw", "dcp", lazy=variant)
     for layout, fqn, key in PART_6:
         yield make_case("OPT-PART-6", layout, part_6, mode="dcp", variant=f"no_{key}", fqn=fqn, key=key)
     for layout, fqn, key in PART_6:
@@ -428,8 +383,8 @@ CLAUSES = {
         check=lambda s: (
             part_3_resume,
             {
-                "layout": s.where,
-                "mode": s.mode,
+                "layout": s.built_on,
+                "mode": s.kind,
                 "how": s.recipe(),
                 "before": s.before,
                 "after": s.after,

@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import torch
 
-from ..judging.oracle import (
+from ..kit import (
+    BASE,
+    ENDS,
+    FSDP1,
+    FSDP1_FULL,
+    FSDP1_FULL_SHARD,
+    HYBRID,
+    SHARDED_STAGES,
+    Clause,
+    batch,
     diff_snapshots,
     diff_values,
     expect_unchanged,
     fail_if,
+    get_options,
     grads_view,
+    grid,
+    loss_fn,
+    make_case,
     optimizer_view,
+    optimizers_arg,
+    resuming,
     snapshot,
 )
-from ..running.cases import grid, make_case
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import BASE, ENDS, FSDP1, FSDP1_FULL, FSDP1_FULL_SHARD, HYBRID, SHARDED_STAGES
-from ..world.layouts import parse_layout
-from ..world.models import batch, loss_fn
-from ..world.modes import get_options, optimizers_arg
 
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 
@@ -42,7 +50,7 @@ def _get_changes_nothing(c, s, mode):
 def pure_1(c, layout, opt, mode, grads, how=None):
     """Never stepped: get leaves it so, and training afterwards is unaffected.
     ``how``: the recipe to build (a generated scenario's), instead of the base model with ``opt``."""
-    how = how or modes.recipe(layout, opt)
+    how = how or resuming.recipe(layout, opt)
     a = how.build(c, 0)
     if grads:
         _accumulate(a)
@@ -50,7 +58,7 @@ def pure_1(c, layout, opt, mode, grads, how=None):
     _zero_grad(a)
     a.train(2)
     # The same run without the get (kept per rank: no implementation touched it).
-    b = modes.kept_run(c, how, 2, prepare=_accumulate_then_zero if grads else None)
+    b = resuming.kept_run(c, how, 2, prepare=_accumulate_then_zero if grads else None)
     fail_if(diff_snapshots(b, snapshot(a)), "training after get differs from training without it")
 
 
@@ -66,7 +74,7 @@ def _accumulate_then_zero(s) -> None:
 
 def pure_2(c, layout, opt, mode, how=None):
     """After steps: get changes nothing, and changing what it returned does not reach the optimizer."""
-    how = how or modes.recipe(layout, opt)
+    how = how or resuming.recipe(layout, opt)
     a = how.build(c, 0)
     a.train(2)
     _get_changes_nothing(c, a, mode)
@@ -75,7 +83,7 @@ def pure_2(c, layout, opt, mode, how=None):
     _vandalise(osd)
     expect_unchanged(before, optimizer_view(a), "changing the returned dict changed the optimizer")
     a.train(1)
-    b = modes.kept_run(c, how, 3)  # the same run without the gets
+    b = resuming.kept_run(c, how, 3)  # the same run without the gets
     fail_if(diff_snapshots(b, snapshot(a)), "training after get differs from training without it")
 
 
@@ -116,7 +124,7 @@ def cases():
     for layout in BASE:
         for opt in OPTS if layout in EVERY_OPT else ("adamw",):
             yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="fresh", grads=False)
-            if parse_layout(layout).pp == 1:  # stages accumulate gradients only inside a schedule step
+            if layout.pp == 1:  # stages accumulate gradients only inside a schedule step
                 yield make_case("OPT-PURE-1", layout, pure_1, opt=opt, mode="sharded", variant="grads", grads=True)
     yield from grid("OPT-PURE-2", BASE, pure_2, opts=("adamw",), modes=("sharded", "flat"))
     yield from grid("OPT-PURE-2", FSDP1, pure_2, opts=("adamw",), modes=("sharded", "flat"))  # FSDP1 (SPEC §2, 1.3)
@@ -144,7 +152,7 @@ def cases():
 CLAUSES = {
     "OPT-PURE-1": Clause(
         side="get",
-        contains=lambda s: not s.before and s.mode in ("sharded", "dcp"),
+        contains=lambda s: not s.before and s.kind.gets_shards,
         check=lambda s: (pure_1, s.trained_args(grads=False)),
         rank=100,
     ),
@@ -153,7 +161,7 @@ CLAUSES = {
     ),
     "OPT-PURE-3": Clause(
         side="get",
-        contains=lambda s: not s.before and s.mode not in ("sharded", "dcp"),
+        contains=lambda s: not s.before and not s.kind.gets_shards,
         check=lambda s: (pure_1, s.trained_args(grads=False)),
         rank=120,
     ),

@@ -26,17 +26,27 @@ from torch.distributed.checkpoint import CheckpointException
 
 from hyperdsd.testing import region_of
 
-from .. import tensors
-from ..adapters import raised_by_iut
-from ..judging.oracle import clone_tree, diff_snapshots, diff_values, fail_if, snapshot
-from ..running.cases import grid
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import FSDP1_FULL, HALVED, ONE_RANK, REPLICATED, STAGES
-from ..world.layouts import parse_layout
-from ..world.models import ModelConfig
-from ..world.setup import Setup
-from .atomicity import GHOST
+from ..kit import (
+    FSDP1_FULL,
+    GHOST,
+    HALVED,
+    MODES,
+    ONE_RANK,
+    REPLICATED,
+    STAGES,
+    Clause,
+    ModelConfig,
+    Setup,
+    clone_tree,
+    diff_snapshots,
+    diff_values,
+    fail_if,
+    grid,
+    raised_by_iut,
+    saving,
+    snapshot,
+    tensors,
+)
 
 ADDED = ("aux.weight", "aux.bias")  # out of the optimizer until add_param_group adds them
 CFG = ModelConfig(frozen=True)  # ``frozen``, frozen from the start, is unfrozen on the way
@@ -207,9 +217,9 @@ HISTORY = (
 
 
 def _get(c, s: Setup, mode: str) -> tuple:
-    opts = modes.get_options(c.iut, modes.effective(mode, s))
+    opts = saving.get_options(c.iut, saving.effective(mode, s))
     msd = c.iut.get_model_state_dict(s.model, options=opts)
-    osd = c.iut.get_optimizer_state_dict(s.model, modes.optimizers_arg(s), options=opts)
+    osd = c.iut.get_optimizer_state_dict(s.model, saving.optimizers_arg(s), options=opts)
     return clone_tree(msd), clone_tree(osd)
 
 
@@ -225,10 +235,10 @@ def check_get(c, kept: Kept, mode: str, after: str) -> None:
 def check_set(c, kept: Kept, mode: str, after: str) -> None:
     """Another state of the same structure, from a fresh build's get in
     ``mode``, set into the kept setup and into a fresh build."""
-    saved = modes.save(c, fresh(c, kept, scale=0.5), mode, model="iut", batched=True)
+    saved = saving.save(c, fresh(c, kept, scale=0.5), mode, model="iut", batched=True)
     f = fresh(c, kept)
-    modes.load(c, kept.setup, saved)
-    modes.load(c, f, saved)
+    saving.load(c, kept.setup, saved)
+    saving.load(c, f, saved)
     fail_if(
         diff_snapshots(snapshot(f, copy=False), snapshot(kept.setup, copy=False)),
         f"{mode}: a set after {after} leaves the model and optimizer otherwise than a first set",
@@ -241,8 +251,10 @@ def check_refused(c, kept: Kept, mode: str, after: str) -> None:
     ``mode``, damaged), into the kept setup and into a fresh build, through
     the mode's own load path: each raises or loads as the other does, and ends
     as the other ends (whether it must refuse is OPT-ATOM-1's)."""
-    flat = modes.effective(mode, kept.setup) in ("flat", "flat_dcp")
-    saved = modes.save(c, fresh(c, kept, scale=0.5), mode, model=None, batched=True, edit=lambda osd: _spoil(osd, flat))
+    flat = saving.effective(mode, kept.setup).flat
+    saved = saving.save(
+        c, fresh(c, kept, scale=0.5), mode, model=None, batched=True, edit=lambda osd: _spoil(osd, flat)
+    )
     f = fresh(c, kept)
     outcomes = [_outcome(c, s, saved) for s in (kept.setup, f)]
     fail_if(
@@ -265,9 +277,9 @@ def _spoil(osd: dict, flat: bool) -> None:
         osd["param_groups"][0]["params"].append(GHOST)
 
 
-def _outcome(c, s: Setup, saved: modes.Saved) -> str:
+def _outcome(c, s: Setup, saved: saving.Saved) -> str:
     try:
-        modes.load(c, s, saved, model=False, strict=True)
+        saving.load(c, s, saved, model=False, strict=True)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - whether it raises is compared, not judged
         if not raised_by_iut(exc) and not region_of(exc):
             raise
@@ -283,7 +295,7 @@ def repeat_1(c, layout, mode):
     s = _build(c, layout, 0)
     s.train(1)
     kept = Kept(s)
-    plain = parse_layout(layout).wrapper == "none"
+    plain = layout.wrapper == "none"
     for step in HISTORY:
         if step.plain_only and not plain:
             continue
@@ -299,7 +311,7 @@ def repeat_1(c, layout, mode):
 # Every mode on the plain layout and on FSDP2; two of the other families' in
 # turn (a case calls the implementation some forty times: SPEC REPEAT-1).
 LAYOUT_MODES = (
-    (ONE_RANK | HALVED, modes.MODES),
+    (ONE_RANK | HALVED, MODES),
     (REPLICATED, ("full", "bcast")),
     # HSDP on two ranks, each a replica of its own: named, the catalog's HSDP has four.
     (("hsdp2x1",), ("sharded", "file")),

@@ -5,17 +5,38 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import nested, tensors
-from ..judging.meter import ReceiveMeter
-from ..judging.oracle import check, clone_tree, diff_snapshots, diff_values, fail_if, snapshot
-from ..running.cases import grid, make_case
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import BASE, ENDS, FSDP1, FSDP1_FULL, FSDP1_FULL_SHARD, FSDP1_HYBRID, SHARDED_STAGES
-from ..world.layouts import parse_layout
-from ..world.models import GroupSpec, ModelConfig
-from ..world.modes import get_options, optimizers_arg, set_options
-from ..world.setup import Setup
+from ..kit import (
+    BASE,
+    ENDS,
+    FSDP1,
+    FSDP1_FULL,
+    FSDP1_FULL_SHARD,
+    FSDP1_HYBRID,
+    MODES,
+    SHARDED_STAGES,
+    Clause,
+    GroupSpec,
+    Layout,
+    ModelConfig,
+    ReceiveMeter,
+    Setup,
+    ToyModel,
+    check,
+    clone_tree,
+    diff_snapshots,
+    diff_values,
+    fail_if,
+    get_options,
+    grid,
+    make_case,
+    nested,
+    optimizers_arg,
+    resuming,
+    saving,
+    set_options,
+    snapshot,
+    tensors,
+)
 
 OPTS = ("adamw", "adam_amsgrad", "sgd", "sgd_plain", "adagrad")
 BEFORE, AFTER = 1, 1
@@ -33,9 +54,9 @@ def rt_1(c, layout, opt, mode, before=BEFORE, after=AFTER, how=None):
     ``how``: the recipe to build (a generated scenario's); the matrix's own
     cases build the base model with ``opt``.
     """
-    r = modes.resume(c, how or modes.recipe(layout, opt), mode, before=before, after=after)
+    r = resuming.resume(c, how or resuming.recipe(layout, opt), mode, before=before, after=after)
     fail_if(
-        diff_snapshots(*modes.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
+        diff_snapshots(*saving.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
         f"{mode}: after resuming, the run differs from the uninterrupted one",
     )
 
@@ -45,9 +66,9 @@ def rt_5(c, layout, opt, mode, before=BEFORE, after=AFTER, warm=WARM, how=None):
     steps, other hyperparameters). Right after the load nothing of its own
     state remains; K more steps match the uninterrupted run bitwise."""
     seen = {}
-    r = modes.resume(
+    r = resuming.resume(
         c,
-        how or modes.recipe(layout, opt),
+        how or resuming.recipe(layout, opt),
         mode,
         before=before,
         after=after,
@@ -56,11 +77,11 @@ def rt_5(c, layout, opt, mode, before=BEFORE, after=AFTER, warm=WARM, how=None):
         on_loaded=lambda b: seen.update(got=snapshot(b)),
     )
     fail_if(
-        diff_snapshots(*modes.comparable(mode, r.resumed, seen["want"], seen["got"])),
+        diff_snapshots(*saving.comparable(mode, r.resumed, seen["want"], seen["got"])),
         f"{mode}: after loading into a stepped optimizer, it does not reproduce the source (its own state remains)",
     )
     fail_if(
-        diff_snapshots(*modes.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
+        diff_snapshots(*saving.comparable(mode, r.resumed, r.expected, snapshot(r.resumed))),
         f"{mode}: after a warm load, the run differs from the uninterrupted one",
     )
 
@@ -69,7 +90,7 @@ def rt_4(c, layout, opt, mode):
     """Everything at once: tied weights, a parameter that never gets a
     gradient, a frozen parameter with state, an empty group between two
     others, custom group fields and an LR scheduler."""
-    pipeline = parse_layout(layout).pp > 1
+    pipeline = layout.pp > 1
     cfg = ModelConfig().everything(pipeline=pipeline)
     freeze = ["layers.0.fc1.weight"] if not pipeline or "layers.0.fc1.weight" in _names(c, layout, cfg) else []
 
@@ -88,31 +109,27 @@ def rt_4(c, layout, opt, mode):
     a = make(0)
     a.train(BEFORE)
     a.freeze(freeze)  # state from before it was frozen must survive
-    saved = modes.save(c, a, mode)
+    saved = saving.save(c, a, mode)
     sched_states = [sch.state_dict() for sch in a.schedulers]
     a.train(AFTER)
     b = make(1)
     b.freeze(freeze)
     b.set_steps_done(BEFORE)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     for sched, st in zip(b.schedulers, sched_states):
         sched.load_state_dict(st)
     b.train(AFTER)
-    want, got = modes.comparable(mode, b, snapshot(a), snapshot(b))
+    want, got = saving.comparable(mode, b, snapshot(a), snapshot(b))
     fail_if(
         diff_snapshots(want, got),
         f"{mode}: with every feature at once, the resumed run differs from the uninterrupted one",
     )
 
 
-def _names(c, layout, cfg) -> set:
-    from ..world.layouts import parse_layout
-    from ..world.models import ToyModel
-
-    lay = parse_layout(layout)
+def _names(c, layout: Layout, cfg) -> set:
     model = ToyModel(cfg)
-    if lay.pp > 1:
-        model.keep_stage(c.mesh(lay.mesh, lay.dim_names).get_coordinate()[0], lay.pp)
+    if layout.pp > 1:
+        model.keep_stage(c.mesh(layout.mesh, layout.dim_names).get_coordinate()[0], layout.pp)
     return {n for n, _ in model.named_parameters()}
 
 
@@ -123,10 +140,10 @@ def rt_2(c, layout, opt, mode):
     get_opts = get_options(c.iut, mode)
     first = clone_tree(c.iut.get_optimizer_state_dict(a.model, optimizers_arg(a), options=get_opts))
     b = Setup(c, layout, opt, seed=1)
-    modes.load_reference_model(b, a.module.state_dict())
+    saving.load_reference_model(b, a.module.state_dict())
     c.iut.set_optimizer_state_dict(b.model, optimizers_arg(b), clone_tree(first), options=set_options(c.iut, mode))
     second = c.iut.get_optimizer_state_dict(b.model, optimizers_arg(b), options=get_opts)
-    if mode == "full_cpu" and c.rank != 0:
+    if mode.on_root and c.rank != 0:
         check(not first and not second, "full_cpu: ranks other than 0 must get an empty dict")
         return
     fail_if(diff_values(first, second, "optim"), f"{mode}: get after set returns a different dict")
@@ -195,37 +212,35 @@ def _tensors(state):
 
 
 def cases():
-    yield from grid("OPT-RT-1", BASE, rt_1, opts=OPTS, modes=modes.MODES)
-    yield from grid("OPT-RT-4", BASE, rt_4, opts=("adamw", "adagrad"), modes=modes.MODES)
+    yield from grid("OPT-RT-1", BASE, rt_1, opts=OPTS, modes=MODES)
+    yield from grid("OPT-RT-4", BASE, rt_4, opts=("adamw", "adagrad"), modes=MODES)
     for i, layout in enumerate(BASE):  # every layout and mode; the optimizers rotate over both
-        for j, mode in enumerate(modes.MODES):
+        for j, mode in enumerate(MODES):
             yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
     step0 = {"step0": {"before": 0}}
-    yield from grid(
-        "OPT-RT-1", ENDS | SHARDED_STAGES, rt_1, opts=("adamw", "adagrad"), modes=modes.MODES, variants=step0
-    )
+    yield from grid("OPT-RT-1", ENDS | SHARDED_STAGES, rt_1, opts=("adamw", "adagrad"), modes=MODES, variants=step0)
     # A rollback to a checkpoint taken before the first step.
-    yield from grid("OPT-RT-5", ENDS | SHARDED_STAGES, rt_5, opts=("adamw",), modes=modes.MODES, variants=step0)
+    yield from grid("OPT-RT-5", ENDS | SHARDED_STAGES, rt_5, opts=("adamw",), modes=MODES, variants=step0)
     # SGD with momentum keeps no step: its saved template (zero buffers) is told
     # from real state only by all of an optimizer's buffers together.
     for layout in ENDS:
-        for mode in modes.MODES:
+        for mode in MODES:
             yield make_case("OPT-RT-1", layout, rt_1, opt="sgd", mode=mode, variant="step0", before=0)
             yield make_case("OPT-RT-5", layout, rt_5, opt="sgd", mode=mode, variant="step0", before=0)
     for layout in ENDS:  # the same, with frozen parameters: state the warm target has none for
-        frozen = modes.recipe(layout, "adamw", cfg=ModelConfig(frozen=True))
+        frozen = resuming.recipe(layout, "adamw", cfg=ModelConfig(frozen=True))
         yield make_case("OPT-RT-5", layout, rt_5, opt="adamw", mode="dcp", variant="step0-frozen", before=0, how=frozen)
     # Optional: FSDP over tensor parallelism (strided shards), the one such layout.
-    yield from grid("OPT-RT-1", ("fsdp2xtp2",), rt_1, opts=("adamw",), modes=modes.MODES, profile="tp")
+    yield from grid("OPT-RT-1", ("fsdp2xtp2",), rt_1, opts=("adamw",), modes=MODES, profile="tp")
     # FSDP1 (SPEC §2, 1.3): every mode with AdamW and with the other optimizers in turn; warm targets alike.
     for i, layout in enumerate(FSDP1):
-        for j, mode in enumerate(modes.MODES):
+        for j, mode in enumerate(MODES):
             other = OPTS[1 + (i + j) % (len(OPTS) - 1)]
             yield make_case("OPT-RT-1", layout, rt_1, opt="adamw", mode=mode)
             yield make_case("OPT-RT-1", layout, rt_1, opt=other, mode=mode)
             yield make_case("OPT-RT-5", layout, rt_5, opt=OPTS[(i + j) % len(OPTS)], mode=mode)
     # (OPT-RT-4 freezes one parameter of a unit: a flat parameter freezes whole, so original parameters only.)
-    yield from grid("OPT-RT-4", FSDP1_FULL, rt_4, opts=("adamw",), modes=modes.MODES)
+    yield from grid("OPT-RT-4", FSDP1_FULL, rt_4, opts=("adamw",), modes=MODES)
     yield from grid(
         "OPT-RT-2", BASE | FSDP1_FULL_SHARD, rt_2, opts=("adamw",), modes=("sharded", "full", "full_cpu", "flat")
     )

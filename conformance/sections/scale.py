@@ -7,7 +7,7 @@ parameter, state entry and group field (bitwise: nothing is computed in
 between, also where the load went to another layout), rather than training
 on: one step more would add a forward over thousands of parameters and
 compare the same entries. The source of each layout is built, trained and
-kept once per rank (as ``modes.trained_source`` keeps the base model's);
+kept once per rank (as ``resuming.trained_source`` keeps the base model's);
 every case builds its own target.
 """
 
@@ -17,25 +17,39 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import tensors
-from ..judging import packed
-from ..judging.oracle import (
+from ..kit import (
+    FSDP1_FULL,
+    GHOST,
+    HALVED,
+    ONE_RANK,
+    REPLICATED,
+    STAGES,
+    Case,
+    Clause,
+    GroupSpec,
+    Layout,
+    Move,
+    Phase,
+    Setup,
+    case_id,
     diff_snapshots,
     expect_error,
     expect_unchanged,
     fail_if,
     full_snapshot,
+    make_case,
+    many_keys,
+    model_group,
+    modes,
+    moves,
     optimizer_view,
+    packed,
+    resuming,
+    saving,
     snapshot,
+    tensors,
+    wrong_shape,
 )
-from ..running.cases import Case, Phase, case_id, make_case
-from ..running.clauses import Clause
-from ..world import many_keys, modes
-from ..world.catalog import FSDP1_FULL, HALVED, ONE_RANK, REPLICATED, STAGES
-from ..world.layouts import model_group, parse_layout
-from ..world.models import GroupSpec
-from ..world.setup import Setup
-from .atomicity import GHOST, _reshape
 
 OPT = "adamw"
 # Each (layout, mode, target) a case: every mode, every layout family, fresh
@@ -56,14 +70,13 @@ MATRIX = (
     ("fsdp1-2-flat", "full", False),  # named: FSDP1's flat parameters on two ranks (the catalog's on four)
 )
 # Through DCP to another layout, as a job resumes on another world.
-PAIRS = ((HALVED.one(), ONE_RANK.one()),)
+PAIRS = moves((HALVED, ONE_RANK))
 DEADLINE_S = 120
 
 
-def _build(c, layout: str, seed: int) -> Setup:
-    lay = parse_layout(layout)
+def _build(c, layout: Layout, seed: int) -> Setup:
     groups = GroupSpec.for_seed(seed, cuts=many_keys.CUTS)
-    return Setup(c, lay, OPT, seed=seed, cfg=many_keys.config(pipeline=lay.pp > 1), groups=groups)
+    return Setup(c, layout, OPT, seed=seed, cfg=many_keys.config(pipeline=layout.pp > 1), groups=groups)
 
 
 def _freeze(setup: Setup) -> None:
@@ -83,29 +96,29 @@ class Source:
     key: tuple
     snap: dict
 
-    def save(self, c, mode: str, **kwargs) -> modes.Saved:
-        """``modes.save`` from the source, dropped from the cache where the
+    def save(self, c, mode: str, **kwargs) -> saving.Saved:
+        """``saving.save`` from the source, dropped from the cache where the
         implementation changed it (purity is OPT-PURE's to judge, not here)."""
-        saved = modes.save(c, self.setup, mode, batched=True, **kwargs)
+        saved = saving.save(c, self.setup, mode, batched=True, **kwargs)
         if diff_snapshots(self.snap, snapshot(self.setup, copy=False)):
             c.rank_ctx.cache.pop(self.key, None)
         return saved
 
 
-def source(c, layout: str) -> Source:
+def source(c, layout: Layout) -> Source:
     """The many-key model on ``layout``, seed 0, trained a step, then the
     lanes of FROZEN frozen (they keep their state), kept per rank."""
     key = ("many-keys-source", layout)
-    (have,) = modes.kept_everywhere(c, (key,), model_group(c, layout))
+    (have,) = resuming.kept_everywhere(c, (key,), model_group(c, layout))
     if have:
-        return modes.keep(c, key, c.rank_ctx.cache[key])
+        return resuming.keep(c, key, c.rank_ctx.cache[key])
     setup = _build(c, layout, 0)
     setup.train(1)
     _freeze(setup)
-    return modes.keep(c, key, Source(setup, key, snapshot(setup)))
+    return resuming.keep(c, key, Source(setup, key, snapshot(setup)))
 
 
-def target(c, layout: str, warm: bool, like: Source) -> Setup:
+def target(c, layout: Layout, warm: bool, like: Source) -> Setup:
     """Another model (seed 1: other values and hyperparameters) of the same
     structure; ``warm``: with optimizer state of its own (:func:`own_state`),
     so that the load lands in state tensors it has."""
@@ -147,9 +160,9 @@ def scale_1(c, layout, mode, warm):
     kept = source(c, layout)
     saved = kept.save(c, mode, model="iut")
     b = target(c, layout, warm, kept)
-    modes.load(c, b, saved, again=False)
+    saving.load(c, b, saved, again=False)
     fail_if(
-        diff_snapshots(*modes.comparable(mode, b, kept.snap, snapshot(b, copy=False))),
+        diff_snapshots(*saving.comparable(mode, b, kept.snap, snapshot(b, copy=False))),
         f"{mode}: after loading the state of {_count(kept.setup)} parameters into a "
         f"{'stepped' if warm else 'fresh'} target, it differs from the source",
     )
@@ -171,9 +184,9 @@ def save_phase(c, src, dst):
 def load_phase(c, src, dst):
     b = _build(c, dst, 1)
     _freeze(b)
-    mode = "flat_dcp" if parse_layout(src).pp > 1 else "dcp"
-    modes.load(c, b, modes.Saved(mode, path=c.path(f"dcp-{mode}"), batched=True))
-    reference = packed.unpack(modes.read_full(c.path("reference.pt")))
+    mode = modes.DCP.on(src.pp > 1)
+    saving.load(c, b, saving.Saved(mode, path=c.path(f"dcp-{mode}"), batched=True))
+    reference = packed.unpack(saving.read_full(c.path("reference.pt")))
     got = full_snapshot(b)
     want = {
         "params": {k: v for k, v in reference["params"].items() if k in got["params"]},
@@ -200,18 +213,18 @@ def _group_fields(want: list, got: list) -> list[str]:
     return problems
 
 
-def resharded_case(src: str, dst: str) -> Case:
-    """Saved through DCP on ``src``, loaded into a fresh target on ``dst``, as a job resumes on another layout."""
-    a, b = parse_layout(src), parse_layout(dst)
-    params = {"src": src, "dst": dst}
+def resharded_case(moved: Move) -> Case:
+    """Saved through DCP on the move's source, loaded into a fresh target on its target, as a job resumes on
+    another layout."""
+    params = {"src": moved.source, "dst": moved.target}
     return Case(
-        id=case_id("SCALE-1", f"{src}_to_{dst}", OPT, "dcp"),
+        id=case_id("SCALE-1", moved.name, OPT, modes.DCP.name),
         clause="SCALE-1",
-        layout=f"{src}_to_{dst}",
-        phases=(Phase(a.world_size, save_phase, params), Phase(b.world_size, load_phase, params)),
+        layout=moved,
+        phases=(Phase(moved.source.world_size, save_phase, params), Phase(moved.target.world_size, load_phase, params)),
         deadline_s=DEADLINE_S,
-        meshes=tuple(dict.fromkeys(a.mesh_specs + b.mesh_specs)),
-        mode="dcp",
+        meshes=moved.mesh_specs,
+        mode=modes.DCP,
     )
 
 
@@ -248,7 +261,7 @@ def _spoil(osd: dict, kind: str, fqn: str, place: str, flat: bool) -> list[str]:
     if kind in ("wrong_shape", "wrong_dtype"):
         key = f"state.{fqn}.exp_avg" if flat else None
         value = osd[key] if flat else osd["state"][fqn]["exp_avg"]
-        value = _reshape(value) if kind == "wrong_shape" else value.to(torch.int64)
+        value = wrong_shape(value) if kind == "wrong_shape" else value.to(torch.int64)
         if flat:
             osd[key] = value
         else:
@@ -305,14 +318,14 @@ def scale_2(c, layout, mode, kind, place):
     kept = source(c, layout)
     saved = kept.save(c, mode, model=None)
     b = target(c, layout, True, kept)
-    root = mode not in ("bcast", "full_cpu") or b.is_root
+    root = not mode.broadcast or b.is_root
     osd = {}
     if saved.path:
-        osd = modes.read_full(saved.path)["optim"] if root else {}
+        osd = saving.read_full(saved.path)["optim"] if root else {}
     elif root:
         osd = saved.optim
     fqn = _place(b, place)
-    names = _spoil(osd, kind, fqn, place, flat=mode == "flat") if root else []
+    names = _spoil(osd, kind, fqn, place, flat=mode.flat) if root else []
     before = optimizer_view(b)
     what = f"SCALE-2: {mode} set of {_count(b)} parameters' state with {kind.replace('_', ' ')} at {fqn}"
     expect_error(lambda: _set(c, b, mode, osd), names=names, what=what)
@@ -320,8 +333,8 @@ def scale_2(c, layout, mode, kind, place):
 
 
 def _set(c, b: Setup, mode: str, osd: dict) -> None:
-    opts = modes.set_options(c.iut, mode, strict=True)
-    c.iut.set_optimizer_state_dict(b.model, modes.optimizers_arg(b), osd, options=opts)
+    opts = saving.set_options(c.iut, mode, strict=True)
+    c.iut.set_optimizer_state_dict(b.model, saving.optimizers_arg(b), osd, options=opts)
 
 
 def cases():
@@ -336,8 +349,8 @@ def cases():
             warm=warm,
             deadline_s=DEADLINE_S,
         )
-    for src, dst in PAIRS:
-        yield resharded_case(src, dst)
+    for moved in PAIRS:
+        yield resharded_case(moved)
     for layout, mode, kind, place in REFUSALS:
         yield make_case(
             "SCALE-2",

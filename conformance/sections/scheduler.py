@@ -10,13 +10,25 @@ any implementation, and is checked in the other modes.
 
 from __future__ import annotations
 
-from ..judging.oracle import check, diff_snapshots, diff_values, fail_if, snapshot
-from ..running.cases import grid
-from ..running.clauses import Clause
-from ..world import modes
-from ..world.catalog import DATA_PARALLEL, ENDS, FSDP1_FULL_SHARD, HYBRID, SHARDED_STAGES, STAGES
-from ..world.models import GroupSpec
-from ..world.setup import Setup
+from ..kit import (
+    DATA_PARALLEL,
+    ENDS,
+    FSDP1_FULL_SHARD,
+    HYBRID,
+    MODES,
+    SHARDED_STAGES,
+    STAGES,
+    Clause,
+    GroupSpec,
+    Setup,
+    check,
+    diff_snapshots,
+    diff_values,
+    fail_if,
+    grid,
+    saving,
+    snapshot,
+)
 
 
 def _fields(snap) -> list[dict]:
@@ -29,13 +41,13 @@ def sched_1(c, layout, mode):
     a.train(2)
     want = snapshot(a)
     check(all("initial_lr" in g for g in want["groups"]), "setup error: no initial_lr")
-    saved = modes.save(c, a, mode)
-    if mode == "dcp":  # as a resuming job builds it: the fields exist, with other values
+    saved = saving.save(c, a, mode)
+    if mode.through_dcp:  # as a resuming job builds it: the fields exist, with other values
         b = Setup(c, layout, "adamw", seed=1, scheduler=True, groups=GroupSpec(scale=0.5, extra=(("tag", "target"),)))
         b.train(1)
     else:  # no scheduler yet (no initial_lr), no custom field
         b = Setup(c, layout, "adamw", seed=1)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     fail_if(
         diff_values(_fields(want), _fields(snapshot(b)), "param_groups"),
         f"{mode}: param-group fields did not round-trip",
@@ -47,7 +59,7 @@ def sched_2(c, layout, mode, n_optimizers=1, opt="adamw", cfg=None):
     ``opt``, ``cfg``: another optimizer and model (a generated scenario's)."""
     a = Setup(c, layout, opt, scheduler=True, n_optimizers=n_optimizers, cfg=cfg)
     a.train(2)
-    saved = modes.save(c, a, mode)
+    saved = saving.save(c, a, mode)
     sched_states = [s.state_dict() for s in a.schedulers]
     lrs_a = []
     for _ in range(3):
@@ -55,7 +67,7 @@ def sched_2(c, layout, mode, n_optimizers=1, opt="adamw", cfg=None):
         lrs_a.append([g["lr"] for o in a.optimizers for g in o.param_groups])
     b = Setup(c, layout, opt, seed=1, scheduler=True, n_optimizers=n_optimizers, cfg=cfg)
     b.set_steps_done(2)
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     for sched, st in zip(b.schedulers, sched_states):
         sched.load_state_dict(st)
     lrs_b = []
@@ -70,9 +82,9 @@ def sched_3(c, layout, mode):
     """A field only the checkpoint has is restored; one it lacks keeps the target's value."""
     a = Setup(c, layout, "adamw", groups=GroupSpec(extra=(("from_checkpoint", 7),)))
     a.train(1)
-    saved = modes.save(c, a, mode)
+    saved = saving.save(c, a, mode)
     b = Setup(c, layout, "adamw", seed=1, groups=GroupSpec(extra=(("target_only", "kept"),)))
-    modes.load(c, b, saved)
+    saving.load(c, b, saved)
     problems = []
     for i, g in enumerate(snapshot(b)["groups"]):
         if g.get("from_checkpoint") != 7:
@@ -92,7 +104,7 @@ def cases():
         DATA_PARALLEL | STAGES | SHARDED_STAGES | FSDP1_FULL_SHARD,
         sched_1,
         opts=("adamw",),
-        modes=modes.MODES,
+        modes=MODES,
     )
     yield from grid(
         "OPT-SCHED-2",
@@ -123,7 +135,7 @@ CLAUSES = {
     "OPT-SCHED-1": Clause(),
     "OPT-SCHED-2": Clause(
         contains=lambda s: s.scheduler,
-        check=lambda s: (sched_2, {"layout": s.where, "mode": s.mode, "opt": s.optimizer, "cfg": s.cfg()}),
+        check=lambda s: (sched_2, {"layout": s.built_on, "mode": s.kind, "opt": s.optimizer, "cfg": s.cfg()}),
         rank=50,
     ),
     "OPT-SCHED-3": Clause(),

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 
-from .layouts import Layout, parse_layout
+from .layouts import Layout, Move, parse_layout
 
 # The layouts picks draw from, in the order their cases run: data parallelism
-# by degree, then pipelines, then FSDP1 (SPEC §2, 1.3).
-CATALOG = (
+# by degree, then pipelines, then FSDP1 (SPEC §2, 1.3). Parsed here, once:
+# picks hold the layouts themselves.
+CATALOG_NAMES = (
     "single",
     "ddp",
     "fsdp2",
@@ -36,6 +37,7 @@ CATALOG = (
     "hsdp1-2x2",
     "fsdp1-2-shard_grad_op",
 )
+CATALOG: tuple[Layout, ...] = tuple(map(parse_layout, CATALOG_NAMES))
 
 
 class Pick(tuple):
@@ -50,15 +52,15 @@ class Pick(tuple):
     def __sub__(self, other: tuple) -> "Pick":
         return _ordered(set(self) - set(other))
 
-    def one(self) -> str:
+    def one(self) -> Layout:
         """The one layout of a pick that names one (a move's end, say)."""
         if len(self) != 1:
             raise ValueError(f"expected one layout, the pick has {list(self)}")
         return self[0]
 
 
-def _ordered(names: set[str]) -> Pick:
-    return Pick(name for name in CATALOG if name in names)
+def _ordered(layouts: set[Layout]) -> Pick:
+    return Pick(lay for lay in CATALOG if lay in layouts)
 
 
 def shard_degree(lay: Layout) -> int:
@@ -77,9 +79,8 @@ def replicas(lay: Layout) -> int:
 
 
 @functools.cache
-def traits(name: str) -> dict:
-    """What a layout is, as :func:`pick` filters on it (one dict per name: read, never changed)."""
-    lay = parse_layout(name)
+def traits(lay: Layout) -> dict:
+    """What a layout is, as :func:`pick` filters on it (one dict per layout: read, never changed)."""
     return {
         "world_size": lay.world_size,
         "wrapper": lay.wrapper,
@@ -99,11 +100,11 @@ def pick(**want) -> Pick:
     if set(want) - known:
         raise TypeError(f"no layout trait {sorted(set(want) - known)}; traits: {sorted(known)}")
 
-    def fits(name: str) -> bool:
-        have = traits(name)
+    def fits(lay: Layout) -> bool:
+        have = traits(lay)
         return all(have[k] in (v if isinstance(v, tuple) else (v,)) for k, v in want.items())
 
-    return Pick(name for name in CATALOG if fits(name))
+    return Pick(lay for lay in CATALOG if fits(lay))
 
 
 # -- the atoms: what each layout exercises -----------------------------------
@@ -153,7 +154,17 @@ SHARDED = pick(wrapper="fsdp2")
 FSDP1_FULL_SHARD = FSDP1_FULL | FSDP1_FLAT_PARAMS
 
 
-def moves(*pairs: tuple[Pick, Pick]) -> tuple[tuple[str, str], ...]:
+def moves(*pairs: tuple[Pick, Pick]) -> tuple[Move, ...]:
     """Moves between layouts (resharding: save on one, load on the other),
     each end a pick of one layout."""
-    return tuple((src.one(), dst.one()) for src, dst in pairs)
+    return tuple(Move(src.one(), dst.one()) for src, dst in pairs)
+
+
+# The layouts wrappers of the model run on (OPT-KEYS-2, MODEL-1), each with its
+# wrapper variants: torch.compile, activation checkpointing, both.
+WRAPPERS = {  # layout -> wrapper variants
+    ONE_RANK.one(): (("compile",), ("checkpoint",), ("checkpoint", "compile")),
+    REPLICATED.one(): ((), ("compile",)),
+    HALVED.one(): (("checkpoint",),),
+    HYBRID.one(): (("checkpoint",),),
+}

@@ -12,17 +12,15 @@ unannotated, since setup.py imports this module.
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 import torch.nn as nn
 
-from hyperdsd.testing import NotApplicable
-
-from .. import _compat, tensors
-from . import policies
+from .. import _compat
+from . import placing, policies
 from .models import ModelConfig
 
 # FSDP2 layouts train on CPU ranks; torch 2.6 needs this to run them there.
@@ -42,6 +40,14 @@ class Layout:
     pp: int = 1
     args: tuple[int, ...] = ()  # the numbers in the name
     policy: str = ""  # the FSDP2 policy variant after a dot (``fsdp4.bf16``; SPEC §2), "" for the base
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def family(self) -> str:
+        """The column of the console's summary its cases count in (:data:`FAMILIES`)."""
+        return "policies" if self.policy else self.kind.family
 
     @property
     def wrapper(self) -> str:
@@ -122,225 +128,24 @@ class LayoutKind:
     family: str = "meshes"
 
 
-# -- how each kind builds its meshes ---------------------------------------
-
-
-def _no_mesh(setup) -> None:
-    setup.mesh = None
-
-
-def _world_mesh(setup) -> None:
-    """The layout's meshes over the whole world; the first is the model's."""
-    meshes = [setup.c.mesh(spec, dims) for spec, dims in setup.layout.meshes]
-    setup.mesh, setup.meshes = meshes[0], meshes
-
-
-def _stages(setup) -> None:
-    _world_mesh(setup)
-    setup.stage = setup.mesh.get_coordinate()[0]
-
-
-def _parts(setup) -> None:
-    """Disjoint parts of the world (as many as the name has numbers), each
-    with its own 1-D mesh; the rank's model lives on its own part's."""
-    spans = setup.layout.spans
-    meshes = submeshes(setup.c, spans)
-    setup.part = next(i for i, span in enumerate(spans) if setup.c.rank in span)
-    setup.ranks, setup.mesh, setup.meshes = spans[setup.part], meshes[setup.part], meshes
-
-
-def model_group(c, layout: str):
-    """The process group of this rank's model on ``layout`` (None: the whole world)."""
-    lay = parse_layout(layout)
-    if not lay.kind.parts:
-        return None
-    spans = lay.spans
-    return submeshes(c, spans)[next(i for i, span in enumerate(spans) if c.rank in span)].get_group()
-
-
-def submeshes(c, spans: list[tuple[int, ...]]) -> list:
-    """A 1-D mesh over each span of ranks, built once per world on every rank
-    alike (a mesh over part of the world is still made by all of it).
-
-    Its dim is named ``part``, a name no other layout uses: torch 2.6 to 2.9
-    compare meshes by ranks and dim names, and DTensor's caches and mesh
-    registry would hand a model on ranks 2-3 the ``shard`` slice of an
-    earlier case's pp x shard mesh over the same ranks, with that mesh's
-    groups (one program would not build both)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = ("submeshes", tuple(spans))
-    if key not in c.rank_ctx.cache:
-        device = c.rank_ctx.device_type
-        c.rank_ctx.cache[key] = [DeviceMesh(device, list(span), mesh_dim_names=("part",)) for span in spans]
-    return c.rank_ctx.cache[key]
-
-
-# -- how each kind shards a model ------------------------------------------
-
-
-def _unsharded(setup) -> None:
-    pass
-
-
-def stack_mesh(setup, mesh):
-    """``mesh`` (torch's ``DeviceMesh``) as the adapter's ``shard`` takes it:
-    the stack's own mesh, built from its description once per rank, where the
-    adapter builds meshes (``Adapter.mesh``, SPEC 1.6); torch's otherwise.
-    Every rank of the layout shards alike, so every rank of ``mesh`` asks for
-    it at the same point."""
-    if setup.c.adapter.mesh is None:
-        return mesh
-    description = tensors.MeshDescription.of(mesh)
-    key = ("stack-mesh", description)
-    cache = setup.c.rank_ctx.cache
-    if key not in cache:
-        cache[key] = setup.c.iut.mesh(description)
-    return cache[key]
-
-
-def _blocks_and_root(setup, mesh) -> None:
-    shard, policy = setup.c.iut.shard, setup.layout.policy
-    mesh = stack_mesh(setup, mesh)
-    refusal = _compat.cpu_reshard_refusal() if policies.reshards(policy) and setup.device.type == "cpu" else ""
-    if refusal:
-        raise NotApplicable(refusal)
-    blocks = list(setup.module.layers.values())
-    for i, block in enumerate(blocks):
-        shard(block, mesh=mesh, **policies.arguments(policy, "last" if i == len(blocks) - 1 else "block", setup))
-    shard(setup.module, mesh=mesh, **policies.arguments(policy, "root", setup))
-
-
-def _fsdp(setup) -> None:
-    _blocks_and_root(setup, setup.mesh)
-
-
-def _fsdp_on_shard_dim(setup) -> None:
-    _blocks_and_root(setup, setup.mesh["shard"])
-
-
-def _tp_then_fsdp(setup) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    for block in setup.module.layers.values():
-        parallelize_module(block, setup.mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    _fsdp_on_shard_dim(setup)
-
-
-def _dense_children(setup, *, skip: tuple[str, ...]) -> None:
-    """Every module but the experts' own fully sharded over the world, each on
-    its own (the root is not: it would take over the parameters the layout
-    placed itself)."""
-    shard, mesh, module = setup.c.iut.shard, stack_mesh(setup, setup.mesh), setup.module
-    for block in module.layers.values():
-        shard(block, mesh=mesh)
-    for name in ("tok", "norm", "head", "aux"):
-        shard(getattr(module, name), mesh=mesh)
-    for name in ("router", "experts"):
-        if name not in skip:
-            shard(getattr(module.moe, name), mesh=mesh)
-
-
-def _experts_on_ep_mesh(setup) -> None:
-    """Experts over ``ep`` (whole experts per rank), each expert's rows over
-    ``dp``: a 2-D DTensor on the ``ep x dp`` mesh; the rest as FSDP lays it."""
-    from torch.distributed.tensor import Shard
-
-    _place(setup.module.moe.experts, setup.meshes[1], [Shard(0), Shard(1)])
-    _dense_children(setup, skip=("experts",))
-
-
-def _router_replicated(setup) -> None:
-    """The router replicated on a sub-mesh (the ``rep`` slice of the second
-    mesh), as tensor-parallel layers keep their norms; the rest as FSDP lays it."""
-    from torch.distributed.tensor import Replicate
-
-    _place(setup.module.moe.router, setup.meshes[1]["rep"], [Replicate()])
-    _dense_children(setup, skip=("router",))
-
-
-def _place(module: nn.Module, mesh, placements) -> None:
-    """The suite distributes ``module``'s weight itself, as the stack under test's value (``from_torch``)."""
-    with torch.no_grad():
-        placed = _compat.distribute_locally(module.weight.detach(), mesh, placements)
-        module.weight = nn.Parameter(tensors.from_torch(placed))
-
-
-def _experts(cfg: ModelConfig, setup) -> ModelConfig:
-    return replace(cfg, experts=4)
-
-
-def _second_model_differs(cfg: ModelConfig, setup) -> ModelConfig:
-    """Each sub-world's model is another model (as an actor and a critic are)."""
-    return replace(cfg, n_layers=cfg.n_layers + setup.part)
-
-
-def _fsdp1_units(setup) -> None:
-    """FSDP1 (torch's ``FullyShardedDataParallel``) on every block, then on the
-    root, with ``device_id`` the rank's device (SPEC §2). The suite wraps with
-    torch's own class, whatever the implementation under test: it is judged on
-    its state-dict functions, and FSDP1 has no sharding API to adapt (FSDP2's
-    ``fully_shard`` is the adapter's ``shard``). ``setup.module`` becomes the
-    root wrapper: its own ``state_dict`` (FSDP1's full state dict, canonical
-    keys) is the suite's reference way for the model."""
-    import warnings
-
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
-
-    kind = setup.layout.kind
-    kwargs = {
-        "device_id": setup.device,
-        "use_orig_params": not kind.flat_params,
-        "sharding_strategy": ShardingStrategy[kind.strategy],
-    }
-    if kind.strategy == "HYBRID_SHARD":
-        kwargs["device_mesh"] = setup.mesh
-    module = setup.module
-    if any(p.is_meta for p in module.parameters()):
-        # A model built on the meta device (MODEL-4): FSDP1 allocates each module's
-        # storage where it runs; the values are what the load then writes.
-        kwargs["param_init_fn"] = lambda m: m.to_empty(device=setup.device, recurse=False)
-    with warnings.catch_warnings():  # FSDP1's deprecation notice, and its notes on CPU devices
-        warnings.simplefilter("ignore")
-        for name in list(module.layers):
-            module.layers[name] = FSDP(module.layers[name], **kwargs)
-        setup.module = FSDP(module, **kwargs)
-
-
-# -- data parallelism -------------------------------------------------------
-
-
-def _no_dp(setup) -> tuple[int, int]:
-    return 0, 1
-
-
-def _world_dp(setup) -> tuple[int, int]:
-    return setup.c.rank, setup.c.world_size
-
-
-def _shard_dim_dp(setup) -> tuple[int, int]:
-    return setup.mesh.get_local_rank("shard"), setup.mesh["shard"].size()
-
-
-def _part_dp(setup) -> tuple[int, int]:
-    return setup.ranks.index(setup.c.rank), len(setup.ranks)
-
-
-def _ddp(module: nn.Module) -> nn.Module:
-    return nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
-
-
 KINDS: tuple[LayoutKind, ...] = (
-    LayoutKind("single", r"single", lambda: (1, (("1", ("shard",)),), 1), _no_mesh, _unsharded, _no_dp, family="plain"),
+    LayoutKind(
+        "single",
+        r"single",
+        lambda: (1, (("1", ("shard",)),), 1),
+        placing.no_mesh,
+        placing.unsharded,
+        placing.no_dp,
+        family="plain",
+    ),
     LayoutKind(
         "ddp",
         r"ddp",
         lambda: (2, (("2", ("shard",)),), 1),
-        _world_mesh,
-        _unsharded,
-        _world_dp,
-        wrap=_ddp,
+        placing.world_mesh,
+        placing.unsharded,
+        placing.world_dp,
+        wrap=placing.ddp,
         wrapper="ddp",
         family="ddp",
     ),
@@ -348,9 +153,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "fsdp",
         r"fsdp(\d+)",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
-        _world_mesh,
-        _fsdp,
-        _world_dp,
+        placing.world_mesh,
+        placing.fsdp,
+        placing.world_dp,
         wrapper="fsdp2",
         policies=True,
         family="fsdp2",
@@ -359,9 +164,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "hsdp",
         r"hsdp(\d+)x(\d+)",
         lambda r, s: (r * s, ((f"{r}x{s}", ("replicate", "shard")),), 1),
-        _world_mesh,
-        _fsdp,
-        _world_dp,
+        placing.world_mesh,
+        placing.fsdp,
+        placing.world_dp,
         wrapper="fsdp2",
         policies=True,
         family="hsdp",
@@ -370,9 +175,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "pp",
         r"pp(\d+)",
         lambda p: (p, ((f"{p}", ("pp",)),), p),
-        _stages,
-        _unsharded,
-        _no_dp,
+        placing.stages,
+        placing.unsharded,
+        placing.no_dp,
         needs=("pipeline",),
         family="pipeline",
     ),
@@ -380,9 +185,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "ppfsdp",
         r"pp(\d+)xfsdp(\d+)",
         lambda p, s: (p * s, ((f"{p}x{s}", ("pp", "shard")),), p),
-        _stages,
-        _fsdp_on_shard_dim,
-        _shard_dim_dp,
+        placing.stages,
+        placing.fsdp_on_shard_dim,
+        placing.shard_dim_dp,
         wrapper="fsdp2",
         needs=("pipeline",),
         family="pipeline",
@@ -391,9 +196,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "tp",
         r"fsdp(\d+)xtp(\d+)",
         lambda d, t: (d * t, ((f"{d}x{t}", ("shard", "tp")),), 1),
-        _world_mesh,
-        _tp_then_fsdp,
-        _shard_dim_dp,
+        placing.world_mesh,
+        placing.tp_then_fsdp,
+        placing.shard_dim_dp,
         wrapper="fsdp2",
         needs=("tensor_parallel",),
     ),
@@ -403,10 +208,10 @@ KINDS: tuple[LayoutKind, ...] = (
         "ep",
         r"fsdp(\d+)\+ep(\d+)x(\d+)",
         lambda n, e, d: (n, ((f"{n}", ("shard",)), (f"{e}x{d}", ("ep", "dp"))), 1),
-        _world_mesh,
-        _experts_on_ep_mesh,
-        _world_dp,
-        model=_experts,
+        placing.world_mesh,
+        placing.experts_on_ep_mesh,
+        placing.world_dp,
+        model=placing.experts,
         serves=(("OPT-MESH-1", ("fsdp4+ep2x2",)),),
         wrapper="fsdp2",
         needs=("several_meshes",),
@@ -416,10 +221,10 @@ KINDS: tuple[LayoutKind, ...] = (
         "ep1",
         r"fsdp(\d+)\+ep1",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
-        _world_mesh,
-        lambda setup: _dense_children(setup, skip=()),
-        _world_dp,
-        model=_experts,
+        placing.world_mesh,
+        lambda setup: placing.dense_children(setup, skip=()),
+        placing.world_dp,
+        model=placing.experts,
         serves=(("OPT-MESH-1", ("fsdp4+ep1",)),),
         wrapper="fsdp2",
         needs=("several_meshes",),
@@ -429,10 +234,10 @@ KINDS: tuple[LayoutKind, ...] = (
         "rep",
         r"fsdp(\d+)\+rep(\d+)",
         lambda n, r: (n, ((f"{n}", ("shard",)), (f"{n // r}x{r}", ("group", "rep"))), 1),
-        _world_mesh,
-        _router_replicated,
-        _world_dp,
-        model=_experts,
+        placing.world_mesh,
+        placing.router_replicated,
+        placing.world_dp,
+        model=placing.experts,
         serves=(("OPT-MESH-1", ("fsdp4+rep2",)),),
         wrapper="fsdp2",
         needs=("several_meshes",),
@@ -442,9 +247,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "fsdp1",
         r"fsdp1-(\d+)",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
-        _world_mesh,
-        _fsdp1_units,
-        _world_dp,
+        placing.world_mesh,
+        placing.fsdp1_units,
+        placing.world_dp,
         wrapper="fsdp1",
         strategy="FULL_SHARD",
         needs=("fsdp1",),
@@ -454,9 +259,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "fsdp1-flat",
         r"fsdp1-(\d+)-flat",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
-        _world_mesh,
-        _fsdp1_units,
-        _world_dp,
+        placing.world_mesh,
+        placing.fsdp1_units,
+        placing.world_dp,
         wrapper="fsdp1",
         strategy="FULL_SHARD",
         flat_params=True,
@@ -468,9 +273,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "fsdp1-shard_grad_op",
         r"fsdp1-(\d+)-shard_grad_op",
         lambda n: (n, ((f"{n}", ("shard",)),), 1),
-        _world_mesh,
-        _fsdp1_units,
-        _world_dp,
+        placing.world_mesh,
+        placing.fsdp1_units,
+        placing.world_dp,
         wrapper="fsdp1",
         strategy="SHARD_GRAD_OP",
         needs=("fsdp1",),
@@ -480,9 +285,9 @@ KINDS: tuple[LayoutKind, ...] = (
         "hsdp1",
         r"hsdp1-(\d+)x(\d+)",
         lambda r, s: (r * s, ((f"{r}x{s}", ("replicate", "shard")),), 1),
-        _world_mesh,
-        _fsdp1_units,
-        _world_dp,
+        placing.world_mesh,
+        placing.fsdp1_units,
+        placing.world_dp,
         wrapper="fsdp1",
         strategy="HYBRID_SHARD",
         needs=("fsdp1",),
@@ -494,10 +299,10 @@ KINDS: tuple[LayoutKind, ...] = (
         "halves",
         r"halves(\d+)\+(\d+)",
         lambda a, b: (a + b, ((f"{a}+{b}", ("shard",)),), 1),
-        _parts,
-        _fsdp,
-        _part_dp,
-        model=_second_model_differs,
+        placing.parts,
+        placing.fsdp,
+        placing.part_dp,
+        model=placing.second_model_differs,
         parts=True,
         serves=(("OPT-MESH-2", ("halves2+2",)),),
         wrapper="fsdp2",
@@ -514,18 +319,39 @@ POLICY_KINDS = tuple(kind.name for kind in KINDS if kind.policies)
 FAMILIES = ("plain", "ddp", "fsdp2", "hsdp", "pipeline", "fsdp1", "meshes", "policies", "reshard")
 
 
-def family(layout: str) -> str:
-    """The family a case's layout counts in; "other" for a name no kind knows."""
-    if "_to_" in layout:
-        return "reshard"
-    try:
-        parsed = parse_layout(layout)
-    except ValueError:
-        return "other"
-    return "policies" if parsed.policy else parsed.kind.family
+@dataclass(frozen=True)
+class Move:
+    """A move between layouts (resharding): a case saves on ``source`` and loads
+    on ``target``. Named ``fsdp4_to_fsdp2`` in case IDs and reports."""
+
+    source: Layout
+    target: Layout
+    family = "reshard"
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name}_to_{self.target.name}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def ends(self) -> tuple[Layout, Layout]:
+        return self.source, self.target
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.source.needs + self.target.needs))
+
+    @property
+    def mesh_specs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.source.mesh_specs + self.target.mesh_specs))
 
 
+@functools.lru_cache(maxsize=None)
 def parse_layout(name: str) -> Layout:
+    """The layout ``name`` names. Parsed where names come in (the catalog, a case
+    declared by name, a scenario's record); everything downstream holds the object."""
     base, dot, policy = name.partition(".")
     for kind in KINDS:
         match = re.fullmatch(kind.pattern, base)

@@ -22,7 +22,8 @@ import torch
 
 from .. import _compat
 from ..judging.oracle import snapshot
-from .layouts import Layout, model_group
+from .layouts import Layout
+from .placing import model_group
 from .setup import Setup
 
 # Where evaluation batches come from: data no training step uses.
@@ -204,17 +205,17 @@ def uninterrupted(c, how, before: int, point: LoopPoint, after: int) -> dict:
     step stopped at ``point`` and gone on, and ``after - 1`` steps more; kept
     per rank (no implementation touches it). Where the step is plain, that is
     the plain run that every resume case shares."""
-    from . import modes
+    from . import resuming
 
     if point.plain:
-        return modes.trained_source(c, how, before, after=after).expected
+        return resuming.trained_source(c, how, before, after=after).expected
     key = ("loop-run", how, before, point.name, after)
-    (have,) = modes.kept_everywhere(c, (key,), model_group(c, how.layout))
+    (have,) = resuming.kept_everywhere(c, (key,), model_group(c, how.layout))
     if have:
-        return modes.keep(c, key, c.rank_ctx.cache[key])
+        return resuming.keep(c, key, c.rank_ctx.cache[key])
     setup = how.build(c, 0)
     setup.train(before)
     point.reach(setup)
     point.finish(setup)
     setup.train(after - 1)
-    return modes.keep(c, key, snapshot(setup))
+    return resuming.keep(c, key, snapshot(setup))

@@ -1,6 +1,7 @@
-"""A custom optimizer whose per-parameter state is more than tensors shaped
-like the parameter (SPEC OPT-STATE-1), as optimizers from outside torch keep
-(Shampoo-like preconditioners, Lion, Muon).
+"""The optimizers cases name (:data:`OPTIMIZERS`), and a custom optimizer
+whose per-parameter state is more than tensors shaped like the parameter
+(SPEC OPT-STATE-1), as optimizers from outside torch keep (Shampoo-like
+preconditioners, Lion, Muon).
 
 Each parameter's state holds:
 
@@ -77,3 +78,41 @@ class Preconditioned(torch.optim.Optimizer):
                 shrink = 1.0 - lr * wd * state["decay"]
                 p.mul_(shrink).addcdiv_(momentum, second.sqrt().add_(eps).add_(magnitude, alpha=1e-3), value=-lr / bias)
         return loss
+
+
+# -- the optimizers cases name ----------------------------------------------
+
+
+def _adamw(groups):
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _adam_amsgrad(groups):
+    return torch.optim.Adam(groups, lr=1e-2, betas=(0.8, 0.9), amsgrad=True)
+
+
+def _sgd(groups):
+    return torch.optim.SGD(groups, lr=1e-2, momentum=0.9, dampening=0.1)
+
+
+def _sgd_plain(groups):
+    return torch.optim.SGD(groups, lr=1e-2)
+
+
+def _adagrad(groups):
+    return torch.optim.Adagrad(groups, lr=1e-2, initial_accumulator_value=0.1)
+
+
+def _preconditioned(groups):
+    return Preconditioned(groups, lr=1e-2, beta=0.9, beta2=0.99)
+
+
+OPTIMIZERS = {
+    "adamw": _adamw,
+    "adam_amsgrad": _adam_amsgrad,
+    "sgd": _sgd,
+    "sgd_plain": _sgd_plain,
+    "adagrad": _adagrad,
+    # Per-parameter state beyond tensors shaped like the parameter (OPT-STATE-1).
+    "custom": _preconditioned,
+}

@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import json
 import zlib
 from dataclasses import dataclass, fields
 
+from .. import modes
+from ..modes import MODES, Mode, mode_of
 from .catalog import BASE
-from .layouts import POLICY_KINDS, parse_layout
+from .layouts import POLICY_KINDS, Layout, Move, parse_layout
 
 TOKEN_PREFIX = "s1."
 
 # The layouts and optimizers scenarios draw from: the matrix's own, layouts
 # by world size (hypothesis shrinks towards the first).
-DRAWN_LAYOUTS = tuple(sorted(BASE, key=lambda name: parse_layout(name).world_size))
+DRAWN = {lay.name: lay for lay in sorted(BASE, key=lambda lay: lay.world_size)}
+DRAWN_LAYOUTS = tuple(DRAWN)
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam_amsgrad", "sgd_plain", "custom")
 DTYPES = ("float32", "float64", "bfloat16")
 EXTRA_STATE = ("", "tensor", "dict", "object")
@@ -34,9 +38,9 @@ MODEL_KEYS = ("", "strict", "nonstrict")
 # The order of the groups: by role (""), reversed in source and target alike,
 # or reversed in the target only (a load must pair groups by their FQNs: OPT-KEYS-1).
 GROUP_ORDERS = ("", "reversed", "reversed-target")
-MODEL_KEYS_MODES = ("sharded", "full", "bcast", "file")  # MODEL-2's: a model dict that a rank can edit
+MODEL_KEYS_MODES = (modes.SHARDED, modes.FULL, modes.BCAST, modes.FILE)  # MODEL-2's: a model dict a rank can edit
 # The modes a checkpoint can also be loaded on another layout in (OPT-RESHARD-1 and -3).
-RESHARD_MODES = ("dcp", "bcast")
+RESHARD_MODES = (modes.DCP, modes.BCAST)
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,10 @@ class Scenario:
 
     # -- what it builds ----------------------------------------------------
     def validate(self) -> None:
-        from ..adapters import MODES
-
         problems = []
         if self.layout not in DRAWN_LAYOUTS:
             problems.append(f"layout {self.layout!r} is not one of {DRAWN_LAYOUTS}")
-        if self.mode not in MODES:
+        if not modes.is_mode(self.mode):
             problems.append(f"mode {self.mode!r} is not one of {MODES}")
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
@@ -153,7 +155,7 @@ class Scenario:
         if self.before < 0 or self.warm < 0:
             problems.append("before and warm must not be negative")
         if self.layout in DRAWN_LAYOUTS:
-            pp = parse_layout(self.layout).pp
+            pp = DRAWN[self.layout].pp
             if self.tie and pp > 1:
                 problems.append(f"a tied model cannot be split into pipeline stages ({self.layout})")
             if self.n_layers < pp:
@@ -166,8 +168,15 @@ class Scenario:
             problems.append(f"group_order {self.group_order!r} is not one of {GROUP_ORDERS}")
         if self.model_keys not in MODEL_KEYS:
             problems.append(f"model_keys {self.model_keys!r} is not one of {MODEL_KEYS}")
-        elif self.model_keys and (self.mode not in MODEL_KEYS_MODES or self.layout not in DRAWN_LAYOUTS or self.pp > 1):
-            problems.append(f"model_keys are checked in the modes {MODEL_KEYS_MODES} without pipeline stages")
+        elif self.model_keys and (
+            not modes.is_mode(self.mode)
+            or self.kind not in MODEL_KEYS_MODES
+            or self.layout not in DRAWN_LAYOUTS
+            or self.pp > 1
+        ):
+            problems.append(
+                f"model_keys are checked in the modes {', '.join(map(str, MODEL_KEYS_MODES))} without pipeline stages"
+            )
         problems += self._loop_problems()
         if self.freeze_after and (self.before < 1 or (self.layout in DRAWN_LAYOUTS and self.pp > 1)):
             problems.append("freeze_after needs a first step (before >= 1) and no pipeline stages")
@@ -179,7 +188,7 @@ class Scenario:
 
         if self.layout not in DRAWN_LAYOUTS:
             return []
-        lay, out = parse_layout(self.layout), []
+        lay, out = DRAWN[self.layout], []
         if self.policy:
             if self.policy not in policies.VARIANTS:
                 out.append(f"policy {self.policy!r} is not one of {tuple(policies.VARIANTS)}")
@@ -202,6 +211,21 @@ class Scenario:
         """The layout the scenario builds: its name with the policy variant, if any."""
         return f"{self.layout}.{self.policy}" if self.policy else self.layout
 
+    @functools.cached_property
+    def built_on(self) -> Layout:
+        """The layout the scenario builds, as the object cases take (parsed once, here: a record holds names)."""
+        return parse_layout(self.where)
+
+    @property
+    def move(self) -> Move:
+        """Where a scenario resharded to ``reshard_to`` saves and loads."""
+        return Move(self.built_on, DRAWN[self.reshard_to])
+
+    @property
+    def kind(self) -> Mode:
+        """The scenario's mode, as the object cases take."""
+        return mode_of(self.mode)
+
     def cfg(self):
         import torch
 
@@ -223,7 +247,7 @@ class Scenario:
         )
 
     def groups(self):
-        from .models import GroupSpec
+        from .groups import GroupSpec
 
         extra = (("custom", 7), ("tag", "scenario")) if self.custom_fields else ()
         return GroupSpec(
@@ -236,21 +260,21 @@ class Scenario:
         )
 
     def recipe(self):
-        from . import modes
+        from . import resuming
 
-        return modes.recipe(self.where, self.optimizer, cfg=self.cfg(), groups=self.groups())
+        return resuming.recipe(self.built_on, self.optimizer, cfg=self.cfg(), groups=self.groups())
 
     @property
     def world_size(self) -> int:
-        return parse_layout(self.layout).world_size
+        return DRAWN[self.layout].world_size
 
     def trained_args(self, **more) -> dict:
         """The arguments of a check that trains the scenario's recipe."""
-        return {"layout": self.where, "opt": self.optimizer, "mode": self.mode, "how": self.recipe(), **more}
+        return {"layout": self.built_on, "opt": self.optimizer, "mode": self.kind, "how": self.recipe(), **more}
 
     @property
     def pp(self) -> int:
-        return parse_layout(self.layout).pp
+        return DRAWN[self.layout].pp
 
     def describe(self) -> str:
         """What differs from the base scenario, in words."""
@@ -280,7 +304,7 @@ class Scenario:
         if self.model_keys:
             target += f"; the model dict loses a key and gains one ({self.model_keys} load)"
         if self.reshard_to:
-            target += f"; also resharded to {self.reshard_to} ({parse_layout(self.reshard_to).world_size} ranks)"
+            target += f"; also resharded to {self.reshard_to} ({DRAWN[self.reshard_to].world_size} ranks)"
         if self.loop_point:
             from .loops import POINTS
 
@@ -310,11 +334,11 @@ def reshard_problems(s: "Scenario") -> list[str]:
         return [f"reshard_to {s.reshard_to!r} is not one of {DRAWN_LAYOUTS}"]
     if s.reshard_to == s.layout:
         return ["reshard_to is the layout itself"]
-    if s.mode not in RESHARD_MODES:
+    if not modes.is_mode(s.mode) or s.kind not in RESHARD_MODES:
         return [f"resharding goes through dcp or bcast, not {s.mode}"]
-    a, b = parse_layout(s.layout).pp, parse_layout(s.reshard_to).pp
+    a, b = DRAWN[s.layout].pp, DRAWN[s.reshard_to].pp
     out = []
-    if s.mode == "dcp" and (a > 1) != (b > 1):
+    if s.kind.through_dcp and (a > 1) != (b > 1):
         out.append("through dcp, a pipeline checkpoint (flat) loads only on pipeline stages")
     if s.n_layers < b:
         out.append(f"{s.reshard_to} needs at least {b} layers")

@@ -18,8 +18,11 @@ import torch.nn as nn
 from .. import _compat
 from ..judging import fsdp1
 from ..judging.oracle import FqnOf, canonical
-from .layouts import Layout, model_group, parse_layout
-from .models import OPTIMIZERS, GroupSpec, ModelConfig, ToyModel, batch, loss_fn, param_groups
+from .groups import GroupSpec, param_groups
+from .layouts import Layout, parse_layout
+from .models import ModelConfig, ToyModel, batch, loss_fn
+from .optimizers import OPTIMIZERS
+from .placing import model_group
 
 
 class Setup:
@@ -117,7 +120,7 @@ class Setup:
     @property
     def group(self):
         """The process group of the model's ranks (None: the whole world)."""
-        return model_group(self.c, self.layout.name)
+        return model_group(self.c, self.layout)
 
     @property
     def group_size(self) -> int:

@@ -37,7 +37,8 @@ def _c(ctx):
 
 
 def _setup(ctx, layout: str, seed: int, **kw):
-    from conformance.world.models import GroupSpec, ModelConfig
+    from conformance.world.groups import GroupSpec
+    from conformance.world.models import ModelConfig
     from conformance.world.setup import Setup
 
     cfg = ModelConfig(**{"router": True, **kw.pop("cfg", {})})

@@ -10,7 +10,7 @@ import pytest
 import safety_tasks
 from helpers import scaled, slowness
 
-from conformance.world.modes import read_full
+from conformance.world.saving import read_full
 from hyperdsd.testing import PoolSet, Task
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -5,9 +5,9 @@ import sys
 
 def hyperdsd_modules_after_a_torch_case(ctx):
     """The suite's rank-side code and torch's adapter, as a ``--impl torch`` rank loads them."""
+    from conformance import modes
     from conformance.adapters import load_adapter
     from conformance.running import registry
-    from conformance.world import modes
 
     load_adapter("torch")
     registry.all_cases()  # every section module

@@ -23,7 +23,7 @@ def _count(selection: str) -> int:
         return len(cases)
     kind, _, what = selection.partition(" ")
     if kind == "mode":
-        return Counter(c.mode for c in cases)[what]
+        return Counter(str(c.mode) for c in cases)[what]
     if kind == "clause":
         return Counter(c.clause for c in cases)[what]
     if kind == "runs":

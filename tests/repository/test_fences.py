@@ -239,9 +239,10 @@ MODULE_LINES = 400
 FUNCTION_LINES = 80
 
 
-def test_no_hyperdsd_module_or_function_outgrows_its_cap():
+def test_no_module_or_function_outgrows_its_cap():
+    """hyperdsd and the suite alike (examples included: a vendor reads them)."""
     too_long = []
-    for path in sorted((ROOT / "hyperdsd").rglob("*.py")):
+    for path in sorted([*(ROOT / "hyperdsd").rglob("*.py"), *(ROOT / "conformance").rglob("*.py")]):
         source = path.read_text()
         lines = len(source.splitlines())
         if lines > MODULE_LINES:
@@ -359,3 +360,79 @@ def test_the_protocol_fence_sees_what_it_guards():
     ]
     for sample in allowed:
         assert not dtensor_uses(sample), sample
+
+
+# -- the suite's cases are typed values; sections are written with the kit ----------------------------
+
+SECTIONS = ROOT / "conformance" / "sections"
+MODE_TABLE = ROOT / "conformance" / "modes.py"
+MODE_NAMES = {"sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp", "flat_dcp"}
+
+
+def section_imports(source: str) -> list[tuple[int, str]]:
+    """Where a section imports another section (``from .x``, ``from ..sections``, ``conformance.sections``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1 or (node.level == 2 and module.startswith("sections")):
+                found.append((node.lineno, f"from {'.' * node.level}{module} import ..."))
+            elif node.level == 0 and module.startswith("conformance.sections"):
+                found.append((node.lineno, f"from {module} import ..."))
+    return found
+
+
+def test_no_section_imports_another():
+    """What two sections share lives in conformance/kit/ (or below it), so that a clause is one module's."""
+    found = []
+    for path in sorted(SECTIONS.glob("*.py")):
+        found += [f"{path.name}:{line}: {what}" for line, what in section_imports(path.read_text())]
+    assert found == [], "sections importing sections:\n" + "\n".join(found)
+    assert section_imports("from .reshard import resharded_case") and section_imports("from . import keys")
+    assert not section_imports("from ..kit import Setup, grid")
+
+
+def mode_names_compared(source: str) -> list[tuple[int, str]]:
+    """Comparisons of something with a mode's name (``mode == "dcp"``, ``x in ("full_cpu", "bcast")``)."""
+
+    def names(node) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [v for e in node.elts for v in names(e)]
+        return []
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and MODE_NAMES & {v for s in (node.left, *node.comparators) for v in names(s)}:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_modes_are_asked_what_they_are_never_named():
+    """The rules of a mode live in its kind (conformance/modes.py): the suite asks ``mode.on_root``,
+    ``mode.through_dcp``; only the table compares names."""
+    found = []
+    for path in sorted((ROOT / "conformance").rglob("*.py")):
+        if path == MODE_TABLE or IMPLEMENTATIONS in path.parents:
+            continue
+        found += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in mode_names_compared(path.read_text())]
+    assert found == [], "modes compared by name outside conformance/modes.py:\n" + "\n".join(found)
+    assert len(mode_names_compared(MODE_TABLE.read_text())) <= 5
+    assert mode_names_compared('ok = mode in ("full_cpu", "bcast")') and mode_names_compared('if m == "dcp": pass')
+    assert not mode_names_compared("if mode.through_dcp: pass") and not mode_names_compared('k == "exp_avg"')
+
+
+def test_layout_names_are_parsed_where_they_come_in():
+    """A case holds its layout (or its move between two) as an object, made once where the matrix is expanded:
+    the catalog, a case declared by a name, a scenario's record, a setup built by name (tests)."""
+    sites = []
+    for path in sorted((ROOT / "conformance").rglob("*.py")):
+        if IMPLEMENTATIONS in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id == "parse_layout" and isinstance(node.ctx, ast.Load):
+                sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value == "_to_" for a in node.args):
+                sites.append(f"{path.relative_to(ROOT)}:{node.lineno}: a move's name split")
+    assert len(sites) <= 4, "layout names parsed downstream:\n" + "\n".join(sites)

@@ -24,7 +24,7 @@ def run_ahead_is_the_uninterrupted_run(ctx, layout: str, optimizer: str, schedul
     """What running a source ahead gives is what a fresh run of as many
     steps gives, and the source, put back, goes on as if never run ahead."""
     from conformance.judging.oracle import diff_snapshots, snapshot
-    from conformance.world.modes import _run_ahead
+    from conformance.world.resuming import _run_ahead
 
     source = _setup(ctx, layout, optimizer, scheduler=scheduler)
     source.train(1)
@@ -45,7 +45,7 @@ def run_ahead_is_the_uninterrupted_run(ctx, layout: str, optimizer: str, schedul
 
 
 def run_ahead_refuses_a_setup_that_does_not_come_back(ctx) -> str:
-    from conformance.world.modes import _run_ahead
+    from conformance.world.resuming import _run_ahead
 
     source = _setup(ctx, "single", "adamw")
     source.train(1)
@@ -79,14 +79,15 @@ def a_changed_source_is_not_kept(ctx) -> list[str]:
     did not change is the same object."""
     import torch
 
-    from conformance.world import modes
+    from conformance.world import resuming
+    from conformance.world.layouts import parse_layout
 
     c = _context(ctx)
-    how = modes.recipe("single", "adamw")
-    kept = modes.trained_source(c, how, 1, after=1)
+    how = resuming.recipe(parse_layout("single"), "adamw")
+    kept = resuming.trained_source(c, how, 1, after=1)
     kept.save(c, "sharded")
     problems = []
-    again = modes.trained_source(c, how, 1, after=1)
+    again = resuming.trained_source(c, how, 1, after=1)
     if again.setup is not kept.setup:
         problems.append("an unchanged source was built again")
 
@@ -95,7 +96,7 @@ def a_changed_source_is_not_kept(ctx) -> list[str]:
             next(iter(setup.module.parameters())).add_(1.0)
 
     again.save(c, "sharded", first=vandalise)
-    third = modes.trained_source(c, how, 1, after=1)
+    third = resuming.trained_source(c, how, 1, after=1)
     if third.setup is again.setup:
         problems.append("a changed source was kept")
     if third.expected is not again.expected:
@@ -113,15 +114,16 @@ def warm_target_differs_everywhere(ctx, layout: str, optimizer: str) -> list[str
 
     from conformance.judging.oracle import snapshot
     from conformance.sections.roundtrip import BEFORE, WARM
-    from conformance.world import modes
+    from conformance.world import resuming
+    from conformance.world.layouts import parse_layout
     from hyperdsd import tree
 
-    how = modes.recipe(layout, optimizer)
+    how = resuming.recipe(parse_layout(layout), optimizer)
     c = _context(ctx)
     source = how.build(c, 0)
     source.train(BEFORE)
     target = how.build(c, 1)
-    modes.warm_up(target, WARM)
+    resuming.warm_up(target, WARM)
     want, got = snapshot(source), snapshot(target)
     problems = []
     if not want["state"] and optimizer != "sgd_plain":
@@ -137,7 +139,7 @@ def warm_target_differs_everywhere(ctx, layout: str, optimizer: str) -> list[str
         for key in ("lr", "weight_decay"):
             if g_want[key] == g_got[key]:
                 problems.append(f"groups[{i}][{key!r}]: the warm target holds the source's value")
-    if target.steps_done != modes.WARM_DATA + WARM:
+    if target.steps_done != resuming.WARM_DATA + WARM:
         problems.append(f"the warm target trained from step {target.steps_done - WARM}, not on data of its own")
     return problems
 

@@ -52,7 +52,7 @@ def test_an_adapter_without_them_makes_api_1_not_applicable_naming_them():
 def test_api_1_runs_in_every_mode_on_the_layout_families():
     api = [c for c in all_cases() if c.clause == "API-1"]
     for layout in ("single", "ddp", "fsdp2", "hsdp2x2", "pp2xfsdp2"):
-        assert {c.mode for c in api if c.layout == layout} == {
+        assert {str(c.mode) for c in api if c.layout.name == layout} == {
             "sharded",
             "full",
             "full_cpu",

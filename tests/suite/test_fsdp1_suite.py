@@ -16,7 +16,7 @@ FSDP1_LAYOUTS = ("fsdp1-2", "fsdp1-4-flat", "hsdp1-2x2", "fsdp1-2-shard_grad_op"
 
 
 def _fsdp1_cases():
-    return [c for c in all_cases() if any(p.startswith(("fsdp1-", "hsdp1-")) for p in c.layout.split("_to_"))]
+    return [c for c in all_cases() if any(p.startswith(("fsdp1-", "hsdp1-")) for p in c.layout.name.split("_to_"))]
 
 
 def test_fsdp1_layouts_parse():
@@ -53,9 +53,9 @@ def test_fsdp1_cases_need_the_layout_fsdp1_and_cover_the_clauses():
     assert all("fsdp1" in c.needs.layouts for c in cases)
     assert "fsdp1" in LAYOUT_CAPABILITIES
     assert not any("fsdp1" in c.needs.layouts for c in all_cases() if c not in cases)
-    on = {layout: {c.clause for c in cases if c.layout == layout} for layout in FSDP1_LAYOUTS}
+    on = {layout: {c.clause for c in cases if c.layout.name == layout} for layout in FSDP1_LAYOUTS}
     assert all({"OPT-RT-1", "OPT-RT-5", "OPT-PURE-2", "MODEL-1"} <= clauses for clauses in on.values()), on
-    modes = {(c.layout, c.mode) for c in cases if c.clause == "OPT-RT-1"}
+    modes = {(c.layout.name, str(c.mode)) for c in cases if c.clause == "OPT-RT-1"}
     assert modes == {
         (lay, m) for lay in FSDP1_LAYOUTS for m in ("sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp")
     }
@@ -70,7 +70,7 @@ def test_fsdp1_cases_need_the_layout_fsdp1_and_cover_the_clauses():
         assert f"OPT-RESHARD-1[{pair}-adamw-dcp]" in ids, pair
     keys2 = {c.id for c in cases if c.clause == "OPT-KEYS-2"}
     assert {"OPT-KEYS-2[fsdp1-2-sharded-checkpoint+compile]", "OPT-KEYS-2[fsdp1-2-full-compile]"} <= keys2
-    assert any(c.layout == "fsdp1-2-shard_grad_op" and c.clause == "LOOP-1" for c in cases)
+    assert any(c.layout.name == "fsdp1-2-shard_grad_op" and c.clause == "LOOP-1" for c in cases)
 
 
 def test_an_adapter_without_fsdp1_gets_them_not_applicable():

@@ -4,12 +4,12 @@ only a loop point can show fails LOOP, not the clauses taken at rest."""
 import pytest
 from helpers import runner_on
 
+from conformance.modes import MODES
 from conformance.running.generated import clauses_of
 from conformance.running.registry import all_cases, by_id
 from conformance.sections.loop import _sweep
 from conformance.world.layouts import parse_layout
 from conformance.world.loops import POINTS
-from conformance.world.modes import MODES
 from conformance.world.policies import VARIANTS, arguments
 from conformance.world.scenario import Scenario
 
@@ -37,8 +37,8 @@ def test_loop_cases_cover_every_layout_point_and_mode():
     for clause in ("LOOP-1", "LOOP-2"):
         mine = [c for c in cases if c.clause == clause]
         for layout in ("single", "ddp", "fsdp2", "fsdp4", "hsdp2x2", "pp2xfsdp2"):
-            on = [c for c in mine if c.layout == layout]
-            assert {c.mode for c in on} == {"sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp"}, layout
+            on = [c for c in mine if c.layout.name == layout]
+            assert {str(c.mode) for c in on} == {"sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp"}, layout
             applies = POINTS["eval"].applies if clause == "LOOP-1" else POINTS["eval"].rollback
             assert applies(parse_layout(layout)) is None
             points = {c.phases[0].params["point"] for c in on}
@@ -48,12 +48,12 @@ def test_loop_cases_cover_every_layout_point_and_mode():
                 if (p.applies if clause == "LOOP-1" else p.rollback)(parse_layout(layout)) is None
             }
             assert points == want, (clause, layout, points)
-        assert {c.mode for c in mine if c.id.endswith("-eval]") and c.layout == "fsdp2"} == set(MODES)
-        assert {c.layout for c in mine} >= {_sweep(v) for v in VARIANTS}
+        assert {str(c.mode) for c in mine if c.id.endswith("-eval]") and c.layout.name == "fsdp2"} == set(MODES)
+        assert {c.layout.name for c in mine} >= {_sweep(v) for v in VARIANTS}
     loop3 = [c for c in cases if c.clause == "LOOP-3"]
     # Each policy in every mode (on 2 ranks, but reshard2, which means nothing there), and on 4 ranks and 2x2.
-    assert {(c.layout, c.mode) for c in loop3} >= {(_sweep(v), m) for v in VARIANTS for m in MODES}
-    assert {c.layout for c in loop3} >= {f"{base}.{v}" for base in ("fsdp4", "hsdp2x2") for v in VARIANTS}
+    assert {(c.layout.name, str(c.mode)) for c in loop3} >= {(_sweep(v), m) for v in VARIANTS for m in MODES}
+    assert {c.layout.name for c in loop3} >= {f"{base}.{v}" for base in ("fsdp4", "hsdp2x2") for v in VARIANTS}
     assert _sweep("reshard2") == "fsdp4.reshard2" and _sweep("bf16") == "fsdp2.bf16"
     assert all(c.needs.layouts == ("policies",) for c in loop3)
 

@@ -4,7 +4,8 @@ and the places of its hard parts are what SPEC §2 says they are."""
 import torch
 
 from conformance.world import many_keys
-from conformance.world.models import GroupSpec, ToyModel, batch, loss_fn, param_groups
+from conformance.world.groups import GroupSpec, param_groups
+from conformance.world.models import ToyModel, batch, loss_fn
 
 
 def _model(pipeline=False):

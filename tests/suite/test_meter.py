@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from conformance.judging.meter import ReceiveMeter, payload_bytes
+from conformance.kit.damage import drop_from_dict
 from conformance.sections.model import receive_bound, share_bytes
-from conformance.sections.partial import drop_from_dict
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The suite's reference runs: the uninterrupted run a resumed one is
 compared with comes from running the source ahead and putting it back
-(conformance.world.modes._run_ahead); these check that this is exactly a fresh
+(conformance.world.resuming._run_ahead); these check that this is exactly a fresh
 run, that a setup that does not come back is the suite's error, and that
 a kept source a save changed is not used again."""
 

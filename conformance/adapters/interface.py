@@ -1,47 +1,14 @@
-"""The implementation under test (IUT), behind one small interface.
-
-``--impl NAME`` picks it:
-
-* ``hyperdsd`` or ``torch`` (``torch.distributed.checkpoint.state_dict``);
-* ``some.module``: a module with the four functions and ``StateDictOptions``
-  under torch's names works as it is (with ``get_state_dict`` and
-  ``set_state_dict`` too, when it has both); a module may instead define
-  ``conformance_adapter`` (an :class:`Adapter`, or a function returning one);
-* ``some.module:attr``: an :class:`Adapter`, a function returning one, or an
-  object with the four functions.
-
-An adapter may rename functions, build its own options, shard models its own
-way (default: ``fully_shard``), claim optional profiles, declare what the
-implementation supports (SPEC §1: the modes of its get and of its load apart,
-the layouts, the options; default: everything) and name its DCP load path (a
-load planner factory; a module names it as ``DCP_LOAD_PLANNER``; default:
-none, DCP's default planner).
-
-A stack with a distributed tensor of its own (SPEC §1, 1.6) also says how
-the suite reads its values (``tensors``, a
-:class:`conformance.tensors.TensorProtocol`; default torch's DTensor), what
-context its optimizers run in (``training``), how it builds its own mesh from
-the suite's description (``mesh``), and its own checkpoint functions for the
-``dcp`` mode (``save_checkpoint``, ``load_checkpoint``; default DCP).
-
-A pass is the implementation's own (SPEC §4). An adapter whose functions are
-not the implementation's own wraps each call into the implementation in
-``with iut_call():``; an error a clause expects counts only when it is raised
-inside it. Where the implementation lacks something a case asks for, the
-adapter refuses before calling it, with ``raise Unsupported("...")`` (or
-``NotImplementedError``): the case is not applicable, never passed.
-"""
+"""The interface an adapter is written against: the declarations it makes,
+the boundary of the implementation's own calls (``iut_call``), its refusals,
+the device a rank computes on. See :mod:`conformance.adapters`."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import importlib
-import importlib.metadata
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from ..modes import GET_MODES, GET_OF, MODES
 
 FUNCTIONS = ("get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict")
 # The combined functions (SPEC §1, 1.3): optional; an implementation that has
@@ -56,32 +23,8 @@ OPTION_FIELDS = (
     "flatten_optimizer_state_dict",
 )
 PROFILES = ("core", "inplace", "tp", "multi-optimizer")
-# The modes: how a state dict leaves a setup and comes back (SPEC §2). What
-# cases and declarations name; conformance/world/modes.py carries them out.
-#   sharded   default options, in memory.
-#   full      full_state_dict on every rank, in memory.
-#   full_cpu  full_state_dict + cpu_offload (the root holds it all); loaded back with broadcast_from_rank0.
-#   bcast     as full_cpu, through torch.save / torch.load(weights_only=True) on the root.
-#   file      the root saves the full_cpu dict with torch.save; every rank reads the file and sets the full
-#             dict with full_state_dict (no broadcast): the consolidated checkpoint. Pipeline stages take
-#             from it what is theirs (strict=False).
-#   flat      flatten_optimizer_state_dict, in memory.
-#   dcp       default options through torch.distributed.checkpoint: the target's own get gives the load
-#             template, dcp.load runs with the implementation's documented load planner
-#             (Adapter.dcp_load_planner) or DCP's default; on pipeline stages the optimizer goes flat.
-MODES = ("sharded", "full", "full_cpu", "bcast", "file", "flat", "dcp")
-# What a get returns: the modes a get can be declared in. ``bcast`` and
-# ``file`` save a ``full_cpu`` get; ``dcp`` saves a sharded one.
-GET_MODES = ("sharded", "full", "full_cpu", "flat")
-GET_OF = {
-    "sharded": "sharded",
-    "full": "full",
-    "full_cpu": "full_cpu",
-    "bcast": "full_cpu",
-    "file": "full_cpu",
-    "flat": "flat",
-    "dcp": "sharded",
-}
+# The modes (SPEC §2), by name: what cases and declarations name; conformance.modes
+# says what each is (MODES in order, the declarable GET_MODES, GET_OF each mode's get).
 # Layouts beyond data parallelism (single, ddp, fsdp, hsdp), as an IUT declares them (SPEC §1).
 LAYOUT_CAPABILITIES = ("pipeline", "tensor_parallel", "several_meshes", "part_of_world", "policies", "fsdp1")
 # Options an IUT may lack (SPEC §1): its own options type (what OPT-ATOM-3's
@@ -149,7 +92,7 @@ def rank_device(model=None):
     Adapters use it to place what they gather or load."""
     import torch
 
-    from . import tensors
+    from .. import tensors
 
     for p in model.parameters() if model is not None else ():
         local = tensors.local(p)
@@ -276,9 +219,10 @@ class Adapter:
     def claims(self, profile: str) -> bool:
         return profile == "core" or profile in self.profiles
 
-    def supports(self, mode: str | None) -> bool:
-        """Whether a round trip in ``mode`` runs (a declared get, read by a declared load)."""
-        return mode is None or mode in self.modes
+    def supports(self, mode) -> bool:
+        """Whether a round trip in ``mode`` (a name or a conformance.modes.Mode) runs: a declared get, read by a
+        declared load."""
+        return mode is None or str(mode) in self.modes
 
     def lacks(self, needs: "Needs") -> list[str]:
         """What of ``needs`` this adapter does not declare, in words (SPEC §1)."""
@@ -344,96 +288,3 @@ def describe_declaration(decl: dict) -> str:
     if "checkpoint" in decl:
         line += f"; checkpoint {decl['checkpoint']}"
     return line
-
-
-def from_module(obj: Any, name: str, version: str | None = None, profiles=()) -> Adapter:
-    """An adapter for anything exposing torch's names (a module or an object)."""
-    missing = [f for f in FUNCTIONS + ("StateDictOptions",) if not hasattr(obj, f)]
-    if missing:
-        raise AdapterError(
-            f"{name!r} does not provide {', '.join(missing)}; write an adapter "
-            "(conformance.adapters.Adapter) for implementations with other names"
-        )
-    options_cls = obj.StateDictOptions
-    params = inspect.signature(options_cls).parameters
-    lacking = [f for f in OPTION_FIELDS if f not in params]
-    if lacking:
-        raise AdapterError(f"{name}.StateDictOptions lacks the fields {lacking}")
-    return Adapter(
-        name=name,
-        version=version or _version_of(obj),
-        options=options_cls,
-        profiles=frozenset(getattr(obj, "CONFORMANCE_PROFILES", profiles)),
-        dcp_load_planner=getattr(obj, "DCP_LOAD_PLANNER", None),
-        functions_are_iut=True,
-        **{f: getattr(obj, f) for f in FUNCTIONS},
-        **({f: getattr(obj, f) for f in COMBINED} if all(hasattr(obj, f) for f in COMBINED) else {}),
-    )
-
-
-def _version_of(obj: Any) -> str:
-    version = getattr(obj, "__version__", None)
-    if version:
-        return str(version)
-    top = getattr(obj, "__name__", type(obj).__module__).split(".")[0]
-    try:
-        return importlib.metadata.version(top)
-    except importlib.metadata.PackageNotFoundError:
-        top_module = importlib.import_module(top)
-        return str(getattr(top_module, "__version__", "unknown"))
-
-
-def _builtin_torch() -> Adapter:
-    import torch
-    import torch.distributed.checkpoint.state_dict as dsd
-
-    return from_module(dsd, "torch", version=torch.__version__, profiles=("multi-optimizer", "tp"))
-
-
-def _builtin_hyperdsd() -> Adapter:
-    import hyperdsd
-
-    return from_module(hyperdsd, "hyperdsd", version=hyperdsd.__version__)
-
-
-BUILTIN = {"torch": _builtin_torch, "hyperdsd": _builtin_hyperdsd}
-
-
-def _coerce(obj: Any, name: str) -> Adapter:
-    if isinstance(obj, Adapter):
-        return obj
-    if callable(obj) and not inspect.ismodule(obj) and not hasattr(obj, FUNCTIONS[0]):
-        made = obj()
-        if not isinstance(made, Adapter):
-            raise AdapterError(f"{name} returned {type(made).__name__}, expected a conformance.adapters.Adapter")
-        return made
-    adapter = getattr(obj, "conformance_adapter", None) if inspect.ismodule(obj) else None
-    if adapter is not None:
-        return _coerce(adapter, name)
-    return from_module(obj, name)
-
-
-@functools.lru_cache(maxsize=None)
-def load_adapter(spec: str) -> Adapter:
-    """Resolve ``--impl``; errors say what was looked for and what was missing."""
-    adapter = _resolve(spec)
-    if adapter.spec and adapter.spec != spec:
-        adapter = dataclasses.replace(adapter)
-    adapter.spec = spec
-    return adapter
-
-
-def _resolve(spec: str) -> Adapter:
-    if spec in BUILTIN:
-        return BUILTIN[spec]()
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise AdapterError(f"cannot import the implementation {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    for part in filter(None, attr.split(".")):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise AdapterError(f"{module_name!r} has no attribute {attr!r}") from None
-    return _coerce(obj, spec)
