@@ -34,6 +34,8 @@ __all__ = [
     "block_start",
     "copied",
     "current",
+    "describe_layout",
+    "from_torch",
     "full",
     "global_shape",
     "held",
@@ -42,6 +44,7 @@ __all__ = [
     "local",
     "mesh",
     "placements",
+    "to_dtype",
     "use",
 ]
 
@@ -142,6 +145,10 @@ class TensorProtocol:
         """An independent copy of a distributed value (a snapshot's)."""
         return self.like(value, self.local(value).detach().clone())
 
+    def to_dtype(self, value, dtype: torch.dtype):
+        """``value`` in another dtype, laid out as it is (a value the suite damages on purpose)."""
+        return self.like(value, self.local(value).to(dtype))
+
 
 class TorchDTensors(TensorProtocol):
     """torch's ``DTensor``: the default, and what every adapter written before 1.6 gets."""
@@ -180,6 +187,9 @@ class TorchDTensors(TensorProtocol):
 
     def from_torch(self, dtensor):
         return dtensor
+
+    def to_dtype(self, value, dtype: torch.dtype):
+        return value.to(dtype)
 
     def copy(self, value):
         if type(value) is self._cls:
@@ -270,6 +280,12 @@ def copied(t: torch.Tensor) -> torch.Tensor:
     """``t.detach().clone()``, a distributed value's by its protocol."""
     protocol = current()
     return protocol.copy(t) if protocol.is_distributed(t) else t.detach().clone()
+
+
+def to_dtype(value, dtype: torch.dtype):
+    """``value`` in ``dtype``, a distributed value's by its protocol."""
+    protocol = current()
+    return protocol.to_dtype(value, dtype) if protocol.is_distributed(value) else value.to(dtype)
 
 
 def describe_layout(value) -> str:

@@ -332,7 +332,7 @@ def optimizer_view(setup) -> dict:
 
 
 def grads_view(setup) -> dict:
-    return {fqn: (None if p.grad is None else p.grad.detach().clone()) for fqn, p in setup.named_parameters()}
+    return {fqn: (None if p.grad is None else tensors.copied(p.grad)) for fqn, p in setup.named_parameters()}
 
 
 def expect_unchanged(before: dict, after: dict, what: str) -> None:

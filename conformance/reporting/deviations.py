@@ -21,6 +21,8 @@ from ..running.results import CaseResult
 _RULES = [
     (re.compile(r"\branks? [\d,]+"), "rank(s) *"),
     (re.compile(r"^phase \d+/\d+ on \d+ ranks: "), ""),
+    # A file or directory of the case's own (a checkpoint's path in the message).
+    (re.compile(r"(?<![\w.])(?:/[\w.+-]+){2,}/?"), "<path>"),
     (re.compile(r"'[^']*'|\"[^\"]*\""), "'…'"),
     (re.compile(r"\b(?:%s|flat_dcp)\b:" % "|".join(MODES)), "<mode>:"),
     (re.compile(r"\[[^\[\]]*\]"), "[…]"),

@@ -51,9 +51,12 @@ def _dicts(c, setup, saved: saving.Saved) -> tuple | None:
     back: the resume judges those)."""
     if saved.mode.through_dcp:
         return None
-    if saved.path:  # bcast, file: rank 0's file
-        if not setup.is_root:
-            return {}, {}
+    if saved.mode.on_root and not setup.is_root:
+        # Whatever a get gave a rank other than the root ({} or the empty
+        # structure), there is nothing of the state there to compare; OPT-RT-3
+        # judges what it gave. A file is the root's alone.
+        return {}, {}
+    if saved.path:  # bcast, file: the root's file
         data = saving.read_full(saved.path)
         return data.get("model"), data.get("optim")
     return saved.model, saved.optim

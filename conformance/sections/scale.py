@@ -261,7 +261,7 @@ def _spoil(osd: dict, kind: str, fqn: str, place: str, flat: bool) -> list[str]:
     if kind in ("wrong_shape", "wrong_dtype"):
         key = f"state.{fqn}.exp_avg" if flat else None
         value = osd[key] if flat else osd["state"][fqn]["exp_avg"]
-        value = wrong_shape(value) if kind == "wrong_shape" else value.to(torch.int64)
+        value = wrong_shape(value) if kind == "wrong_shape" else tensors.to_dtype(value, torch.int64)
         if flat:
             osd[key] = value
         else:

@@ -99,7 +99,11 @@ def _run_ahead(setup, steps: int) -> dict:
     differences = diff_snapshots(before, snapshot(setup))
     differences += [f"scheduler {i}" for i, s in enumerate(setup.schedulers) if s.state_dict() != schedulers[i]]
     if differences:
-        raise RuntimeError("the suite could not put a trained setup back as it was:\n  " + "\n  ".join(differences[:5]))
+        raise RuntimeError(
+            "the suite could not put a trained setup back as it was, through the model's own load_state_dict and "
+            "the optimizers' state (a stack whose model does not load its own state_dict exactly cannot be judged "
+            "here):\n  " + "\n  ".join(differences[:5])
+        )
     return ahead
 
 
