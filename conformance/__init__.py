@@ -4,5 +4,5 @@ Runs the scenario matrix of SPEC.md (spec version below) against any
 implementation of the ``torch.distributed.checkpoint.state_dict`` API.
 """
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 SPEC_VERSION = "1.6"
