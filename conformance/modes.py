@@ -15,7 +15,7 @@ checkpoint, which is why the flat layout exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -84,16 +84,8 @@ FULL_CPU = Mode(
     broadcast=True,
     doc="full_state_dict + cpu_offload (the root holds it all); loaded back with broadcast_from_rank0",
 )
-BCAST = Mode(
-    "bcast",
-    "full_cpu",
-    _ON_ROOT,
-    _BROADCAST,
-    full=True,
-    on_root=True,
-    broadcast=True,
-    file=True,
-    doc="as full_cpu, through torch.save / torch.load(weights_only=True) on the root",
+BCAST = replace(
+    FULL_CPU, name="bcast", file=True, doc="as full_cpu, through torch.save / torch.load(weights_only=True) on the root"
 )
 FILE = Mode(
     "file",
