@@ -23,7 +23,7 @@ A new clause is one entry in SPEC.md and its cases in the module of its
 section (docs/ARCHITECTURE.md).
 """
 
-from .. import _compat, modes, nested, tensors
+from .. import modes, nested, tensors
 from ..adapters import raised_by_iut
 from ..judging import fsdp1, packed
 from ..judging.meter import ReceiveMeter
@@ -76,7 +76,7 @@ from ..world.groups import GroupSpec, reordered
 from ..world.layouts import Layout, Move, serving
 from ..world.models import ModelConfig, ToyModel, batch, loss_fn
 from ..world.placing import model_group
-from ..world.saving import Saved, get_options, optimizers_arg, set_options
+from ..world.saving import get_options, optimizers_arg, set_options
 from ..world.setup import Setup
 from . import damage, placed, reshard
 from .damage import GHOST, drop_from_dict, drop_from_metadata, wrong_shape
@@ -114,13 +114,11 @@ __all__ = [
     "SHARDED",
     "SHARDED_STAGES",
     "STAGES",
-    "Saved",
     "Setup",
     "THIRDS",
     "ToyModel",
     "WRAPPERS",
     "WRAPPER_SEGMENTS",
-    "_compat",
     "batch",
     "canonical",
     "case_id",
