@@ -3,7 +3,7 @@ declare and run its clauses' cases, from one place.
 
 A section (``conformance/sections/``, one module per SPEC section) imports
 from here and from nowhere else in the suite, and never from another
-section: what two sections share lives in the kit (the reshard scenario,
+section: what two sections share lives in the kit (the resharding scenario,
 damaged state, the checks of where state is placed) or below it. What it
 holds, by job:
 

@@ -152,7 +152,7 @@ def load_phase(c, src, dst, opt, mode, lazy=None, cfg=None, groups=None):
         check(bool(match), f"group over {g['params'][:3]} has no counterpart in the uninterrupted run")
         fields = lambda grp: {k: v for k, v in grp.items() if k != "params"}  # noqa: E731
         problems += diff_values(fields(match[0]), fields(g), f"group of {g['params'][:1]}", RTOL)
-    fail_if(problems, f"after reshard {src} -> {dst}, training differs from the uninterrupted run")
+    fail_if(problems, f"after resharding {src} -> {dst}, training differs from the uninterrupted run")
 
 
 def _largest(values) -> float:
